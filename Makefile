@@ -1,0 +1,29 @@
+# `make train` and `make test` are the two commands a newcomer runs; both install what they need.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CONFIG ?= configs/tiny.yaml
+# 8 fake CPU devices so the data-parallel and ZeRO paths run on any laptop.
+TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 WANDB_MODE=disabled JAX_PLATFORMS=cpu
+
+.PHONY: install train test bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt -e .
+	touch $@
+
+train: install
+	$(PY) main_zero.py --config $(CONFIG)
+
+test: install
+	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile tests
+
+bench: install
+	$(TEST_ENV) $(PY) benchmarks/zero_step.py --config $(CONFIG)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

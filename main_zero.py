@@ -1,0 +1,11 @@
+"""Train a GPT model with ZeRO-1: `python main_zero.py --config configs/tiny.yaml [--set key=value ...]`.
+
+Intentionally thin; everything lives in the zerolm package (`zerolm train` is the same command).
+"""
+
+import sys
+
+from zerolm.train import main
+
+if __name__ == "__main__":
+    sys.exit(main())

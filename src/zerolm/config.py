@@ -1,0 +1,264 @@
+"""The typed, frozen config tree: YAML files (with `extends:`) plus `--set section.key=value` overrides.
+
+`configs/defaults.yaml` holds every key with its default; a model-size file extends it and changes
+what differs. The schema below has no defaults of its own, so a key missing from the merged YAML is an
+error, and the YAML is the one place a default lives. Validation is pydantic's: an unknown key, a wrong
+type or an impossible combination fails at load, before any device work, with one line that names the
+file and the key.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message is one line naming the file and the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+
+PositiveInt = Field(gt=0)
+
+
+class ModelConfig(_Section):
+    vocab_size: int | Literal["auto"]  # "auto": the tokenizer's vocabulary size
+    n_layer: int = PositiveInt
+    d_model: int = PositiveInt
+    n_head: int = PositiveInt
+    seq_len: int = PositiveInt
+    dtype: Literal["auto", "float32", "bfloat16", "float16"]  # compute dtype; params stay float32
+    attention: Literal["auto", "xla", "cudnn"]
+    remat: bool
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        return self
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Vocabulary rounded up to a multiple of 128, for aligned matmuls; padded logits are masked."""
+        if self.vocab_size == "auto":
+            raise ValueError("model.vocab_size is still 'auto': resolve it with the tokenizer first")
+        return 128 * math.ceil(self.vocab_size / 128)
+
+
+class TrainConfig(_Section):
+    steps: int = PositiveInt
+    seed: int
+    global_batch_size: int = PositiveInt  # sequences per optimizer step
+    micro_batch_size: int = PositiveInt  # sequences per device per accumulation micro-step
+    lr: float = Field(gt=0)
+    min_lr_ratio: float = Field(ge=0, le=1)
+    warmup_steps: int = Field(ge=0)
+    weight_decay: float = Field(ge=0)
+    beta1: float = Field(ge=0, lt=1)
+    beta2: float = Field(ge=0, lt=1)
+    eps: float = Field(gt=0)
+    grad_clip: float = Field(gt=0)
+    eval_every: int = PositiveInt
+    eval_batches: int = PositiveInt
+
+
+class MeshConfig(_Section):
+    dp: int | Literal["auto"]  # "auto": every device not used by tp
+    tp: int = PositiveInt
+
+    @model_validator(mode="after")
+    def _positive(self) -> MeshConfig:
+        if self.dp != "auto" and self.dp < 1:
+            raise ValueError(f"dp must be 'auto' or >= 1, got {self.dp}")
+        return self
+
+
+class ZeroConfig(_Section):
+    # all_reduce: one pmean of the accumulated gradients (the seed design);
+    # reduce_scatter: one psum_scatter straight into the optimizer-state layout (half the bytes).
+    grad_reduce: Literal["all_reduce", "reduce_scatter"]
+
+
+class DataConfig(_Section):
+    source: Literal["default"]  # the embedded King James corpus; the data issue adds prepared datasets
+    tokenizer: str  # "default": byte-level BPE trained on the corpus and cached
+    tokenizer_vocab_size: int = Field(ge=260)
+    val_every: int = Field(ge=2)  # every val_every-th document is held out for validation
+
+
+class LoggingConfig(_Section):
+    dir: str | None  # null: runs/<name>
+    wandb: Literal["disabled", "offline", "online"]
+    wandb_project: str
+    every: int = PositiveInt  # progress-bar refresh, in steps; metrics.jsonl gets every step
+
+
+class SampleConfig(_Section):
+    prompt: str
+    tokens: int = Field(ge=0)
+    temperature: float = Field(ge=0)
+
+
+class Config(_Section):
+    name: str
+    model: ModelConfig
+    train: TrainConfig
+    mesh: MeshConfig
+    zero: ZeroConfig
+    data: DataConfig
+    logging: LoggingConfig
+    sample: SampleConfig
+
+    @model_validator(mode="after")
+    def _batch_and_mesh(self, info: ValidationInfo) -> Config:
+        device_count = (info.context or {}).get("device_count")
+        dp = self.mesh.dp
+        if dp == "auto" and device_count is not None:
+            if device_count % self.mesh.tp:
+                raise _KeyError("mesh.tp", f"tp={self.mesh.tp} does not divide the {device_count} devices")
+            dp = device_count // self.mesh.tp
+        if device_count is not None and dp * self.mesh.tp != device_count:
+            raise _KeyError("mesh.dp", f"dp × tp = {dp} × {self.mesh.tp} = {dp * self.mesh.tp}, "
+                            f"but there are {device_count} devices")
+        if self.mesh.tp != 1:
+            raise _KeyError("mesh.tp", f"tp={self.mesh.tp}: tensor parallelism is not supported yet; use tp: 1")
+        if dp != "auto":
+            per_step = self.train.micro_batch_size * dp
+            if self.train.global_batch_size % per_step:
+                raise _KeyError("train.global_batch_size",
+                                f"{self.train.global_batch_size} is not divisible by micro_batch_size × dp = "
+                                f"{self.train.micro_batch_size} × {dp} = {per_step}")
+        if self.train.warmup_steps > self.train.steps:
+            raise _KeyError("train.warmup_steps",
+                            f"{self.train.warmup_steps} is more than train.steps = {self.train.steps}")
+        return self
+
+    # Derived quantities: read these rather than recomputing them at call sites.
+    @property
+    def dp(self) -> int:
+        if self.mesh.dp == "auto":
+            raise ValueError("mesh.dp is 'auto': load the config with device_count to resolve it")
+        return self.mesh.dp
+
+    @property
+    def accum_steps(self) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.dp)
+
+    @property
+    def log_dir(self) -> Path:
+        return Path(self.logging.dir) if self.logging.dir else Path("runs") / self.name
+
+    def resolve(self, **updates: Any) -> Config:
+        """A copy with dotted keys replaced (e.g. model.vocab_size=...), validated again."""
+        data = self.model_dump()
+        for key, value in updates.items():
+            _set_dotted(data, key.replace("__", "."), value)
+        return Config.model_validate(data)
+
+
+class _KeyError(ValueError):
+    """Raised inside validators to point at a key other than the one pydantic is validating."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        child = tree.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: '{part}' is a value, not a section")
+        tree = child
+    tree[leaf] = value
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
+    """Read a YAML file, following `extends:` (relative to the file) depth-first."""
+    if path in chain:
+        raise ConfigError(f"{path}: extends itself through {' -> '.join(map(str, chain))}")
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file ({e.strerror})") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} invalid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    return _deep_merge(_read_yaml(path.parent / parent, chain + (path,)), data)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`section.key=value`, with the value parsed as YAML (so 3 is an int and true a bool)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {text}: expected section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | Path, overrides: list[str] = (), device_count: int | None = None) -> Config:
+    """Load and validate a config. With `device_count`, `mesh.dp: auto` is resolved and checked."""
+    path = Path(path)
+    data = _read_yaml(path)
+    overridden = set()
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(data, key, value)
+        overridden.add(key)
+    if device_count is not None and data.get("mesh", {}).get("dp") == "auto":
+        tp = data["mesh"].get("tp", 1)
+        if isinstance(tp, int) and tp > 0 and device_count % tp == 0:
+            data["mesh"]["dp"] = device_count // tp
+    try:
+        return Config.model_validate(data, context={"device_count": device_count})
+    except ValidationError as e:
+        raise ConfigError(_describe(path, e, overridden)) from None
+
+
+def _describe(path: Path, error: ValidationError, overridden: set[str]) -> str:
+    """One line for the first problem, naming the file and the dotted key; a count of the rest."""
+    first = error.errors()[0]
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, _KeyError):
+        key, message = cause.key, str(cause).split(": ", 1)[1]
+    else:
+        key = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        message = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "extra_forbidden":
+            message = "unknown key"
+        elif first["type"] == "missing":
+            message = "missing key (every key needs a value; see configs/defaults.yaml)"
+        elif "input" in first and first["type"] not in ("model_type", "dict_type"):
+            message = f"{message} (got {first['input']!r})"
+    where = f"{path} (--set {key})" if key in overridden else str(path)
+    more = len(error.errors()) - 1
+    return f"{where}: {key}: {message}" + (f" [and {more} more problem(s)]" if more else "")
