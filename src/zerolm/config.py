@@ -257,8 +257,9 @@ def _describe(path: Path, error: ValidationError, overridden: set[str]) -> str:
             message = "unknown key"
         elif first["type"] == "missing":
             message = "missing key (every key needs a value; see configs/defaults.yaml)"
-        elif "input" in first and first["type"] not in ("model_type", "dict_type"):
+        elif "input" in first and not isinstance(first["input"], (dict, list)):
             message = f"{message} (got {first['input']!r})"
-    where = f"{path} (--set {key})" if key in overridden else str(path)
+    hits = sorted(o for o in overridden if o == key or o.startswith(key + ".") or key.startswith(o + "."))
+    where = f"{path} (--set {hits[0]})" if hits else str(path)
     more = len(error.errors()) - 1
     return f"{where}: {key}: {message}" + (f" [and {more} more problem(s)]" if more else "")

@@ -209,7 +209,7 @@ def _local_grads(params, batch_AxMxT1, *, loss_fn: LossFn, layouts, grad_reduce:
 
 
 def _update(grads_view, params_view, opt_state, step, *, tx, layouts, lr_schedule):
-    metrics = {"grad_norm": optax.global_norm(grads_view)}  # over the whole, sharded gradient
+    metrics = {"grad_norm": optax.tree.norm(grads_view)}  # over the whole, sharded gradient
     if lr_schedule is not None:
         metrics["lr"] = lr_schedule(step)
     updates, opt_state = tx.update(grads_view, opt_state, params_view)

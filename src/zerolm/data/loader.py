@@ -39,6 +39,13 @@ def unigram_entropy(samples: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+def to_accum_layout(rows: np.ndarray, n_devices: int, accum: int, micro: int) -> np.ndarray:
+    """(n_devices · accum · micro, T) rows -> (accum, n_devices · micro, T): device d's contiguous block
+    of rows, split into `accum` micro-batches of `micro`."""
+    T = rows.shape[-1]
+    return rows.reshape(n_devices, accum, micro, T).transpose(1, 0, 2, 3).reshape(accum, n_devices * micro, T)
+
+
 def _local_dp_indices(mesh: Mesh) -> list[int]:
     """The dp coordinates held by this process's devices (contiguous for the meshes jax.make_mesh builds)."""
     dp_axis = mesh.axis_names.index(DP)
@@ -90,9 +97,7 @@ class BatchLoader:
         per_device = self.accum * self.micro
         first, count = self.local_dp[0], len(self.local_dp)
         rows = self.samples[self.indices(step, slice(first * per_device, (first + count) * per_device))]
-        T1 = rows.shape[-1]
-        return rows.reshape(count, self.accum, self.micro, T1).transpose(1, 0, 2, 3).reshape(
-            self.accum, count * self.micro, T1)
+        return to_accum_layout(rows, count, self.accum, self.micro)
 
     def global_batch(self, step: int) -> jax.Array:
         shape = (self.accum, self.dp * self.micro, self.samples.shape[-1])

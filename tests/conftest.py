@@ -1,0 +1,45 @@
+"""Test setup: 8 fake CPU devices, no wandb traffic, a private cache; shared small-model fixtures."""
+
+import os
+
+# Must happen before jax is imported anywhere.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["WANDB_MODE"] = "disabled"
+
+import functools  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from zerolm import model as gpt_model  # noqa: E402
+from zerolm.config import load_config  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny.yaml"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory):
+    """Tokenizers are built into a per-session cache, never the user's."""
+    os.environ["ZEROLM_CACHE"] = str(tmp_path_factory.mktemp("zerolm-cache"))
+
+
+def requires_devices(n: int):
+    return pytest.mark.skipif(jax.device_count() < n, reason=f"needs {n} devices, have {jax.device_count()}")
+
+
+def small_config(*overrides: str, device_count: int = 8):
+    """The tiny config shrunk to a model that compiles in a second or two."""
+    base = ["model.vocab_size=100", "model.n_layer=2", "model.d_model=32", "model.n_head=4",
+            "model.seq_len=16", "model.dtype=float32"]
+    return load_config(TINY, [*base, *overrides], device_count=device_count)
+
+
+@functools.cache
+def small_model(cfg_model):
+    model = gpt_model.GPT(cfg_model)
+    init_fn = functools.partial(gpt_model.init_params, model)
+    return model, init_fn, functools.partial(gpt_model.lm_loss, model), jax.eval_shape(init_fn, jax.random.key(0))

@@ -1,0 +1,95 @@
+"""Bad configs fail at load with one line naming the file and the key."""
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, TINY
+
+from zerolm.config import ConfigError, load_config
+
+
+def _error(path, overrides=(), device_count=8) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(path, list(overrides), device_count=device_count)
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+def test_every_shipped_config_loads():
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        cfg = load_config(path, ["train.micro_batch_size=1"], device_count=8)
+        assert cfg.dp == 8 and cfg.accum_steps >= 1
+
+
+def test_gpt3_shapes():
+    shapes = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 16), "1_3b": (24, 2048, 16)}
+    for name, shape in shapes.items():
+        m = load_config(REPO / "configs" / f"{name}.yaml").model
+        assert (m.n_layer, m.d_model, m.n_head, m.seq_len) == (*shape, 2048)
+        assert m.padded_vocab_size == 50304
+
+
+def test_config_is_frozen():
+    cfg = load_config(TINY)
+    with pytest.raises(Exception):
+        cfg.train.steps = 3
+
+
+def test_unknown_key_in_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"extends: {TINY}\ntrain:\n  stepz: 3\n")
+    assert _error(bad) == f"{bad}: train.stepz: unknown key"
+
+
+def test_unknown_key_on_command_line():
+    assert _error(TINY, ["optimizer.lr=1"]) == f"{TINY} (--set optimizer.lr): optimizer: unknown key"
+
+
+def test_wrong_type():
+    message = _error(TINY, ["train.steps=many"])
+    assert message.startswith(f"{TINY} (--set train.steps): train.steps: ") and "'many'" in message
+
+
+def test_bad_choice():
+    message = _error(TINY, ["zero.grad_reduce=allreduce"])
+    assert "zero.grad_reduce" in message and "'all_reduce'" in message and "'allreduce'" in message
+
+
+def test_batch_not_divisible():
+    assert _error(TINY, ["train.global_batch_size=30"]) == (
+        f"{TINY} (--set train.global_batch_size): train.global_batch_size: 30 is not divisible by micro_batch_size × dp = 4 × 8 = 32")
+
+
+def test_mesh_does_not_match_devices():
+    assert _error(TINY, ["mesh.dp=4"]) == f"{TINY} (--set mesh.dp): mesh.dp: dp × tp = 4 × 1 = 4, but there are 8 devices"
+
+
+def test_heads_must_divide_width():
+    assert _error(TINY, ["model.n_head=3"]) == f"{TINY} (--set model.n_head): model: d_model=128 is not divisible by n_head=3"
+
+
+def test_missing_key(tmp_path):
+    bad = tmp_path / "partial.yaml"
+    bad.write_text("name: x\n")
+    assert _error(bad).startswith(f"{bad}: model: missing key")
+
+
+def test_invalid_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("train:\n  steps: [1,\n")
+    assert _error(bad).startswith(f"{bad}: line ")
+    assert _error(tmp_path / "nope.yaml") == f"{tmp_path / 'nope.yaml'}: cannot read config file (No such file or directory)"
+
+
+def test_set_needs_key_and_value():
+    assert _error(TINY, ["train.steps"]) == "--set train.steps: expected section.key=value"
+
+
+def test_cli_prints_one_line_and_exits_2():
+    proc = subprocess.run([sys.executable, str(REPO / "main_zero.py"), "--config", str(TINY),
+                           "--set", "train.global_batch_size=30"], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {TINY} (--set train.global_batch_size): train.global_batch_size: 30 is not divisible by micro_batch_size × dp = 4 × 8 = 32"]

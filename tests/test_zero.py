@@ -1,0 +1,193 @@
+"""ZeRO-1 against the plain programs it replaces: same numbers, one reduction, 1/dp of the state."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import REPO, requires_devices, small_config, small_model
+
+from zerolm import hlo, model as gpt_model
+from zerolm.config import load_config
+from zerolm.data.loader import to_accum_layout
+from zerolm.mesh import make_mesh
+from zerolm.zero import Layout, Zero1, make_optimizer, naive_data_parallel_step, plan, plan_layout
+
+pytestmark = requires_devices(8)
+MODES = ["all_reduce", "reduce_scatter"]
+
+
+def _rows(n, cfg, seed=0):
+    return np.random.default_rng(seed).integers(0, cfg.model.vocab_size, (n, cfg.model.seq_len + 1)).astype(np.int32)
+
+
+def _zero(cfg, tx, mode, dp=8):
+    model, init_fn, loss_fn, abstract = small_model(cfg.model)
+    zero = Zero1(make_mesh(dp), loss_fn, tx, abstract, grad_reduce=mode)
+    return zero, zero.init(init_fn, jax.random.key(0)), loss_fn
+
+
+def _batch(zero, rows, accum, micro):
+    return jax.device_put(to_accum_layout(rows, zero.dp, accum, micro), zero.batch_sharding)
+
+
+def _rel(a_tree, b_tree):
+    a, b = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)]) for t in (a_tree, b_tree))
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sgd_step_matches_single_device(mode):
+    cfg = small_config("train.global_batch_size=32", "train.micro_batch_size=2")
+    zero, state, loss_fn = _zero(cfg, optax.sgd(0.1), mode)
+    rows = _rows(32, cfg)
+    before = jax.tree.map(np.asarray, state.params)
+    state, metrics = zero(state, _batch(zero, rows, accum=2, micro=2))
+
+    with jax.default_device(jax.devices()[0]):
+        ref_loss, grads = jax.value_and_grad(loss_fn)(before, jnp.asarray(rows))
+        ref = jax.tree.map(lambda p, g: p - 0.1 * g, before, grads)
+    after = jax.tree.map(np.asarray, state.params)
+    assert _rel(after, ref) < 1e-6
+    # The update itself (after - before) is a much smaller number, so float32 reordering of the
+    # sums (8 devices x 2 micro-steps vs one batch of 32) shows at ~1e-6 of it: bound it at 1e-5.
+    assert _rel(jax.tree.map(np.subtract, after, before), jax.tree.map(np.subtract, ref, before)) < 1e-5
+    assert metrics["loss"] == pytest.approx(float(ref_loss), rel=1e-6)
+    assert metrics["grad_norm"] == pytest.approx(float(optax.tree.norm(grads)), rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_adamw_three_steps_match_single_device(mode):
+    cfg = small_config("train.global_batch_size=16", "train.micro_batch_size=1", "train.steps=10",
+                       "train.warmup_steps=2", "train.lr=1e-2")
+    tx, _ = make_optimizer(cfg.train)
+    zero, state, loss_fn = _zero(cfg, tx, mode)
+    params = jax.device_put(jax.tree.map(np.asarray, state.params), jax.devices()[0])
+    opt = tx.init(params)
+    ref_step = jax.jit(lambda p, o, b: _adam_ref(loss_fn, tx, p, o, b))
+    for i in range(3):
+        rows = _rows(16, cfg, seed=i)
+        state, _ = zero(state, _batch(zero, rows, accum=2, micro=1))
+        params, opt = ref_step(params, opt, rows)
+    # Adam divides by sqrt(v): where a gradient entry is ~0 its float32 reordering noise is amplified
+    # to O(lr) in one update. Each step moves a parameter by at most ~lr = 1e-2; we allow 1% of one
+    # step's movement on any parameter and 1e-4 relative over the whole tree.
+    np.testing.assert_allclose(np.concatenate([np.ravel(x) for x in jax.tree.leaves(state.params)]),
+                               np.concatenate([np.ravel(x) for x in jax.tree.leaves(params)]), rtol=0, atol=1e-4)
+    assert _rel(state.params, params) < 1e-4
+
+
+def _adam_ref(loss_fn, tx, params, opt, rows):
+    grads = jax.grad(loss_fn)(params, rows)
+    updates, opt = tx.update(grads, opt, params)
+    return optax.apply_updates(params, updates), opt
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_accumulation_equals_one_big_micro_batch(mode):
+    """k micro-steps of m rows per device == 1 micro-step of k*m rows per device."""
+    rows = _rows(64, small_config())
+    results = []
+    for accum, micro in [(4, 2), (1, 8)]:
+        cfg = small_config("train.global_batch_size=64", f"train.micro_batch_size={micro}")
+        zero, state, _ = _zero(cfg, optax.sgd(0.1), mode)
+        state, metrics = zero(state, _batch(zero, rows, accum, micro))
+        results.append((jax.tree.map(np.asarray, state.params), float(metrics["loss"])))
+    (p_acc, l_acc), (p_one, l_one) = results
+    assert _rel(p_acc, p_one) < 1e-6
+    assert l_acc == pytest.approx(l_one, rel=1e-6)
+
+
+@pytest.mark.parametrize("accum", [1, 4, 8])
+@pytest.mark.parametrize("mode", MODES)
+def test_exactly_one_gradient_reduction_per_step(mode, accum):
+    cfg = small_config(f"train.global_batch_size={8 * accum}", "train.micro_batch_size=1")
+    zero, state, loss_fn = _zero(cfg, optax.adamw(1e-3), mode)
+    batch = _batch(zero, _rows(8 * accum, cfg), accum, 1)
+    n_params = gpt_model.count_params(state.params)
+
+    grad_ops = hlo.collectives(hlo.compiled_text(zero.grad, state.params, batch))
+    assert not [c for c in grad_ops if c.in_loop], "a collective inside the accumulation loop"
+    reductions = [c for c in grad_ops if c.op in ("all-reduce", "reduce-scatter") and c.elements > 1]
+    if mode == "all_reduce":
+        # One all-reduce carries every gradient (and the scalar loss, fused into the same op).
+        assert [c.op for c in reductions] == ["all-reduce"]
+        assert reductions[0].elements in (n_params, n_params + 1)
+    else:
+        # One reduce-scatter per parameter leaf: together, one reduction of the whole gradient.
+        assert {c.op for c in reductions} == {"reduce-scatter"}
+        padded = sum(np.prod(lay.view_shape) for lay in jax.tree.leaves(zero.layouts, is_leaf=lambda x: isinstance(x, Layout)))
+        assert sum(c.elements for c in reductions) * zero.dp == padded
+        assert len(reductions) == len(jax.tree.leaves(state.params))
+    assert all(c.elements == 1 for c in grad_ops if c not in reductions)  # only the scalar loss mean
+
+    assert hlo.collectives(hlo.compiled_text(zero.reshard, state.params)) == []
+    grads, _ = zero.grad(state.params, batch)
+    grads = zero.reshard(grads) if mode == "all_reduce" else grads
+    update_ops = hlo.collectives(hlo.compiled_text(zero.update, grads, zero.reshard(state.params),
+                                                   state.opt_state, state.step))
+    gathered = sum(c.elements for c in update_ops if c.op == "all-gather")
+    assert gathered >= n_params * (zero.dp - 1) / zero.dp  # the new params, gathered back to every device
+
+
+def test_checker_sees_the_naive_per_micro_step_reduction():
+    """Negative control: a single jit over the accumulation scan reduces inside the loop."""
+    cfg = small_config("train.global_batch_size=32", "train.micro_batch_size=1")
+    model, init_fn, loss_fn, _ = small_model(cfg.model)
+    mesh = make_mesh(8)
+    tx = optax.adamw(1e-3)
+    params = init_fn(jax.random.key(0))
+    step = naive_data_parallel_step(mesh, loss_fn, tx)
+    zero = Zero1(mesh, loss_fn, tx, jax.eval_shape(init_fn, jax.random.key(0)))
+    ops = hlo.collectives(hlo.compiled_text(step, params, tx.init(params), _batch(zero, _rows(32, cfg), 4, 1)))
+    assert [c for c in ops if c.in_loop and c.op == "all-reduce"]
+
+
+def _opt_state_bytes(state_tree):
+    per_device = {}
+    for leaf in jax.tree.leaves(state_tree):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return per_device
+
+
+def test_indivisible_shapes_put_one_dpth_of_optimizer_state_on_each_device():
+    # d_model 20, 3 layers, 13 positions, 5 heads: no leading dimension divides by 8.
+    cfg = small_config("model.d_model=20", "model.n_head=5", "model.n_layer=3", "model.seq_len=13",
+                       "model.vocab_size=100")
+    _, init_fn, _, abstract = small_model(cfg.model)
+    layouts = jax.tree.leaves(plan(abstract, 8), is_leaf=lambda x: isinstance(x, Layout))
+    assert any(lay.axis is None for lay in layouts), "the test needs leaves that must be blockified"
+    assert any(lay.axis not in (None, 0) for lay in layouts), "the test needs leaves split on a later axis"
+
+    tx = optax.adamw(1e-3)
+    zero, state, _ = _zero(cfg, tx, "reduce_scatter")
+    per_device = _opt_state_bytes(state.opt_state)
+    replicated_total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(tx.init, abstract)))
+    padding = 2 * 4 * sum(lay.padding for lay in layouts)  # mu and nu, float32
+    assert len(per_device) == 8
+    for nbytes in per_device.values():
+        # count (a replicated int32 scalar) is the one non-sharded leaf.
+        assert nbytes <= (replicated_total + padding) / 8 + 4
+    assert max(per_device.values()) == min(per_device.values())
+
+
+@pytest.mark.parametrize("dp", [8, 16, 64])
+def test_125m_padding_under_one_percent(dp):
+    cfg = load_config(REPO / "configs" / "125m.yaml", ["train.micro_batch_size=1"], device_count=dp)
+    model = gpt_model.GPT(cfg.model)
+    abstract = jax.eval_shape(functools.partial(gpt_model.init_params, model), jax.random.key(0))
+    layouts = jax.tree.leaves(plan(abstract, dp), is_leaf=lambda x: isinstance(x, Layout))
+    total = sum(lay.size for lay in layouts)
+    assert sum(lay.padding for lay in layouts) / total < 0.01
+
+
+@pytest.mark.parametrize("shape", [(), (7,), (3, 5), (12, 768), (50304, 768), (13, 20), (2, 9, 8)])
+def test_layout_round_trip(shape):
+    x = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+    lay = plan_layout(shape, 8)
+    view = lay.to_view(jnp.asarray(x))
+    assert view.shape == lay.view_shape and view.shape[lay.scatter_dim] % 8 == 0
+    np.testing.assert_array_equal(lay.from_view(view), x)
