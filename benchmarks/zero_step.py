@@ -89,7 +89,7 @@ def main() -> None:
 
     cfg = load_config(args.config, args.set, device_count=jax.device_count())
     if cfg.model.vocab_size == "auto":
-        cfg = cfg.resolve(model__vocab_size=cfg.data.tokenizer_vocab_size)
+        cfg = cfg.resolve(model__vocab_size=cfg.data.default_vocab_size)
     model = gpt_model.GPT(cfg.model)
     init_fn = functools.partial(gpt_model.init_params, model)
     loss_fn = functools.partial(gpt_model.lm_loss, model)

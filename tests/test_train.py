@@ -6,10 +6,14 @@ import subprocess
 import sys
 
 import numpy as np
-from conftest import REPO, TINY
+import pytest
+from conftest import REPO, TINY, small_config
 
-from zerolm.data.corpus import default_documents, split_documents
-from zerolm.data.loader import pack, unigram_entropy
+from zerolm.config import ConfigError
+from zerolm.data.corpus import default_documents
+from zerolm.data.prepare import prepare
+from zerolm.data.tokenizer import train_bpe
+from zerolm.train import run
 
 
 def test_main_zero_trains_logs_and_samples(tmp_path):
@@ -33,11 +37,23 @@ def test_main_zero_trains_logs_and_samples(tmp_path):
     assert "tok_s" in proc.stderr + proc.stdout  # the live progress bar
 
 
-def test_default_corpus_split_and_entropy():
+def test_default_corpus():
     docs = default_documents()
     assert len(docs) == 1189 and docs[0].startswith("In the beginning God created")
-    train, val = split_documents(docs, 50)
-    assert len(val) == 23 and len(train) + len(val) == len(docs) and not set(train) & set(val)
-    samples = pack([np.arange(5), np.arange(7)], eot_id=99, seq_len=3)
-    assert samples.tolist() == [[0, 1, 2, 3], [4, 99, 0, 1], [2, 3, 4, 5]]
-    assert unigram_entropy(np.array([[0, 1], [0, 1]])) == np.log(2)
+
+
+def test_training_refuses_a_dataset_prepared_for_another_model(tmp_path):
+    prepare("default", tmp_path / "ds", seq_len=32, progress=False)
+    cfg = small_config(f"data.dataset={tmp_path / 'ds'}")  # model.seq_len 16
+    with pytest.raises(ConfigError, match=rf"^data.dataset: {tmp_path}/ds was prepared with seq_len 32, but model.seq_len is 16$"):
+        run(cfg)
+    other = tmp_path / "other.json"
+    train_bpe(["some other text entirely"] * 10, 300).save(str(other))
+    cfg = small_config(f"data.dataset={tmp_path / 'ds'}", "model.seq_len=32", f"data.tokenizer={other}")
+    with pytest.raises(ConfigError, match=rf"^data.tokenizer: {other} \(sha256 \w+\) is not the tokenizer "):
+        run(cfg)
+    cfg = small_config(f"data.dataset={tmp_path / 'ds'}", "model.seq_len=32", "model.vocab_size=1000")
+    with pytest.raises(ConfigError, match=r"^model.vocab_size: 1000 is smaller than the dataset's tokenizer"):
+        run(cfg)
+    with pytest.raises(ConfigError, match=rf"^data.dataset: {tmp_path}/nope/manifest.json: no manifest"):
+        run(small_config(f"data.dataset={tmp_path / 'nope'}"))

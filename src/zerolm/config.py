@@ -87,10 +87,11 @@ class ZeroConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["default"]  # the embedded King James corpus; the data issue adds prepared datasets
-    tokenizer: str  # "default": byte-level BPE trained on the corpus and cached
-    tokenizer_vocab_size: int = Field(ge=260)
-    val_every: int = Field(ge=2)  # every val_every-th document is held out for validation
+    dataset: str  # "default" (the embedded corpus, prepared on first use) or a prepared dataset dir / URL
+    tokenizer: str | None  # optional tokenizer file the dataset must have been prepared with
+    default_vocab_size: int = Field(ge=260)  # BPE size for the default dataset
+    skip_bad_samples: bool  # replace unreadable samples by a neighbour and count them, instead of stopping
+    prefetch: int = Field(ge=1)  # batches read ahead on a background thread
 
 
 class LoggingConfig(_Section):

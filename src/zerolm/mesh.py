@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 DP = "dp"  # data parallel: batch rows and the ZeRO-1 optimizer-state shards
@@ -21,3 +23,56 @@ def make_mesh(dp: int, tp: int = 1, devices: Sequence[jax.Device] | None = None)
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def _coords(mesh: Mesh, process_index: int | None = None):
+    """(mesh coordinate, device) for the devices of one process (default: this one)."""
+    me = jax.process_index() if process_index is None else process_index
+    return [(c, d) for c, d in np.ndenumerate(mesh.devices) if d.process_index == me]
+
+
+def this_host_has_first(mesh: Mesh, axis: str, process_index: int | None = None) -> bool:
+    """Does this host hold a device at position 0 along every axis other than `axis` (seed note 000)?
+
+    `this_host_has_first(mesh, DP)`: this host holds a tp = 0 device, so it is one that loads data.
+    """
+    others = [i for i, name in enumerate(mesh.axis_names) if name != axis]
+    return any(all(c[i] == 0 for i in others) for c, _ in _coords(mesh, process_index))
+
+
+class _MeshSlicer:
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+
+    def __getitem__(self, index) -> Mesh:
+        index = index if isinstance(index, tuple) else (index,)
+        # Integers would drop an axis; keep every axis so the names still line up.
+        index = tuple(builtins.slice(i, i + 1) if isinstance(i, int) else i for i in index)
+        return Mesh(self.mesh.devices[index], self.mesh.axis_names)
+
+
+def slice(mesh: Mesh) -> _MeshSlicer:  # noqa: A001 - the seeds' name: `slice(mesh)[:1, :1]`
+    """Index a mesh by axis positions: `slice(mesh)[:1, :1]` is the first data and tensor rank."""
+    return _MeshSlicer(mesh)
+
+
+def compute_batch_size(mesh: Mesh, process_index: int | None = None) -> tuple[bool, int]:
+    """(should_load, local_shards) for this host on a (dp, tp) mesh (seed note 004).
+
+    Only devices at tp = 0 are fed from storage; a host reads `batch_size × local_shards` rows, one
+    block per distinct dp index it holds at tp = 0. Hosts with none feed zeros and receive the real
+    rows over the tp axis.
+    """
+    dp_axis, tp_axis = mesh.axis_names.index(DP), mesh.axis_names.index(TP)
+    local_shards = len({c[dp_axis] for c, _ in _coords(mesh, process_index) if c[tp_axis] == 0})
+    return local_shards > 0, local_shards
+
+
+def initialize_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """Join a multi-process run. With no arguments on a TPU VM slice or SLURM, JAX detects the cluster;
+    elsewhere (e.g. 127.0.0.1 in tests) pass all three. CPU collectives go through gloo."""
+    if coordinator is None and num_processes is None:
+        jax.distributed.initialize()
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)

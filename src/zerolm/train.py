@@ -6,45 +6,62 @@ import argparse
 import functools
 import sys
 import time
-from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from zerolm import model as gpt_model
 from zerolm.config import Config, ConfigError, load_config
-from zerolm.data.corpus import default_documents, split_documents
-from zerolm.data.loader import BatchLoader, pack, unigram_entropy
-from zerolm.data.tokenizer import Tokenizer, load_tokenizer
-from zerolm.mesh import make_mesh
+from zerolm.data.loader import BatchLoader
+from zerolm.data.prepare import MANIFEST, prepare
+from zerolm.data.shards import DataError, PreparedDataset
+from zerolm.data.tokenizer import cache_dir, from_file
+from zerolm.mesh import initialize_distributed, make_mesh
 from zerolm.metrics import MetricsWriter
 from zerolm.sample import generate
 from zerolm.zero import TrainState, Zero1, make_optimizer
 
 
-@dataclass
-class Dataset:
-    tokenizer: Tokenizer
-    train: np.ndarray  # (n, seq_len + 1) packed samples
-    val: np.ndarray
+def default_dataset_dir(cfg: Config) -> Path:
+    return cache_dir() / "datasets" / f"kjv-bpe{cfg.data.default_vocab_size}-seq{cfg.model.seq_len}"
 
 
-def load_data(cfg: Config) -> Dataset:
-    documents = default_documents()
-    train_docs, val_docs = split_documents(documents, cfg.data.val_every)
-    tok = load_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_vocab_size, train_docs)
-    T = cfg.model.seq_len
-    return Dataset(tok, pack(tok.encode_batch(train_docs), tok.eot_id, T),
-                   pack(tok.encode_batch(val_docs), tok.eot_id, T))
+def open_dataset(cfg: Config) -> PreparedDataset:
+    """The run's prepared dataset; the default corpus is prepared on first use (by process 0)."""
+    location = cfg.data.dataset
+    if location == "default":
+        location = default_dataset_dir(cfg)
+        if jax.process_index() == 0 and not (location / MANIFEST).exists():
+            prepare("default", location, vocab_size=cfg.data.default_vocab_size, seq_len=cfg.model.seq_len,
+                    progress=False)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("zerolm: default dataset prepared")
+    try:
+        dataset = PreparedDataset(location)
+    except DataError as e:
+        raise ConfigError(f"data.dataset: {e}") from None
+    if dataset.seq_len != cfg.model.seq_len:
+        raise ConfigError(f"data.dataset: {location} was prepared with seq_len {dataset.seq_len}, "
+                          f"but model.seq_len is {cfg.model.seq_len}")
+    if cfg.data.tokenizer is not None:
+        wanted = from_file(Path(cfg.data.tokenizer))
+        have = dataset.manifest["tokenizer"]
+        if wanted.sha256 != have["sha256"]:
+            raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer} (sha256 {wanted.sha256[:12]}) is not the "
+                              f"tokenizer {location} was prepared with ({have['name']}, sha256 {have['sha256'][:12]})")
+    return dataset
 
 
-def resolve_vocab(cfg: Config, tok: Tokenizer) -> Config:
+def resolve_vocab(cfg: Config, dataset: PreparedDataset) -> Config:
+    vocab = dataset.manifest["tokenizer"]["vocab_size"]
     if cfg.model.vocab_size == "auto":
-        return cfg.resolve(model__vocab_size=tok.vocab_size)
-    if cfg.model.vocab_size < tok.vocab_size:
-        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's "
-                          f"{tok.vocab_size} tokens ({tok.name})")
+        return cfg.resolve(model__vocab_size=vocab)
+    if cfg.model.vocab_size < vocab:
+        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the dataset's tokenizer "
+                          f"({dataset.manifest['tokenizer']['name']}, {vocab} tokens)")
     return cfg
 
 
@@ -61,9 +78,12 @@ def make_evaluator(zero: Zero1, loss_fn):
 
 def run(cfg: Config, out=sys.stdout) -> dict[str, float]:
     """Train `cfg` from scratch; returns the final train loss, val loss and unigram entropy."""
-    data = load_data(cfg)
-    cfg = resolve_vocab(cfg, data.tokenizer)
-    entropy = unigram_entropy(data.train)
+    dataset = open_dataset(cfg)
+    cfg = resolve_vocab(cfg, dataset)
+    train_split = dataset.split("train", cfg.data.skip_bad_samples)
+    val_split = dataset.split("val", cfg.data.skip_bad_samples)
+    entropy = dataset.manifest["splits"]["train"]["unigram_entropy"]
+    tok = dataset.tokenizer() if cfg.sample.tokens else None
     is_main = jax.process_index() == 0
     say = (lambda *a: print(*a, file=out, flush=True)) if is_main else (lambda *a: None)
 
@@ -81,13 +101,14 @@ def run(cfg: Config, out=sys.stdout) -> dict[str, float]:
     say(f"zerolm: {cfg.name}: {n_params / 1e6:.2f}M params, {jax.device_count()} {jax.default_backend()} "
         f"device(s), mesh dp={cfg.dp} tp={cfg.mesh.tp}, {cfg.accum_steps} accumulation step(s) of "
         f"{cfg.train.micro_batch_size} per device, grad_reduce={cfg.zero.grad_reduce}")
-    say(f"data: {len(data.train)} train / {len(data.val)} val samples of {cfg.model.seq_len + 1} tokens, "
-        f"tokenizer {data.tokenizer.name} ({data.tokenizer.vocab_size} tokens), "
-        f"unigram entropy {entropy:.3f} nats/token")
+    say(f"data: {dataset.location}: {len(train_split)} train / {len(val_split)} val samples of "
+        f"{cfg.model.seq_len + 1} tokens, tokenizer {dataset.manifest['tokenizer']['name']} "
+        f"({dataset.manifest['tokenizer']['vocab_size']} tokens), unigram entropy {entropy:.3f} nats/token")
 
-    loader = BatchLoader(data.train, mesh, cfg.train.global_batch_size, cfg.train.micro_batch_size,
+    loader = BatchLoader(train_split, mesh, cfg.train.global_batch_size, cfg.train.micro_batch_size,
                          cfg.train.seed)
-    val_loader = BatchLoader(data.val, mesh, cfg.dp * cfg.train.micro_batch_size, cfg.train.micro_batch_size, 0)
+    val_loader = BatchLoader(val_split, mesh, cfg.dp * cfg.train.micro_batch_size, cfg.train.micro_batch_size,
+                             seed=0, allow_repeats=True)
     val_batches = [val_loader.global_batch(i) for i in range(cfg.train.eval_batches)]
     evaluate = make_evaluator(zero, loss_fn)
 
@@ -97,13 +118,15 @@ def run(cfg: Config, out=sys.stdout) -> dict[str, float]:
     summary: dict[str, float] = {"unigram_entropy": entropy}
     pending = None  # metrics are read one step behind, so the host never waits on the step in flight
     last_time = time.perf_counter()
-    batches = loader.batches(start_step=0)
+    batches = loader.batches(start_step=0, prefetch=cfg.data.prefetch)
     try:
         for step in range(cfg.train.steps):
             batch, waited = next(batches)
             state, metrics = zero(state, batch)
             if pending is not None:
                 last_time = _emit(pending, last_time, tokens_per_step, writer, bar, summary, cfg.logging.every)
+            if cfg.data.skip_bad_samples:
+                metrics = {**metrics, "bad_samples": train_split.bad_samples}
             pending = (step, metrics, waited)
             if (step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps:
                 last_time = _emit(pending, last_time, tokens_per_step, writer, bar, summary, cfg.logging.every)
@@ -117,10 +140,10 @@ def run(cfg: Config, out=sys.stdout) -> dict[str, float]:
 
     say(f"done: train loss {summary['loss']:.4f}, val loss {summary['val_loss']:.4f} "
         f"(unigram entropy {entropy:.4f}); metrics in {cfg.log_dir / 'metrics.jsonl'}")
-    if cfg.sample.tokens and is_main:
-        ids = generate(model, state.params, data.tokenizer.encode(cfg.sample.prompt), cfg.sample.tokens,
+    if tok is not None and is_main:
+        ids = generate(model, state.params, tok.encode(cfg.sample.prompt), cfg.sample.tokens,
                        cfg.sample.temperature, seed=cfg.train.seed)
-        say("sample: " + data.tokenizer.decode(ids))
+        say("sample: " + tok.decode(ids))
     return summary
 
 
@@ -143,15 +166,22 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--config", default="configs/tiny.yaml", help="YAML config file (default: %(default)s)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a config key; repeatable")
+    dist = parser.add_argument_group("multi-process (omit on one host; on a TPU VM slice use --distributed)")
+    dist.add_argument("--distributed", action="store_true", help="join a multi-process run (auto-detected cluster)")
+    dist.add_argument("--coordinator", default=None, help="host:port of process 0, e.g. 127.0.0.1:12355")
+    dist.add_argument("--num-processes", type=int, default=None)
+    dist.add_argument("--process-id", type=int, default=None)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.distributed or args.coordinator:
+        initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     try:
         cfg = load_config(args.config, args.set, device_count=jax.device_count())
         run(cfg)
-    except ConfigError as e:
+    except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -24,10 +24,3 @@ def default_documents() -> list[str]:
         finally:
             con.close()
     return [" ".join(verses) for verses in chapters.values()]
-
-
-def split_documents(documents: list[str], val_every: int) -> tuple[list[str], list[str]]:
-    """Hold out every `val_every`-th document for validation (spread over the whole corpus)."""
-    train = [d for i, d in enumerate(documents) if i % val_every != val_every - 1]
-    val = [d for i, d in enumerate(documents) if i % val_every == val_every - 1]
-    return train, val

@@ -1,42 +1,33 @@
-"""Packed samples and the distributed, deterministic batch loader.
+"""The distributed, deterministic, resumable batch loader.
 
-The batch of optimizer step `s` is a pure function of (seed, s): samples are read in a global order
-that is a seeded permutation per epoch, step `s` takes positions [s·G, (s+1)·G) of that endless
-stream, and every process reads only the rows of its own devices. Resuming at step `s` therefore
-needs nothing but `s`, on any number of processes.
+Order: epoch e visits the shards in a seeded permutation of (seed, e), and each shard's samples in
+a seeded permutation of (seed, e, shard). No shuffle buffer holds state, so the sample at stream
+position p is a pure function of (seed, p). Optimizer step s takes positions [s·G, (s+1)·G). The
+global batch of a step is therefore fixed, whatever the number of hosts, and resuming at step s
+needs only s.
 
-Global batch layout, for the accumulation scan: shape (accum, dp · micro, seq_len + 1), sharded
-P(None, 'dp'). Device d's rows are the contiguous block [d·A·m, (d+1)·A·m) of the step's G rows,
-split into A micro-batches of m.
+Layout, for the accumulation scan: (accum, dp · micro, seq_len + 1), sharded P(None, 'dp'). Device
+d's rows are the contiguous block [d·A·m, (d+1)·A·m) of the step's G rows, split into A micro-batches
+of m. Each process reads only the rows of its own devices. On a (dp, tp) mesh with tp > 1, only tp = 0
+devices are fed from storage (seed note 004); the others hold zeros and receive the rows through a
+sum over tp.
 """
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerolm.mesh import DP
-
-
-def pack(token_docs: Sequence[np.ndarray], eot_id: int, seq_len: int) -> np.ndarray:
-    """Join documents with an end-of-text token and cut the stream into (n, seq_len + 1) samples."""
-    stream = np.concatenate([np.append(doc, eot_id) for doc in token_docs]).astype(np.int32)
-    n = len(stream) // (seq_len + 1)
-    return stream[: n * (seq_len + 1)].reshape(n, seq_len + 1)
-
-
-def unigram_entropy(samples: np.ndarray) -> float:
-    """Entropy in nats/token of the corpus's unigram distribution: what a model that learned nothing
-    about context would score."""
-    counts = np.bincount(samples.reshape(-1))
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())
+from zerolm.data.shards import Split
+from zerolm.mesh import DP, TP, compute_batch_size
 
 
 def to_accum_layout(rows: np.ndarray, n_devices: int, accum: int, micro: int) -> np.ndarray:
@@ -46,72 +37,92 @@ def to_accum_layout(rows: np.ndarray, n_devices: int, accum: int, micro: int) ->
     return rows.reshape(n_devices, accum, micro, T).transpose(1, 0, 2, 3).reshape(accum, n_devices * micro, T)
 
 
-def _local_dp_indices(mesh: Mesh) -> list[int]:
-    """The dp coordinates held by this process's devices (contiguous for the meshes jax.make_mesh builds)."""
-    dp_axis = mesh.axis_names.index(DP)
-    me = jax.process_index()
-    idx = sorted({int(c[dp_axis]) for c, d in np.ndenumerate(mesh.devices) if d.process_index == me})
-    if idx != list(range(idx[0], idx[-1] + 1)):
-        raise ValueError(f"process {me} holds non-contiguous dp indices {idx}")
-    return idx
+class SampleOrder:
+    """Stream position -> sample id, for one split and seed."""
+
+    def __init__(self, sizes: np.ndarray, seed: int):
+        self.sizes, self.seed = np.asarray(sizes, np.int64), seed
+        self.n = int(self.sizes.sum())
+        self.starts = np.concatenate([[0], np.cumsum(self.sizes)])
+
+    @functools.lru_cache(maxsize=4)
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        shard_order = np.random.default_rng([self.seed, epoch]).permutation(len(self.sizes))
+        return shard_order, np.concatenate([[0], np.cumsum(self.sizes[shard_order])])
+
+    @functools.lru_cache(maxsize=16)
+    def _within(self, epoch: int, shard: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch, shard]).permutation(int(self.sizes[shard]))
+
+    def ids(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, np.int64)
+        out = np.empty(len(positions), np.int64)
+        for epoch in np.unique(positions // self.n):
+            sel = positions // self.n == epoch
+            shard_order, bounds = self._epoch(int(epoch))
+            p = positions[sel] % self.n
+            slot = np.searchsorted(bounds, p, side="right") - 1
+            ids = np.empty(len(p), np.int64)
+            for s in np.unique(slot):
+                k = int(shard_order[s])
+                at = slot == s
+                ids[at] = self.starts[k] + self._within(int(epoch), k)[p[at] - bounds[s]]
+            out[sel] = ids
+        return out
 
 
 class BatchLoader:
-    """Global batches for optimizer steps, built from each process's own rows."""
+    """Global batches for optimizer steps, each process reading only its own devices' rows."""
 
-    def __init__(self, samples: np.ndarray, mesh: Mesh, global_batch_size: int, micro_batch_size: int,
-                 seed: int):
-        dp = mesh.shape[DP]
-        if len(samples) < global_batch_size:
-            raise ValueError(f"the dataset has {len(samples)} samples, fewer than one global batch "
-                             f"({global_batch_size}); use a smaller train.global_batch_size or more data")
-        self.samples = samples
-        self.seed = seed
-        self.global_batch_size = global_batch_size
-        self.micro = micro_batch_size
-        self.dp = dp
-        self.accum = global_batch_size // (micro_batch_size * dp)
+    def __init__(self, split: Split, mesh: Mesh, global_batch_size: int, micro_batch_size: int, seed: int,
+                 *, allow_repeats: bool = False):
+        if len(split) < global_batch_size and not allow_repeats:
+            raise ValueError(f"{split.dataset.location} ({split.name}): {len(split)} samples, fewer than one "
+                             f"global batch of {global_batch_size}; use a smaller train.global_batch_size or more data")
+        self.split, self.mesh = split, mesh
+        self.G, self.micro = global_batch_size, micro_batch_size
+        self.dp, self.tp = mesh.shape[DP], mesh.shape[TP]
+        self.accum = global_batch_size // (micro_batch_size * self.dp)
+        self.order = SampleOrder(split.sizes, seed)
+        self.should_load, self.local_shards = compute_batch_size(mesh)
+        self.shape = (self.accum, self.dp * self.micro, split.T1)
         self.sharding = NamedSharding(mesh, P(None, DP))
-        self.local_dp = _local_dp_indices(mesh)
-        self._orders: dict[int, np.ndarray] = {}
+        if self.tp > 1:
+            # Staging array with a leading tp axis: device (i, j) holds slot j of dp block i.
+            self._staging = NamedSharding(mesh, P(TP, None, DP))
+            self._sum_tp = jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=self.sharding)
 
-    def order(self, epoch: int) -> np.ndarray:
-        """The global sample order of one epoch: a pure function of (seed, epoch)."""
-        if epoch not in self._orders:
-            self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.samples))}
-        return self._orders[epoch]
-
-    def indices(self, step: int, rows: slice | None = None) -> np.ndarray:
-        """Sample indices of the step's global batch (or of `rows` of it), in batch order."""
-        rows = rows or slice(0, self.global_batch_size)
-        n = len(self.samples)
-        positions = step * self.global_batch_size + np.arange(rows.start, rows.stop)
-        out = np.empty(len(positions), np.int64)
-        for epoch in np.unique(positions // n):
-            sel = positions // n == epoch
-            out[sel] = self.order(int(epoch))[positions[sel] % n]
-        return out
-
-    def local_batch(self, step: int) -> np.ndarray:
-        """This process's rows, shaped (accum, local_dp · micro, seq_len + 1)."""
+    def device_rows(self, step: int, dp_index: int) -> np.ndarray:
+        """The (accum, micro, T+1) rows of dp block `dp_index` at `step`, read from storage."""
         per_device = self.accum * self.micro
-        first, count = self.local_dp[0], len(self.local_dp)
-        rows = self.samples[self.indices(step, slice(first * per_device, (first + count) * per_device))]
-        return to_accum_layout(rows, count, self.accum, self.micro)
+        positions = step * self.G + dp_index * per_device + np.arange(per_device)
+        rows = self.split.read(self.order.ids(positions))
+        return rows.reshape(self.accum, self.micro, -1)
 
     def global_batch(self, step: int) -> jax.Array:
-        shape = (self.accum, self.dp * self.micro, self.samples.shape[-1])
-        return jax.make_array_from_process_local_data(self.sharding, self.local_batch(step), shape)
+        if self.tp == 1:
+            index_map = self.sharding.addressable_devices_indices_map(self.shape)
+            arrays = [jax.device_put(self.device_rows(step, idx[1].start // self.micro), d)
+                      for d, idx in index_map.items()]
+            return jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)
+        staged_shape = (self.tp, *self.shape)
+        arrays = []
+        for d, idx in self._staging.addressable_devices_indices_map(staged_shape).items():
+            tp_index, dp_index = idx[0].start, idx[2].start // self.micro
+            rows = (self.device_rows(step, dp_index) if tp_index == 0
+                    else np.zeros((self.accum, self.micro, self.shape[-1]), np.int32))
+            arrays.append(jax.device_put(rows[None], d))
+        staged = jax.make_array_from_single_device_arrays(staged_shape, self._staging, arrays)
+        return self._sum_tp(staged)
 
     def batches(self, start_step: int, prefetch: int = 2) -> Iterator[tuple[jax.Array, float]]:
         """(batch, seconds the consumer waited for it) from `start_step` on, read ahead on a thread."""
-        return _prefetch((self.global_batch(s) for s in _count(start_step)), prefetch)
-
-
-def _count(start: int) -> Iterator[int]:
-    while True:
-        yield start
-        start += 1
+        def produce():
+            step = start_step
+            while True:
+                yield self.global_batch(step)
+                step += 1
+        return _prefetch(produce(), prefetch)
 
 
 def _prefetch(it: Iterator, depth: int) -> Iterator[tuple[object, float]]:
@@ -132,8 +143,7 @@ def _prefetch(it: Iterator, depth: int) -> Iterator[tuple[object, float]]:
         except BaseException as e:  # hand the producer's error to the consumer
             q.put((None, e))
 
-    thread = threading.Thread(target=produce, name="batch-prefetch", daemon=True)
-    thread.start()
+    threading.Thread(target=produce, name="batch-prefetch", daemon=True).start()
     try:
         while True:
             t0 = time.perf_counter()

@@ -1,4 +1,7 @@
-"""Tokenizers: the default byte-level BPE, trained on the corpus on first use and cached on disk."""
+"""Tokenizers: the default byte-level BPE trained on the corpus (cached), a Hugging Face
+`tokenizer.json`, or a tiktoken BPE file. Each has an end-of-text token and an identity (name and
+the sha256 of its file) that prepared datasets and checkpoints record.
+"""
 
 from __future__ import annotations
 
@@ -8,38 +11,64 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import tiktoken
+import tiktoken.load
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 EOT = "<|endoftext|>"
+# GPT-2's pre-tokenization regex (tiktoken's r50k_base); a .tiktoken file carries only the ranks.
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
 def cache_dir() -> Path:
-    """Where built artefacts (tokenizers, tokenized corpora) are cached: $ZEROLM_CACHE or ~/.cache/zerolm."""
+    """Where built artefacts (tokenizers, prepared default data) live: $ZEROLM_CACHE or ~/.cache/zerolm."""
     return Path(os.environ.get("ZEROLM_CACHE", Path.home() / ".cache" / "zerolm"))
 
 
 class Tokenizer:
-    """A Hugging Face `tokenizers` tokenizer with an end-of-text token, and an identity for manifests."""
+    """Encode/decode over either backend, plus what a manifest needs to identify it."""
 
-    def __init__(self, tok: tokenizers.Tokenizer, name: str):
-        eot = tok.token_to_id(EOT)
-        if eot is None:
-            raise ValueError(f"tokenizer {name}: has no {EOT} token")
-        self._tok = tok
+    def __init__(self, kind: str, backend, name: str, file_bytes: bytes):
+        self.kind = kind  # "hf" | "tiktoken"
+        self._backend = backend
         self.name = name
-        self.eot_id = eot
-        self.vocab_size = tok.get_vocab_size()
-        self.sha256 = hashlib.sha256(tok.to_str().encode()).hexdigest()
+        self.file_bytes = file_bytes
+        self.sha256 = hashlib.sha256(file_bytes).hexdigest()
+        if kind == "hf":
+            self.eot_id = backend.token_to_id(EOT)
+            self.vocab_size = backend.get_vocab_size()
+        else:
+            self.eot_id = backend.eot_token
+            self.vocab_size = backend.n_vocab
+        if self.eot_id is None:
+            raise ValueError(f"tokenizer {name}: has no {EOT} token")
+
+    @property
+    def identity(self) -> dict:
+        return {"kind": self.kind, "name": self.name, "sha256": self.sha256, "vocab_size": self.vocab_size,
+                "eot_id": self.eot_id}
+
+    @property
+    def filename(self) -> str:
+        return "tokenizer.json" if self.kind == "hf" else "tokenizer.tiktoken"
+
+    def save(self, directory: Path) -> Path:
+        path = directory / self.filename
+        path.write_bytes(self.file_bytes)
+        return path
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [np.asarray(e.ids, dtype=np.int32) for e in self._tok.encode_batch(list(texts))]
+        """Encoded in parallel on all cores (Rust threads in both backends)."""
+        if self.kind == "hf":
+            return [np.asarray(e.ids, dtype=np.int32) for e in self._backend.encode_batch(list(texts))]
+        return [np.asarray(ids, dtype=np.int32) for ids in self._backend.encode_ordinary_batch(list(texts))]
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._tok.encode(text).ids, dtype=np.int32)
+        return self.encode_batch([text])[0]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids])
+        return self._backend.decode([int(i) for i in ids])
 
 
 def train_bpe(documents: Sequence[str], vocab_size: int) -> tokenizers.Tokenizer:
@@ -52,18 +81,47 @@ def train_bpe(documents: Sequence[str], vocab_size: int) -> tokenizers.Tokenizer
     return tok
 
 
-def load_tokenizer(spec: str, vocab_size: int, documents: Sequence[str]) -> Tokenizer:
-    """`default`: BPE trained on `documents` (cached by vocabulary size); otherwise a tokenizer.json path."""
+def from_file(path: Path) -> Tokenizer:
+    """A tokenizer.json (Hugging Face) or, for any other name, a tiktoken BPE file."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read tokenizer ({e.strerror})") from None
+    try:
+        if path.suffix == ".json":
+            return Tokenizer("hf", tokenizers.Tokenizer.from_str(data.decode()), path.name, data)
+        ranks = tiktoken.load.load_tiktoken_bpe(str(path))
+        enc = tiktoken.Encoding(path.stem, pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                                special_tokens={EOT: len(ranks)})
+        return Tokenizer("tiktoken", enc, path.name, data)
+    except ValueError as e:
+        if str(e).startswith(str(path)):
+            raise
+        raise ValueError(f"{path}: not a valid tokenizer file ({e})") from None
+    except Exception as e:  # tokenizers raises a bare Exception on a bad file
+        raise ValueError(f"{path}: not a valid tokenizer file ({e})") from None
+
+
+def load_tokenizer(spec: str, vocab_size: int = 2048, documents: Sequence[str] = ()) -> Tokenizer:
+    """`default`: BPE trained on `documents`, cached by vocabulary size; otherwise a file path."""
     if spec != "default":
-        path = Path(spec)
-        try:
-            return Tokenizer(tokenizers.Tokenizer.from_file(str(path)), name=path.name)
-        except Exception as e:  # tokenizers raises a bare Exception on a bad file
-            raise ValueError(f"{path}: cannot load tokenizer ({e})") from None
-    path = cache_dir() / f"tokenizer-kjv-bpe{vocab_size}.json"
+        return from_file(Path(spec))
+    path = cache_dir() / f"tokenizer-bpe{vocab_size}-{_corpus_hash(documents)}.json"
     if not path.exists():
+        if not documents:
+            raise ValueError("the default tokenizer is trained on the corpus, but no documents were given")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         train_bpe(documents, vocab_size).save(str(tmp))
-        os.replace(tmp, path)  # atomic: a concurrent or killed run never sees half a file
-    return Tokenizer(tokenizers.Tokenizer.from_file(str(path)), name=f"kjv-bpe{vocab_size}")
+        os.replace(tmp, path)  # atomic: a concurrent or killed run never leaves half a file
+    tok = from_file(path)
+    tok.name = f"bpe{vocab_size}"
+    return tok
+
+
+def _corpus_hash(documents: Sequence[str]) -> str:
+    h = hashlib.sha256()
+    for d in documents:
+        h.update(d.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:12]

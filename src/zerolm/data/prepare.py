@@ -1,0 +1,220 @@
+"""`zerolm prepare`: raw text -> tokenized, packed webdataset shards plus a manifest.
+
+Output directory:
+    manifest.json        what the shards hold (written last; its presence means "complete")
+    tokenizer.json|.tiktoken   the tokenizer, so the dataset is self-contained
+    train-000000.tar ...  webdataset shards; member NNNNNNNNN.npy is one sample of seq_len + 1 tokens
+    val-000000.tar ...
+
+Documents are joined with the end-of-text token and cut into fixed seq_len + 1 samples, so every tar
+member has the same size: local shards can be read row by row. Every `val_every`-th document goes to
+the validation split. The new dataset is built in a sibling temporary directory and moved into place
+at the end, so a killed prepare never leaves a manifest pointing at missing shards, and --overwrite
+never destroys the old dataset before the new one is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import webdataset as wds
+from tqdm import tqdm
+
+from zerolm.data.sources import Skipped, SourceError, iter_documents
+from zerolm.data.tokenizer import Tokenizer, load_tokenizer
+
+FORMAT = "zerolm-tokens/1"
+MANIFEST = "manifest.json"
+SPLITS = ("train", "val")
+
+
+class PrepareError(ValueError):
+    """A prepare that cannot go ahead; one line naming the path or source at fault."""
+
+
+def unigram_entropy(counts: np.ndarray) -> float:
+    """Entropy in nats/token of a unigram distribution given token counts: the loss of a model that
+    learned nothing about context."""
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+class _ShardWriter:
+    """Packs a token stream into samples and writes them into tar shards of `per_shard` samples."""
+
+    def __init__(self, directory: Path, split: str, seq_len: int, dtype: np.dtype, per_shard: int, vocab_size: int):
+        self.directory, self.split, self.T1, self.dtype, self.per_shard = directory, split, seq_len + 1, dtype, per_shard
+        self.counts = np.zeros(vocab_size, np.int64)  # unigram counts, for the entropy baseline
+        self.pending: list[np.ndarray] = []
+        self.pending_len = 0
+        self.shards: list[dict] = []
+        self._tar = None
+        self._in_shard = 0
+
+    def add(self, tokens: np.ndarray) -> int:
+        """Append a document's tokens (EOT included); returns the number of samples completed."""
+        self.pending.append(tokens)
+        self.pending_len += len(tokens)
+        if self.pending_len < self.T1:
+            return 0
+        stream = np.concatenate(self.pending)
+        n = len(stream) // self.T1
+        rows = stream[: n * self.T1].reshape(n, self.T1)
+        self.counts += np.bincount(rows.reshape(-1), minlength=len(self.counts))
+        for row in rows:
+            self._write(row)
+        rest = stream[n * self.T1:]
+        self.pending, self.pending_len = [rest], len(rest)
+        return n
+
+    def _write(self, row: np.ndarray) -> None:
+        if self._tar is None:
+            name = f"{self.split}-{len(self.shards):06d}.tar"
+            self.shards.append({"name": name, "samples": 0})
+            self._tar = wds.TarWriter(str(self.directory / name), mtime=0)  # mtime=0: reproducible bytes
+        self._tar.write({"__key__": f"{self._in_shard:09d}", "npy": row.astype(self.dtype)})
+        self._in_shard += 1
+        self.shards[-1]["samples"] += 1
+        if self._in_shard == self.per_shard:
+            self._close_shard()
+
+    def _close_shard(self) -> None:
+        self._tar.close()
+        self.shards[-1]["bytes"] = (self.directory / self.shards[-1]["name"]).stat().st_size
+        self._tar, self._in_shard = None, 0
+
+    def close(self) -> dict:
+        """The split's manifest entry. The last partial sample (fewer than seq_len + 1 tokens) is dropped."""
+        if self._tar is not None:
+            self._close_shard()
+        samples = sum(s["samples"] for s in self.shards)
+        return {"shards": self.shards, "samples": samples, "tokens": samples * self.T1,
+                "unigram_entropy": unigram_entropy(self.counts) if samples else None}
+
+
+def _batched(it: Iterable[str], n: int) -> Iterator[list[str]]:
+    batch = []
+    for x in it:
+        batch.append(x)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def prepare(source: str, out: str | Path, *, tokenizer: str = "default", vocab_size: int = 2048,
+            seq_len: int = 2048, text_field: str = "text", tfds_data_dir: str | None = None,
+            val_every: int = 50, samples_per_shard: int = 4096, overwrite: bool = False,
+            skip_bad: bool = False, progress: bool = True) -> dict:
+    """Prepare `source` into `out`; returns the manifest."""
+    out = Path(out)
+    if (out / MANIFEST).exists() and not overwrite:
+        raise PrepareError(f"{out}: already holds a prepared dataset; pass --overwrite to replace it")
+    if out.exists() and not out.is_dir():
+        raise PrepareError(f"{out}: exists and is not a directory")
+    skipped = Skipped() if skip_bad else None
+
+    def documents() -> Iterator[tuple[int, str]]:
+        return enumerate(iter_documents(source, text_field=text_field, tfds_data_dir=tfds_data_dir, skipped=skipped))
+
+    if tokenizer == "default":
+        tok = load_tokenizer("default", vocab_size, [d for i, d in documents() if i % val_every != val_every - 1])
+    else:
+        tok = load_tokenizer(tokenizer)
+    dtype = token_dtype(tok.vocab_size)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        manifest = _write_splits(tmp, documents(), tok, seq_len, dtype, val_every, samples_per_shard, progress)
+        if manifest["splits"]["train"]["samples"] == 0:
+            raise PrepareError(f"{source}: empty source: no training sample of {seq_len + 1} tokens "
+                               f"({manifest['documents']} documents)")
+        manifest.update(source=source, skipped=skipped.count if skipped else 0,
+                        skipped_first=skipped.first if skipped else "")
+        tok.save(tmp)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _write_splits(directory: Path, documents, tok: Tokenizer, seq_len: int, dtype, val_every: int,
+                  per_shard: int, progress: bool) -> dict:
+    writers = {s: _ShardWriter(directory, s, seq_len, dtype, per_shard, tok.vocab_size) for s in SPLITS}
+    bar = tqdm(desc="prepare", unit="tok", unit_scale=True, disable=not progress, mininterval=0.5)
+    n_docs = 0
+    start = time.perf_counter()
+    with bar:
+        for batch in _batched(documents, 256):
+            encoded = tok.encode_batch([text for _, text in batch])
+            for (index, _), ids in zip(batch, encoded):
+                split = "val" if index % val_every == val_every - 1 else "train"
+                writers[split].add(np.append(ids, tok.eot_id))
+                bar.update(len(ids) + 1)
+            n_docs += len(batch)
+    splits = {s: w.close() for s, w in writers.items()}
+    return {"format": FORMAT, "seq_len": seq_len, "dtype": dtype.name, "tokenizer": {**tok.identity, "file": tok.filename},
+            "documents": n_docs, "val_every": val_every, "splits": splits,
+            "seconds": round(time.perf_counter() - start, 3)}
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Swap the finished directory in; the old dataset (if any) is removed only after."""
+    if out.exists() and any(out.iterdir()):
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+
+
+def main_args(args) -> int:
+    try:
+        manifest = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                           seq_len=args.seq_len, text_field=args.text_field, tfds_data_dir=args.tfds_data_dir,
+                           val_every=args.val_every, samples_per_shard=args.samples_per_shard,
+                           overwrite=args.overwrite, skip_bad=args.skip_bad)
+    except (PrepareError, SourceError, ValueError) as e:
+        print(f"error: {e}", flush=True, file=__import__("sys").stderr)
+        return 2
+    t, v = manifest["splits"]["train"], manifest["splits"]["val"]
+    print(f"prepared {args.out}: train {t['samples']} samples in {len(t['shards'])} shard(s), "
+          f"val {v['samples']} samples; {t['tokens'] + v['tokens']:,} tokens of {manifest['dtype']}, "
+          f"tokenizer {manifest['tokenizer']['name']} ({manifest['tokenizer']['vocab_size']} tokens)"
+          + (f"; skipped {manifest['skipped']} bad record(s), first: {manifest['skipped_first']}"
+             if manifest["skipped"] else ""))
+    return 0
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--source", required=True, help="text:GLOB, jsonl:GLOB, tfds:NAME[:SPLIT] or default")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--tokenizer", default="default",
+                   help="default (BPE trained on the source), a tokenizer.json, or a tiktoken BPE file (default: %(default)s)")
+    p.add_argument("--vocab-size", type=int, default=2048, help="size of the default BPE (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sample, plus one (default: %(default)s)")
+    p.add_argument("--text-field", default="text", help="JSON/TFDS field holding the text (default: %(default)s)")
+    p.add_argument("--tfds-data-dir", default=None, help="local TFDS data_dir (read offline)")
+    p.add_argument("--val-every", type=int, default=50, help="every Nth document is validation (default: %(default)s)")
+    p.add_argument("--samples-per-shard", type=int, default=4096, help="(default: %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
+    p.add_argument("--skip-bad", action="store_true", help="count and skip bad records instead of stopping")

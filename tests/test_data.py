@@ -1,0 +1,244 @@
+"""prepare -> shards -> loader: formats, determinism, coverage, resume, and every bad input's message."""
+
+import base64
+import io
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+import webdataset as wds
+from conftest import requires_devices, small_config
+
+from zerolm.data import prepare as prep
+from zerolm.data.loader import BatchLoader, SampleOrder
+from zerolm.data.shards import DataError, PreparedDataset
+from zerolm.data.sources import SourceError
+from zerolm.mesh import make_mesh
+from zerolm.train import run
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum".split()
+
+
+def _texts(n, seed=0, length=60):
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, length)) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def kjv(tmp_path_factory):
+    """The default corpus prepared once for the module: seq_len 64, small shards."""
+    out = tmp_path_factory.mktemp("data") / "kjv"
+    prep.prepare("default", out, seq_len=64, samples_per_shard=2000, progress=False)
+    return out
+
+
+def test_prepare_default_writes_shards_manifest_and_tokenizer(kjv):
+    m = json.loads((kjv / "manifest.json").read_text())
+    assert m["format"] == prep.FORMAT and m["seq_len"] == 64 and m["dtype"] == "uint16"
+    assert m["tokenizer"]["vocab_size"] == 2048 and (kjv / "tokenizer.json").exists()
+    train = m["splits"]["train"]
+    assert len(train["shards"]) > 3 and sum(s["samples"] for s in train["shards"]) == train["samples"]
+    assert m["splits"]["val"]["samples"] > 0 and 5.0 < train["unigram_entropy"] < 7.0
+    # Every member is one sample of seq_len + 1 tokens, readable by plain webdataset.
+    first = next(iter(wds.WebDataset(str(kjv / train["shards"][0]["name"]), shardshuffle=False).decode()))
+    assert first["__key__"] == "000000000" and first["npy"].shape == (65,) and first["npy"].dtype == np.uint16
+    tok = PreparedDataset(kjv).tokenizer()
+    assert tok.decode(first["npy"][:5]).startswith("In the beginning")
+
+
+def test_shard_reader_matches_webdataset_locally_and_by_url(kjv):
+    split = PreparedDataset(kjv).split("train")
+    ids = np.array([0, 1, 1999, 2000, len(split) - 1])
+    rows = split.read(ids)
+    assert split.rows_read == 5
+    names = [s["name"] for s in split.shards]
+    whole = np.concatenate([np.stack([s["npy"] for s in wds.WebDataset(str(kjv / n), shardshuffle=False).decode()])
+                            for n in names])
+    np.testing.assert_array_equal(rows, whole[ids])
+    remote = PreparedDataset(f"file://{kjv}").split("train")
+    np.testing.assert_array_equal(remote.read(ids), whole[ids])
+
+
+def test_text_and_jsonl_sources_and_file_tokenizers(tmp_path):
+    (tmp_path / "a.txt").write_text(" ".join(_texts(1, 1, 400)))
+    (tmp_path / "b.txt").write_text(" ".join(_texts(1, 2, 400)))
+    text = prep.prepare(f"text:{tmp_path}/*.txt", tmp_path / "t", seq_len=16, vocab_size=300, val_every=2,
+                        progress=False)
+    assert text["documents"] == 2 and text["splits"]["val"]["samples"] > 0
+    lines = [json.dumps({"body": t}) for t in _texts(20)]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    tok_file = tmp_path / "t" / "tokenizer.json"
+    js = prep.prepare(f"jsonl:{tmp_path}/*.jsonl", tmp_path / "j", text_field="body", tokenizer=str(tok_file),
+                      seq_len=16, progress=False)
+    assert js["documents"] == 20 and js["tokenizer"]["sha256"] == text["tokenizer"]["sha256"]
+    # A tiktoken BPE file: byte-level ranks, end-of-text appended after them.
+    ranks = tmp_path / "bytes.tiktoken"
+    ranks.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
+    tk = prep.prepare(f"jsonl:{tmp_path}/*.jsonl", tmp_path / "k", text_field="body", tokenizer=str(ranks),
+                      seq_len=16, progress=False)
+    assert tk["tokenizer"]["kind"] == "tiktoken" and tk["tokenizer"]["eot_id"] == 256
+    row = PreparedDataset(tmp_path / "k").split("train").read(np.array([0]))[0]
+    assert PreparedDataset(tmp_path / "k").tokenizer().decode(row) == _texts(20)[0][:17]
+    assert prep.token_dtype(50257) == np.uint16 and prep.token_dtype(100_000) == np.uint32
+
+
+def test_tfds_source_built_offline(tmp_path):
+    import tensorflow_datasets as tfds
+
+    texts = _texts(40, seed=3)
+
+    class ZerolmTinyText(tfds.core.GeneratorBasedBuilder):
+        VERSION = tfds.core.Version("1.0.0")
+
+        def _info(self):
+            return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()}))
+
+        def _split_generators(self, dl_manager):
+            return {"train": self._generate_examples()}
+
+        def _generate_examples(self):
+            for i, t in enumerate(texts):
+                yield i, {"text": t}
+
+    ZerolmTinyText(data_dir=str(tmp_path / "tfds"), file_format="array_record").download_and_prepare(
+        download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+    m = prep.prepare("tfds:zerolm_tiny_text", tmp_path / "ds", tfds_data_dir=str(tmp_path / "tfds"),
+                     seq_len=16, vocab_size=300, val_every=10, progress=False)
+    assert m["documents"] == 40 and m["splits"]["train"]["samples"] > 10
+    summary = run(small_config(f"data.dataset={tmp_path / 'ds'}", "model.vocab_size=auto", "train.steps=3",
+                               "train.warmup_steps=1", "train.global_batch_size=16", "train.micro_batch_size=2",
+                               f"logging.dir={tmp_path / 'run'}", "sample.tokens=0"), out=io.StringIO())
+    assert np.isfinite(summary["loss"]) and np.isfinite(summary["val_loss"])
+    with pytest.raises(SourceError, match=r"^tfds:no_such_dataset: cannot open from "):
+        prep.prepare("tfds:no_such_dataset", tmp_path / "x", tfds_data_dir=str(tmp_path / "tfds"), progress=False)
+
+
+def test_prepare_refuses_to_overwrite_and_survives_a_kill(tmp_path, monkeypatch, kjv):
+    out = tmp_path / "ds"
+    shutil.copytree(kjv, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(prep.PrepareError, match=rf"^{out}: already holds a prepared dataset; pass --overwrite"):
+        prep.prepare("default", out, seq_len=64, progress=False)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # stands for a kill half way through writing shards
+
+    monkeypatch.setattr(prep._ShardWriter, "close", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prep.prepare("default", out, seq_len=32, overwrite=True, progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old dataset is untouched
+    assert [p.name for p in tmp_path.iterdir()] == ["ds"]  # no half-written directory left behind
+    monkeypatch.undo()
+    prep.prepare("default", out, seq_len=32, overwrite=True, progress=False)
+    assert PreparedDataset(out).seq_len == 32
+
+
+def test_bad_sources(tmp_path):
+    with pytest.raises(SourceError, match=r"^text:.*: no files match"):
+        prep.prepare(f"text:{tmp_path}/none/*.txt", tmp_path / "o", progress=False)
+    (tmp_path / "empty.txt").write_text("hi")
+    with pytest.raises(prep.PrepareError, match=r"^text:.*: empty source: no training sample of 2049 tokens"):
+        prep.prepare(f"text:{tmp_path}/*.txt", tmp_path / "o", tokenizer=str(_tokenizer(tmp_path)), progress=False)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": _texts(1)[0]}) + "\n" + json.dumps({"txt": "x"}) + "\n{oops\n")
+    with pytest.raises(SourceError, match=rf"^{bad}:2: no text field 'text'$"):
+        prep.prepare(f"jsonl:{bad}", tmp_path / "o", tokenizer=str(_tokenizer(tmp_path)), progress=False)
+    m = prep.prepare(f"jsonl:{bad}", tmp_path / "o", tokenizer=str(_tokenizer(tmp_path)), seq_len=8,
+                     skip_bad=True, val_every=1000, progress=False)
+    assert m["skipped"] == 2 and m["skipped_first"] == f"{bad}:2: no text field 'text'"
+    with pytest.raises(SourceError, match=r"^csv:x: unknown source"):
+        prep.prepare("csv:x", tmp_path / "o2", progress=False)
+
+
+def _tokenizer(tmp_path):
+    path = tmp_path / "tok.json"
+    if not path.exists():
+        from zerolm.data.tokenizer import train_bpe
+
+        train_bpe(_texts(20), 300).save(str(path))
+    return path
+
+
+def _damaged_copy(kjv, tmp_path):
+    out = tmp_path / "ds"
+    shutil.copytree(kjv, out)
+    return out, json.loads((out / "manifest.json").read_text())
+
+
+def test_missing_truncated_and_mismatched_shards(kjv, tmp_path):
+    out, m = _damaged_copy(kjv, tmp_path)
+    shard0, shard1 = (out / s["name"] for s in m["splits"]["train"]["shards"][:2])
+    shard0.unlink()
+    with pytest.raises(DataError, match=rf"^{shard0}: missing or unreadable shard"):
+        PreparedDataset(out).split("train").read(np.array([0]))
+    shard1.write_bytes(shard1.read_bytes()[:50_000])
+    with pytest.raises(DataError, match=rf"^{shard1}: 50000 bytes, the manifest says \d+ \(truncated or replaced shard\)"):
+        PreparedDataset(out).split("train").read(np.array([2000]))
+    m["splits"]["train"]["shards"][2]["samples"] += 5
+    del m["splits"]["train"]["shards"][2]["bytes"]
+    (out / "manifest.json").write_text(json.dumps(m))
+    shard2 = out / m["splits"]["train"]["shards"][2]["name"]
+    with pytest.raises(DataError, match=rf"^{shard2}: does not match the manifest's 2005 samples \(sample 2004: "):
+        PreparedDataset(out).split("train").read(np.array([4000]))
+    with pytest.raises(DataError, match=rf"^{tmp_path}/nothing/manifest.json: no manifest"):
+        PreparedDataset(tmp_path / "nothing")
+
+
+def test_wrong_length_sample_is_named_or_skipped(kjv, tmp_path):
+    out, m = _damaged_copy(kjv, tmp_path)
+    shard = out / m["splits"]["train"]["shards"][0]["name"]
+    data = bytearray(shard.read_bytes())
+    probe = PreparedDataset(out).split("train")
+    probe.read(np.array([0]))
+    reader = probe._readers[0]
+    # Rewrite sample 7's .npy header to claim a different length: the row is no longer a seq_len+1 sample.
+    start = 7 * reader.stride + 512
+    header = bytes(data[start: start + reader.npy_header]).replace(b"(65,)", b"(64,)")
+    data[start: start + len(header)] = header
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=rf"^{shard}: sample 7 is not a uint16\[65\] .npy member"):
+        PreparedDataset(out).split("train").read(np.array([6, 7]))
+    lenient = PreparedDataset(out).split("train", skip_bad=True)
+    rows = lenient.read(np.array([7]))
+    np.testing.assert_array_equal(rows[0], PreparedDataset(kjv).split("train").read(np.array([8]))[0])
+    assert lenient.bad_samples == 1
+
+
+def test_sample_order_covers_each_epoch_once_in_new_orders():
+    order = SampleOrder(np.array([5, 7, 3, 9]), seed=1)
+    e0, e1 = order.ids(np.arange(24)), order.ids(np.arange(24, 48))
+    assert sorted(e0) == sorted(e1) == list(range(24))
+    assert list(e0) != list(e1)
+    np.testing.assert_array_equal(SampleOrder(np.array([5, 7, 3, 9]), seed=1).ids(np.arange(48)), np.concatenate([e0, e1]))
+    assert list(SampleOrder(np.array([5, 7, 3, 9]), seed=2).ids(np.arange(24))) != list(e0)
+    # Within an epoch, a shard's samples come together (shard order, then within-shard order).
+    shard_of = np.searchsorted(order.starts, e0, side="right") - 1
+    assert (np.diff(shard_of) != 0).sum() == 3
+
+
+@requires_devices(8)
+def test_loader_layout_resume_and_small_data(kjv):
+    split = PreparedDataset(kjv).split("train")
+    mesh = make_mesh(8)
+    loader = BatchLoader(split, mesh, global_batch_size=32, micro_batch_size=2, seed=0)
+    batch = np.asarray(loader.global_batch(5))
+    assert batch.shape == (2, 16, 65)
+    rows = split.read(loader.order.ids(np.arange(5 * 32, 6 * 32)))
+    # device d holds rows [4d, 4d+4): micro-step a, slot j -> row 4d + 2a + j
+    for d in range(8):
+        for a in range(2):
+            np.testing.assert_array_equal(batch[a, 2 * d: 2 * d + 2], rows[4 * d + 2 * a: 4 * d + 2 * a + 2])
+    resumed = BatchLoader(split, mesh, 32, 2, seed=0).batches(start_step=5)
+    np.testing.assert_array_equal(np.asarray(next(resumed)[0]), batch)
+    with pytest.raises(ValueError, match="fewer than one global batch of 1000000"):
+        BatchLoader(split, mesh, 1_000_000, 125_000, seed=0)
+
+
+@requires_devices(8)
+def test_tp_mesh_feeds_tp0_and_sums_over_tp(kjv):
+    split = PreparedDataset(kjv).split("train")
+    one = np.asarray(BatchLoader(split, make_mesh(4, 1, jax.devices()[:4]), 16, 2, seed=3).global_batch(2))
+    two = BatchLoader(split, make_mesh(4, 2), 16, 2, seed=3)
+    np.testing.assert_array_equal(np.asarray(two.global_batch(2)), one)

@@ -1,0 +1,56 @@
+"""Mesh helpers: the seed notes' tables (000: this_host_has_first / slice; 004: compute_batch_size)."""
+
+import types
+
+import jax
+import numpy as np
+import pytest
+from conftest import requires_devices
+
+from zerolm import mesh as zmesh
+from zerolm.mesh import DP, TP, compute_batch_size, make_mesh, this_host_has_first
+
+
+def _fake_mesh(host_of):
+    """A (dp, tp) mesh whose device at [i, j] lives on host host_of[i][j]."""
+    devices = np.empty((len(host_of), len(host_of[0])), object)
+    for (i, j), host in np.ndenumerate(np.array(host_of)):
+        devices[i, j] = types.SimpleNamespace(process_index=int(host), id=i * devices.shape[1] + j)
+    return types.SimpleNamespace(devices=devices, axis_names=(DP, TP))
+
+
+# Seed note 004, "Different Mesh Configurations": mesh -> per host (should_load, local_shards).
+SEED_004 = {
+    "1x2": ([[0, 1]], [(True, 1), (False, 0)]),
+    "2x1": ([[0], [1]], [(True, 1), (True, 1)]),
+    "2x2": ([[0, 1], [0, 1]], [(True, 2), (False, 0)]),
+    "4x4": ([[0, 1, 2, 3]] * 4, [(True, 4), (False, 0), (False, 0), (False, 0)]),
+}
+
+
+@pytest.mark.parametrize("name", SEED_004)
+def test_compute_batch_size_matches_seed_004(name):
+    host_of, expected = SEED_004[name]
+    mesh = _fake_mesh(host_of)
+    assert [compute_batch_size(mesh, process_index=h) for h in range(len(expected))] == expected
+    assert [this_host_has_first(mesh, DP, process_index=h) for h in range(len(expected))] == [e[0] for e in expected]
+
+
+def test_this_host_has_first_along_tp():
+    mesh = _fake_mesh([[0, 0], [1, 1]])  # host 0 holds dp 0, host 1 dp 1
+    assert this_host_has_first(mesh, TP, process_index=0) and not this_host_has_first(mesh, TP, process_index=1)
+
+
+@requires_devices(8)
+def test_slice_selects_first_ranks():
+    mesh = make_mesh(4, 2)
+    first = zmesh.slice(mesh)[:1, :1]
+    assert first.axis_names == (DP, TP) and first.devices.shape == (1, 1)
+    assert first.devices[0, 0] == mesh.devices[0, 0]
+    assert zmesh.slice(mesh)[1].devices.tolist() == [mesh.devices[1].tolist()]
+    assert zmesh.slice(mesh)[:, :1].devices.shape == (4, 1)
+
+
+def test_make_mesh_checks_device_count():
+    with pytest.raises(ValueError, match="needs 6 devices"):
+        make_mesh(3, 2, devices=jax.devices()[:4])
