@@ -68,6 +68,10 @@ def held_bytes(tree) -> int:
     return sum(s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards if s.device == dev)
 
 
+def _with_shardings(abstract, shardings):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
 def time_steps(step, state, batches, warmup: int, steps: int):
     for i in range(warmup):
         state, metrics = step(state, batches[i % len(batches)])
@@ -85,6 +89,8 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (default: %(default)s)")
+    p.add_argument("--memory-only", action="store_true",
+                   help="compile and report memory without running steps (for models too slow to step here)")
     args = p.parse_args()
 
     cfg = load_config(args.config, args.set, device_count=jax.device_count())
@@ -119,16 +125,21 @@ def main() -> None:
                 return (p_, o_), m_
         else:
             state = zero.init(init_fn, jax.random.key(0))
-            grads, _ = zero.grad(state.params, batches[0])
-            grads_view = zero.reshard(grads) if variant == "all_reduce" else grads
+            grads = jax.eval_shape(zero.grad, state.params, batches[0])[0]
+            grads_view = jax.eval_shape(zero.reshard, grads) if variant == "all_reduce" else grads
             programs = [zero.grad.lower(state.params, batches[0]).compile(),
                         zero.reshard.lower(state.params).compile(),
-                        zero.update.lower(grads_view, zero.reshard(state.params), state.opt_state, state.step).compile()]
+                        zero.update.lower(_with_shardings(grads_view, zero.view_shardings),
+                                          _with_shardings(jax.eval_shape(zero.reshard, state.params), zero.view_shardings),
+                                          state.opt_state, state.step).compile()]
             state_bytes = held_bytes(state)
             del grads, grads_view
             step = zero.step
         in_loop = sum(c.in_loop for prog in programs for c in hlo.collectives(prog.as_text()))
-        step_time, state = time_steps(step, state, batches, args.warmup, args.steps)
+        if args.memory_only:
+            step_time = float("nan")
+        else:
+            step_time, state = time_steps(step, state, batches, args.warmup, args.steps)
         tokens_per_s = G * T / step_time
         mem = max(memory_of(c) for c in programs)
         results.append(dict(variant=variant, step_s=step_time, tokens_per_s=tokens_per_s,
@@ -146,8 +157,9 @@ def main() -> None:
           "| largest program per device (MiB) | collectives inside the loop |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['variant']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.2f}× "
-              f"| {r['mfu']:.1%} | {r['state_mib']:.2f} | {r['program_mib']:.2f} | {r['in_loop']} |")
+        speed = ("| — | — | — | — " if args.memory_only else
+                 f"| {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.2f}× | {r['mfu']:.1%} ")
+        print(f"| {r['variant']} {speed}| {r['state_mib']:.2f} | {r['program_mib']:.2f} | {r['in_loop']} |")
 
 
 if __name__ == "__main__":
