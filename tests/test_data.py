@@ -232,6 +232,11 @@ def test_loader_layout_resume_and_small_data(kjv):
             np.testing.assert_array_equal(batch[a, 2 * d: 2 * d + 2], rows[4 * d + 2 * a: 4 * d + 2 * a + 2])
     resumed = BatchLoader(split, mesh, 32, 2, seed=0).batches(start_step=5)
     np.testing.assert_array_equal(np.asarray(next(resumed)[0]), batch)
+    step = int(np.random.default_rng().integers(100, 10_000))  # a random restart step, epochs later
+    later = BatchLoader(split, mesh, 32, 2, seed=0).batches(start_step=step)
+    np.testing.assert_array_equal(np.asarray(next(later)[0]), np.asarray(loader.global_batch(step)), err_msg=str(step))
+    single = BatchLoader(split, make_mesh(1, 1, jax.devices()[:1]), 32, 4, seed=0)  # 8 accumulation steps
+    np.testing.assert_array_equal(np.asarray(single.global_batch(5)).reshape(-1, 65), rows)
     with pytest.raises(ValueError, match="fewer than one global batch of 1000000"):
         BatchLoader(split, mesh, 1_000_000, 125_000, seed=0)
 
@@ -242,3 +247,19 @@ def test_tp_mesh_feeds_tp0_and_sums_over_tp(kjv):
     one = np.asarray(BatchLoader(split, make_mesh(4, 1, jax.devices()[:4]), 16, 2, seed=3).global_batch(2))
     two = BatchLoader(split, make_mesh(4, 2), 16, 2, seed=3)
     np.testing.assert_array_equal(np.asarray(two.global_batch(2)), one)
+
+
+def test_prepare_cli(tmp_path):
+    import subprocess
+    import sys
+
+    lines = tmp_path / "d.jsonl"
+    lines.write_text("\n".join(json.dumps({"text": t}) for t in _texts(30)) + "\n")
+    cmd = [sys.executable, "-m", "zerolm.cli", "prepare", "--source", f"jsonl:{lines}", "--out", str(tmp_path / "o"),
+           "--seq-len", "16", "--vocab-size", "300"]
+    ok = subprocess.run(cmd, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith(f"prepared {tmp_path / 'o'}: train ") and "tok/s" in ok.stderr
+    again = subprocess.run(cmd, capture_output=True, text=True)
+    assert again.returncode == 2
+    assert again.stderr.strip() == f"error: {tmp_path / 'o'}: already holds a prepared dataset; pass --overwrite to replace it"

@@ -19,3 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         return train.main(argv[1:])
     return prepare.main_args(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -102,13 +102,13 @@ class BatchLoader:
     def global_batch(self, step: int) -> jax.Array:
         if self.tp == 1:
             index_map = self.sharding.addressable_devices_indices_map(self.shape)
-            arrays = [jax.device_put(self.device_rows(step, idx[1].start // self.micro), d)
+            arrays = [jax.device_put(self.device_rows(step, (idx[1].start or 0) // self.micro), d)
                       for d, idx in index_map.items()]
             return jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)
         staged_shape = (self.tp, *self.shape)
         arrays = []
         for d, idx in self._staging.addressable_devices_indices_map(staged_shape).items():
-            tp_index, dp_index = idx[0].start, idx[2].start // self.micro
+            tp_index, dp_index = idx[0].start or 0, (idx[2].start or 0) // self.micro
             rows = (self.device_rows(step, dp_index) if tp_index == 0
                     else np.zeros((self.accum, self.micro, self.shape[-1]), np.int32))
             arrays.append(jax.device_put(rows[None], d))
