@@ -54,6 +54,7 @@ class ModelConfig(_Section):
 
 class TrainConfig(_Section):
     steps: int = PositiveInt
+    schedule_steps: int | None = Field(gt=0)  # length of the lr schedule; null: steps
     seed: int
     global_batch_size: int = PositiveInt  # sequences per optimizer step
     micro_batch_size: int = PositiveInt  # sequences per device per accumulation micro-step
@@ -67,6 +68,7 @@ class TrainConfig(_Section):
     grad_clip: float = Field(gt=0)
     eval_every: int = PositiveInt
     eval_batches: int = PositiveInt
+    skip_nonfinite: bool  # skip (and count) updates with a non-finite gradient instead of stopping
 
 
 class MeshConfig(_Section):
@@ -94,6 +96,13 @@ class DataConfig(_Section):
     prefetch: int = Field(ge=1)  # batches read ahead on a background thread
 
 
+class CheckpointConfig(_Section):
+    dir: str | None  # null: checkpoints/<name>; a local path or gs://
+    every: int = PositiveInt  # steps between saves (and one at the end)
+    keep: int = PositiveInt  # the last `keep` checkpoints are kept ...
+    keep_every: int | None = Field(default=None, gt=0)  # ... plus every keep_every-th step, if set
+
+
 class LoggingConfig(_Section):
     dir: str | None  # null: runs/<name>
     wandb: Literal["disabled", "offline", "online"]
@@ -114,6 +123,7 @@ class Config(_Section):
     mesh: MeshConfig
     zero: ZeroConfig
     data: DataConfig
+    checkpoint: CheckpointConfig
     logging: LoggingConfig
     sample: SampleConfig
 
@@ -136,9 +146,9 @@ class Config(_Section):
                 raise _KeyError("train.global_batch_size",
                                 f"{self.train.global_batch_size} is not divisible by micro_batch_size × dp = "
                                 f"{self.train.micro_batch_size} × {dp} = {per_step}")
-        if self.train.warmup_steps > self.train.steps:
-            raise _KeyError("train.warmup_steps",
-                            f"{self.train.warmup_steps} is more than train.steps = {self.train.steps}")
+        if self.train.warmup_steps > (self.train.schedule_steps or self.train.steps):
+            raise _KeyError("train.warmup_steps", f"{self.train.warmup_steps} is longer than the schedule "
+                            f"({self.train.schedule_steps or self.train.steps} steps)")
         return self
 
     # Derived quantities: read these rather than recomputing them at call sites.
@@ -151,6 +161,10 @@ class Config(_Section):
     @property
     def accum_steps(self) -> int:
         return self.train.global_batch_size // (self.train.micro_batch_size * self.dp)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or str(Path("checkpoints") / self.name)
 
     @property
     def log_dir(self) -> Path:

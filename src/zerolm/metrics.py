@@ -1,5 +1,6 @@
 """Training metrics: one JSON object per step in <logging.dir>/metrics.jsonl, mirrored to wandb.
 
+A resumed run appends; for a step logged twice (computed again after a restart) the last line wins.
 Only process 0 writes. wandb is imported only when a run asks for it (`offline` or `online`), and
 the WANDB_MODE environment variable, when set, wins over the config, as wandb documents.
 """
@@ -15,7 +16,8 @@ import jax
 
 
 class MetricsWriter:
-    def __init__(self, log_dir: Path, config: dict[str, Any], run_name: str, wandb_mode: str, project: str):
+    def __init__(self, log_dir: Path, config: dict[str, Any], run_name: str, wandb_mode: str, project: str,
+                 wandb_id: str):
         self.enabled = jax.process_index() == 0
         self._wandb = None
         if not self.enabled:
@@ -27,7 +29,9 @@ class MetricsWriter:
         if mode != "disabled":
             import wandb
 
-            self._wandb = wandb.init(project=project, name=run_name, config=config, dir=str(log_dir), mode=mode)
+            # The id is stored in every checkpoint, so a resumed run continues the same wandb run.
+            self._wandb = wandb.init(project=project, name=run_name, config=config, dir=str(log_dir), mode=mode,
+                                     id=wandb_id, resume="allow")
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:

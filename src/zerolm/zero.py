@@ -213,6 +213,9 @@ def _update(grads_view, params_view, opt_state, step, *, tx, layouts, lr_schedul
     if lr_schedule is not None:
         metrics["lr"] = lr_schedule(step)
     updates, opt_state = tx.update(grads_view, opt_state, params_view)
+    skipped = optax.tree_utils.tree_get(opt_state, "total_notfinite")  # set under optax.apply_if_finite
+    if skipped is not None:
+        metrics["skipped_updates"] = skipped
     params = from_views(layouts, optax.apply_updates(params_view, updates))
     return params, opt_state, step + 1, metrics
 
@@ -221,7 +224,7 @@ def make_optimizer(train_cfg) -> tuple[optax.GradientTransformation, optax.Sched
     """AdamW with linear warmup then cosine decay, after global-norm clipping."""
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=train_cfg.lr, warmup_steps=train_cfg.warmup_steps,
-        decay_steps=train_cfg.steps, end_value=train_cfg.lr * train_cfg.min_lr_ratio)
+        decay_steps=train_cfg.schedule_steps or train_cfg.steps, end_value=train_cfg.lr * train_cfg.min_lr_ratio)
     tx = optax.chain(
         optax.clip_by_global_norm(train_cfg.grad_clip),
         optax.adamw(schedule, b1=train_cfg.beta1, b2=train_cfg.beta2, eps=train_cfg.eps,

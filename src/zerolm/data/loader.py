@@ -115,41 +115,57 @@ class BatchLoader:
         staged = jax.make_array_from_single_device_arrays(staged_shape, self._staging, arrays)
         return self._sum_tp(staged)
 
-    def batches(self, start_step: int, prefetch: int = 2) -> Iterator[tuple[jax.Array, float]]:
+    def batches(self, start_step: int, prefetch: int = 2) -> Prefetcher:
         """(batch, seconds the consumer waited for it) from `start_step` on, read ahead on a thread."""
         def produce():
             step = start_step
             while True:
                 yield self.global_batch(step)
                 step += 1
-        return _prefetch(produce(), prefetch)
+        return Prefetcher(produce(), prefetch)
 
 
-def _prefetch(it: Iterator, depth: int) -> Iterator[tuple[object, float]]:
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
+class Prefetcher:
+    """Runs an iterator on a background thread, `depth` items ahead. Iterate for (item, seconds waited).
 
-    def produce():
+    close() stops and joins the thread, so nothing touches JAX after the training loop ends.
+    """
+
+    def __init__(self, it: Iterator, depth: int):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, args=(it,), name="batch-prefetch", daemon=True)
+        self._thread.start()
+
+    def _produce(self, it: Iterator) -> None:
         try:
             for item in it:
-                while not stop.is_set():
+                while not self._stop.is_set():
                     try:
-                        q.put((item, None), timeout=0.1)
+                        self._queue.put((item, None), timeout=0.1)
                         break
                     except queue.Full:
                         continue
-                if stop.is_set():
+                if self._stop.is_set():
                     return
         except BaseException as e:  # hand the producer's error to the consumer
-            q.put((None, e))
+            self._queue.put((None, e))
 
-    threading.Thread(target=produce, name="batch-prefetch", daemon=True).start()
-    try:
-        while True:
-            t0 = time.perf_counter()
-            item, error = q.get()
-            if error is not None:
-                raise error
-            yield item, time.perf_counter() - t0
-    finally:
-        stop.set()
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[object, float]:
+        t0 = time.perf_counter()
+        item, error = self._queue.get()
+        if error is not None:
+            raise error
+        return item, time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._stop.set()
+        while self._thread.is_alive():
+            try:  # unblock a producer waiting on a full queue
+                self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=0.1)

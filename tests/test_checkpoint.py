@@ -1,0 +1,218 @@
+"""Checkpoints, in real processes: exact resume after kill -9 and SIGTERM, a crash mid-save, elastic
+restore (dp 8 -> 4 -> 1, 1 process -> 2 -> 1), and the refusals that keep checkpoints safe."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import REPO, TINY
+from test_multihost import free_port
+
+from zerolm.checkpoint import Checkpoints
+from zerolm.train import EXIT_NONFINITE, EXIT_PREEMPTED
+
+STEPS = 16
+SMALL = ["model.n_layer=2", "model.d_model=32", "model.n_head=4", "model.seq_len=32", "model.dtype=float32",
+         "train.global_batch_size=16", "train.micro_batch_size=1", "train.warmup_steps=2", "train.eval_every=1000",
+         "checkpoint.every=4", "sample.tokens=0", f"train.schedule_steps={STEPS}"]
+
+
+def command(run_dir, *extra_sets, steps=STEPS, script="main_zero.py", args=()):
+    sets = [*SMALL, f"train.steps={steps}", f"checkpoint.dir={run_dir / 'ckpt'}", f"logging.dir={run_dir / 'log'}",
+            *extra_sets]
+    return [sys.executable, str(REPO / script if script == "main_zero.py" else REPO / "tests" / script),
+            "--config", str(TINY), *[a for s in sets for a in ("--set", s)], *args]
+
+
+def env(devices=8, **extra):
+    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "PYTHONUNBUFFERED": "1",
+            **extra}
+
+
+def train(run_dir, *extra_sets, devices=8, expect=0, **kw):
+    proc = subprocess.run(command(run_dir, *extra_sets, **kw), env=env(devices), capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert proc.returncode == expect, proc.stderr[-3000:]
+    return proc
+
+
+def losses(run_dir) -> dict[int, float]:
+    """step -> loss; a step logged twice (run again after a restart) keeps its last value."""
+    out = {}
+    for line in (run_dir / "log" / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out[record["step"]] = record["loss"]
+    return out
+
+
+def logged_steps(run_dir) -> int:
+    path = run_dir / "log" / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def start_and_wait(run_dir, cmd_env, until, timeout=240):
+    """Start a training process and return it once `until()` holds."""
+    proc = subprocess.Popen(command(run_dir, **cmd_env.pop("kw", {})), env=cmd_env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + timeout
+    while not until():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, "timed out waiting for the run"
+        time.sleep(0.02)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted reference run: 16 steps on dp = 8, checkpoints every 4."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    train(run_dir)
+    return run_dir, losses(run_dir)
+
+
+def test_kill_9_then_resume_is_bit_identical(straight, tmp_path):
+    _, reference = straight
+    kill_after = int(np.random.default_rng().integers(6, 14))  # a random step after the first checkpoint
+    committed = lambda: any(p.name.isdigit() for p in (tmp_path / "ckpt").glob("*"))  # noqa: E731 (async saves)
+    proc = start_and_wait(tmp_path, env(), lambda: logged_steps(tmp_path) >= kill_after and committed())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert Checkpoints(tmp_path / "ckpt", read_only=True).latest_step() in (4, 8, 12)
+    train(tmp_path)
+    assert losses(tmp_path) == reference, f"killed after {kill_after} logged steps"
+
+
+def test_sigterm_saves_the_step_reached_and_exits_with_the_preemption_code(straight, tmp_path):
+    _, reference = straight
+    stop_after = int(np.random.default_rng().integers(2, 13))
+    proc = start_and_wait(tmp_path, env(), lambda: logged_steps(tmp_path) >= stop_after)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    saved = Checkpoints(tmp_path / "ckpt", read_only=True).latest_step()
+    assert f"preempted: checkpoint saved at step {saved}" in err
+    assert saved > stop_after and saved < STEPS  # the step it had reached, not the last periodic one
+    train(tmp_path)
+    assert losses(tmp_path) == reference
+
+
+def test_crash_during_a_save_leaves_the_previous_checkpoint_latest(straight, tmp_path):
+    _, reference = straight
+    ckpt = tmp_path / "ckpt"
+    cmd_env = env(ZEROLM_TEST_SLOW_FINALIZE_STEP="8")
+    cmd_env["kw"] = {"script": "slow_save_train.py"}
+    proc = start_and_wait(tmp_path, cmd_env, lambda: any(p.name.startswith("8.") for p in ckpt.glob("8*")))
+    time.sleep(0.5)  # well inside the held-back finalize
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert [p.name for p in ckpt.iterdir() if p.name.startswith("8")] != ["8"]  # only the temporary directory
+    assert Checkpoints(ckpt, read_only=True).latest_step() == 4
+    proc = train(tmp_path)
+    assert "resumed from" in proc.stdout and f"{ckpt}/4 " in proc.stdout
+    assert losses(tmp_path) == reference
+
+
+def test_elastic_restore_dp8_to_dp4_to_one_device(straight, tmp_path):
+    run_dir, reference = straight
+    shutil.copytree(run_dir / "ckpt", tmp_path / "ckpt")
+    for step in ("12", "16"):
+        shutil.rmtree(tmp_path / "ckpt" / step)  # resume from the dp = 8 checkpoint at step 8
+    four = train(tmp_path, devices=4, steps=12)
+    assert "dp 8 -> 4; accumulation steps recomputed 2 -> 4 (same global batch of 16)" in four.stdout
+    one = train(tmp_path, devices=1)
+    assert "dp 4 -> 1; accumulation steps recomputed 4 -> 16 (same global batch of 16)" in one.stdout
+    resumed = losses(tmp_path)
+    assert sorted(resumed) == list(range(8, 16))
+    # Same samples in the same order: only the float32 summation order differs between device counts.
+    np.testing.assert_allclose([resumed[s] for s in range(8, 16)], [reference[s] for s in range(8, 16)], rtol=2e-5)
+
+
+def _two_processes(run_dir, steps):
+    port = free_port()
+    procs = [subprocess.Popen(command(run_dir, steps=steps, args=["--coordinator", f"127.0.0.1:{port}",
+                                                                  "--num-processes", "2", "--process-id", str(i)]),
+                              env=env(4), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return outs[0][0]
+
+
+def test_one_process_to_two_and_back(straight, tmp_path):
+    run_dir, reference = straight
+    shutil.copytree(run_dir / "ckpt", tmp_path / "ckpt")
+    for step in ("12", "16"):
+        shutil.rmtree(tmp_path / "ckpt" / step)
+    out = _two_processes(tmp_path, steps=12)  # saved by 1 process x 8 devices, restored by 2 x 4
+    assert "in 2 process(es)" in out and "resumed from" in out
+    assert Checkpoints(tmp_path / "ckpt", read_only=True).latest_step() == 12
+    train(tmp_path)  # and back to 1 process
+    resumed = losses(tmp_path)
+    np.testing.assert_allclose([resumed[s] for s in range(8, 16)], [reference[s] for s in range(8, 16)], rtol=2e-5)
+
+
+def _snapshot(path):
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*")}
+
+
+def test_refusals_leave_checkpoints_untouched(straight, tmp_path):
+    run_dir, _ = straight
+    shutil.copytree(run_dir / "ckpt", tmp_path / "ckpt")
+    before = _snapshot(tmp_path / "ckpt")
+
+    fresh = train(tmp_path, expect=2, args=["--resume", "never"])
+    assert fresh.stderr.strip().splitlines()[-1] == (
+        f"error: {tmp_path / 'ckpt'}: already holds checkpoints (latest step 16); resume with --resume auto, "
+        "or pass --overwrite to start over (the old checkpoints are moved aside, not deleted)")
+    other_model = train(tmp_path, "model.d_model=64", "train.steps=20", expect=2)
+    assert other_model.stderr.strip().splitlines()[-1] == (
+        f"error: {tmp_path / 'ckpt' / '16'}: the checkpoint's model differs from the config: "
+        "model.d_model: checkpoint 32, config 64")
+    assert _snapshot(tmp_path / "ckpt") == before
+
+    # A damaged checkpoint: the largest array-data file is gone.
+    max((tmp_path / "ckpt" / "16" / "state").rglob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size).unlink()
+    broken = train(tmp_path, "train.steps=20", expect=2)
+    assert broken.stderr.strip().splitlines()[-1].startswith(
+        f"error: {tmp_path / 'ckpt' / '16'}: cannot restore, the checkpoint is damaged or incomplete (")
+
+    overwritten = train(tmp_path, steps=4, args=["--resume", "never", "--overwrite"])
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("ckpt.replaced-")]
+    assert len(aside) == 1 and (aside[0] / "12").is_dir()  # moved, not deleted
+    assert "moved the old run aside" in overwritten.stdout
+    assert Checkpoints(tmp_path / "ckpt", read_only=True).steps() == [4]
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    proc = train(tmp_path, "train.lr=1e6", "train.grad_clip=1e9", "checkpoint.every=1", steps=30, expect=EXIT_NONFINITE)
+    message = proc.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: step ") and "is not finite; stopping without saving it" in message
+    bad_step = int(message.split()[2].rstrip(":"))
+    ckpts = Checkpoints(tmp_path / "ckpt", read_only=True)
+    assert ckpts.latest_step() < bad_step and np.isfinite(ckpts.meta(ckpts.latest_step())["loss"])
+
+    skipping = tmp_path / "skip"
+    train(skipping, "train.lr=1e6", "train.grad_clip=1e9", "train.skip_nonfinite=true", steps=30)
+    records = [json.loads(line) for line in (skipping / "log" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 30 and steps[-1]["skipped_updates"] > 0
+
+
+def test_checkpoints_command_lists_the_run(straight):
+    run_dir, _ = straight
+    proc = subprocess.run([sys.executable, "-m", "zerolm.cli", "checkpoints", str(run_dir / "ckpt")],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].split()[:2] == ["step", "saved"]
+    assert [line.split()[0] for line in lines[1:-1]] == ["8", "12", "16"]  # keep: 3
+    assert "4,096" in lines[1]  # tokens seen at step 8: 8 steps x 16 sequences x 32 tokens
+    assert lines[-1] == "`--resume auto` would take step 16"
