@@ -47,7 +47,8 @@ def standalone(seq_len: int, batch: int, steps: int, workdir: Path) -> float:
 def while_training(train_steps: int, workdir: Path) -> tuple[float, float]:
     cfg = load_config(REPO / "configs" / "tiny.yaml",
                       [f"train.steps={train_steps}", f"train.eval_every={train_steps}", "train.warmup_steps=5",
-                       f"logging.dir={workdir / 'run'}", "sample.tokens=0"], device_count=jax.device_count())
+                       f"logging.dir={workdir / 'run'}", f"checkpoint.dir={workdir / 'ckpt'}", "sample.tokens=0"],
+                      device_count=jax.device_count())
     run(cfg, out=io.StringIO())
     records = [json.loads(line) for line in (workdir / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r][5:]  # past compilation

@@ -109,7 +109,8 @@ def test_tfds_source_built_offline(tmp_path):
     assert m["documents"] == 40 and m["splits"]["train"]["samples"] > 10
     summary = run(small_config(f"data.dataset={tmp_path / 'ds'}", "model.vocab_size=auto", "train.steps=3",
                                "train.warmup_steps=1", "train.global_batch_size=16", "train.micro_batch_size=2",
-                               f"logging.dir={tmp_path / 'run'}", "sample.tokens=0"), out=io.StringIO())
+                               f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                               "sample.tokens=0"), out=io.StringIO())
     assert np.isfinite(summary["loss"]) and np.isfinite(summary["val_loss"])
     with pytest.raises(SourceError, match=r"^tfds:no_such_dataset: cannot open from "):
         prep.prepare("tfds:no_such_dataset", tmp_path / "x", tfds_data_dir=str(tmp_path / "tfds"), progress=False)

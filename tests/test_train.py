@@ -21,6 +21,7 @@ def test_main_zero_trains_logs_and_samples(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "main_zero.py"), "--config", str(TINY), "--set", "train.steps=40",
          "--set", "train.eval_every=20", "--set", "train.warmup_steps=5", "--set", f"logging.dir={tmp_path}",
+         "--set", f"checkpoint.dir={tmp_path / 'ckpt'}",
          "--set", "sample.tokens=16"],
         capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -35,6 +36,7 @@ def test_main_zero_trains_logs_and_samples(tmp_path):
     sample = [line for line in proc.stdout.splitlines() if line.startswith("sample: ")]
     assert sample and sample[0].startswith("sample: And God said,") and len(sample[0]) > len("sample: And God said,") + 10
     assert "tok_s" in proc.stderr + proc.stdout  # the live progress bar
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["40"]  # the final checkpoint
 
 
 def test_default_corpus():

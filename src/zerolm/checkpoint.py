@@ -45,7 +45,9 @@ class Checkpoints:
 
     def __init__(self, directory: str | Path, *, keep: int = 3, keep_every: int | None = None,
                  read_only: bool = False):
-        self.directory = epath.Path(directory)
+        directory = str(directory)
+        # orbax needs absolute paths; a relative local one is taken from the working directory.
+        self.directory = epath.Path(directory if "://" in directory else Path(directory).absolute())
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, keep_period=keep_every, create=not read_only, read_only=read_only,
             enable_async_checkpointing=True)

@@ -200,7 +200,8 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
         state, wandb_id, ckpts = start_state(cfg, zero, init_fn, ckpts, data_id, resume, overwrite, say)
         start = int(state.step)
         if start >= cfg.train.steps:
-            say(f"nothing to do: the checkpoint is at step {start} and train.steps is {cfg.train.steps}")
+            say(f"nothing to do: {cfg.checkpoint_dir} is at step {start} and train.steps is {cfg.train.steps} "
+                "(raise train.steps to go on, or start over with --resume never --overwrite)")
             return {"unigram_entropy": entropy}
         state, summary = _train_loop(cfg, zero, loss_fn, state, start, ckpts, train_split, val_split, data_id,
                                      wandb_id, entropy, out)
