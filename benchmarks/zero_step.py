@@ -26,7 +26,7 @@ from zerolm import hlo, model as gpt_model
 from zerolm.config import load_config
 from zerolm.data.loader import to_accum_layout
 from zerolm.mesh import make_mesh
-from zerolm.zero import Zero1, make_optimizer, naive_data_parallel_step
+from zerolm.zero import Zero1, bytes_per_device, make_optimizer, naive_data_parallel_step
 
 # Dense 16-bit matrix peak per chip, FLOP/s, from the vendors' datasheets.
 DATASHEET_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "TPU v4": 275e12, "TPU v5 lite": 197e12,
@@ -64,8 +64,7 @@ def memory_of(compiled) -> int:
 
 def held_bytes(tree) -> int:
     """Bytes the first device holds of a pytree."""
-    dev = jax.devices()[0]
-    return sum(s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards if s.device == dev)
+    return bytes_per_device(tree)[jax.devices()[0]]
 
 
 def _with_shardings(abstract, shardings):

@@ -13,7 +13,8 @@ from zerolm import hlo, model as gpt_model
 from zerolm.config import load_config
 from zerolm.data.loader import to_accum_layout
 from zerolm.mesh import make_mesh
-from zerolm.zero import Layout, Zero1, make_optimizer, naive_data_parallel_step, plan, plan_layout
+from zerolm.zero import (Layout, Zero1, bytes_per_device, make_optimizer, naive_data_parallel_step, plan,
+                         plan_layout)
 
 pytestmark = requires_devices(8)
 MODES = ["all_reduce", "reduce_scatter"]
@@ -145,14 +146,6 @@ def test_checker_sees_the_naive_per_micro_step_reduction():
     assert [c for c in ops if c.in_loop and c.op == "all-reduce"]
 
 
-def _opt_state_bytes(state_tree):
-    per_device = {}
-    for leaf in jax.tree.leaves(state_tree):
-        for shard in leaf.addressable_shards:
-            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-    return per_device
-
-
 def test_indivisible_shapes_put_one_dpth_of_optimizer_state_on_each_device():
     # d_model 20, 3 layers, 13 positions, 5 heads: no leading dimension divides by 8.
     cfg = small_config("model.d_model=20", "model.n_head=5", "model.n_layer=3", "model.seq_len=13",
@@ -164,7 +157,7 @@ def test_indivisible_shapes_put_one_dpth_of_optimizer_state_on_each_device():
 
     tx = optax.adamw(1e-3)
     zero, state, _ = _zero(cfg, tx, "reduce_scatter")
-    per_device = _opt_state_bytes(state.opt_state)
+    per_device = bytes_per_device(state.opt_state)
     replicated_total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(tx.init, abstract)))
     padding = 2 * 4 * sum(lay.padding for lay in layouts)  # mu and nu, float32
     assert len(per_device) == 8

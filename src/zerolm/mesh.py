@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh
 
 DP = "dp"  # data parallel: batch rows and the ZeRO-1 optimizer-state shards
 TP = "tp"  # tensor parallel: reserved (size 1 until tensor parallelism lands)
@@ -19,10 +19,6 @@ def make_mesh(dp: int, tp: int = 1, devices: Sequence[jax.Device] | None = None)
     if dp * tp != len(devices):
         raise ValueError(f"mesh dp × tp = {dp} × {tp} needs {dp * tp} devices, got {len(devices)}")
     return jax.make_mesh((dp, tp), (DP, TP), axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
 
 
 def _coords(mesh: Mesh, process_index: int | None = None):

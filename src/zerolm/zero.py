@@ -239,10 +239,10 @@ def decay_mask(params: PyTree) -> PyTree:
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def optimizer_state_bytes_per_device(state: PyTree) -> dict[jax.Device, int]:
-    """Bytes of a (sharded) pytree that each device actually holds."""
+def bytes_per_device(tree: PyTree) -> dict[jax.Device, int]:
+    """Bytes of a (sharded) pytree that each local device actually holds."""
     per_device: dict[jax.Device, int] = {}
-    for leaf in jax.tree.leaves(state):
+    for leaf in jax.tree.leaves(tree):
         for shard in leaf.addressable_shards:
             per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
     return per_device

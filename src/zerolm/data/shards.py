@@ -31,8 +31,7 @@ def is_url(location: str) -> bool:
 
 
 def _join(location: str, name: str) -> str:
-    if location.startswith("pipe:"):  # e.g. "pipe:gsutil cat gs://bucket/ds" -> a command per file
-        return f"{location.rstrip('/')}/{name}"
+    """A file of the dataset; for pipe: locations ("pipe:gsutil cat gs://b/ds") the command's argument."""
     return f"{location.rstrip('/')}/{name}"
 
 
