@@ -99,8 +99,10 @@ def test_sigterm_saves_the_step_reached_and_exits_with_the_preemption_code(strai
     saved = Checkpoints(tmp_path / "ckpt", read_only=True).latest_step()
     assert f"preempted: checkpoint saved at step {saved}" in err
     assert saved > stop_after and saved < STEPS  # the step it had reached, not the last periodic one
+    wandb_id = Checkpoints(tmp_path / "ckpt", read_only=True).meta(saved)["wandb_id"]
     train(tmp_path)
     assert losses(tmp_path) == reference
+    assert Checkpoints(tmp_path / "ckpt", read_only=True).meta(STEPS)["wandb_id"] == wandb_id  # same wandb run
 
 
 def test_crash_during_a_save_leaves_the_previous_checkpoint_latest(straight, tmp_path):
