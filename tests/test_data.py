@@ -57,8 +57,9 @@ def test_shard_reader_matches_webdataset_locally_and_by_url(kjv):
     whole = np.concatenate([np.stack([s["npy"] for s in wds.WebDataset(str(kjv / n), shardshuffle=False).decode()])
                             for n in names])
     np.testing.assert_array_equal(rows, whole[ids])
-    remote = PreparedDataset(f"file://{kjv}").split("train")
-    np.testing.assert_array_equal(remote.read(ids), whole[ids])
+    remote = PreparedDataset(f"file://{kjv}")
+    np.testing.assert_array_equal(remote.split("train").read(ids), whole[ids])
+    assert remote.tokenizer().sha256 == PreparedDataset(kjv).tokenizer().sha256  # fetched into the cache
 
 
 def test_text_and_jsonl_sources_and_file_tokenizers(tmp_path):

@@ -57,11 +57,13 @@ def open_dataset(cfg: Config) -> PreparedDataset:
     location = cfg.data.dataset
     if location == "default":
         location = default_dataset_dir(cfg)
-        if jax.process_index() == 0 and not (location / MANIFEST).exists():
-            prepare("default", location, vocab_size=cfg.data.default_vocab_size, seq_len=cfg.model.seq_len,
-                    progress=False)
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices("zerolm: default dataset prepared")
+        # Process 0 first; then any host whose disk still lacks it (hosts of a slice have their own disks).
+        for turn in ("first", "rest"):
+            if (turn == "first") == (jax.process_index() == 0) and not (location / MANIFEST).exists():
+                prepare("default", location, vocab_size=cfg.data.default_vocab_size, seq_len=cfg.model.seq_len,
+                        progress=False)
+            if jax.process_count() > 1:
+                multihost_utils.sync_global_devices(f"zerolm: default dataset prepared ({turn})")
     try:
         dataset = PreparedDataset(location)
     except DataError as e:
@@ -175,6 +177,7 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
     train_split = dataset.split("train", cfg.data.skip_bad_samples)
     val_split = dataset.split("val", cfg.data.skip_bad_samples)
     entropy = dataset.manifest["splits"]["train"]["unigram_entropy"]
+    tokenizer = dataset.tokenizer() if cfg.sample.tokens and is_main else None  # fail now, not after training
 
     mesh = make_mesh(cfg.dp, cfg.mesh.tp)
     model = gpt_model.GPT(cfg.model)
@@ -211,11 +214,10 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
     say(f"done: train loss {summary['loss']:.4f}, val loss {summary['val_loss']:.4f} "
         f"(unigram entropy {entropy:.4f}); metrics in {cfg.log_dir / 'metrics.jsonl'}, "
         f"checkpoints in {cfg.checkpoint_dir}")
-    if cfg.sample.tokens and is_main:
-        tok = dataset.tokenizer()
-        ids = generate(model, state.params, tok.encode(cfg.sample.prompt), cfg.sample.tokens,
+    if tokenizer is not None:
+        ids = generate(model, state.params, tokenizer.encode(cfg.sample.prompt), cfg.sample.tokens,
                        cfg.sample.temperature, seed=cfg.train.seed)
-        say("sample: " + tok.decode(ids))
+        say("sample: " + tokenizer.decode(ids))
     return summary
 
 

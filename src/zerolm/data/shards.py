@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import io
 import json
+import os
 import tarfile
 import threading
 from pathlib import Path
@@ -19,7 +20,7 @@ import numpy as np
 import webdataset as wds
 
 from zerolm.data.prepare import FORMAT, MANIFEST
-from zerolm.data.tokenizer import Tokenizer, from_file
+from zerolm.data.tokenizer import Tokenizer, cache_dir, from_file
 
 
 class DataError(ValueError):
@@ -61,10 +62,17 @@ class PreparedDataset:
         return Split(self, name, skip_bad)
 
     def tokenizer(self) -> Tokenizer:
+        """The tokenizer the dataset was prepared with; a remote one is fetched into the cache first."""
         info = self.manifest["tokenizer"]
         where = _join(self.location, info["file"])
         if is_url(where):
-            raise DataError(f"{where}: remote tokenizers are not loaded; copy the file locally")
+            local = cache_dir() / "tokenizers" / info["sha256"][:16] / info["file"]
+            if not local.exists():
+                local.parent.mkdir(parents=True, exist_ok=True)
+                tmp = local.with_name(f".{local.name}.{os.getpid()}")
+                tmp.write_bytes(_read_bytes(where))
+                os.replace(tmp, local)
+            where = str(local)
         tok = from_file(Path(where))
         if tok.sha256 != info["sha256"]:
             raise DataError(f"{where}: tokenizer sha256 {tok.sha256[:12]} does not match the manifest's {info['sha256'][:12]}")
