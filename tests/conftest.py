@@ -9,6 +9,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["WANDB_MODE"] = "disabled"
 
 import functools  # noqa: E402
+import socket  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
@@ -25,6 +26,13 @@ TINY = REPO / "configs" / "tiny.yaml"
 def _private_cache(tmp_path_factory):
     """Tokenizers are built into a per-session cache, never the user's."""
     os.environ["ZEROLM_CACHE"] = str(tmp_path_factory.mktemp("zerolm-cache"))
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a jax.distributed coordinator."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def requires_devices(n: int):

@@ -11,8 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO, TINY
-from test_multihost import free_port
+from conftest import REPO, TINY, free_port
 
 from zerolm.checkpoint import Checkpoints
 from zerolm.train import EXIT_NONFINITE, EXIT_PREEMPTED

@@ -1,25 +1,18 @@
 """Real multi-process runs: 2 processes × 4 CPU devices, joined by jax.distributed on 127.0.0.1."""
 
 import os
-import socket
 import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, requires_devices
+from conftest import REPO, free_port, requires_devices
 
 from zerolm.data import prepare as prep
 from zerolm.data.loader import BatchLoader
 from zerolm.data.shards import PreparedDataset
 from zerolm.mesh import make_mesh
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(task_args: list[str], n: int = 2, timeout: int = 300) -> None:
