@@ -135,12 +135,16 @@ def test_elastic_restore_dp8_to_dp4_to_one_device(straight, tmp_path):
     np.testing.assert_allclose([resumed[s] for s in range(8, 16)], [reference[s] for s in range(8, 16)], rtol=2e-5)
 
 
-def _two_processes(run_dir, steps):
+def _start_two_processes(run_dir, steps):
     port = free_port()
-    procs = [subprocess.Popen(command(run_dir, steps=steps, args=["--coordinator", f"127.0.0.1:{port}",
-                                                                  "--num-processes", "2", "--process-id", str(i)]),
-                              env=env(4), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
+    return [subprocess.Popen(command(run_dir, steps=steps, args=["--coordinator", f"127.0.0.1:{port}",
+                                                                 "--num-processes", "2", "--process-id", str(i)]),
+                             env=env(4), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(2)]
+
+
+def _two_processes(run_dir, steps):
+    procs = _start_two_processes(run_dir, steps)
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
@@ -158,6 +162,20 @@ def test_one_process_to_two_and_back(straight, tmp_path):
     train(tmp_path)  # and back to 1 process
     resumed = losses(tmp_path)
     np.testing.assert_allclose([resumed[s] for s in range(8, 16)], [reference[s] for s in range(8, 16)], rtol=2e-5)
+
+
+def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
+    procs = _start_two_processes(tmp_path, steps=400)
+    deadline = time.time() + 240
+    while logged_steps(tmp_path) < 10:
+        assert all(p.poll() is None for p in procs) and time.time() < deadline
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)  # as when one host of a slice is being preempted
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [EXIT_PREEMPTED, EXIT_PREEMPTED], errs[0][-2000:] + errs[1][-2000:]
+    latest = Checkpoints(tmp_path / "ckpt", read_only=True).latest_step()
+    assert 10 < latest < 400
+    assert all(f"preempted: checkpoint saved at step {latest}" in err for err in errs)
 
 
 def _snapshot(path):
