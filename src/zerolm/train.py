@@ -340,12 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        # A failed restore leaves TensorStore reads in flight whose callbacks print tracebacks into a
-        # closed event loop at interpreter exit; the manager is closed, so leave without that noise.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(2)
+        _exit_after_restore_error(f"error: {e}", 2)
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_NONFINITE
@@ -353,3 +348,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"zerolm: {e}; exiting with code {EXIT_PREEMPTED}", file=sys.stderr)
         return EXIT_PREEMPTED
     return 0
+
+
+def _exit_after_restore_error(message: str, code: int) -> None:
+    """Report a checkpoint error as the last line and exit.
+
+    After a failed restore, orbax has closed its event loop while TensorStore reads are still in
+    flight, and their callbacks print 'Event loop is closed' tracebacks (not through sys.excepthook).
+    They say nothing about the user's problem: let them drain into /dev/null, then report and leave.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    stderr = os.dup(2)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    time.sleep(0.5)
+    os.dup2(stderr, 2)
+    print(message, file=sys.stderr, flush=True)
+    os._exit(code)
