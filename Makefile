@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CONFIG ?= configs/tiny.yaml
+TRAIN_ARGS ?=
 # 8 fake CPU devices so the data-parallel and ZeRO paths run on any laptop.
 TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 WANDB_MODE=disabled JAX_PLATFORMS=cpu
 
@@ -17,7 +18,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	touch $@
 
 train: install
-	$(PY) main_zero.py --config $(CONFIG)
+	$(PY) main_zero.py --config $(CONFIG) $(TRAIN_ARGS)
 
 test: install
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile tests
