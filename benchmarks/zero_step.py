@@ -26,7 +26,7 @@ from zerolm import hlo, model as gpt_model
 from zerolm.config import load_config
 from zerolm.data.loader import to_accum_layout
 from zerolm.mesh import make_mesh
-from zerolm.zero import Zero1, bytes_per_device, make_optimizer, naive_data_parallel_step
+from zerolm.zero import Zero1, bytes_per_device, make_optimizer, naive_data_parallel_step, with_shardings
 
 # Dense 16-bit matrix peak per chip, FLOP/s, from the vendors' datasheets.
 DATASHEET_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "TPU v4": 275e12, "TPU v5 lite": 197e12,
@@ -65,10 +65,6 @@ def memory_of(compiled) -> int:
 def held_bytes(tree) -> int:
     """Bytes the first device holds of a pytree."""
     return bytes_per_device(tree)[jax.devices()[0]]
-
-
-def _with_shardings(abstract, shardings):
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
 def time_steps(step, state, batches, warmup: int, steps: int):
@@ -128,8 +124,8 @@ def main() -> None:
             grads_view = jax.eval_shape(zero.reshard, grads) if variant == "all_reduce" else grads
             programs = [zero.grad.lower(state.params, batches[0]).compile(),
                         zero.reshard.lower(state.params).compile(),
-                        zero.update.lower(_with_shardings(grads_view, zero.view_shardings),
-                                          _with_shardings(jax.eval_shape(zero.reshard, state.params), zero.view_shardings),
+                        zero.update.lower(with_shardings(grads_view, zero.view_shardings),
+                                          with_shardings(jax.eval_shape(zero.reshard, state.params), zero.view_shardings),
                                           state.opt_state, state.step).compile()]
             state_bytes = held_bytes(state)
             del grads, grads_view

@@ -8,12 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import REPO, TINY, free_port
 
 from zerolm.checkpoint import Checkpoints
+from zerolm.data.prepare import prepare
 from zerolm.train import EXIT_NONFINITE, EXIT_PREEMPTED
 
 STEPS = 16
@@ -176,6 +178,24 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
     latest = Checkpoints(tmp_path / "ckpt", read_only=True).latest_step()
     assert 10 < latest < 400
     assert all(f"preempted: checkpoint saved at step {latest}" in err for err in errs)
+
+
+def test_resume_follows_the_data_not_its_location(straight, tmp_path):
+    run_dir, reference = straight
+    shutil.copytree(run_dir / "ckpt", tmp_path / "ckpt")
+    for step in ("12", "16"):
+        shutil.rmtree(tmp_path / "ckpt" / step)
+    default = Path(os.environ["ZEROLM_CACHE"]) / "datasets" / "kjv-bpe2048-seq32"  # what the runs trained on
+    resharded = tmp_path / "resharded"
+    prepare("default", resharded, seq_len=32, samples_per_shard=1000, progress=False)  # same text, other order
+    refused = train(tmp_path, f"data.dataset={resharded}", expect=2)
+    assert refused.stderr.strip().splitlines()[-1].startswith(
+        f"error: {tmp_path / 'ckpt' / '8'}: the data differs from the checkpoint's, so the data order cannot "
+        "continue: train_shards_sha256: ")
+    shutil.copytree(default, tmp_path / "copy")  # the same dataset somewhere else resumes, exactly
+    train(tmp_path, f"data.dataset={tmp_path / 'copy'}")
+    resumed = losses(tmp_path)
+    assert [resumed[s] for s in range(8, 16)] == [reference[s] for s in range(8, 16)]
 
 
 def _snapshot(path):

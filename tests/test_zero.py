@@ -13,7 +13,7 @@ from zerolm import hlo, model as gpt_model
 from zerolm.config import load_config
 from zerolm.data.loader import to_accum_layout
 from zerolm.mesh import make_mesh
-from zerolm.zero import (Layout, Zero1, bytes_per_device, make_optimizer, naive_data_parallel_step, plan,
+from zerolm.zero import (Zero1, bytes_per_device, is_layout, make_optimizer, naive_data_parallel_step, plan,
                          plan_layout)
 
 pytestmark = requires_devices(8)
@@ -119,7 +119,7 @@ def test_exactly_one_gradient_reduction_per_step(mode, accum):
     else:
         # One reduce-scatter per parameter leaf: together, one reduction of the whole gradient.
         assert {c.op for c in reductions} == {"reduce-scatter"}
-        padded = sum(np.prod(lay.view_shape) for lay in jax.tree.leaves(zero.layouts, is_leaf=lambda x: isinstance(x, Layout)))
+        padded = sum(np.prod(lay.view_shape) for lay in jax.tree.leaves(zero.layouts, is_leaf=is_layout))
         assert sum(c.elements for c in reductions) * zero.dp == padded
         assert len(reductions) == len(jax.tree.leaves(state.params))
     assert all(c.elements == 1 for c in grad_ops if c not in reductions)  # only the scalar loss mean
@@ -151,7 +151,7 @@ def test_indivisible_shapes_put_one_dpth_of_optimizer_state_on_each_device():
     cfg = small_config("model.d_model=20", "model.n_head=5", "model.n_layer=3", "model.seq_len=13",
                        "model.vocab_size=100")
     _, init_fn, _, abstract = small_model(cfg.model)
-    layouts = jax.tree.leaves(plan(abstract, 8), is_leaf=lambda x: isinstance(x, Layout))
+    layouts = jax.tree.leaves(plan(abstract, 8), is_leaf=is_layout)
     assert any(lay.axis is None for lay in layouts), "the test needs leaves that must be blockified"
     assert any(lay.axis not in (None, 0) for lay in layouts), "the test needs leaves split on a later axis"
 
@@ -172,7 +172,7 @@ def test_125m_padding_under_one_percent(dp):
     cfg = load_config(REPO / "configs" / "125m.yaml", ["train.micro_batch_size=1"], device_count=dp)
     model = gpt_model.GPT(cfg.model)
     abstract = jax.eval_shape(functools.partial(gpt_model.init_params, model), jax.random.key(0))
-    layouts = jax.tree.leaves(plan(abstract, dp), is_leaf=lambda x: isinstance(x, Layout))
+    layouts = jax.tree.leaves(plan(abstract, dp), is_leaf=is_layout)
     total = sum(lay.size for lay in layouts)
     assert sum(lay.padding for lay in layouts) / total < 0.01
 

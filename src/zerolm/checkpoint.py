@@ -29,15 +29,11 @@ import optax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from zerolm.zero import Layout, TrainState, Zero1, abstract_views, plan
+from zerolm.zero import TrainState, Zero1, abstract_views, is_layout, plan, with_shardings
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; one line naming the directory and what is wrong."""
-
-
-def _is_layout(x) -> bool:
-    return isinstance(x, Layout)
 
 
 class Checkpoints:
@@ -95,13 +91,13 @@ class Checkpoints:
         saved_opt = jax.eval_shape(zero.tx.init, saved_views)
         # Same shape as now: restore straight into the new sharding; else whole, then repacked below.
         same = jax.tree.map(lambda old, new: old.view_shape == new.view_shape, saved_layouts, zero.layouts,
-                            is_leaf=_is_layout)
+                            is_leaf=is_layout)
         view_restore = jax.tree.map(lambda s, sh: sh if s else zero.replicated, same, zero.view_shardings)
         opt_restore = optax.tree_map_params(zero.tx, lambda _, sh: sh, saved_opt, view_restore,
                                             transform_non_params=lambda _: zero.replicated)
-        target = TrainState(step=_abstract(jax.ShapeDtypeStruct((), np.int32), zero.replicated),
-                            params=jax.tree.map(_abstract, zero.abstract_params, zero.param_shardings),
-                            opt_state=jax.tree.map(_abstract, saved_opt, opt_restore))
+        target = TrainState(step=jax.ShapeDtypeStruct((), np.int32, sharding=zero.replicated),
+                            params=with_shardings(zero.abstract_params, zero.param_shardings),
+                            opt_state=with_shardings(saved_opt, opt_restore))
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         except Exception as e:
@@ -111,7 +107,7 @@ class Checkpoints:
         if meta["dp"] != zero.dp:
             repack = jax.jit(lambda opt: optax.tree_map_params(
                 zero.tx, lambda v, old, new: new.to_view(old.from_view(v)), opt, saved_layouts, zero.layouts,
-                transform_non_params=lambda x: x, is_leaf=_is_layout), out_shardings=zero.opt_shardings)
+                transform_non_params=lambda x: x, is_leaf=is_layout), out_shardings=zero.opt_shardings)
             state = state.replace(opt_state=repack(state.opt_state))
         return state, meta
 
@@ -123,10 +119,6 @@ def _first_line(error: Exception) -> str:
 
 # Keys that change how the model computes, not what its parameters are.
 _COMPUTE_ONLY = {"dtype", "attention", "remat"}
-
-
-def _abstract(a, sharding):
-    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
 
 
 def directory_size(path: epath.Path) -> int:

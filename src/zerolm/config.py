@@ -70,6 +70,10 @@ class TrainConfig(_Section):
     eval_batches: int = PositiveInt
     skip_nonfinite: bool  # skip (and count) updates with a non-finite gradient instead of stopping
 
+    @property
+    def schedule_length(self) -> int:
+        return self.schedule_steps or self.steps
+
 
 class MeshConfig(_Section):
     dp: int | Literal["auto"]  # "auto": every device not used by tp
@@ -146,9 +150,9 @@ class Config(_Section):
                 raise _KeyError("train.global_batch_size",
                                 f"{self.train.global_batch_size} is not divisible by micro_batch_size × dp = "
                                 f"{self.train.micro_batch_size} × {dp} = {per_step}")
-        if self.train.warmup_steps > (self.train.schedule_steps or self.train.steps):
+        if self.train.warmup_steps > self.train.schedule_length:
             raise _KeyError("train.warmup_steps", f"{self.train.warmup_steps} is longer than the schedule "
-                            f"({self.train.schedule_steps or self.train.steps} steps)")
+                            f"({self.train.schedule_length} steps)")
         return self
 
     # Derived quantities: read these rather than recomputing them at call sites.

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
+import json
 import os
 import secrets
 import signal
@@ -17,7 +19,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import optax
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
@@ -91,8 +92,12 @@ def resolve_vocab(cfg: Config, dataset: PreparedDataset) -> Config:
 
 
 def dataset_identity(cfg: Config, dataset: PreparedDataset) -> dict:
-    """What must not change across a resume for the data order to continue exactly."""
-    return {"location": str(dataset.location), "tokenizer_sha256": dataset.manifest["tokenizer"]["sha256"],
+    """What must not change across a resume for the data order to continue exactly: the tokens (by
+    tokenizer and shard layout, not by where the dataset lives, so a copied dataset still resumes),
+    the sequence length and the seed."""
+    shards = [(s["name"], s["samples"]) for s in dataset.manifest["splits"]["train"]["shards"]]
+    return {"tokenizer_sha256": dataset.manifest["tokenizer"]["sha256"],
+            "train_shards_sha256": hashlib.sha256(json.dumps(shards).encode()).hexdigest(),
             "train_samples": int(dataset.manifest["splits"]["train"]["samples"]),
             "seq_len": dataset.seq_len, "seed": cfg.train.seed}
 
@@ -159,9 +164,10 @@ def start_state(cfg: Config, zero: Zero1, init_fn, ckpts: Checkpoints, data_id: 
                               f"resuming with {cfg.train.global_batch_size} would change the data order")
     say(f"resumed from {ckpts.directory / str(latest)} (step {latest}, saved on dp={meta['dp']})")
     saved_train = meta["config"]["train"]
-    if (saved_train["schedule_steps"] or saved_train["steps"]) != (cfg.train.schedule_steps or cfg.train.steps):
-        say(f"  note: the lr schedule changed length: {saved_train['schedule_steps'] or saved_train['steps']} -> "
-            f"{cfg.train.schedule_steps or cfg.train.steps} steps (set train.schedule_steps to keep it)")
+    saved_schedule = saved_train["schedule_steps"] or saved_train["steps"]
+    if saved_schedule != cfg.train.schedule_length:
+        say(f"  note: the lr schedule changed length: {saved_schedule} -> {cfg.train.schedule_length} steps "
+            "(set train.schedule_steps to keep it)")
     if meta["accum_steps"] != cfg.accum_steps or meta["dp"] != cfg.dp:
         say(f"  device count changed: dp {meta['dp']} -> {cfg.dp}; accumulation steps recomputed "
             f"{meta['accum_steps']} -> {cfg.accum_steps} (same global batch of {cfg.train.global_batch_size})")
@@ -185,8 +191,6 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
     loss_fn = functools.partial(gpt_model.lm_loss, model)
     abstract_params = jax.eval_shape(init_fn, jax.random.key(0))
     tx, schedule = make_optimizer(cfg.train)
-    if cfg.train.skip_nonfinite:
-        tx = optax.apply_if_finite(tx, max_consecutive_errors=2**31 - 1)
     zero = Zero1(mesh, loss_fn, tx, abstract_params, grad_reduce=cfg.zero.grad_reduce, lr_schedule=schedule)
 
     say(f"zerolm: {cfg.name}: {gpt_model.count_params(abstract_params) / 1e6:.2f}M params, {jax.device_count()} "
@@ -236,6 +240,7 @@ def _train_loop(cfg: Config, zero: Zero1, loss_fn, state: TrainState, start: int
     def checkpoint_meta(done: int, loss: float | None) -> dict:
         return {"step": done, "time": time.time(), "config": cfg.model_dump(), "dp": cfg.dp,
                 "accum_steps": cfg.accum_steps, "process_count": jax.process_count(), "dataset": data_id,
+                "dataset_location": str(train_split.dataset.location),
                 "tokens_seen": done * tokens_per_step, "loss": loss, "wandb_id": wandb_id,
                 "zerolm_version": zerolm.__version__}
 

@@ -91,21 +91,26 @@ def plan(abstract_params: PyTree, dp: int) -> PyTree:
     return jax.tree.map(lambda a: plan_layout(a.shape, dp), abstract_params)
 
 
-def _is_layout(x) -> bool:
+def is_layout(x) -> bool:
     return isinstance(x, Layout)
 
 
 def to_views(layouts: PyTree, tree: PyTree) -> PyTree:
-    return jax.tree.map(lambda lay, x: lay.to_view(x), layouts, tree, is_leaf=_is_layout)
+    return jax.tree.map(lambda lay, x: lay.to_view(x), layouts, tree, is_leaf=is_layout)
 
 
 def from_views(layouts: PyTree, tree: PyTree) -> PyTree:
-    return jax.tree.map(lambda lay, v: lay.from_view(v), layouts, tree, is_leaf=_is_layout)
+    return jax.tree.map(lambda lay, v: lay.from_view(v), layouts, tree, is_leaf=is_layout)
+
+
+def with_shardings(abstract: PyTree, shardings: PyTree) -> PyTree:
+    """Abstract arrays carrying shardings: the targets for lowering or restoring sharded state."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
 def abstract_views(layouts: PyTree, abstract_params: PyTree) -> PyTree:
     return jax.tree.map(lambda lay, a: jax.ShapeDtypeStruct(lay.view_shape, a.dtype),
-                        layouts, abstract_params, is_leaf=_is_layout)
+                        layouts, abstract_params, is_leaf=is_layout)
 
 
 @flax.struct.dataclass
@@ -137,7 +142,7 @@ class Zero1:
         self.batch_sharding = NamedSharding(mesh, P(None, DP))
         self.param_shardings = jax.tree.map(lambda _: self.replicated, abstract_params)
         self.view_shardings = jax.tree.map(lambda lay: NamedSharding(mesh, lay.spec), self.layouts,
-                                           is_leaf=_is_layout)
+                                           is_leaf=is_layout)
         abstract_opt = jax.eval_shape(tx.init, abstract_views(self.layouts, abstract_params))
         self.opt_shardings = optax.tree_map_params(
             tx, lambda _, sharding: sharding, abstract_opt, self.view_shardings,
@@ -146,7 +151,7 @@ class Zero1:
                                           opt_state=self.opt_shardings)
 
         grad_specs = (P() if grad_reduce == "all_reduce"
-                      else jax.tree.map(lambda lay: lay.spec, self.layouts, is_leaf=_is_layout))
+                      else jax.tree.map(lambda lay: lay.spec, self.layouts, is_leaf=is_layout))
         local = functools.partial(_local_grads, loss_fn=loss_fn, layouts=self.layouts,
                                   grad_reduce=grad_reduce, dp=self.dp)
         self.grad = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, DP)),
@@ -203,7 +208,7 @@ def _local_grads(params, batch_AxMxT1, *, loss_fn: LossFn, layouts, grad_reduce:
     else:
         grads = jax.tree.map(
             lambda lay, g: lax.psum_scatter(lay.to_view(g), DP, scatter_dimension=lay.scatter_dim, tiled=True) / dp,
-            layouts, grads, is_leaf=_is_layout)
+            layouts, grads, is_leaf=is_layout)
         loss = lax.pmean(loss, DP)
     return grads, {"loss": loss}
 
@@ -221,14 +226,17 @@ def _update(grads_view, params_view, opt_state, step, *, tx, layouts, lr_schedul
 
 
 def make_optimizer(train_cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with linear warmup then cosine decay, after global-norm clipping."""
+    """AdamW with linear warmup then cosine decay, after global-norm clipping; with
+    train.skip_nonfinite, wrapped so that an update with a non-finite gradient is skipped and counted."""
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=train_cfg.lr, warmup_steps=train_cfg.warmup_steps,
-        decay_steps=train_cfg.schedule_steps or train_cfg.steps, end_value=train_cfg.lr * train_cfg.min_lr_ratio)
+        decay_steps=train_cfg.schedule_length, end_value=train_cfg.lr * train_cfg.min_lr_ratio)
     tx = optax.chain(
         optax.clip_by_global_norm(train_cfg.grad_clip),
         optax.adamw(schedule, b1=train_cfg.beta1, b2=train_cfg.beta2, eps=train_cfg.eps,
                     weight_decay=train_cfg.weight_decay, mask=decay_mask))
+    if train_cfg.skip_nonfinite:
+        tx = optax.apply_if_finite(tx, max_consecutive_errors=2**31 - 1)
     return tx, schedule
 
 

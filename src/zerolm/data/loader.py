@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerolm.data.shards import Split
-from zerolm.mesh import DP, TP, compute_batch_size
+from zerolm.mesh import DP, TP
 
 
 def to_accum_layout(rows: np.ndarray, n_devices: int, accum: int, micro: int) -> np.ndarray:
@@ -84,13 +84,14 @@ class BatchLoader:
         self.dp, self.tp = mesh.shape[DP], mesh.shape[TP]
         self.accum = global_batch_size // (micro_batch_size * self.dp)
         self.order = SampleOrder(split.sizes, seed)
-        self.should_load, self.local_shards = compute_batch_size(mesh)
         self.shape = (self.accum, self.dp * self.micro, split.T1)
         self.sharding = NamedSharding(mesh, P(None, DP))
-        if self.tp > 1:
-            # Staging array with a leading tp axis: device (i, j) holds slot j of dp block i.
-            self._staging = NamedSharding(mesh, P(TP, None, DP))
-            self._sum_tp = jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=self.sharding)
+        # Staging array with a leading tp axis: device (dp i, tp j) holds slot j of dp block i. Only
+        # slot 0 is read from storage, so a host reads the blocks of its tp = 0 devices: exactly
+        # compute_batch_size(mesh)'s local_shards of them. The sum over tp hands them to the rest.
+        self._staging = NamedSharding(mesh, P(TP, None, DP))
+        self._staged_shape = (self.tp, *self.shape)
+        self._sum_tp = jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=self.sharding)
 
     def device_rows(self, step: int, dp_index: int) -> np.ndarray:
         """The (accum, micro, T+1) rows of dp block `dp_index` at `step`, read from storage."""
@@ -100,20 +101,15 @@ class BatchLoader:
         return rows.reshape(self.accum, self.micro, -1)
 
     def global_batch(self, step: int) -> jax.Array:
-        if self.tp == 1:
-            index_map = self.sharding.addressable_devices_indices_map(self.shape)
-            arrays = [jax.device_put(self.device_rows(step, (idx[1].start or 0) // self.micro), d)
-                      for d, idx in index_map.items()]
-            return jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)
-        staged_shape = (self.tp, *self.shape)
         arrays = []
-        for d, idx in self._staging.addressable_devices_indices_map(staged_shape).items():
+        for d, idx in self._staging.addressable_devices_indices_map(self._staged_shape).items():
             tp_index, dp_index = idx[0].start or 0, (idx[2].start or 0) // self.micro
             rows = (self.device_rows(step, dp_index) if tp_index == 0
                     else np.zeros((self.accum, self.micro, self.shape[-1]), np.int32))
-            arrays.append(jax.device_put(rows[None], d))
-        staged = jax.make_array_from_single_device_arrays(staged_shape, self._staging, arrays)
-        return self._sum_tp(staged)
+            arrays.append(jax.device_put(rows if self.tp == 1 else rows[None], d))
+        if self.tp == 1:  # nothing to hand over: the rows are already where they belong
+            return jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)
+        return self._sum_tp(jax.make_array_from_single_device_arrays(self._staged_shape, self._staging, arrays))
 
     def batches(self, start_step: int, prefetch: int = 2) -> Prefetcher:
         """(batch, seconds the consumer waited for it) from `start_step` on, read ahead on a thread."""

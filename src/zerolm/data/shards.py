@@ -165,8 +165,7 @@ class _LocalShard:
             raise DataError(f"{path}: missing or unreadable shard ({e.strerror})") from None
         if "bytes" in info and size != info["bytes"]:
             raise DataError(f"{path}: {size} bytes, the manifest says {info['bytes']} (truncated or replaced shard)")
-        first = self._header(0)
-        self.data_offset = 512
+        first = self._header(0, stride=0)
         npy = io.BytesIO(self.map[512: 512 + first.size].tobytes())
         version = np.lib.format.read_magic(npy)
         read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
@@ -179,16 +178,16 @@ class _LocalShard:
         if size < self.n * self.stride + 1024:
             raise DataError(f"{path}: {size} bytes cannot hold the manifest's {self.n} samples (truncated shard)")
         try:
-            self._header(self.n - 1)
+            self._header(self.n - 1, self.stride)
         except DataError as e:
             reason = str(e).removeprefix(f"{path}: ")
             raise DataError(f"{path}: does not match the manifest's {self.n} samples ({reason})") from None
         self.dtype = dtype
 
-    def _header(self, i: int) -> tarfile.TarInfo:
-        offset = i * getattr(self, "stride", 0)
+    def _header(self, i: int, stride: int) -> tarfile.TarInfo:
         try:
-            info = tarfile.TarInfo.frombuf(self.map[offset: offset + 512].tobytes(), "utf-8", "surrogateescape")
+            info = tarfile.TarInfo.frombuf(self.map[i * stride: i * stride + 512].tobytes(), "utf-8",
+                                           "surrogateescape")
         except tarfile.TarError as e:
             raise DataError(f"{self.path}: sample {i}: bad tar header ({e})") from None
         if info.name != f"{i:09d}.npy":
