@@ -5,7 +5,14 @@ A checkpoint is a step directory written by an orbax CheckpointManager, holding 
   meta   JSON: the resolved config, the dp it was saved on, the dataset/tokenizer identity, tokens
          seen, the last loss, the wandb run id, the time
 Orbax writes into a temporary directory and renames it when complete. A save cut short by a crash
-is never listed, so `latest_step` is always a checkpoint that restores.
+is never listed; its temporary directory is removed by the next run that locks the directory
+(`remove_unfinished`).
+
+Damage after the fact (a truncated or deleted file, a disk that lost a block) is caught by
+`verify`: once a save is durable, process 0 records the size of every file in it
+(`zerolm_files.json`), and a checkpoint whose files no longer match, or whose metadata cannot be
+read, is damaged. `--resume auto` moves a damaged checkpoint aside (`<dir>.damaged/`, never deleted)
+and takes the newest intact one before it.
 
 The data loader's position is not stored separately: the batch of step s is a pure function of
 (seed, s) (see data/loader.py), so the step is the position.
@@ -18,11 +25,12 @@ restored whole and repacked for the new dp.
 
 from __future__ import annotations
 
-import shutil
+import contextlib
+import json
 import time
-from pathlib import Path
 from typing import Any
 
+import absl.logging
 import jax
 import numpy as np
 import optax
@@ -36,18 +44,40 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used; one line naming the directory and what is wrong."""
 
 
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint whose files are missing, truncated or unreadable (as opposed to one that does not fit)."""
+
+    def __init__(self, step: int, where: epath.Path, reason: str):
+        super().__init__(f"{where}: damaged checkpoint: {reason}")
+        self.step, self.reason = step, reason
+
+
+FILE_LIST = "zerolm_files.json"  # relative path -> bytes of every file of a durable checkpoint
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's marker of a save not yet finalized
+
+
+@contextlib.contextmanager
+def quiet_orbax():
+    """absl WARNING/INFO lines from orbax ("Given directory is read only" ...) say nothing to a user."""
+    verbosity = absl.logging.get_verbosity()
+    absl.logging.set_verbosity(absl.logging.ERROR)
+    try:
+        yield
+    finally:
+        absl.logging.set_verbosity(verbosity)
+
+
 class Checkpoints:
     """The checkpoints of one run directory (local path or gs://)."""
 
-    def __init__(self, directory: str | Path, *, keep: int = 3, keep_every: int | None = None,
+    def __init__(self, directory: str | epath.Path, *, keep: int = 3, keep_every: int | None = None,
                  read_only: bool = False):
-        directory = str(directory)
-        # orbax needs absolute paths; a relative local one is taken from the working directory.
-        self.directory = epath.Path(directory if "://" in directory else Path(directory).absolute())
+        self.directory = _path(directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, keep_period=keep_every, create=not read_only, read_only=read_only,
             enable_async_checkpointing=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        self._unrecorded: list[int] = []  # saves whose file list is written once they are durable
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -58,23 +88,55 @@ class Checkpoints:
     def save(self, state: TrainState, meta: dict[str, Any], *, wait: bool = False) -> None:
         """Start an asynchronous save; the step continues while it is written."""
         step = int(meta["step"])
+        if self._unrecorded:
+            self.wait()  # orbax would wait for the previous save here anyway
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
+        self._unrecorded.append(step)
         if wait:
-            self.manager.wait_until_finished()
+            self.wait()
 
     def wait(self) -> None:
+        """Until the save in flight is durable; then record its files."""
         self.manager.wait_until_finished()
+        for step in self._unrecorded:
+            path = self.directory / str(step)
+            if jax.process_index() == 0 and path.exists():
+                files = {str(p.relative_to(path)): p.stat().length for p in _walk(path)}
+                tmp = path / f".{FILE_LIST}.tmp"
+                tmp.write_text(json.dumps({"files": files}))
+                tmp.rename(path / FILE_LIST)
+        self._unrecorded = []
 
     def close(self) -> None:
+        self.wait()
         self.manager.close()
+
+    def verify(self, step: int) -> None:
+        """Raise DamagedCheckpoint if a file recorded at save time is missing or changed size, or the
+        metadata cannot be read. A checkpoint without a file list (killed between its save and the
+        record) is checked by restoring it."""
+        where = self.directory / str(step)
+        record = where / FILE_LIST
+        if record.exists():
+            try:
+                files = json.loads(record.read_text())["files"]
+            except (ValueError, KeyError, OSError) as e:
+                raise DamagedCheckpoint(step, where, f"{FILE_LIST} is unreadable ({e})") from None
+            for name, size in sorted(files.items()):
+                path = where / name
+                if not path.exists():
+                    raise DamagedCheckpoint(step, where, f"{name} is missing")
+                if (actual := path.stat().length) != size:
+                    raise DamagedCheckpoint(step, where, f"{name} has {actual} bytes, {size} when it was saved")
+        self.meta(step)
 
     def meta(self, step: int) -> dict[str, Any]:
         try:
             return dict(self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
         except Exception as e:  # orbax raises many types for a damaged directory
-            raise CheckpointError(f"{self.directory / str(step)}: cannot read checkpoint metadata "
-                                  f"({type(e).__name__}: {_first_line(e)})") from None
+            raise DamagedCheckpoint(step, self.directory / str(step), "cannot read its metadata "
+                                    f"({type(e).__name__}: {_first_line(e)})") from None
 
     def restore(self, step: int, zero: Zero1, model_config: dict) -> tuple[TrainState, dict[str, Any]]:
         """Restore `step` into `zero`'s mesh and shardings. Checks the model first; writes nothing."""
@@ -101,8 +163,8 @@ class Checkpoints:
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         except Exception as e:
-            raise CheckpointError(f"{where}: cannot restore, the checkpoint is damaged or incomplete "
-                                  f"({type(e).__name__}: {_first_line(e)})") from None
+            raise DamagedCheckpoint(step, where, "cannot restore it "
+                                    f"({type(e).__name__}: {_first_line(e)})") from None
         state = restored["state"]
         if meta["dp"] != zero.dp:
             repack = jax.jit(lambda opt: optax.tree_map_params(
@@ -121,30 +183,91 @@ def _first_line(error: Exception) -> str:
 _COMPUTE_ONLY = {"dtype", "attention", "remat"}
 
 
+def _walk(path: epath.Path):
+    """Files under a directory (walked level by level: epath refuses `**` globs on GCS)."""
+    for p in path.iterdir():
+        if p.is_dir():
+            yield from _walk(p)
+        else:
+            yield p
+
+
 def directory_size(path: epath.Path) -> int:
-    """Bytes under a directory (walked level by level: epath refuses `**` globs on GCS)."""
-    return sum(directory_size(p) if p.is_dir() else p.stat().length for p in path.iterdir())
+    return sum(p.stat().length for p in _walk(path))
 
 
-def move_aside(directory: Path) -> Path:
-    """Rename a run's checkpoint directory out of the way (never delete someone's checkpoints)."""
-    aside = directory.with_name(f"{directory.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
-    shutil.move(str(directory), str(aside))
+def _path(directory: str | epath.Path) -> epath.Path:
+    """orbax needs absolute paths; a relative local one is taken from the working directory."""
+    directory = str(directory)
+    return epath.Path(directory if "://" in directory else epath.Path(directory).absolute())
+
+
+def _stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def remove_unfinished(directory: str | epath.Path) -> list[str]:
+    """Delete the temporary directories of saves that never finished (their run died mid-save).
+
+    Only safe while holding the directory's run lock: a live run's save in flight looks the same."""
+    directory = _path(directory)
+    if not directory.exists():
+        return []
+    unfinished = sorted(p for p in directory.iterdir() if TMP_SUFFIX in p.name)
+    for p in unfinished:
+        p.rmtree()
+    return [p.name for p in unfinished]
+
+
+def move_aside(directory: str | epath.Path, keep: tuple[str, ...] = ()) -> epath.Path:
+    """Move a run's checkpoints into `<dir>.replaced-<time>/` (never delete someone's checkpoints).
+
+    The directory itself stays, with the entries named in `keep` (the run lock)."""
+    directory = _path(directory)
+    aside = directory.parent / f"{directory.name}.replaced-{_stamp()}"
+    aside.mkdir(parents=True)
+    for p in directory.iterdir():
+        if p.name not in keep:
+            p.rename(aside / p.name)
     return aside
 
 
-def describe(directory: str | Path) -> str:
-    """The table `zerolm checkpoints DIR` prints."""
-    ckpts = Checkpoints(directory, read_only=True)
-    steps = ckpts.steps()
-    if not steps:
-        return f"{directory}: no complete checkpoint; `--resume auto` would start from scratch"
-    rows = ["step  saved (UTC)           size      tokens seen      loss    dp"]
-    for step in steps:
-        meta = ckpts.meta(step)
-        size = directory_size(ckpts.directory / str(step))
-        saved = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(meta["time"]))
-        loss = f"{meta['loss']:.4f}" if meta.get("loss") is not None else "-"
-        rows.append(f"{step:<5} {saved}  {size / 2**20:7.1f} MiB  {meta['tokens_seen']:>13,}  {loss:>8}  {meta['dp']:>4}")
-    rows.append(f"`--resume auto` would take step {ckpts.latest_step()}")
+def move_damaged(directory: str | epath.Path, step: int) -> epath.Path:
+    """Move one damaged step out of the run into `<dir>.damaged/<step>-<time>` (never deleted)."""
+    directory = _path(directory)
+    target = directory.parent / f"{directory.name}.damaged" / f"{step}-{_stamp()}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    (directory / str(step)).rename(target)
+    return target
+
+
+def describe(directory: str | epath.Path) -> str:
+    """The table `zerolm checkpoints DIR` prints: every step, damaged ones marked, and the step
+    `--resume auto` would really take (the newest intact one)."""
+    with quiet_orbax():
+        ckpts = Checkpoints(directory, read_only=True)
+        steps = ckpts.steps()
+        if not steps:
+            return f"{directory}: no complete checkpoint; `--resume auto` would start from scratch"
+        rows = ["step  saved (UTC)           size      tokens seen      loss    dp  status"]
+        intact = []
+        for step in steps:
+            size = directory_size(ckpts.directory / str(step))
+            try:
+                ckpts.verify(step)
+                meta = ckpts.meta(step)
+            except DamagedCheckpoint as e:
+                rows.append(f"{step:<5} {'-':<19}  {size / 2**20:7.1f} MiB  {'-':>13}  {'-':>8}  {'-':>4}  "
+                            f"DAMAGED: {e.reason}")
+                continue
+            intact.append(step)
+            saved = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(meta["time"]))
+            loss = f"{meta['loss']:.4f}" if meta.get("loss") is not None else "-"
+            rows.append(f"{step:<5} {saved}  {size / 2**20:7.1f} MiB  {meta['tokens_seen']:>13,}  {loss:>8}  "
+                        f"{meta['dp']:>4}  ok")
+    if intact:
+        rows.append(f"`--resume auto` would take step {intact[-1]}"
+                    + (" (the newer damaged ones are moved aside)" if intact[-1] != steps[-1] else ""))
+    else:
+        rows.append("`--resume auto` would start from scratch: no intact checkpoint")
     return "\n".join(rows)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import builtins
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
+
+T = TypeVar("T")
 
 DP = "dp"  # data parallel: batch rows and the ZeRO-1 optimizer-state shards
 TP = "tp"  # tensor parallel: reserved (size 1 until tensor parallelism lands)
@@ -72,3 +76,27 @@ def initialize_distributed(coordinator: str | None, num_processes: int | None, p
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def on_process_0(fn: Callable[[], T], errors: tuple[type[Exception], ...]) -> T | None:
+    """Run `fn` on process 0 alone (file-system work every process must agree on: locking, moving
+    checkpoints). Returns its result there and None elsewhere; if it raised one of `errors`, every
+    process raises it, with process 0's message, so that all of them stop together."""
+    result, failure = None, None
+    if jax.process_index() == 0:
+        try:
+            result = fn()
+        except errors as e:
+            failure = e
+    if jax.process_count() > 1:
+        message = np.zeros(4096, np.uint8)
+        if failure is not None:
+            encoded = np.frombuffer(str(failure).encode()[:4095], np.uint8)
+            message[:len(encoded)] = encoded
+            message[-1] = next(i for i, kind in enumerate(errors) if isinstance(failure, kind)) + 1
+        message = np.asarray(multihost_utils.broadcast_one_to_all(message))
+        if failure is None and message[-1]:
+            failure = errors[int(message[-1]) - 1](bytes(message[:-1]).rstrip(b"\0").decode(errors="replace"))
+    if failure is not None:
+        raise failure
+    return result
