@@ -265,3 +265,148 @@ def test_prepare_cli(tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True)
     assert again.returncode == 2
     assert again.stderr.strip() == f"error: {tmp_path / 'o'}: already holds a prepared dataset; pass --overwrite to replace it"
+
+
+def _overwrite_token(shard, reader, sample, position, value):
+    """Set one token of one sample in a shard file, as a disk fault or a bad writer would."""
+    data = bytearray(shard.read_bytes())
+    at = sample * reader.stride + 512 + reader.npy_header + position * reader.dtype.itemsize
+    data[at: at + reader.dtype.itemsize] = np.array([value], reader.dtype).tobytes()
+    shard.write_bytes(bytes(data))
+
+
+def test_token_ids_outside_the_vocabulary_are_named_or_skipped(kjv, tmp_path):
+    out, m = _damaged_copy(kjv, tmp_path)
+    shard = out / m["splits"]["train"]["shards"][0]["name"]
+    probe = PreparedDataset(out).split("train")
+    probe.read(np.array([0]))
+    _overwrite_token(shard, probe._readers[0], sample=5, position=10, value=60000)
+    with pytest.raises(DataError, match=rf"^{shard}: sample 5 has token id 60000, outside the tokenizer's vocabulary "
+                                        r"of 2048 \(corrupted data; data.skip_bad_samples: true replaces such samples\)$"):
+        PreparedDataset(out).split("train").read(np.array([4, 5]))
+    lenient = PreparedDataset(out).split("train", skip_bad=True)
+    np.testing.assert_array_equal(lenient.read(np.array([5]))[0], PreparedDataset(kjv).split("train").read(np.array([6]))[0])
+    assert lenient.bad_samples == 1
+
+
+def test_train_stops_on_out_of_vocabulary_tokens_with_a_data_error(kjv, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO, TINY
+
+    out, m = _damaged_copy(kjv, tmp_path)
+    probe = PreparedDataset(out).split("train")
+    probe.read(np.array([0]))
+    for shard_info in m["splits"]["train"]["shards"]:  # every sample of every shard: the first batch must hit one
+        for sample in range(shard_info["samples"]):
+            _overwrite_token(out / shard_info["name"], probe._readers[0], sample, 3, 65535)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    args = ["--set", f"data.dataset={out}", "--set", "model.seq_len=64", "--set", "train.steps=3",
+            "--set", "train.warmup_steps=1", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}",
+            "--set", f"logging.dir={tmp_path / 'log'}", "--set", "sample.tokens=0"]
+    for extra in ([], ["--set", "train.skip_nonfinite=true"]):
+        proc = subprocess.run([sys.executable, str(REPO / "main_zero.py"), "--config", str(TINY), *args, *extra],
+                              capture_output=True, text=True, cwd=REPO, timeout=300)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"error: {out}/train-") and "has token id 65535, outside the tokenizer's vocabulary" in last
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert not (tmp_path / "ckpt").exists() or not any(p.name.isdigit() for p in (tmp_path / "ckpt").iterdir())
+
+
+def test_missing_or_truncated_shard_is_found_before_the_first_step(kjv, tmp_path):
+    out, m = _damaged_copy(kjv, tmp_path)
+    last = out / m["splits"]["train"]["shards"][-1]["name"]
+    last.write_bytes(last.read_bytes()[:-4096])
+    cfg = small_config(f"data.dataset={out}", "model.seq_len=64", "model.vocab_size=auto", "train.steps=3",
+                       "train.warmup_steps=1", f"logging.dir={tmp_path / 'log'}", f"checkpoint.dir={tmp_path / 'c'}")
+    with pytest.raises(DataError, match=rf"^{last}: \d+ bytes, the manifest says \d+ \(truncated or replaced shard\)$"):
+        run(cfg, out=io.StringIO())
+    last.unlink()
+    with pytest.raises(DataError, match=rf"^{last}: missing or unreadable shard"):
+        run(cfg, out=io.StringIO())
+    assert not (tmp_path / "log").exists()  # stopped before any step
+
+
+def test_one_document_source_holds_out_validation_and_trains(tmp_path):
+    (tmp_path / "book.txt").write_text(" ".join(_texts(1, 4, 3000)))
+    m = prep.prepare(f"text:{tmp_path}/book.txt", tmp_path / "ds", seq_len=16, vocab_size=300, progress=False)
+    train_n, val_n = m["splits"]["train"]["samples"], m["splits"]["val"]["samples"]
+    assert m["documents"] == 1 and val_n == max(1, (train_n + val_n) // 50)
+    assert m["val_rule"].startswith(f"the last {val_n} training sample(s), since 1 document(s) are too few")
+    # The held-out rows are the tail of the token stream: together the splits are the whole book, in order.
+    ds = PreparedDataset(tmp_path / "ds")
+    rows = np.concatenate([ds.split("train").read(np.arange(train_n)), ds.split("val").read(np.arange(val_n))])
+    ref = prep.prepare(f"text:{tmp_path}/book.txt", tmp_path / "ref", seq_len=16, vocab_size=300, val_every=10**9,
+                       progress=False)  # holds out 1 sample
+    ref_ds = PreparedDataset(tmp_path / "ref")
+    assert (ref["splits"]["train"]["samples"], ref["splits"]["val"]["samples"]) == (train_n + val_n - 1, 1)
+    np.testing.assert_array_equal(rows, np.concatenate([ref_ds.split("train").read(np.arange(train_n + val_n - 1)),
+                                                        ref_ds.split("val").read(np.arange(1))]))
+
+    # A dataset with no validation samples at all trains without evaluation, and says so.
+    manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
+    manifest["splits"]["val"] = {"shards": [], "samples": 0, "tokens": 0, "unigram_entropy": None}
+    (tmp_path / "ds" / "manifest.json").write_text(json.dumps(manifest))
+    out = io.StringIO()
+    summary = run(small_config(f"data.dataset={tmp_path / 'ds'}", "model.vocab_size=auto", "train.steps=3",
+                               "train.warmup_steps=1", "train.global_batch_size=16", "train.micro_batch_size=2",
+                               f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                               "sample.tokens=0"), out=out)
+    assert "has no validation samples: training without evaluation" in out.getvalue()
+    assert np.isfinite(summary["loss"]) and "val_loss" not in summary
+
+
+def test_skip_bad_counts_each_record_once_with_the_default_tokenizer(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    good = [json.dumps({"text": t}) for t in _texts(30)]
+    bad.write_text("\n".join(good[:10] + ['{"txt": 1}'] + good[10:] + ["{oops"]) + "\n")
+    m = prep.prepare(f"jsonl:{bad}", tmp_path / "o", seq_len=8, vocab_size=300, skip_bad=True, progress=False)
+    assert m["skipped"] == 2 and m["skipped_first"] == f"{bad}:11: no text field 'text'"
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--seq-len", "0", "--seq-len: must be a positive integer, got 0"),
+    ("--seq-len", "-3", "--seq-len: must be a positive integer, got -3"),
+    ("--val-every", "0", "--val-every: must be a positive integer, got 0"),
+    ("--vocab-size", "0", "--vocab-size: must be at least 257 (256 bytes + end-of-text), got 0"),
+    ("--samples-per-shard", "0", "--samples-per-shard: must be a positive integer, got 0"),
+])
+def test_prepare_flags_are_validated(flag, value, message, tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "zerolm.cli", "prepare", "--source", "default", "--out",
+                           str(tmp_path / "o"), flag, value], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr == f"error: {message}\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_interrupted_prepare_removes_its_partial_directory(tmp_path):
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    # A partial directory of a prepare on this host whose process is gone (killed with kill -9).
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".ds.partial-{socket.gethostname()}-{dead.pid}"
+    (stale / "junk").mkdir(parents=True)
+    docs = tmp_path / "d.jsonl"
+    docs.write_text("\n".join(json.dumps({"text": t}) for t in _texts(20000, length=40)) + "\n")
+    proc = subprocess.Popen([sys.executable, "-m", "zerolm.cli", "prepare", "--source", f"jsonl:{docs}", "--out",
+                             str(tmp_path / "ds"), "--seq-len", "16", "--vocab-size", "300"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not [p for p in tmp_path.glob(".ds.partial-*") if p != stale]:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.01)
+    assert not stale.exists()  # the dead run's partial directory was removed first
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == f"prepare: interrupted; {tmp_path / 'ds'} is unchanged and the partial output was removed"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl"]

@@ -74,9 +74,8 @@ class SampleOrder:
 class BatchLoader:
     """Global batches for optimizer steps, each process reading only its own devices' rows."""
 
-    def __init__(self, split: Split, mesh: Mesh, global_batch_size: int, micro_batch_size: int, seed: int,
-                 *, allow_repeats: bool = False):
-        if len(split) < global_batch_size and not allow_repeats:
+    def __init__(self, split: Split, mesh: Mesh, global_batch_size: int, micro_batch_size: int, seed: int):
+        if len(split) < global_batch_size:
             raise ValueError(f"{split.dataset.location} ({split.name}): {len(split)} samples, fewer than one "
                              f"global batch of {global_batch_size}; use a smaller train.global_batch_size or more data")
         self.split, self.mesh = split, mesh

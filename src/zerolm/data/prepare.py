@@ -8,16 +8,26 @@ Output directory:
 
 Documents are joined with the end-of-text token and cut into fixed seq_len + 1 samples, so every tar
 member has the same size: local shards can be read row by row. Every `val_every`-th document goes to
-the validation split. The new dataset is built in a sibling temporary directory and moved into place
-at the end, so a killed prepare never leaves a manifest pointing at missing shards, and --overwrite
-never destroys the old dataset before the new one is complete.
+the validation split. A source of fewer than `val_every` documents (one big text file, say) would
+leave that split empty: then the last 1/`val_every` of the training samples (at least one, at most
+one shard's worth) are held out as validation instead, and the manifest says so (`val_rule`).
+
+The new dataset is built in a sibling temporary directory `.<name>.partial-<host>-<pid>` and moved
+into place at the end, so a killed prepare never leaves a manifest pointing at missing shards, and
+--overwrite never destroys the old dataset before the new one is complete. A prepare that fails or
+is interrupted (Ctrl-C, SIGTERM) removes its partial directory; one left by a `kill -9` is removed
+by the next prepare of the same output on the same host, once its process is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
+import socket
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -27,7 +37,7 @@ import webdataset as wds
 from tqdm import tqdm
 
 from zerolm.data.sources import Skipped, SourceError, iter_documents
-from zerolm.data.tokenizer import Tokenizer, load_tokenizer
+from zerolm.data.tokenizer import MIN_BPE_VOCAB, Tokenizer, load_tokenizer
 
 FORMAT = "zerolm-tokens/1"
 MANIFEST = "manifest.json"
@@ -97,9 +107,33 @@ class _ShardWriter:
         """The split's manifest entry. The last partial sample (fewer than seq_len + 1 tokens) is dropped."""
         if self._tar is not None:
             self._close_shard()
+        return self.entry()
+
+    def entry(self) -> dict:
         samples = sum(s["samples"] for s in self.shards)
         return {"shards": self.shards, "samples": samples, "tokens": samples * self.T1,
                 "unigram_entropy": unigram_entropy(self.counts) if samples else None}
+
+
+    def take_tail(self, n: int) -> np.ndarray:
+        """Remove the last `n` samples (at most the last two shards) and return them, for a held-out split."""
+        rows: list[np.ndarray] = []
+        while len(rows) < n:
+            last = self.shards[-1]
+            path = self.directory / last["name"]
+            members = [sample["npy"] for sample in wds.WebDataset(str(path), shardshuffle=False).decode()]
+            keep = max(0, len(members) - (n - len(rows)))
+            rows = members[keep:] + rows
+            path.unlink()
+            self.shards.pop()
+            if keep:  # rewrite the shard with the samples it keeps
+                self._in_shard = 0
+                for row in members[:keep]:
+                    self._write(row)
+                self._close_shard()
+        tail = np.stack(rows)
+        self.counts -= np.bincount(tail.reshape(-1).astype(np.int64), minlength=len(self.counts))
+        return tail
 
 
 def _batched(it: Iterable[str], n: int) -> Iterator[list[str]]:
@@ -118,6 +152,8 @@ def prepare(source: str, out: str | Path, *, tokenizer: str = "default", vocab_s
             val_every: int = 50, samples_per_shard: int = 4096, overwrite: bool = False,
             skip_bad: bool = False, progress: bool = True) -> dict:
     """Prepare `source` into `out`; returns the manifest."""
+    _check_numbers(seq_len=seq_len, val_every=val_every, samples_per_shard=samples_per_shard,
+                   vocab_size=vocab_size if tokenizer == "default" else None)
     out = Path(out)
     if (out / MANIFEST).exists() and not overwrite:
         raise PrepareError(f"{out}: already holds a prepared dataset; pass --overwrite to replace it")
@@ -125,33 +161,91 @@ def prepare(source: str, out: str | Path, *, tokenizer: str = "default", vocab_s
         raise PrepareError(f"{out}: exists and is not a directory")
     skipped = Skipped() if skip_bad else None
 
-    def documents() -> Iterator[tuple[int, str]]:
+    def documents(skipped: Skipped | None) -> Iterator[tuple[int, str]]:
         return enumerate(iter_documents(source, text_field=text_field, tfds_data_dir=tfds_data_dir, skipped=skipped))
 
     if tokenizer == "default":
-        tok = load_tokenizer("default", vocab_size, [d for i, d in documents() if i % val_every != val_every - 1])
+        # A first pass to train the BPE; its skipped records are counted by the second pass, not twice.
+        first_pass = Skipped() if skip_bad else None
+        tok = load_tokenizer("default", vocab_size,
+                             [d for i, d in documents(first_pass) if i % val_every != val_every - 1])
     else:
         tok = load_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    removed = remove_dead_partials(out)
+    if removed and progress:
+        print(f"prepare: removed {', '.join(removed)}, left by a prepare that was killed", flush=True)
+    tmp = out.parent / f".{out.name}.partial-{socket.gethostname()}-{os.getpid()}"
     tmp.mkdir()
     try:
-        manifest = _write_splits(tmp, documents(), tok, seq_len, dtype, val_every, samples_per_shard, progress)
-        if manifest["splits"]["train"]["samples"] == 0:
-            raise PrepareError(f"{source}: empty source: no training sample of {seq_len + 1} tokens "
-                               f"({manifest['documents']} documents)")
-        manifest.update(source=source, skipped=skipped.count if skipped else 0,
-                        skipped_first=skipped.first if skipped else "")
-        tok.save(tmp)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        _move_into_place(tmp, out)
+        with _terminate_as_interrupt():
+            manifest = _write_splits(tmp, documents(skipped), tok, seq_len, dtype, val_every, samples_per_shard,
+                                     progress)
+            if manifest["splits"]["train"]["samples"] == 0:
+                raise PrepareError(f"{source}: empty source: no training sample of {seq_len + 1} tokens "
+                                   f"({manifest['documents']} documents)")
+            manifest.update(source=source, skipped=skipped.count if skipped else 0,
+                            skipped_first=skipped.first if skipped else "")
+            tok.save(tmp)
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _check_numbers(**values: int | None) -> None:
+    """Each numeric argument, named as its command-line flag."""
+    least = {"vocab_size": MIN_BPE_VOCAB}
+    for name, value in values.items():
+        if value is None:
+            continue
+        floor = least.get(name, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < floor:
+            why = f"at least {floor} (256 bytes + end-of-text)" if floor > 1 else "a positive integer"
+            raise PrepareError(f"--{name.replace('_', '-')}: must be {why}, got {value!r}")
+
+
+def remove_dead_partials(out: Path) -> list[str]:
+    """Partial directories of `out` left by a prepare on this host whose process is gone."""
+    removed = []
+    prefix = f".{out.name}.partial-{socket.gethostname()}-"
+    for path in out.parent.glob(f".{out.name}.partial-*"):
+        pid = path.name.removeprefix(prefix)
+        if path.name.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM raises KeyboardInterrupt inside, so the partial directory is cleaned up as for Ctrl-C."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _write_splits(directory: Path, documents, tok: Tokenizer, seq_len: int, dtype, val_every: int,
@@ -169,8 +263,18 @@ def _write_splits(directory: Path, documents, tok: Tokenizer, seq_len: int, dtyp
                 bar.update(len(ids) + 1)
             n_docs += len(batch)
     splits = {s: w.close() for s, w in writers.items()}
+    val_rule = f"every {val_every}th document"
+    train_samples = splits["train"]["samples"]
+    if splits["val"]["samples"] == 0 and train_samples >= 2:
+        held = min(max(1, train_samples // val_every), per_shard)
+        writers["val"].pending, writers["val"].pending_len = [], 0  # the val documents' leftover tokens, if any
+        for row in writers["train"].take_tail(held):
+            writers["val"].add(row)
+        splits = {s: w.close() for s, w in writers.items()}
+        val_rule = (f"the last {held} training sample(s), since {n_docs} document(s) are too few for every "
+                    f"{val_every}th document to give a validation sample")
     return {"format": FORMAT, "seq_len": seq_len, "dtype": dtype.name, "tokenizer": {**tok.identity, "file": tok.filename},
-            "documents": n_docs, "val_every": val_every, "splits": splits,
+            "documents": n_docs, "val_every": val_every, "val_rule": val_rule, "splits": splits,
             "seconds": round(time.perf_counter() - start, 3)}
 
 
@@ -194,14 +298,18 @@ def main_args(args) -> int:
                            val_every=args.val_every, samples_per_shard=args.samples_per_shard,
                            overwrite=args.overwrite, skip_bad=args.skip_bad)
     except (PrepareError, SourceError, ValueError) as e:
-        print(f"error: {e}", flush=True, file=__import__("sys").stderr)
+        print(f"error: {e}", flush=True, file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"prepare: interrupted; {args.out} is unchanged and the partial output was removed", file=sys.stderr)
+        return 130
     t, v = manifest["splits"]["train"], manifest["splits"]["val"]
     print(f"prepared {args.out}: train {t['samples']} samples in {len(t['shards'])} shard(s), "
           f"val {v['samples']} samples; {t['tokens'] + v['tokens']:,} tokens of {manifest['dtype']}, "
           f"tokenizer {manifest['tokenizer']['name']} ({manifest['tokenizer']['vocab_size']} tokens)"
           + (f"; skipped {manifest['skipped']} bad record(s), first: {manifest['skipped_first']}"
-             if manifest["skipped"] else ""))
+             if manifest["skipped"] else "")
+          + (f"; validation: {manifest['val_rule']}" if not manifest["val_rule"].startswith("every") else ""))
     return 0
 
 
@@ -215,6 +323,6 @@ def add_arguments(p) -> None:
     p.add_argument("--text-field", default="text", help="JSON/TFDS field holding the text (default: %(default)s)")
     p.add_argument("--tfds-data-dir", default=None, help="local TFDS data_dir (read offline)")
     p.add_argument("--val-every", type=int, default=50, help="every Nth document is validation (default: %(default)s)")
-    p.add_argument("--samples-per-shard", type=int, default=4096, help="(default: %(default)s)")
+    p.add_argument("--samples-per-shard", type=int, default=4096, help="samples per tar shard (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
     p.add_argument("--skip-bad", action="store_true", help="count and skip bad records instead of stopping")

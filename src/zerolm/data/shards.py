@@ -3,7 +3,9 @@
 Local shards are memory-mapped and read row by row. Every member has the same size, so sample i of a
 shard sits at i × stride. URLs (https://, gs://, pipe:...) are streamed whole through webdataset and
 kept in a small cache. Anything that does not match the manifest stops with one line naming the file
-and sample.
+and sample: a member of the wrong size, and a token id outside the tokenizer's vocabulary (checked
+on the host as rows are read: a max over each row). With `skip_bad`, such a row is replaced by the
+next readable one in its shard and counted instead.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class PreparedDataset:
             raise DataError(f"{where}: format {self.manifest.get('format')!r}, expected {FORMAT!r}")
         self.seq_len: int = self.manifest["seq_len"]
         self.dtype = np.dtype(self.manifest["dtype"])
+        self.vocab_size: int = self.manifest["tokenizer"]["vocab_size"]
 
     def split(self, name: str, skip_bad: bool = False) -> Split:
         return Split(self, name, skip_bad)
@@ -99,6 +102,22 @@ class Split:
     def __len__(self) -> int:
         return int(self.starts[-1])
 
+    def verify(self) -> None:
+        """Every local shard of the manifest is present with its recorded size: a stat per shard, so a
+        missing or truncated shard stops a run before its first step, not when first read. (URL
+        datasets are checked as they stream.)"""
+        if is_url(self.dataset.location):
+            return
+        for shard in self.shards:
+            path = Path(self.dataset.location) / shard["name"]
+            try:
+                size = path.stat().st_size
+            except OSError as e:
+                raise DataError(f"{path}: missing or unreadable shard ({e.strerror})") from None
+            if "bytes" in shard and size != shard["bytes"]:
+                raise DataError(f"{path}: {size} bytes, the manifest says {shard['bytes']} "
+                                "(truncated or replaced shard)")
+
     def read(self, ids: np.ndarray) -> np.ndarray:
         """Rows for sample ids, as int32 (n, seq_len + 1)."""
         ids = np.asarray(ids, np.int64)
@@ -117,7 +136,8 @@ class Split:
             return self._remote_shard(k, where)[offsets]
         with self._lock:
             if k not in self._readers:
-                self._readers[k] = _LocalShard(Path(where), self.shards[k], self.T1, self.dataset.dtype)
+                self._readers[k] = _LocalShard(Path(where), self.shards[k], self.T1, self.dataset.dtype,
+                                               self.dataset.vocab_size)
             reader = self._readers[k]
         rows, bad = reader.rows(offsets, self.skip_bad)
         self.bad_samples += bad
@@ -131,7 +151,8 @@ class Split:
         rows = []
         try:
             for i, sample in enumerate(wds.WebDataset(url, shardshuffle=False, empty_check=False).decode()):
-                rows.append(_check_row(sample.get("npy"), url, i, sample.get("__key__"), self.T1))
+                rows.append(_check_row(sample.get("npy"), url, i, sample.get("__key__"), self.T1,
+                                       self.dataset.vocab_size))
         except DataError:
             raise
         except Exception as e:
@@ -146,18 +167,25 @@ class Split:
         return array
 
 
-def _check_row(row, where: str, index: int, key, T1: int) -> np.ndarray:
+def _check_row(row, where: str, index: int, key, T1: int, vocab_size: int) -> np.ndarray:
     if not isinstance(row, np.ndarray) or row.shape != (T1,):
         shape = getattr(row, "shape", type(row).__name__)
         raise DataError(f"{where}: sample {index} ({key}) has shape {shape}, expected ({T1},)")
+    if (top := int(row.max())) >= vocab_size:
+        raise DataError(_out_of_vocab(where, index, top, vocab_size))
     return row
+
+
+def _out_of_vocab(where, index: int, token: int, vocab_size: int) -> str:
+    return (f"{where}: sample {index} has token id {token}, outside the tokenizer's vocabulary of {vocab_size} "
+            "(corrupted data; data.skip_bad_samples: true replaces such samples)")
 
 
 class _LocalShard:
     """A tar of equal-size .npy members, memory-mapped; checked against the manifest on open."""
 
-    def __init__(self, path: Path, info: dict, T1: int, dtype: np.dtype):
-        self.path, self.n, self.T1 = path, info["samples"], T1
+    def __init__(self, path: Path, info: dict, T1: int, dtype: np.dtype, vocab_size: int):
+        self.path, self.n, self.T1, self.vocab_size = path, info["samples"], T1, vocab_size
         try:
             size = path.stat().st_size
             self.map = np.memmap(path, np.uint8, mode="r")
@@ -208,10 +236,14 @@ class _LocalShard:
                 if name == f"{k:09d}.npy".encode() and header == self.npy_header_bytes:
                     body = self.map[start + self.npy_header: start + self.npy_header + self.T1 * itemsize]
                     out[j] = np.frombuffer(body.tobytes(), self.dtype)
-                    break
+                    if (top := int(out[j].max())) < self.vocab_size:
+                        break
+                    problem = _out_of_vocab(self.path, k, top, self.vocab_size)
+                else:
+                    problem = (f"{self.path}: sample {k} is not a {self.dtype}[{self.T1}] .npy member "
+                               "(wrong length or corrupted)")
                 if not skip_bad:
-                    raise DataError(f"{self.path}: sample {k} is not a {self.dtype}[{self.T1}] .npy member "
-                                    "(wrong length or corrupted)")
+                    raise DataError(problem)
                 bad += 1
             else:
                 raise DataError(f"{self.path}: no readable sample in the shard")

@@ -17,6 +17,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 EOT = "<|endoftext|>"
+MIN_BPE_VOCAB = 257  # a byte-level BPE holds the 256 bytes and the end-of-text token at least
 # GPT-2's pre-tokenization regex (tiktoken's r50k_base); a .tiktoken file carries only the ranks.
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
