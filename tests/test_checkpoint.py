@@ -1,6 +1,7 @@
 """Checkpoints, in real processes: exact resume after kill -9 and SIGTERM, a crash mid-save, elastic
 restore (dp 8 -> 4 -> 1, 1 process -> 2 -> 1), and the refusals that keep checkpoints safe."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -15,8 +16,9 @@ import pytest
 from conftest import REPO, TINY, free_port
 
 from zerolm.checkpoint import Checkpoints
+from zerolm.runlock import LOCK_FILE
 from zerolm.data.prepare import prepare
-from zerolm.train import EXIT_NONFINITE, EXIT_PREEMPTED
+from zerolm.train import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED
 
 STEPS = 16
 SMALL = ["model.n_layer=2", "model.d_model=32", "model.n_head=4", "model.seq_len=32", "model.dtype=float32",
@@ -44,11 +46,12 @@ def train(run_dir, *extra_sets, devices=8, expect=0, **kw):
 
 
 def losses(run_dir) -> dict[int, float]:
-    """step -> loss; a step logged twice (run again after a restart) keeps its last value."""
+    """step -> loss; each step is logged once, also after a restart."""
     out = {}
     for line in (run_dir / "log" / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         if "loss" in record:
+            assert record["step"] not in out, f"step {record['step']} logged twice"
             out[record["step"]] = record["loss"]
     return out
 
@@ -115,10 +118,14 @@ def test_crash_during_a_save_leaves_the_previous_checkpoint_latest(straight, tmp
     time.sleep(0.5)  # well inside the held-back finalize
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert [p.name for p in ckpt.iterdir() if p.name.startswith("8")] != ["8"]  # only the temporary directory
+    unfinished = [p.name for p in ckpt.iterdir() if p.name.startswith("8")]
+    assert len(unfinished) == 1 and ".orbax-checkpoint-tmp" in unfinished[0]  # only the temporary directory
     assert Checkpoints(ckpt, read_only=True).latest_step() == 4
     proc = train(tmp_path)
+    assert f"checkpoints: removed 1 unfinished save(s) of an earlier run that died while saving: {unfinished[0]}" \
+        in proc.stdout
     assert "resumed from" in proc.stdout and f"{ckpt}/4 " in proc.stdout
+    assert not [p for p in ckpt.iterdir() if ".orbax-checkpoint-tmp" in p.name]
     assert losses(tmp_path) == reference
 
 
@@ -132,9 +139,9 @@ def test_elastic_restore_dp8_to_dp4_to_one_device(straight, tmp_path):
     one = train(tmp_path, devices=1)
     assert "dp 4 -> 1; accumulation steps recomputed 4 -> 16 (same global batch of 16)" in one.stdout
     resumed = losses(tmp_path)
-    assert sorted(resumed) == list(range(8, 16))
+    assert sorted(resumed) == list(range(9, 17))
     # Same samples in the same order: only the float32 summation order differs between device counts.
-    np.testing.assert_allclose([resumed[s] for s in range(8, 16)], [reference[s] for s in range(8, 16)], rtol=2e-5)
+    np.testing.assert_allclose([resumed[s] for s in range(9, 17)], [reference[s] for s in range(9, 17)], rtol=2e-5)
 
 
 def _start_two_processes(run_dir, steps):
@@ -163,7 +170,7 @@ def test_one_process_to_two_and_back(straight, tmp_path):
     assert Checkpoints(tmp_path / "ckpt", read_only=True).latest_step() == 12
     train(tmp_path)  # and back to 1 process
     resumed = losses(tmp_path)
-    np.testing.assert_allclose([resumed[s] for s in range(8, 16)], [reference[s] for s in range(8, 16)], rtol=2e-5)
+    np.testing.assert_allclose([resumed[s] for s in range(9, 17)], [reference[s] for s in range(9, 17)], rtol=2e-5)
 
 
 def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
@@ -195,11 +202,13 @@ def test_resume_follows_the_data_not_its_location(straight, tmp_path):
     shutil.copytree(default, tmp_path / "copy")  # the same dataset somewhere else resumes, exactly
     train(tmp_path, f"data.dataset={tmp_path / 'copy'}")
     resumed = losses(tmp_path)
-    assert [resumed[s] for s in range(8, 16)] == [reference[s] for s in range(8, 16)]
+    assert [resumed[s] for s in range(9, 17)] == [reference[s] for s in range(9, 17)]
 
 
 def _snapshot(path):
-    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*")}
+    """Every checkpoint file's size and content hash (the run lock's holder record aside)."""
+    return {str(p.relative_to(path)): (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in path.rglob("*") if p.is_file() and p.name != LOCK_FILE}
 
 
 def test_refusals_leave_checkpoints_untouched(straight, tmp_path):
@@ -217,15 +226,19 @@ def test_refusals_leave_checkpoints_untouched(straight, tmp_path):
         "model.d_model: checkpoint 32, config 64")
     assert _snapshot(tmp_path / "ckpt") == before
 
-    # A damaged checkpoint: the largest array-data file is gone.
-    max((tmp_path / "ckpt" / "16" / "state").rglob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size).unlink()
-    broken = train(tmp_path, "train.steps=20", expect=2)
-    assert broken.stderr.strip().splitlines()[-1].startswith(
-        f"error: {tmp_path / 'ckpt' / '16'}: cannot restore, the checkpoint is damaged or incomplete (")
+    # A damaged checkpoint, under --resume strict: the largest array-data file is gone.
+    data = max((tmp_path / "ckpt" / "16" / "state").rglob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size)
+    data.unlink()
+    before = _snapshot(tmp_path / "ckpt")
+    broken = train(tmp_path, "train.steps=20", expect=2, args=["--resume", "strict"])
+    assert broken.stderr.strip().splitlines()[-1] == (
+        f"error: {tmp_path / 'ckpt' / '16'}: damaged checkpoint: {data.relative_to(tmp_path / 'ckpt' / '16')} is "
+        "missing (--resume strict; --resume auto moves it aside and takes the newest intact checkpoint before it)")
+    assert _snapshot(tmp_path / "ckpt") == before
 
     overwritten = train(tmp_path, steps=4, args=["--resume", "never", "--overwrite"])
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("ckpt.replaced-")]
-    assert len(aside) == 1 and (aside[0] / "12").is_dir()  # moved, not deleted
+    assert len(aside) == 1 and _snapshot(aside[0]) == before  # moved, not deleted
     assert "moved the old run aside" in overwritten.stdout
     assert Checkpoints(tmp_path / "ckpt", read_only=True).steps() == [4]
 
@@ -239,10 +252,18 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert ckpts.latest_step() < bad_step and np.isfinite(ckpts.meta(ckpts.latest_step())["loss"])
 
     skipping = tmp_path / "skip"
-    train(skipping, "train.lr=1e6", "train.grad_clip=1e9", "train.skip_nonfinite=true", steps=30)
+    blown = ["train.lr=1e6", "train.grad_clip=1e9", "train.skip_nonfinite=true"]
+    train(skipping, *blown, "train.max_consecutive_skips=1000", steps=30)
     records = [json.loads(line) for line in (skipping / "log" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert len(steps) == 30 and steps[-1]["skipped_updates"] > 0
+
+    # Skipping every update is no way to train: after max_consecutive_skips in a row the run stops.
+    stuck = train(tmp_path / "stuck", *blown, "train.max_consecutive_skips=5", steps=30, expect=EXIT_NONFINITE)
+    message = stuck.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: step ") and message.endswith(
+        ": the last 5 updates were all skipped (non-finite gradients; train.max_consecutive_skips is 5); stopping "
+        "without saving: lower train.lr, or check the data")
 
 
 def test_checkpoints_command_lists_the_run(straight):
@@ -255,3 +276,100 @@ def test_checkpoints_command_lists_the_run(straight):
     assert [line.split()[0] for line in lines[1:-1]] == ["8", "12", "16"]  # keep: 3
     assert "4,096" in lines[1]  # tokens seen at step 8: 8 steps x 16 sequences x 32 tokens
     assert lines[-1] == "`--resume auto` would take step 16"
+
+
+def _lock_line(err: str, ckpt) -> str:
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"error: {ckpt}: in use by another run (host ") and ", pid " in line and \
+        "; wait for it to end or stop it (one run per checkpoint directory)" in line, err[-2000:]
+    return line
+
+
+def test_two_runs_racing_into_one_directory(straight, tmp_path):
+    _, reference = straight
+    procs = [subprocess.Popen(command(tmp_path), env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    results = [(p.returncode, out, err) for p in procs for out, err in [p.communicate(timeout=300)]]
+    assert sorted(code for code, _, _ in results) == [0, 2], [err[-1500:] for _, _, err in results]
+    loser = next(err for code, _, err in results if code == 2)
+    winner = next(p for p, (code, _, _) in zip(procs, results) if code == 0)
+    assert f"pid {winner.pid}," in _lock_line(loser, tmp_path / "ckpt")
+    assert Checkpoints(tmp_path / "ckpt", read_only=True).steps() == [8, 12, 16]
+    assert not [p for p in (tmp_path / "ckpt").iterdir() if ".orbax-checkpoint-tmp" in p.name]
+    assert losses(tmp_path) == reference
+
+
+def test_overwrite_is_refused_while_a_run_is_live(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    live = start_and_wait(tmp_path, {**env(), "kw": {"steps": 400}},
+                          lambda: Checkpoints(ckpt, read_only=True).latest_step() is not None)
+    refused = train(tmp_path, expect=2, args=["--resume", "never", "--overwrite"])
+    assert f"pid {live.pid}," in _lock_line(refused.stderr, ckpt)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt.")] == []  # nothing moved aside
+    live.send_signal(signal.SIGTERM)
+    _, err = live.communicate(timeout=120)
+    assert live.returncode == EXIT_PREEMPTED, err[-2000:]  # the live run was untouched and saved its step
+    assert Checkpoints(ckpt, read_only=True).latest_step() == int(err.split("checkpoint saved at step ")[1].split(";")[0])
+
+
+def test_damaged_latest_checkpoint_resumes_from_the_one_before(straight, tmp_path):
+    run_dir, reference = straight
+    shutil.copytree(run_dir / "ckpt", tmp_path / "ckpt")
+    shutil.copytree(run_dir / "log", tmp_path / "log")
+    data = max((tmp_path / "ckpt" / "16" / "state").rglob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size)
+    saved_size = data.stat().st_size
+    data.write_bytes(data.read_bytes()[:1000])  # truncated
+    damaged = _snapshot(tmp_path / "ckpt" / "16")
+    rel = data.relative_to(tmp_path / "ckpt" / "16")
+
+    listing = subprocess.run([sys.executable, "-m", "zerolm.cli", "checkpoints", str(tmp_path / "ckpt")],
+                             capture_output=True, text=True, cwd=REPO)
+    assert listing.returncode == 0 and listing.stderr == ""  # no library noise
+    rows = listing.stdout.strip().splitlines()
+    assert rows[-2].startswith("16 ") and rows[-2].endswith(f"DAMAGED: {rel} has 1000 bytes, {saved_size} when it was saved")
+    assert rows[-1] == "`--resume auto` would take step 12 (the newer damaged ones are moved aside)"
+
+    proc = train(tmp_path)
+    moved = next((tmp_path / "ckpt.damaged").iterdir())
+    assert f"checkpoints: step 16 is damaged ({rel} has 1000 bytes, {saved_size} when it was saved); moved it aside " \
+           f"to {moved}; resuming from step 12" in proc.stdout
+    assert _snapshot(moved) == damaged  # moved aside, never deleted
+    assert losses(tmp_path) == reference  # steps 13..16 again, bit-identical, each logged once
+
+    # A damaged metadata file is one marked row, not a failed listing.
+    (tmp_path / "ckpt" / "12" / "meta" / "metadata").write_text("{not json")
+    listing = subprocess.run([sys.executable, "-m", "zerolm.cli", "checkpoints", str(tmp_path / "ckpt")],
+                             capture_output=True, text=True, cwd=REPO)
+    rows = listing.stdout.strip().splitlines()
+    assert listing.returncode == 0 and listing.stderr == ""
+    assert [r.split()[0] for r in rows[1:-1]] == ["8", "12", "16"] and "DAMAGED: meta/metadata has" in rows[2]
+    assert rows[1].endswith(" ok") and rows[3].endswith(" ok") and rows[-1] == "`--resume auto` would take step 16"
+
+
+def test_ctrl_c_saves_the_step_reached_like_sigterm(straight, tmp_path):
+    _, reference = straight
+    stop_after = int(np.random.default_rng().integers(2, 13))
+    proc = start_and_wait(tmp_path, env(), lambda: logged_steps(tmp_path) >= stop_after)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    saved = Checkpoints(tmp_path / "ckpt", read_only=True).latest_step()
+    assert err.strip().splitlines()[-1] == f"zerolm: interrupted: checkpoint saved at step {saved}; exiting with code 75"
+    assert "Traceback" not in err and saved > stop_after
+    train(tmp_path)
+    assert losses(tmp_path) == reference
+
+
+def test_second_ctrl_c_abandons_the_save(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    cmd_env = env(ZEROLM_TEST_SLOW_FINALIZE_STEP="8")
+    cmd_env["kw"] = {"script": "slow_save_train.py"}
+    proc = start_and_wait(tmp_path, cmd_env, lambda: any(p.name.startswith("8.") for p in ckpt.glob("8*")))
+    proc.send_signal(signal.SIGINT)  # saves the step reached: waits behind the held-back save of step 8
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == EXIT_INTERRUPTED, err[-3000:]
+    assert err.strip().splitlines()[-1] == ("zerolm: interrupted again: abandoned the save; the latest complete "
+                                            "checkpoint stays the latest; exiting with code 130")
+    assert Checkpoints(ckpt, read_only=True).latest_step() == 4

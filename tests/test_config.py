@@ -93,3 +93,47 @@ def test_cli_prints_one_line_and_exits_2():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"error: {TINY} (--set train.global_batch_size): train.global_batch_size: 30 is not divisible by micro_batch_size × dp = 4 × 8 = 32"]
+
+
+def test_warmup_must_be_shorter_than_the_schedule():
+    assert _error(TINY, ["train.steps=20"]) == (
+        f"{TINY} (--set train.steps): train.warmup_steps: 20 is not shorter than the lr schedule (train.steps = 20); "
+        "lower train.warmup_steps, or keep the full schedule for a short run with train.schedule_steps")
+    assert _error(TINY, ["train.steps=5", "train.schedule_steps=10", "train.warmup_steps=30"]).endswith(
+        "train.warmup_steps: 30 is not shorter than the lr schedule (train.schedule_steps = 10); lower "
+        "train.warmup_steps, or keep the full schedule for a short run with train.schedule_steps")
+    # A smoke run of a long schedule works, as the message says.
+    assert load_config(TINY, ["train.steps=5", "train.schedule_steps=300"], device_count=8).train.steps == 5
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.steps=true", "train.steps"), ("train.lr=yes", "train.lr"), ("mesh.dp=true", "mesh.dp"),
+    ("checkpoint.keep_every=true", "checkpoint.keep_every"), ("train.steps=2.5", "train.steps"),
+    ("train.seed=-1", "train.seed"), ("train.lr=.inf", "train.lr"), ("train.grad_clip=.nan", "train.grad_clip"),
+    ("train.eval_sequences=-1", "train.eval_sequences"), ("train.max_consecutive_skips=0", "train.max_consecutive_skips"),
+    ("data.default_vocab_size=256", "data.default_vocab_size"),
+])
+def test_bad_numbers_are_refused_naming_the_key(override, key):
+    assert _error(TINY, [override]).startswith(f"{TINY} (--set {key}): {key}: ")
+
+
+def test_renamed_key_says_its_new_name(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text(f"extends: {TINY}\ntrain:\n  eval_batches: 4\n")
+    assert _error(old) == (f"{old}: train.eval_batches: renamed to train.eval_sequences (validation sequences per "
+                           "evaluation, independent of dp and micro-batch)")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--num-processes", "two"], "error: zerolm train: argument --num-processes: invalid int value: 'two'"),
+    (["train", "--resume", "sometimes"], "error: zerolm train: argument --resume: invalid choice: 'sometimes'"),
+    (["prepare", "--out", "x"], "error: zerolm prepare: the following arguments are required: --source"),
+    (["prepare", "--source", "default", "--out", "x", "--seq-len", "abc"],
+     "error: zerolm prepare: argument --seq-len: invalid int value: 'abc'"),
+    (["frobnicate"], "error: zerolm: argument command: invalid choice: 'frobnicate'"),
+])
+def test_command_line_mistakes_are_one_line(args, message, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "zerolm.cli", *args], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(message), proc.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -27,16 +27,17 @@ def test_main_zero_trains_logs_and_samples(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
-    assert [r["step"] for r in records if "loss" in r] == list(range(40))
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 41))  # 1-based, as checkpoints and messages
     assert all(k in records[0] for k in ("grad_norm", "lr", "tokens_per_s", "data_wait_s"))
-    assert [r["step"] for r in records if "val_loss" in r] == [19, 39]
+    assert [r["step"] for r in records if "val_loss" in r] == [20, 40]
+    assert "step 20: val loss " in proc.stdout + proc.stderr
     entropy = float(proc.stdout.split("unigram entropy ")[1].split()[0])
     assert losses[0] > entropy  # starts near log(vocab)
     assert np.mean(losses[-5:]) < entropy - 0.3  # has learned more than unigram statistics
     sample = [line for line in proc.stdout.splitlines() if line.startswith("sample: ")]
     assert sample and sample[0].startswith("sample: And God said,") and len(sample[0]) > len("sample: And God said,") + 10
     assert "tok_s" in proc.stderr + proc.stdout  # the live progress bar
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["40"]  # the final checkpoint
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["40", "zerolm.lock"]  # the final checkpoint
 
 
 def test_default_corpus():
@@ -59,3 +60,37 @@ def test_training_refuses_a_dataset_prepared_for_another_model(tmp_path):
         run(cfg)
     with pytest.raises(ConfigError, match=rf"^data.dataset: {tmp_path}/nope/manifest.json: no manifest"):
         run(small_config(f"data.dataset={tmp_path / 'nope'}"))
+
+
+def test_validation_loss_of_a_checkpoint_is_the_same_on_1_2_and_8_devices(tmp_path):
+    import functools
+    import io
+
+    import jax
+
+    from zerolm import model as gpt_model
+    from zerolm.checkpoint import Checkpoints
+    from zerolm.data.shards import PreparedDataset
+    from zerolm.mesh import make_mesh
+    from zerolm.train import default_dataset_dir, make_evaluator
+    from zerolm.zero import Zero1, make_optimizer
+
+    sets = ["model.vocab_size=auto", "train.steps=4", "train.warmup_steps=1", "train.global_batch_size=16",
+            "train.micro_batch_size=2",
+            "train.eval_sequences=37", f"logging.dir={tmp_path / 'log'}", f"checkpoint.dir={tmp_path / 'ckpt'}",
+            "sample.tokens=0"]
+    summary = run(small_config(*sets), out=io.StringIO())
+    losses = {}
+    for n in (1, 2, 8):
+        cfg = small_config(*sets, "model.vocab_size=2048", device_count=n)
+        model = gpt_model.GPT(cfg.model)
+        abstract = jax.eval_shape(functools.partial(gpt_model.init_params, model), jax.random.key(0))
+        zero = Zero1(make_mesh(n, 1, jax.devices()[:n]), functools.partial(gpt_model.lm_loss, model),
+                     make_optimizer(cfg.train)[0], abstract)
+        state, _ = Checkpoints(tmp_path / "ckpt", read_only=True).restore(4, zero, cfg.model.model_dump())
+        rows = PreparedDataset(default_dataset_dir(cfg)).split("val").read(np.arange(37))  # 37: a padded last batch
+        evaluate = make_evaluator(zero, functools.partial(gpt_model.token_losses, model), rows,
+                                  n * cfg.train.micro_batch_size)
+        losses[n] = evaluate(state.params)
+    assert losses[8] == pytest.approx(summary["val_loss"], rel=1e-6)  # what training logged
+    assert losses[1] == pytest.approx(losses[8], rel=1e-5) and losses[2] == pytest.approx(losses[8], rel=1e-5), losses

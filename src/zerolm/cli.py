@@ -1,18 +1,29 @@
-"""The one command line: `zerolm <subcommand>`."""
+"""The one command line: `zerolm <subcommand>`.
+
+Every mistake on the command line is one line on stderr that names the flag, then exit code 2:
+argparse's own errors (a missing or malformed flag) included, through `OneLineParser`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from zerolm import train
-from zerolm.data import prepare
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is a single `error: ...` line (the usage is one `--help` away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from zerolm import train
+    from zerolm.data import prepare
+
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="zerolm", description="GPT pretraining in JAX with ZeRO-1.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineParser(prog="zerolm", description="GPT pretraining in JAX with ZeRO-1.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     train.build_parser(sub.add_parser("train", help="train a model (same as python main_zero.py)"))
     prepare.add_arguments(sub.add_parser("prepare", help="tokenize raw text into training shards"))
     ckpt = sub.add_parser("checkpoints", help="list a run's checkpoints and the one --resume auto would take")

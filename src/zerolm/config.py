@@ -10,11 +10,12 @@ file and the key.
 from __future__ import annotations
 
 import math
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -22,7 +23,19 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+    # Lax mode, so `--set train.lr=1e-3` (a string to YAML) still reads as a number; but no infinities
+    # or NaNs, and (below) no booleans where a number is expected: YAML turns `yes` into True, and
+    # pydantic would take True as 1.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool):
+            annotation = cls.model_fields[info.field_name].annotation
+            if annotation is not bool and bool not in typing.get_args(annotation):
+                raise ValueError(f"expected a number, got {value!r}")
+        return value
 
 
 PositiveInt = Field(gt=0)
@@ -55,7 +68,7 @@ class ModelConfig(_Section):
 class TrainConfig(_Section):
     steps: int = PositiveInt
     schedule_steps: int | None = Field(gt=0)  # length of the lr schedule; null: steps
-    seed: int
+    seed: int = Field(ge=0)
     global_batch_size: int = PositiveInt  # sequences per optimizer step
     micro_batch_size: int = PositiveInt  # sequences per device per accumulation micro-step
     lr: float = Field(gt=0)
@@ -67,8 +80,11 @@ class TrainConfig(_Section):
     eps: float = Field(gt=0)
     grad_clip: float = Field(gt=0)
     eval_every: int = PositiveInt
-    eval_batches: int = PositiveInt
+    # Validation sequences per evaluation: a fixed set (the split's first ones), whatever dp and the
+    # micro-batch are, so a checkpoint's validation loss is the same on any device count. 0: no evaluation.
+    eval_sequences: int = Field(ge=0)
     skip_nonfinite: bool  # skip (and count) updates with a non-finite gradient instead of stopping
+    max_consecutive_skips: int = PositiveInt  # with skip_nonfinite: stop when this many in a row were skipped
 
     @property
     def schedule_length(self) -> int:
@@ -95,7 +111,7 @@ class ZeroConfig(_Section):
 class DataConfig(_Section):
     dataset: str  # "default" (the embedded corpus, prepared on first use) or a prepared dataset dir / URL
     tokenizer: str | None  # optional tokenizer file the dataset must have been prepared with
-    default_vocab_size: int = Field(ge=260)  # BPE size for the default dataset
+    default_vocab_size: int = Field(ge=257)  # BPE size for the default dataset: 256 bytes + end-of-text at least
     skip_bad_samples: bool  # replace unreadable samples by a neighbour and count them, instead of stopping
     prefetch: int = Field(ge=1)  # batches read ahead on a background thread
 
@@ -150,9 +166,13 @@ class Config(_Section):
                 raise _KeyError("train.global_batch_size",
                                 f"{self.train.global_batch_size} is not divisible by micro_batch_size × dp = "
                                 f"{self.train.micro_batch_size} × {dp} = {per_step}")
-        if self.train.warmup_steps > self.train.schedule_length:
-            raise _KeyError("train.warmup_steps", f"{self.train.warmup_steps} is longer than the schedule "
-                            f"({self.train.schedule_length} steps)")
+        if self.train.warmup_steps >= self.train.schedule_length:
+            length = ("train.schedule_steps = " if self.train.schedule_steps else "train.steps = ") + str(
+                self.train.schedule_length)
+            raise _KeyError("train.warmup_steps",
+                            f"{self.train.warmup_steps} is not shorter than the lr schedule ({length}); lower "
+                            "train.warmup_steps, or keep the full schedule for a short run with "
+                            "train.schedule_steps", related=("train.steps", "train.schedule_steps"))
         return self
 
     # Derived quantities: read these rather than recomputing them at call sites.
@@ -182,12 +202,17 @@ class Config(_Section):
         return Config.model_validate(data)
 
 
+# Keys that were renamed: an old config gets told the new name instead of "unknown key".
+RENAMED = {"train.eval_batches": "train.eval_sequences (validation sequences per evaluation, independent of "
+                                 "dp and micro-batch)"}
+
+
 class _KeyError(ValueError):
     """Raised inside validators to point at a key other than the one pydantic is validating."""
 
-    def __init__(self, key: str, message: str):
+    def __init__(self, key: str, message: str, related: tuple[str, ...] = ()):
         super().__init__(f"{key}: {message}")
-        self.key = key
+        self.key, self.related = key, related
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -267,18 +292,19 @@ def _describe(path: Path, error: ValidationError, overridden: set[str]) -> str:
     """One line for the first problem, naming the file and the dotted key; a count of the rest."""
     first = error.errors()[0]
     cause = first.get("ctx", {}).get("error")
+    related: tuple[str, ...] = ()
     if isinstance(cause, _KeyError):
-        key, message = cause.key, str(cause).split(": ", 1)[1]
+        key, message, related = cause.key, str(cause).split(": ", 1)[1], cause.related
     else:
         key = ".".join(str(p) for p in first["loc"]) or "(top level)"
         message = first["msg"].removeprefix("Value error, ")
         if first["type"] == "extra_forbidden":
-            message = "unknown key"
+            message = f"renamed to {RENAMED[key]}" if key in RENAMED else "unknown key"
         elif first["type"] == "missing":
             message = "missing key (every key needs a value; see configs/defaults.yaml)"
         elif "input" in first and not isinstance(first["input"], (dict, list)):
             message = f"{message} (got {first['input']!r})"
-    hits = sorted(o for o in overridden if o == key or o.startswith(key + ".") or key.startswith(o + "."))
+    hits = sorted(o for o in overridden for k in (key, *related) if o == k or o.startswith(k + ".") or k.startswith(o + "."))
     where = f"{path} (--set {hits[0]})" if hits else str(path)
     more = len(error.errors()) - 1
     return f"{where}: {key}: {message}" + (f" [and {more} more problem(s)]" if more else "")

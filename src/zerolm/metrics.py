@@ -1,7 +1,9 @@
 """Training metrics: one JSON object per step in <logging.dir>/metrics.jsonl, mirrored to wandb.
 
-A resumed run appends; for a step logged twice (computed again after a restart) the last line wins.
-Only process 0 writes. wandb is imported only when a run asks for it (`offline` or `online`), and
+`step` is the number of optimizer steps taken, as in messages and checkpoint names: the line of
+step s holds the loss of the s-th update, and the checkpoint of step s the state after it. A run
+that resumes from the checkpoint of step s first drops the lines of later steps (rewriting the file
+atomically), so each step is logged once even after a `kill -9`. Only process 0 writes. wandb is imported only when a run asks for it (`offline` or `online`), and
 the WANDB_MODE environment variable, when set, wins over the config, as wandb documents.
 """
 
@@ -17,13 +19,14 @@ import jax
 
 class MetricsWriter:
     def __init__(self, log_dir: Path, config: dict[str, Any], run_name: str, wandb_mode: str, project: str,
-                 wandb_id: str):
+                 wandb_id: str, resume_step: int = 0):
         self.enabled = jax.process_index() == 0
         self._wandb = None
         if not self.enabled:
             return
         log_dir.mkdir(parents=True, exist_ok=True)
         self.path = log_dir / "metrics.jsonl"
+        _drop_after(self.path, resume_step)
         self._file = self.path.open("a")
         mode = os.environ.get("WANDB_MODE", wandb_mode)
         if mode != "disabled":
@@ -47,3 +50,21 @@ class MetricsWriter:
             self._file.close()
             if self._wandb is not None:
                 self._wandb.finish()
+
+
+def _drop_after(path: Path, step: int) -> None:
+    """Keep the lines of steps <= `step` (and drop a line cut short by a kill); atomic rewrite."""
+    if not path.exists():
+        return
+    kept, changed = [], False
+    for line in path.read_text().splitlines():
+        try:
+            keep = json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        kept.append(line) if keep else None
+        changed |= not keep
+    if changed:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)

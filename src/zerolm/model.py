@@ -102,17 +102,26 @@ class GPT(nn.Module):
         return jnp.where(real_vocab_V, logits_BxTxV, -1e30)
 
 
-def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
-    """Mean next-token loss, gathering the target logit instead of building a one-hot over the vocabulary."""
+def token_cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
+    """Per-token next-token loss, gathering the target logit instead of building a one-hot over the vocabulary."""
     lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
     target_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
-    return jnp.mean(lse_BxT - target_BxT)
+    return lse_BxT - target_BxT
+
+
+def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
+    return jnp.mean(token_cross_entropy(logits_BxTxV, targets_BxT))
+
+
+def token_losses(model: GPT, params, tokens_BxT1: jax.Array) -> jax.Array:
+    """(B, seq_len) losses of a packed batch of seq_len + 1 tokens: inputs are [:-1], targets [1:]."""
+    logits = model.apply({"params": params}, tokens_BxT1[:, :-1])
+    return token_cross_entropy(logits, tokens_BxT1[:, 1:])
 
 
 def lm_loss(model: GPT, params, tokens_BxT1: jax.Array) -> jax.Array:
-    """Loss of a packed batch of seq_len + 1 tokens: inputs are [:-1], targets [1:]."""
-    logits = model.apply({"params": params}, tokens_BxT1[:, :-1])
-    return cross_entropy(logits, tokens_BxT1[:, 1:])
+    """Mean loss of a packed batch of seq_len + 1 tokens."""
+    return jnp.mean(token_losses(model, params, tokens_BxT1))
 
 
 def init_params(model: GPT, rng: jax.Array):

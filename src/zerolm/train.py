@@ -1,7 +1,13 @@
 """The training loop: data, init or resume, the ZeRO-1 step, evaluation, checkpoints, metrics, a sample.
 
-Exit codes of `zerolm train`: 0 done; 2 bad config, data or checkpoint; 3 a non-finite loss or
-gradient norm; 75 preempted (SIGTERM): a checkpoint of the step reached was saved, run again to resume.
+Exit codes of `zerolm train`: 0 done; 2 bad config, data or checkpoint, or the checkpoint directory is
+in use by another run; 3 a non-finite loss or gradient norm (or, with train.skip_nonfinite, too many
+skipped updates in a row); 75 stopped by SIGTERM (preemption) or Ctrl-C: a checkpoint of the step
+reached was saved, run again to resume; 130 a second Ctrl-C abandoned that save, or Ctrl-C before
+the first step.
+
+Steps are counted from 1 everywhere: step s is the s-th optimizer update, its line in metrics.jsonl
+holds that update's loss, and the checkpoint named s holds the state after it.
 """
 
 from __future__ import annotations
@@ -24,19 +30,23 @@ from tqdm import tqdm
 
 import zerolm
 from zerolm import model as gpt_model
-from zerolm.checkpoint import CheckpointError, Checkpoints, move_aside
+from zerolm.checkpoint import (CheckpointError, Checkpoints, DamagedCheckpoint, move_aside, move_damaged,
+                               remove_unfinished)
+from zerolm.cli import OneLineParser
 from zerolm.config import Config, ConfigError, load_config
 from zerolm.data.loader import BatchLoader
 from zerolm.data.prepare import MANIFEST, prepare
 from zerolm.data.shards import DataError, PreparedDataset
 from zerolm.data.tokenizer import cache_dir, from_file
-from zerolm.mesh import initialize_distributed, make_mesh
+from zerolm.mesh import initialize_distributed, make_mesh, on_process_0
 from zerolm.metrics import MetricsWriter
+from zerolm.runlock import LEASE_FILE, LOCK_FILE, LockHeld, RunLock
 from zerolm.sample import generate
 from zerolm.zero import TrainState, Zero1, make_optimizer
 
 EXIT_NONFINITE = 3
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again later; `--resume auto` continues from the saved step
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: stopped by Ctrl-C without saving
 
 
 class NonFiniteError(RuntimeError):
@@ -44,8 +54,8 @@ class NonFiniteError(RuntimeError):
 
 
 class Preempted(Exception):
-    def __init__(self, step: int):
-        super().__init__(f"preempted: checkpoint saved at step {step}")
+    def __init__(self, step: int, why: str = "preempted"):
+        super().__init__(f"{why}: checkpoint saved at step {step}")
         self.step = step
 
 
@@ -102,66 +112,130 @@ def dataset_identity(cfg: Config, dataset: PreparedDataset) -> dict:
             "seq_len": dataset.seq_len, "seed": cfg.train.seed}
 
 
-def make_evaluator(zero: Zero1, loss_fn):
-    """Mean loss over fixed validation batches; the batch's rows stay sharded on dp."""
-    loss = jax.jit(lambda params, batch: loss_fn(params, batch.reshape(-1, batch.shape[-1])),
-                   in_shardings=(zero.param_shardings, zero.batch_sharding))
+def make_evaluator(zero: Zero1, token_loss_fn, rows_NxT1: np.ndarray, batch_rows: int):
+    """Mean token loss over a fixed set of validation sequences, the same on any device count.
 
-    def evaluate(params, batches) -> float:
-        return float(np.mean([loss(params, b) for b in batches]))
+    The rows go `batch_rows` at a time (sharded on dp, like a training micro-batch); the last batch is
+    padded and its padding masked out, so the set, not the mesh, decides what is averaged."""
+    n_rows, T1 = rows_NxT1.shape
+    n_batches = -(-n_rows // batch_rows)
+    tokens = np.zeros((n_batches * batch_rows, T1), np.int32)
+    tokens[:n_rows] = rows_NxT1
+    weights = (np.arange(n_batches * batch_rows) < n_rows).astype(np.float32)
+
+    def global_rows(host: np.ndarray) -> jax.Array:
+        return jax.make_array_from_callback(host.shape, zero.row_sharding, lambda index: host[index])
+
+    batches = [(global_rows(tokens[i * batch_rows:(i + 1) * batch_rows]),
+                global_rows(weights[i * batch_rows:(i + 1) * batch_rows])) for i in range(n_batches)]
+    total = jax.jit(lambda params, tokens_BxT1, weight_B: (token_loss_fn(params, tokens_BxT1).sum(-1) * weight_B).sum(),
+                    in_shardings=(zero.param_shardings, zero.row_sharding, zero.row_sharding))
+
+    def evaluate(params) -> float:
+        return sum(float(total(params, t, w)) for t, w in batches) / (n_rows * (T1 - 1))
 
     return evaluate
 
 
 class PreemptionWatch:
-    """Has a SIGTERM arrived? All processes agree on the step at which they stop."""
+    """Has a SIGTERM or a Ctrl-C arrived? All processes agree on the step at which they stop.
 
-    def __init__(self):
+    Ctrl-C is taken as SIGTERM: the step reached is saved and the run exits 75. A second Ctrl-C
+    abandons that save and exits at once (130); the unfinished save is removed by the next run."""
+
+    def __init__(self, out):
         self.flag = False
+        self.interrupted = False
+        self.out = out
         self.multi = jax.process_count() > 1
         if not self.multi:  # jax.distributed's preemption notifier handles SIGTERM across processes
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._previous_term = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._previous_int = signal.signal(signal.SIGINT, self._on_sigint)
 
     def _on_sigterm(self, signum, frame):
         self.flag = True
 
+    def _on_sigint(self, signum, frame):
+        if self.interrupted:
+            print("\nzerolm: interrupted again: abandoned the save; the latest complete checkpoint stays the "
+                  f"latest; exiting with code {EXIT_INTERRUPTED}", file=sys.stderr, flush=True)
+            os._exit(EXIT_INTERRUPTED)
+        self.interrupted = True
+        print("\nzerolm: interrupted: saving the step reached, then exiting (Ctrl-C again to abandon the save)",
+              file=sys.stderr, flush=True)
+        if self.multi:  # hand it to JAX's preemption notifier, which makes every process stop at one step
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            self.flag = True
+
     def reached(self, step: int) -> bool:
         return multihost_utils.reached_preemption_sync_point(step) if self.multi else self.flag
 
+    @property
+    def why(self) -> str:
+        return "interrupted" if self.interrupted else "preempted"
+
     def close(self):
         if not self.multi:
-            signal.signal(signal.SIGTERM, self._previous)
+            signal.signal(signal.SIGTERM, self._previous_term)
+        signal.signal(signal.SIGINT, self._previous_int)
 
 
-def start_state(cfg: Config, zero: Zero1, init_fn, ckpts: Checkpoints, data_id: dict, resume: str,
-                overwrite: bool, say) -> tuple[TrainState, str, Checkpoints]:
-    """A fresh sharded state, or the latest checkpoint's; refuses to start over existing checkpoints."""
-    latest = ckpts.latest_step()
-    if latest is not None and resume == "never":
-        if not overwrite:
-            raise CheckpointError(f"{ckpts.directory}: already holds checkpoints (latest step {latest}); "
-                                  "resume with --resume auto, or pass --overwrite to start over "
-                                  "(the old checkpoints are moved aside, not deleted)")
-        ckpts.close()
-        if jax.process_index() == 0:
-            say(f"checkpoints: moved the old run aside to {move_aside(Path(str(ckpts.directory)))}")
+def start_state(cfg: Config, zero: Zero1, init_fn, data_id: dict, resume: str, overwrite: bool,
+                say) -> tuple[Checkpoints, TrainState, str]:
+    """The run's checkpoints, and a fresh sharded state or the newest intact checkpoint's.
+
+    Refuses to start over existing checkpoints without --overwrite. A damaged checkpoint is moved
+    aside and the one before it taken (`--resume auto`), or stops the run (`--resume strict`).
+    Needs the directory's run lock. Closes the checkpoints if it raises."""
+    directory = cfg.checkpoint_dir
+
+    def open_checkpoints() -> Checkpoints:
+        return Checkpoints(directory, keep=cfg.checkpoint.keep, keep_every=cfg.checkpoint.keep_every)
+
+    def on_every_process(what: str, fn):
+        result = on_process_0(fn, (CheckpointError, OSError))
         if jax.process_count() > 1:
-            multihost_utils.sync_global_devices("zerolm: old checkpoints moved aside")
-        ckpts = Checkpoints(ckpts.directory, keep=cfg.checkpoint.keep, keep_every=cfg.checkpoint.keep_every)
-        latest = None
-    if latest is None or resume == "never":
-        return zero.init(init_fn, jax.random.key(cfg.train.seed)), secrets.token_hex(4), ckpts
+            multihost_utils.sync_global_devices(f"zerolm: {what}")
+        return result
 
-    state, meta = ckpts.restore(latest, zero, cfg.model.model_dump())
-    if meta["dataset"] != data_id:
-        diff = [f"{k}: checkpoint {meta['dataset'].get(k)!r}, now {v!r}" for k, v in data_id.items()
-                if meta["dataset"].get(k) != v]
-        raise CheckpointError(f"{ckpts.directory / str(latest)}: the data differs from the checkpoint's, so the "
-                              f"data order cannot continue: {'; '.join(diff)}")
-    saved_batch = meta["config"]["train"]["global_batch_size"]
-    if saved_batch != cfg.train.global_batch_size:
-        raise CheckpointError(f"{ckpts.directory / str(latest)}: train.global_batch_size was {saved_batch}; "
-                              f"resuming with {cfg.train.global_batch_size} would change the data order")
+    ckpts = open_checkpoints()
+    try:
+        latest = ckpts.latest_step()
+        if latest is not None and resume == "never":
+            if not overwrite:
+                raise CheckpointError(f"{directory}: already holds checkpoints (latest step {latest}); "
+                                      "resume with --resume auto, or pass --overwrite to start over "
+                                      "(the old checkpoints are moved aside, not deleted)")
+            ckpts.close()
+            aside = on_every_process("old checkpoints moved aside",
+                                     lambda: move_aside(directory, keep=(LOCK_FILE, LEASE_FILE)))
+            say(f"checkpoints: moved the old run aside to {aside}")
+            ckpts, latest = open_checkpoints(), None
+        state = meta = None
+        while latest is not None and resume != "never":
+            try:
+                ckpts.verify(latest)
+                state, meta = ckpts.restore(latest, zero, cfg.model.model_dump())
+                break
+            except DamagedCheckpoint as e:
+                if resume == "strict":
+                    raise CheckpointError(f"{e} (--resume strict; --resume auto moves it aside and takes the "
+                                          "newest intact checkpoint before it)") from None
+                ckpts.close()
+                target = on_every_process("damaged checkpoint moved aside", lambda: move_damaged(directory, latest))
+                ckpts = open_checkpoints()
+                before = ckpts.latest_step()
+                say(f"checkpoints: step {latest} is damaged ({e.reason}); moved it aside to {target}; "
+                    + (f"resuming from step {before}" if before is not None else "no intact checkpoint is left, "
+                       "starting from scratch"))
+                latest = before
+        if state is None:
+            return ckpts, zero.init(init_fn, jax.random.key(cfg.train.seed)), secrets.token_hex(4)
+        _check_resumable(cfg, meta, data_id, ckpts.directory / str(latest))
+    except BaseException:
+        ckpts.close()
+        raise
     say(f"resumed from {ckpts.directory / str(latest)} (step {latest}, saved on dp={meta['dp']})")
     saved_train = meta["config"]["train"]
     saved_schedule = saved_train["schedule_steps"] or saved_train["steps"]
@@ -171,7 +245,20 @@ def start_state(cfg: Config, zero: Zero1, init_fn, ckpts: Checkpoints, data_id: 
     if meta["accum_steps"] != cfg.accum_steps or meta["dp"] != cfg.dp:
         say(f"  device count changed: dp {meta['dp']} -> {cfg.dp}; accumulation steps recomputed "
             f"{meta['accum_steps']} -> {cfg.accum_steps} (same global batch of {cfg.train.global_batch_size})")
-    return state, meta["wandb_id"], ckpts
+    return ckpts, state, meta["wandb_id"]
+
+
+def _check_resumable(cfg: Config, meta: dict, data_id: dict, where) -> None:
+    """The data order can continue only on the same data and the same global batch."""
+    if meta["dataset"] != data_id:
+        diff = [f"{k}: checkpoint {meta['dataset'].get(k)!r}, now {v!r}" for k, v in data_id.items()
+                if meta["dataset"].get(k) != v]
+        raise CheckpointError(f"{where}: the data differs from the checkpoint's, so the "
+                              f"data order cannot continue: {'; '.join(diff)}")
+    saved_batch = meta["config"]["train"]["global_batch_size"]
+    if saved_batch != cfg.train.global_batch_size:
+        raise CheckpointError(f"{where}: train.global_batch_size was {saved_batch}; "
+                              f"resuming with {cfg.train.global_batch_size} would change the data order")
 
 
 def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = False) -> dict[str, float]:
@@ -182,6 +269,8 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
     cfg = resolve_vocab(cfg, dataset)
     train_split = dataset.split("train", cfg.data.skip_bad_samples)
     val_split = dataset.split("val", cfg.data.skip_bad_samples)
+    train_split.verify()  # a missing or truncated shard stops the run now, not when first read
+    val_split.verify()
     entropy = dataset.manifest["splits"]["train"]["unigram_entropy"]
     tokenizer = dataset.tokenizer() if cfg.sample.tokens and is_main else None  # fail now, not after training
 
@@ -200,24 +289,45 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
     say(f"data: {dataset.location}: {len(train_split)} train / {len(val_split)} val samples of "
         f"{cfg.model.seq_len + 1} tokens, tokenizer {dataset.manifest['tokenizer']['name']} "
         f"({dataset.manifest['tokenizer']['vocab_size']} tokens), unigram entropy {entropy:.3f} nats/token")
+    evaluate = None
+    n_val = min(cfg.train.eval_sequences, len(val_split))
+    if n_val:
+        evaluate = make_evaluator(zero, functools.partial(gpt_model.token_losses, model),
+                                  val_split.read(np.arange(n_val)), cfg.dp * cfg.train.micro_batch_size)
+        if n_val < cfg.train.eval_sequences:
+            say(f"note: evaluating on all {n_val} validation samples (train.eval_sequences asks for "
+                f"{cfg.train.eval_sequences})")
+    else:
+        say("note: " + ("train.eval_sequences is 0" if len(val_split) else f"{dataset.location} has no validation "
+                        "samples") + ": training without evaluation")
 
     data_id = dataset_identity(cfg, dataset)
-    ckpts = Checkpoints(cfg.checkpoint_dir, keep=cfg.checkpoint.keep, keep_every=cfg.checkpoint.keep_every)
+    lock = on_process_0(lambda: RunLock.acquire(cfg.checkpoint_dir), (LockHeld,))
     try:
-        state, wandb_id, ckpts = start_state(cfg, zero, init_fn, ckpts, data_id, resume, overwrite, say)
-        start = int(state.step)
-        if start >= cfg.train.steps:
-            say(f"nothing to do: {cfg.checkpoint_dir} is at step {start} and train.steps is {cfg.train.steps} "
-                "(raise train.steps to go on, or start over with --resume never --overwrite)")
-            return {"unigram_entropy": entropy}
-        state, summary = _train_loop(cfg, zero, loss_fn, state, start, ckpts, train_split, val_split, data_id,
-                                     wandb_id, entropy, out)
+        removed = on_process_0(lambda: remove_unfinished(cfg.checkpoint_dir), (OSError,))
+        if removed:
+            say(f"checkpoints: removed {len(removed)} unfinished save(s) of an earlier run that died while saving: "
+                + ", ".join(removed))
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("zerolm: checkpoint directory locked")
+        ckpts, state, wandb_id = start_state(cfg, zero, init_fn, data_id, resume, overwrite, say)
+        try:
+            start = int(state.step)
+            if start >= cfg.train.steps:
+                say(f"nothing to do: {cfg.checkpoint_dir} is at step {start} and train.steps is {cfg.train.steps} "
+                    "(raise train.steps to go on, or start over with --resume never --overwrite)")
+                return {"unigram_entropy": entropy}
+            state, summary = _train_loop(cfg, zero, state, start, ckpts, train_split, evaluate, data_id,
+                                         wandb_id, entropy, out)
+        finally:
+            ckpts.close()  # waits for a save in flight to be durable; an interrupted one is never listed
     finally:
-        ckpts.close()  # waits for a save in flight to be durable; an interrupted one is never listed
+        if lock is not None:
+            lock.release()
 
-    say(f"done: train loss {summary['loss']:.4f}, val loss {summary['val_loss']:.4f} "
-        f"(unigram entropy {entropy:.4f}); metrics in {cfg.log_dir / 'metrics.jsonl'}, "
-        f"checkpoints in {cfg.checkpoint_dir}")
+    val = f", val loss {summary['val_loss']:.4f}" if "val_loss" in summary else ""
+    say(f"done: train loss {summary['loss']:.4f}{val} (unigram entropy {entropy:.4f}); metrics in "
+        f"{cfg.log_dir / 'metrics.jsonl'}, checkpoints in {cfg.checkpoint_dir}")
     if tokenizer is not None:
         ids = generate(model, state.params, tokenizer.encode(cfg.sample.prompt), cfg.sample.tokens,
                        cfg.sample.temperature, seed=cfg.train.seed)
@@ -225,54 +335,51 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
     return summary
 
 
-def _train_loop(cfg: Config, zero: Zero1, loss_fn, state: TrainState, start: int, ckpts: Checkpoints,
-                train_split, val_split, data_id: dict, wandb_id: str, entropy: float, out):
-    """Steps `start` .. train.steps, with evaluation, checkpoints and preemption."""
+def _train_loop(cfg: Config, zero: Zero1, state: TrainState, start: int, ckpts: Checkpoints, train_split,
+                evaluate, data_id: dict, wandb_id: str, entropy: float, out):
+    """Steps start + 1 .. train.steps, with evaluation, checkpoints and preemption."""
     mesh, is_main = zero.mesh, jax.process_index() == 0
     loader = BatchLoader(train_split, mesh, cfg.train.global_batch_size, cfg.train.micro_batch_size,
                          cfg.train.seed)
-    val_loader = BatchLoader(val_split, mesh, cfg.dp * cfg.train.micro_batch_size, cfg.train.micro_batch_size,
-                             seed=0, allow_repeats=True)
-    val_batches = [val_loader.global_batch(i) for i in range(cfg.train.eval_batches)]
-    evaluate = make_evaluator(zero, loss_fn)
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
 
-    def checkpoint_meta(done: int, loss: float | None) -> dict:
-        return {"step": done, "time": time.time(), "config": cfg.model_dump(), "dp": cfg.dp,
+    def checkpoint_meta(step: int, loss: float | None) -> dict:
+        return {"step": step, "time": time.time(), "config": cfg.model_dump(), "dp": cfg.dp,
                 "accum_steps": cfg.accum_steps, "process_count": jax.process_count(), "dataset": data_id,
                 "dataset_location": str(train_split.dataset.location),
-                "tokens_seen": done * tokens_per_step, "loss": loss, "wandb_id": wandb_id,
+                "tokens_seen": step * tokens_per_step, "loss": loss, "wandb_id": wandb_id,
                 "zerolm_version": zerolm.__version__}
 
     writer = MetricsWriter(cfg.log_dir, cfg.model_dump(), cfg.name, cfg.logging.wandb, cfg.logging.wandb_project,
-                           wandb_id)
+                           wandb_id, resume_step=start)
     bar = tqdm(total=cfg.train.steps, initial=start, desc=cfg.name, unit="step", disable=not is_main, file=out,
                dynamic_ncols=True, mininterval=0.5)
-    preemption = PreemptionWatch()
+    preemption = PreemptionWatch(out)
     summary: dict[str, float] = {"unigram_entropy": entropy}
-    emitter = _Emitter(writer, bar, summary, tokens_per_step, cfg.logging.every, cfg.train.skip_nonfinite)
+    emitter = _Emitter(writer, bar, summary, tokens_per_step, cfg.logging.every,
+                       cfg.train.max_consecutive_skips if cfg.train.skip_nonfinite else None)
     batches = loader.batches(start_step=start, prefetch=cfg.data.prefetch)
     try:
-        for step in range(start, cfg.train.steps):
+        for step in range(start + 1, cfg.train.steps + 1):
             batch, waited = next(batches)
             state, metrics = zero(state, batch)
             if cfg.data.skip_bad_samples:
                 metrics = {**metrics, "bad_samples": train_split.bad_samples}
             emitter.push(step, metrics, waited)  # emits the previous step's metrics: one step behind
-            done = step + 1
-            stop = preemption.reached(done)
-            evaluate_now = done % cfg.train.eval_every == 0 or done == cfg.train.steps
-            save_now = done % cfg.checkpoint.every == 0 or done == cfg.train.steps or stop
+            stop = preemption.reached(step)
+            evaluate_now = evaluate is not None and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
+            save_now = step % cfg.checkpoint.every == 0 or step == cfg.train.steps or stop
             if evaluate_now or save_now:
                 emitter.flush()  # a non-finite step raises here, before it could be saved
             if evaluate_now:
-                summary["val_loss"] = evaluate(state.params, val_batches)
+                summary["val_loss"] = evaluate(state.params)
                 writer.write(step, {"val_loss": summary["val_loss"]})
-                bar.write(f"step {done}: val loss {summary['val_loss']:.4f}", file=out)
+                bar.write(f"step {step}: val loss {summary['val_loss']:.4f}", file=out)
             if save_now:
-                ckpts.save(state, checkpoint_meta(done, summary.get("loss")), wait=stop)
+                ckpts.save(state, checkpoint_meta(step, summary.get("loss")), wait=stop)
             if stop:
-                raise Preempted(done)
+                raise Preempted(step, preemption.why)
+        emitter.flush()
         ckpts.wait()
     finally:
         batches.close()
@@ -285,9 +392,9 @@ def _train_loop(cfg: Config, zero: Zero1, loss_fn, state: TrainState, start: int
 class _Emitter:
     """Turns a step's device metrics into logged numbers one step late, so dispatch never waits."""
 
-    def __init__(self, writer, bar, summary, tokens_per_step, every, skip_nonfinite):
+    def __init__(self, writer, bar, summary, tokens_per_step, every, max_skips: int | None):
         self.writer, self.bar, self.summary = writer, bar, summary
-        self.tokens_per_step, self.every, self.skip_nonfinite = tokens_per_step, every, skip_nonfinite
+        self.tokens_per_step, self.every, self.max_skips = tokens_per_step, every, max_skips
         self.pending = None
         self.last_time = time.perf_counter()
 
@@ -306,10 +413,15 @@ class _Emitter:
         values["data_wait_s"] = waited
         self.last_time = now
         self.writer.write(step, values)
-        if not (np.isfinite(values["loss"]) and np.isfinite(values["grad_norm"])) and not self.skip_nonfinite:
-            raise NonFiniteError(f"step {step + 1}: loss {values['loss']}, grad norm {values['grad_norm']} is not "
+        finite = np.isfinite(values["loss"]) and np.isfinite(values["grad_norm"])
+        if not finite and self.max_skips is None:
+            raise NonFiniteError(f"step {step}: loss {values['loss']}, grad norm {values['grad_norm']} is not "
                                  "finite; stopping without saving it (the last good checkpoint stays the latest; "
                                  "train.skip_nonfinite: true skips such updates instead)")
+        if self.max_skips is not None and values["skipped_in_a_row"] >= self.max_skips:
+            raise NonFiniteError(f"step {step}: the last {int(values['skipped_in_a_row'])} updates were all skipped "
+                                 f"(non-finite gradients; train.max_consecutive_skips is {self.max_skips}); stopping "
+                                 "without saving: lower train.lr, or check the data")
         self.summary.update(values)
         self.bar.update(1)
         if step % self.every == 0:
@@ -317,13 +429,15 @@ class _Emitter:
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="zerolm train", description="Train a GPT model with ZeRO-1.")
+    parser = parser or OneLineParser(prog="zerolm train", description="Train a GPT model with ZeRO-1.")
     parser.add_argument("--config", default="configs/tiny.yaml", help="YAML config file (default: %(default)s)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a config key; repeatable")
-    parser.add_argument("--resume", choices=["auto", "never"], default="auto",
-                        help="auto: continue from the latest checkpoint of the run if there is one; never: "
-                             "start fresh (refused over existing checkpoints without --overwrite) (default: %(default)s)")
+    parser.add_argument("--resume", choices=["auto", "strict", "never"], default="auto",
+                        help="auto: continue from the newest intact checkpoint of the run if there is one (a damaged "
+                             "newer one is moved aside); strict: the same, but a damaged latest checkpoint stops the "
+                             "run; never: start fresh (refused over existing checkpoints without --overwrite) "
+                             "(default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true",
                         help="with --resume never: move existing checkpoints aside and start over")
     dist = parser.add_argument_group("multi-process (omit on one host; on a TPU VM slice use --distributed)")
@@ -336,12 +450,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.distributed or args.coordinator:
-        initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     try:
+        if args.distributed or args.coordinator:
+            initialize_distributed(args.coordinator, args.num_processes, args.process_id)
         cfg = load_config(args.config, args.set, device_count=jax.device_count())
         run(cfg, resume=args.resume, overwrite=args.overwrite)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, LockHeld) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except CheckpointError as e:
@@ -352,6 +466,10 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         print(f"zerolm: {e}; exiting with code {EXIT_PREEMPTED}", file=sys.stderr)
         return EXIT_PREEMPTED
+    except KeyboardInterrupt:
+        print(f"zerolm: interrupted before the first step; nothing was saved; exiting with code {EXIT_INTERRUPTED}",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
 
 

@@ -139,7 +139,8 @@ class Zero1:
 
         # The sharding table: everything the three programs take and give.
         self.replicated = NamedSharding(mesh, P())
-        self.batch_sharding = NamedSharding(mesh, P(None, DP))
+        self.batch_sharding = NamedSharding(mesh, P(None, DP))  # (accum, rows, tokens): rows over dp
+        self.row_sharding = NamedSharding(mesh, P(DP))  # (rows, ...): evaluation batches
         self.param_shardings = jax.tree.map(lambda _: self.replicated, abstract_params)
         self.view_shardings = jax.tree.map(lambda lay: NamedSharding(mesh, lay.spec), self.layouts,
                                            is_leaf=is_layout)
@@ -221,6 +222,7 @@ def _update(grads_view, params_view, opt_state, step, *, tx, layouts, lr_schedul
     skipped = optax.tree_utils.tree_get(opt_state, "total_notfinite")  # set under optax.apply_if_finite
     if skipped is not None:
         metrics["skipped_updates"] = skipped
+        metrics["skipped_in_a_row"] = optax.tree_utils.tree_get(opt_state, "notfinite_count")
     params = from_views(layouts, optax.apply_updates(params_view, updates))
     return params, opt_state, step + 1, metrics
 
