@@ -26,18 +26,15 @@ from zerolm import hlo, model as gpt_model
 from zerolm.config import load_config
 from zerolm.data.loader import to_accum_layout
 from zerolm.mesh import make_mesh
+from zerolm.mfu import flops_per_token as model_flops_per_token, peak_for
 from zerolm.zero import Zero1, bytes_per_device, make_optimizer, naive_data_parallel_step, with_shardings
-
-# Dense 16-bit matrix peak per chip, FLOP/s, from the vendors' datasheets.
-DATASHEET_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "TPU v4": 275e12, "TPU v5 lite": 197e12,
-                  "TPU v5": 459e12, "TPU v6 lite": 918e12}
 
 
 def peak_flops() -> tuple[float, str]:
+    """The whole machine's peak: the datasheet's per device × devices, or on CPU a measured matmul."""
     kind = jax.devices()[0].device_kind
-    for name, peak in DATASHEET_PEAK.items():
-        if name in kind:
-            return peak * jax.device_count(), f"{name} datasheet {peak / 1e12:.0f} TFLOP/s × {jax.device_count()}"
+    if (peak := peak_for(kind)) is not None:
+        return peak.flops * jax.device_count(), f"{peak.source} × {jax.device_count()}"
     n = 2048
     a = jnp.ones((n, n), jnp.float32)
     mm = jax.jit(lambda x: x @ x).lower(a).compile()
@@ -51,7 +48,7 @@ def peak_flops() -> tuple[float, str]:
 
 def flops_per_token(cfg, n_params_no_pos: int) -> float:
     m = cfg.model
-    return 6 * n_params_no_pos + 12 * m.n_layer * m.d_model * m.seq_len
+    return model_flops_per_token(n_params_no_pos, m.n_layer, m.d_model, m.seq_len)
 
 
 def memory_of(compiled) -> int:

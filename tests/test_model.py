@@ -39,16 +39,66 @@ def test_loss_of_untrained_model_is_near_uniform():
     assert abs(float(loss_fn(init_fn(jax.random.key(0)), tokens)) - np.log(100)) < 0.1
 
 
-def test_remat_gives_the_same_loss_and_gradients():
+def _loss_and_grads(*overrides):
     tokens = np.random.default_rng(0).integers(0, 100, (2, 17))
-    results = []
-    for remat in (False, True):
-        cfg = small_config(f"model.remat={str(remat).lower()}")
-        _, init_fn, loss_fn, _ = small_model(cfg.model)
-        results.append(jax.value_and_grad(loss_fn)(init_fn(jax.random.key(0)), tokens))
-    (l0, g0), (l1, g1) = results
-    assert float(l0) == float(l1)
+    _, init_fn, loss_fn, _ = small_model(small_config(*overrides).model)
+    return jax.value_and_grad(loss_fn)(init_fn(jax.random.key(0)), tokens)
+
+
+def test_every_remat_policy_gives_the_same_loss_and_gradients():
+    l0, g0 = _loss_and_grads("model.remat=none")
+    for policy in ("full", "dots", "attention", "dots_attention"):
+        l1, g1 = _loss_and_grads(f"model.remat={policy}")
+        assert float(l0) == float(l1), policy
+        jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7, err_msg=policy), g0, g1)
+    assert small_config("model.remat=true").model.remat == "full"  # the old boolean still reads
+
+
+def test_chunked_loss_equals_the_plain_loss_and_its_gradient():
+    l0, g0 = _loss_and_grads("model.loss_chunk=0")
+    for chunk in (5, 8, 31):  # 2 × 16 targets: with padding (5, 31) and without (8)
+        l1, g1 = _loss_and_grads(f"model.loss_chunk={chunk}")
+        np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6, err_msg=str(chunk))
+        jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7, err_msg=str(chunk)), g0, g1)
+
+
+def test_chunked_per_token_losses_and_bfloat16_match_the_plain_ones():
+    tokens = np.random.default_rng(1).integers(0, 100, (2, 17))
+    weights = np.random.default_rng(2).random((2, 16)).astype(np.float32)  # as evaluation's padding mask does
+
+    def weighted(chunk, dtype="float32"):
+        model, init_fn, _, _ = small_model(small_config(f"model.loss_chunk={chunk}", f"model.dtype={dtype}").model)
+        fn = lambda p: jnp.sum(gpt_model.token_losses(model, p, tokens) * weights)  # noqa: E731
+        return jax.value_and_grad(fn)(init_fn(jax.random.key(0)))
+
+    (l0, g0), (l1, g1) = weighted(0), weighted(5)
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
     jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7), g0, g1)
+    # bfloat16 compute: the fused training loss against the plain one, to bfloat16's precision.
+    (b0, h0), (b1, h1) = (_loss_and_grads("model.dtype=bfloat16", f"model.loss_chunk={c}") for c in (0, 5))
+    np.testing.assert_allclose(float(b1), float(b0), rtol=1e-2)
+    assert _rel_norm(h1, h0) < 2e-2
+
+
+def _rel_norm(a, b):
+    a, b = (np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in jax.tree.leaves(t)]) for t in (a, b))
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def test_chunked_loss_never_builds_the_whole_logits():
+    """What the output layer and loss add to the compiled gradient's temporary memory: more than the
+    micro-batch's float32 logits unchunked, a small fraction of them chunked."""
+    tokens = jnp.zeros((8, 257), jnp.int32)
+
+    def temp_bytes(vocab, chunk):
+        cfg = small_config("model.seq_len=256", f"model.vocab_size={vocab}", f"model.loss_chunk={chunk}")
+        _, _, loss_fn, abstract = small_model(cfg.model)
+        return jax.jit(jax.grad(loss_fn)).lower(abstract, tokens).compile().memory_analysis().temp_size_in_bytes
+
+    rest = temp_bytes(100, 0)  # the model without a real output layer: vocabulary 128
+    logits_bytes = 8 * 256 * 16000 * 4  # tokens × vocabulary × float32
+    plain, chunked = temp_bytes(16000, 0) - rest, temp_bytes(16000, 256) - rest
+    assert plain > logits_bytes > 10 * chunked, (plain, chunked)
 
 
 def test_param_names_follow_hugging_face_gpt2():

@@ -94,3 +94,31 @@ def test_validation_loss_of_a_checkpoint_is_the_same_on_1_2_and_8_devices(tmp_pa
         losses[n] = evaluate(state.params)
     assert losses[8] == pytest.approx(summary["val_loss"], rel=1e-6)  # what training logged
     assert losses[1] == pytest.approx(losses[8], rel=1e-5) and losses[2] == pytest.approx(losses[8], rel=1e-5), losses
+
+
+def test_a_restart_loads_the_train_step_from_the_compilation_cache(tmp_path):
+    """train.compilation_cache: the second run finds the gradient step and the update compiled on disk."""
+    cmd = [sys.executable, str(REPO / "main_zero.py"), "--config", str(TINY), "--set", "train.steps=2",
+           "--set", "train.warmup_steps=1", "--set", f"logging.dir={tmp_path / 'log'}", "--set", "sample.tokens=0",
+           "--set", f"train.compilation_cache={tmp_path / 'xla'}"]
+    env = {**os.environ, "JAX_LOG_COMPILES": "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    runs = [subprocess.run([*cmd, "--set", f"checkpoint.dir={tmp_path / f'ckpt{i}'}"], capture_output=True, text=True,
+                           cwd=REPO, env=env, timeout=300) for i in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[1].stderr[-2000:]
+    assert any(p.name.startswith("jit__local_grads") for p in (tmp_path / "xla").iterdir())
+    for program in ("jit__local_grads", "jit__update"):
+        assert f"Persistent compilation cache hit for '{program}'" not in runs[0].stderr
+        assert f"Persistent compilation cache hit for '{program}'" in runs[1].stderr
+
+
+def test_profile_of_two_steps_writes_a_trace(tmp_path):
+    import io
+
+    out = io.StringIO()
+    run(small_config("model.vocab_size=auto", "train.steps=4", "train.warmup_steps=1", "train.global_batch_size=16",
+                     "train.micro_batch_size=2", "logging.profile=2-3", f"logging.dir={tmp_path / 'log'}",
+                     f"checkpoint.dir={tmp_path / 'ckpt'}", "sample.tokens=0"), out=out)
+    traces = list((tmp_path / "log" / "profile").rglob("*.trace.json.gz"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 1000
+    assert list((tmp_path / "log" / "profile").rglob("*.xplane.pb"))  # what TensorBoard / XProf open
+    assert f"profile of steps 2-3 in {tmp_path / 'log' / 'profile'}" in out.getvalue()

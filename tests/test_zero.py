@@ -39,10 +39,13 @@ def _rel(a_tree, b_tree):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_sgd_step_matches_single_device(mode):
-    cfg = small_config("train.global_batch_size=32", "train.micro_batch_size=2")
-    zero, state, loss_fn = _zero(cfg, optax.sgd(0.1), mode)
+@pytest.mark.parametrize("mode, chunk", [("all_reduce", 0), ("reduce_scatter", 0), ("reduce_scatter", 12)])
+def test_sgd_step_matches_single_device(mode, chunk):
+    """chunk 12: the fused, chunked loss inside shard_map (2 × 16 targets per micro-step, a padded chunk)
+    against the plain loss on one device."""
+    cfg = small_config("train.global_batch_size=32", "train.micro_batch_size=2", f"model.loss_chunk={chunk}")
+    zero, state, _ = _zero(cfg, optax.sgd(0.1), mode)
+    loss_fn = small_model(small_config("model.loss_chunk=0").model)[2]
     rows = _rows(32, cfg)
     before = jax.tree.map(np.asarray, state.params)
     state, metrics = zero(state, _batch(zero, rows, accum=2, micro=2))
@@ -101,10 +104,10 @@ def test_accumulation_equals_one_big_micro_batch(mode):
     assert l_acc == pytest.approx(l_one, rel=1e-6)
 
 
-@pytest.mark.parametrize("accum", [1, 4, 8])
+@pytest.mark.parametrize("accum, chunk", [(1, 0), (4, 0), (8, 0), (4, 6)])  # chunk 6: the fused, chunked loss
 @pytest.mark.parametrize("mode", MODES)
-def test_exactly_one_gradient_reduction_per_step(mode, accum):
-    cfg = small_config(f"train.global_batch_size={8 * accum}", "train.micro_batch_size=1")
+def test_exactly_one_gradient_reduction_per_step(mode, accum, chunk):
+    cfg = small_config(f"train.global_batch_size={8 * accum}", "train.micro_batch_size=1", f"model.loss_chunk={chunk}")
     zero, state, loss_fn = _zero(cfg, optax.adamw(1e-3), mode)
     batch = _batch(zero, _rows(8 * accum, cfg), accum, 1)
     n_params = gpt_model.count_params(state.params)

@@ -180,7 +180,7 @@ def _first_line(error: Exception) -> str:
 
 
 # Keys that change how the model computes, not what its parameters are.
-_COMPUTE_ONLY = {"dtype", "attention", "remat"}
+_COMPUTE_ONLY = {"dtype", "attention", "remat", "loss_chunk"}
 
 
 def _walk(path: epath.Path):

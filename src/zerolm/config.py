@@ -33,7 +33,7 @@ class _Section(BaseModel):
     def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, bool):
             annotation = cls.model_fields[info.field_name].annotation
-            if annotation is not bool and bool not in typing.get_args(annotation):
+            if annotation in (int, float) or {int, float} & set(typing.get_args(annotation)):
                 raise ValueError(f"expected a number, got {value!r}")
         return value
 
@@ -49,7 +49,14 @@ class ModelConfig(_Section):
     seq_len: int = PositiveInt
     dtype: Literal["auto", "float32", "bfloat16", "float16"]  # compute dtype; params stay float32
     attention: Literal["auto", "xla", "cudnn"]
-    remat: bool
+    # What the backward pass recomputes instead of storing (see model.REMAT_POLICIES).
+    remat: Literal["none", "full", "dots", "attention", "dots_attention"]
+    loss_chunk: int = Field(ge=0)  # tokens per chunk of the output layer + loss; 0: the whole micro-batch at once
+
+    @field_validator("remat", mode="before")
+    @classmethod
+    def _remat_bool(cls, value: Any) -> Any:
+        return {True: "full", False: "none"}.get(value, value) if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
@@ -67,6 +74,8 @@ class ModelConfig(_Section):
 
 class TrainConfig(_Section):
     steps: int = PositiveInt
+    # Persistent XLA compilation cache: "default" ($ZEROLM_CACHE/xla), a directory (or gs:// path), or null (off).
+    compilation_cache: str | None
     schedule_steps: int | None = Field(gt=0)  # length of the lr schedule; null: steps
     seed: int = Field(ge=0)
     global_batch_size: int = PositiveInt  # sequences per optimizer step
@@ -128,6 +137,20 @@ class LoggingConfig(_Section):
     wandb: Literal["disabled", "offline", "online"]
     wandb_project: str
     every: int = PositiveInt  # progress-bar refresh, in steps; metrics.jsonl gets every step
+    profile: str | None = Field(pattern=r"^\d+-\d+$")  # "A-B": a jax.profiler trace of steps A..B
+
+    @property
+    def profile_steps(self) -> tuple[int, int] | None:
+        if self.profile is None:
+            return None
+        first, last = map(int, self.profile.split("-"))
+        return first, last
+
+    @model_validator(mode="after")
+    def _profile_range(self) -> LoggingConfig:
+        if self.profile_steps is not None and not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
+            raise ValueError(f"profile {self.profile!r}: expected FIRST-LAST steps with 1 <= FIRST <= LAST")
+        return self
 
 
 class SampleConfig(_Section):

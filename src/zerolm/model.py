@@ -7,15 +7,32 @@ which keeps compile time flat in depth.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
 import jax
+import numpy as np
 import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from zerolm.config import ModelConfig
 
 LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon
+
+# model.remat -> what each block's backward pass may keep from its forward pass (the rest is recomputed).
+# "dots" keeps the outputs of the weight matmuls (dots without batch dimensions), which cost the most to
+# recompute per byte; "attention" keeps the attention output (a fused flash-attention call is not a
+# dot, so "dots" alone would run it again).
+_cp = jax.checkpoint_policies
+REMAT_POLICIES = {
+    "full": _cp.nothing_saveable,
+    "dots": _cp.dots_with_no_batch_dims_saveable,
+    "attention": _cp.save_only_these_names("attention_out"),
+    "dots_attention": _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable,
+                                                  _cp.save_only_these_names("attention_out")),
+}
 
 
 def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
@@ -46,6 +63,7 @@ class Attention(nn.Module):
         q_BxTxHxK, k_BxTxHxK, v_BxTxHxK = (t.reshape(B, T, H, D // H) for t in jnp.split(qkv, 3, axis=-1))
         y = jax.nn.dot_product_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, is_causal=True,
                                          implementation=self.implementation)
+        y = checkpoint_name(y, "attention_out")
         # GPT-2 scales the residual projections' init by 1/sqrt(2 * n_layer).
         proj_init = nn.initializers.normal(0.02 / math.sqrt(2 * self.cfg.n_layer))
         return nn.Dense(D, dtype=self.dtype, kernel_init=proj_init, name="c_proj")(y.reshape(B, T, D))
@@ -81,8 +99,11 @@ class GPT(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
-        """Float32 logits over the padded vocabulary; padded entries are -inf-like, so they get no mass."""
+    def __call__(self, tokens_BxT: jax.Array, *, hidden_only: bool = False) -> jax.Array:
+        """Float32 logits over the padded vocabulary; padded entries are -inf-like, so they get no mass.
+
+        `hidden_only`: the final LayerNorm's output instead, for a loss that applies the (tied)
+        output layer itself, chunk by chunk."""
         cfg = self.cfg
         dtype = compute_dtype(cfg)
         V, D = cfg.padded_vocab_size, cfg.d_model
@@ -91,15 +112,22 @@ class GPT(nn.Module):
         wpe_TxD = self.param("wpe", nn.initializers.normal(0.01), (cfg.seq_len, D), jnp.float32)
         x_BxTxD = (jnp.take(wte_VxD, tokens_BxT, axis=0) + wpe_TxD[:T]).astype(dtype)
 
-        block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
+        block = (Block if cfg.remat == "none"
+                 else nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat]))
         blocks = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                          length=cfg.n_layer, metadata_params={nn.PARTITION_NAME: None})
         x_BxTxD, _ = blocks(cfg, dtype, attention_implementation(cfg), name="h")(x_BxTxD, None)
         x_BxTxD = nn.LayerNorm(epsilon=LN_EPS, dtype=dtype, name="ln_f")(x_BxTxD)
+        if hidden_only:
+            return x_BxTxD
+        return output_logits(x_BxTxD, wte_VxD, cfg.vocab_size)
 
-        logits_BxTxV = jnp.einsum("btd,vd->btv", x_BxTxD, wte_VxD.astype(dtype)).astype(jnp.float32)
-        real_vocab_V = jnp.arange(V) < cfg.vocab_size
-        return jnp.where(real_vocab_V, logits_BxTxV, -1e30)
+
+def output_logits(x_NxD: jax.Array, wte_VxD: jax.Array, vocab_size: int) -> jax.Array:
+    """The tied output layer: float32 logits (the matmul accumulates in float32 whatever the compute
+    dtype), the vocabulary's padding masked to -inf-like."""
+    logits = jnp.einsum("...d,vd->...v", x_NxD, wte_VxD.astype(x_NxD.dtype), preferred_element_type=jnp.float32)
+    return jnp.where(jnp.arange(wte_VxD.shape[0]) < vocab_size, logits, -1e30)
 
 
 def token_cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
@@ -113,15 +141,101 @@ def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
     return jnp.mean(token_cross_entropy(logits_BxTxV, targets_BxT))
 
 
+def _chunks(x_BxTxD: jax.Array, targets_BxT: jax.Array, chunk: int):
+    """Flatten tokens and split them into chunks (the last padded), with a mask of the real ones."""
+    B, T, D = x_BxTxD.shape
+    n = B * T
+    pad = -n % chunk
+    x_CxKxD = jnp.pad(x_BxTxD.reshape(n, D), ((0, pad), (0, 0))).reshape(-1, chunk, D)
+    t_CxK = jnp.pad(targets_BxT.reshape(n), (0, pad)).reshape(-1, chunk)
+    real_CxK = (jnp.arange(n + pad) < n).reshape(-1, chunk)
+    return x_CxKxD, t_CxK, real_CxK
+
+
+def chunked_token_cross_entropy(x_BxTxD: jax.Array, wte_VxD: jax.Array, targets_BxT: jax.Array, vocab_size: int,
+                                chunk: int) -> jax.Array:
+    """`token_cross_entropy(output_logits(x))`, `chunk` tokens at a time.
+
+    Each chunk's logits are made, reduced to a loss and dropped; the backward pass makes them again
+    (`jax.checkpoint`), so at most one chunk of float32 logits exists, never the micro-batch's
+    tokens × vocabulary."""
+    B, T, _ = x_BxTxD.shape
+    x_CxKxD, t_CxK, _ = _chunks(x_BxTxD, targets_BxT, chunk)
+
+    @jax.checkpoint
+    def chunk_losses(x_KxD, t_K):
+        return token_cross_entropy(output_logits(x_KxD, wte_VxD, vocab_size), t_K)
+
+    losses_CxK = lax.map(lambda xt: chunk_losses(*xt), (x_CxKxD, t_CxK))
+    return losses_CxK.reshape(-1)[:B * T].reshape(B, T)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def fused_mean_cross_entropy(x_BxTxD: jax.Array, wte_VxD: jax.Array, targets_BxT: jax.Array, vocab_size: int,
+                             chunk: int) -> jax.Array:
+    """`mean(token_cross_entropy(output_logits(x)))` with its gradient made in the same pass.
+
+    Chunk by chunk, the float32 logits give the loss and, while they exist, the gradient of the mean
+    with respect to x and the output layer (softmax − one-hot, times the other operand). Nothing of
+    the size tokens × vocabulary outlives its chunk, and the backward pass only scales the saved
+    gradients by the incoming cotangent: no logits are recomputed (as they would be under
+    `jax.checkpoint`, at 2·V·d more FLOPs per token)."""
+    return _fused_forward(x_BxTxD, wte_VxD, targets_BxT, vocab_size, chunk)[0]
+
+
+def _fused_forward(x_BxTxD, wte_VxD, targets_BxT, vocab_size, chunk):
+    x_CxKxD, t_CxK, real_CxK = _chunks(x_BxTxD, targets_BxT, chunk)
+    n = targets_BxT.size
+    wte_c = wte_VxD.astype(x_BxTxD.dtype)
+
+    def one(dwte_VxD, xtm):
+        x_KxD, t_K, real_K = xtm
+        logits_KxV = output_logits(x_KxD, wte_VxD, vocab_size)
+        lse_K = jax.nn.logsumexp(logits_KxV, axis=-1)
+        target_K = jnp.take_along_axis(logits_KxV, t_K[:, None], axis=-1)[:, 0]
+        loss = jnp.sum(jnp.where(real_K, lse_K - target_K, 0.0))
+        # d(mean loss)/d logits = (softmax - one_hot(target)) / n, zero on padding rows.
+        d_KxV = jnp.exp(logits_KxV - lse_K[:, None])
+        d_KxV = d_KxV.at[jnp.arange(t_K.shape[0]), t_K].add(-1.0)
+        d_KxV = (d_KxV * (real_K[:, None] / n)).astype(x_KxD.dtype)
+        dx_KxD = jnp.einsum("kv,vd->kd", d_KxV, wte_c, preferred_element_type=jnp.float32)
+        dwte_VxD = dwte_VxD + jnp.einsum("kv,kd->vd", d_KxV, x_KxD, preferred_element_type=jnp.float32)
+        return dwte_VxD, (loss, dx_KxD)
+
+    # zeros_like, not zeros: inside shard_map the carry must be as device-varying as wte's gradient.
+    dwte, (losses_C, dx_CxKxD) = lax.scan(one, jnp.zeros_like(wte_VxD, jnp.float32), (x_CxKxD, t_CxK, real_CxK))
+    dx_BxTxD = dx_CxKxD.reshape(-1, x_BxTxD.shape[-1])[:n].reshape(x_BxTxD.shape).astype(x_BxTxD.dtype)
+    return jnp.sum(losses_C) / n, (dx_BxTxD, dwte.astype(wte_VxD.dtype), targets_BxT)
+
+
+def _fused_backward(vocab_size, chunk, residuals, g):
+    dx_BxTxD, dwte_VxD, targets_BxT = residuals
+    zero_targets = np.zeros(targets_BxT.shape, jax.dtypes.float0)  # integer input: no gradient
+    return (dx_BxTxD * g.astype(dx_BxTxD.dtype), dwte_VxD * g, zero_targets)
+
+
+fused_mean_cross_entropy.defvjp(_fused_forward, _fused_backward)
+
+
 def token_losses(model: GPT, params, tokens_BxT1: jax.Array) -> jax.Array:
     """(B, seq_len) losses of a packed batch of seq_len + 1 tokens: inputs are [:-1], targets [1:]."""
-    logits = model.apply({"params": params}, tokens_BxT1[:, :-1])
-    return token_cross_entropy(logits, tokens_BxT1[:, 1:])
+    inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
+    chunk = model.cfg.loss_chunk
+    if not chunk or chunk >= targets_BxT.size:
+        return token_cross_entropy(model.apply({"params": params}, inputs_BxT), targets_BxT)
+    x_BxTxD = model.apply({"params": params}, inputs_BxT, hidden_only=True)
+    return chunked_token_cross_entropy(x_BxTxD, params["wte"], targets_BxT, model.cfg.vocab_size, chunk)
 
 
 def lm_loss(model: GPT, params, tokens_BxT1: jax.Array) -> jax.Array:
-    """Mean loss of a packed batch of seq_len + 1 tokens."""
-    return jnp.mean(token_losses(model, params, tokens_BxT1))
+    """Mean loss of a packed batch of seq_len + 1 tokens: the training loss (fused and chunked when
+    model.loss_chunk is set)."""
+    inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
+    chunk = model.cfg.loss_chunk
+    if not chunk or chunk >= targets_BxT.size:
+        return jnp.mean(token_losses(model, params, tokens_BxT1))
+    x_BxTxD = model.apply({"params": params}, inputs_BxT, hidden_only=True)
+    return fused_mean_cross_entropy(x_BxTxD, params["wte"], targets_BxT, model.cfg.vocab_size, chunk)
 
 
 def init_params(model: GPT, rng: jax.Array):

@@ -261,10 +261,22 @@ def _check_resumable(cfg: Config, meta: dict, data_id: dict, where) -> None:
                               f"resuming with {cfg.train.global_batch_size} would change the data order")
 
 
+def use_compilation_cache(setting: str | None) -> str | None:
+    """Point JAX's persistent compilation cache at train.compilation_cache, so a restarted run (after a
+    preemption, say) loads its compiled programs instead of compiling them again."""
+    if setting is None:
+        return None
+    directory = str(cache_dir() / "xla") if setting == "default" else setting
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # the train step, not every tiny jit
+    return directory
+
+
 def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = False) -> dict[str, float]:
     """Train `cfg` (resuming per `resume`); returns the last train loss, val loss and unigram entropy."""
     is_main = jax.process_index() == 0
     say = (lambda *a: print(*a, file=out, flush=True)) if is_main else (lambda *a: None)
+    use_compilation_cache(cfg.train.compilation_cache)
     dataset = open_dataset(cfg)
     cfg = resolve_vocab(cfg, dataset)
     train_split = dataset.split("train", cfg.data.skip_bad_samples)
@@ -359,9 +371,11 @@ def _train_loop(cfg: Config, zero: Zero1, state: TrainState, start: int, ckpts: 
     emitter = _Emitter(writer, bar, summary, tokens_per_step, cfg.logging.every,
                        cfg.train.max_consecutive_skips if cfg.train.skip_nonfinite else None)
     batches = loader.batches(start_step=start, prefetch=cfg.data.prefetch)
+    profiler = _Profiler(cfg.logging.profile_steps, cfg.log_dir / "profile", bar, out)
     try:
         for step in range(start + 1, cfg.train.steps + 1):
             batch, waited = next(batches)
+            profiler.before(step)
             state, metrics = zero(state, batch)
             if cfg.data.skip_bad_samples:
                 metrics = {**metrics, "bad_samples": train_split.bad_samples}
@@ -377,16 +391,42 @@ def _train_loop(cfg: Config, zero: Zero1, state: TrainState, start: int, ckpts: 
                 bar.write(f"step {step}: val loss {summary['val_loss']:.4f}", file=out)
             if save_now:
                 ckpts.save(state, checkpoint_meta(step, summary.get("loss")), wait=stop)
+            profiler.after(step, state)
             if stop:
                 raise Preempted(step, preemption.why)
         emitter.flush()
         ckpts.wait()
     finally:
+        profiler.close()
         batches.close()
         bar.close()
         writer.close()
         preemption.close()
     return state, summary
+
+
+class _Profiler:
+    """A jax.profiler trace of steps FIRST..LAST (logging.profile), written under the run's log dir."""
+
+    def __init__(self, steps: tuple[int, int] | None, directory: Path, bar, out):
+        self.steps, self.directory, self.bar, self.out = steps, directory, bar, out
+        self.active = False
+
+    def before(self, step: int) -> None:
+        if self.steps is not None and step == self.steps[0]:
+            jax.profiler.start_trace(str(self.directory))
+            self.active = True
+
+    def after(self, step: int, state) -> None:
+        if self.active and step == self.steps[1]:
+            jax.block_until_ready(state)  # the trace holds these steps' device work, whole
+            self.close()
+            self.bar.write(f"profile of steps {self.steps[0]}-{self.steps[1]} in {self.directory}", file=self.out)
+
+    def close(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
 
 
 class _Emitter:
@@ -409,8 +449,12 @@ class _Emitter:
         self.pending = None
         values = {k: float(v) for k, v in metrics.items()}  # blocks until that step is done
         now = time.perf_counter()
-        values["tokens_per_s"] = self.tokens_per_step / max(now - self.last_time, 1e-9)
+        values["step_time_s"] = now - self.last_time
+        values["tokens_per_s"] = self.tokens_per_step / max(values["step_time_s"], 1e-9)
         values["data_wait_s"] = waited
+        memory = jax.local_devices()[0].memory_stats()  # None where the backend keeps no count (CPU)
+        if memory and "peak_bytes_in_use" in memory:
+            values["device_peak_bytes"] = memory["peak_bytes_in_use"]
         self.last_time = now
         self.writer.write(step, values)
         finite = np.isfinite(values["loss"]) and np.isfinite(values["grad_norm"])
@@ -440,6 +484,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                              "(default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true",
                         help="with --resume never: move existing checkpoints aside and start over")
+    parser.add_argument("--profile", metavar="FIRST-LAST", default=None,
+                        help="capture a jax.profiler trace of these steps (the same as --set logging.profile=...)")
     dist = parser.add_argument_group("multi-process (omit on one host; on a TPU VM slice use --distributed)")
     dist.add_argument("--distributed", action="store_true", help="join a multi-process run (auto-detected cluster)")
     dist.add_argument("--coordinator", default=None, help="host:port of process 0, e.g. 127.0.0.1:12355")
@@ -453,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.distributed or args.coordinator:
             initialize_distributed(args.coordinator, args.num_processes, args.process_id)
-        cfg = load_config(args.config, args.set, device_count=jax.device_count())
+        sets = args.set + ([f"logging.profile={args.profile}"] if args.profile else [])
+        cfg = load_config(args.config, sets, device_count=jax.device_count())
         run(cfg, resume=args.resume, overwrite=args.overwrite)
     except (ConfigError, DataError, LockHeld) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,236 @@
+"""MFU on one device through the normal training path: micro-batch, remat policy, step time, memory.
+
+    python benchmarks/train_mfu.py --configs 125m [--steps 30] [--write BENCHMARKS.md]     # a GPU
+    JAX_PLATFORMS=cpu python benchmarks/train_mfu.py --configs tiny --seq-len 128 --micro-batches 4 8 \\
+        --remat none full --steps 12                                                       # CPU smoke run
+
+For each config, on one device (dp = 1), sequence length 2048, GPT-2's vocabulary (50257) and the
+config's compute dtype (bfloat16 on a GPU):
+1. Search: the gradient program of each (remat policy, micro-batch) is compiled, not run. It fits when
+   its compiled memory plus the optimizer state stays under 90% of the device's memory. Per policy,
+   the largest micro-batch that fits is kept.
+2. Normal path: each kept candidate trains `--steps` steps as `zerolm train` in a subprocess: the ZeRO-1
+   step, the real loop, loader (the default dataset), metrics and a final checkpoint. Its step time is
+   the median of the per-step times it logs after `--warmup` steps; each ends with a device sync (the
+   loop reads that step's loss). Peak device memory is what the backend reports (GPU) in the metrics.
+3. Structure cost: for the winner, the ZeRO-1 step (three programs) and the naive single-jit step,
+   timed in this process on the same synthetic batches (median of `--steps`, synced every step).
+
+MFU = (6·N + 12·L·d·T) · tokens/s / peak (src/zerolm/mfu.py states the convention and the peaks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# The search compiles in this process while the candidates run in subprocesses: hold no device memory here.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from zerolm import model as gpt_model  # noqa: E402
+from zerolm.config import load_config  # noqa: E402
+from zerolm.data.loader import to_accum_layout  # noqa: E402
+from zerolm.mesh import make_mesh  # noqa: E402
+from zerolm.mfu import flops_per_token, mfu, peak_for  # noqa: E402
+from zerolm.zero import Zero1, bytes_per_device, make_optimizer, naive_data_parallel_step  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+POLICIES = ("none", "dots_attention", "dots", "attention", "full")  # from the most memory to the least
+
+
+def memory_of(compiled) -> int:
+    ma = compiled.memory_analysis()
+    return 0 if ma is None else (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+                                 - ma.alias_size_in_bytes)
+
+
+def device_memory() -> int | None:
+    stats = jax.local_devices()[0].memory_stats()
+    return stats.get("bytes_limit") if stats else None
+
+
+def overrides(args, micro: int, remat: str) -> list[str]:
+    return [f"model.seq_len={args.seq_len}", f"model.vocab_size={args.vocab_size}", f"model.remat={remat}",
+            f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * args.accum}", "mesh.dp=1",
+            *args.set]
+
+
+def load(args, config: str, micro: int, remat: str):
+    cfg = load_config(REPO / "configs" / f"{config}.yaml", overrides(args, micro, remat), device_count=1)
+    model = gpt_model.GPT(cfg.model)
+    abstract = jax.eval_shape(functools.partial(gpt_model.init_params, model), jax.random.key(0))
+    zero = Zero1(make_mesh(1, 1, jax.devices()[:1]), functools.partial(gpt_model.lm_loss, model),
+                 make_optimizer(cfg.train)[0], abstract)
+    return cfg, model, abstract, zero
+
+
+def search(args, config: str) -> list[dict]:
+    """Per remat policy, the largest micro-batch whose gradient program fits (compiled, not run)."""
+    limit = device_memory()
+    kept = []
+    for remat in args.remat:
+        best = None
+        for micro in sorted(args.micro_batches):
+            cfg, model, abstract, zero = load(args, config, micro, remat)
+            params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=zero.replicated), abstract)
+            batch = jax.ShapeDtypeStruct((args.accum, micro, args.seq_len + 1), np.int32, sharding=zero.batch_sharding)
+            t = time.perf_counter()
+            compiled = zero.grad.lower(params, batch).compile()
+            compile_s = time.perf_counter() - t
+            opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+                jax.eval_shape(zero.tx.init, abstract)))
+            need = memory_of(compiled) + opt_bytes
+            fits = limit is None or need < 0.9 * limit
+            print(f"  {config} remat={remat} micro={micro}: {need / 2**30:.2f} GiB "
+                  f"{'fits' if fits else 'does not fit'} (grad compiled in {compile_s:.1f} s)", flush=True)
+            if not fits:
+                break
+            best = dict(config=config, remat=remat, micro=micro, need_gib=need / 2**30, compile_s=compile_s)
+        if best is not None:
+            kept.append(best)
+    return kept
+
+
+def train_through_zerolm(args, cand: dict, workdir: Path) -> dict:
+    """`zerolm train` in a subprocess; step times and memory from its metrics.jsonl."""
+    run_dir = workdir / f"{cand['config']}-{cand['remat']}-{cand['micro']}"
+    sets = [*overrides(args, cand["micro"], cand["remat"]), f"train.steps={args.steps}",
+            f"train.schedule_steps={max(args.steps, 100)}", "train.warmup_steps=10", f"logging.dir={run_dir / 'log'}",
+            f"checkpoint.dir={run_dir / 'ckpt'}", f"checkpoint.every={args.steps}", "train.eval_sequences=0",
+            "sample.tokens=0", *([f"logging.profile={args.profile}"] if args.profile else [])]
+    env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", "PYTHONUNBUFFERED": "1"}
+    env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "zerolm.cli", "train", "--config",
+                           str(REPO / "configs" / f"{cand['config']}.yaml"), *[a for s in sets for a in ("--set", s)]],
+                          capture_output=True, text=True, env=env, cwd=REPO)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        return {**cand, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+    records = [json.loads(line) for line in (run_dir / "log" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "step_time_s" in r]
+    timed = [r["step_time_s"] for r in steps[args.warmup:]]
+    step_s = float(np.median(timed))
+    peak = max((r.get("device_peak_bytes", 0) for r in steps), default=0)
+    return {**cand, "step_s": step_s, "first_step_s": steps[0]["step_time_s"], "wall_s": wall,
+            "peak_gib": peak / 2**30 if peak else None, "timed_steps": len(timed),
+            "profile": str(run_dir / "log" / "profile") if args.profile else None}
+
+
+def structure_cost(args, cand: dict) -> dict:
+    """The ZeRO-1 step vs the naive single-jit step, same micro-batch, policy and synthetic batches."""
+    cfg, model, abstract, zero = load(args, cand["config"], cand["micro"], cand["remat"])
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch_size, args.seq_len + 1)).astype(np.int32)
+            for _ in range(2)]
+    batches = [jax.device_put(to_accum_layout(r, 1, cfg.accum_steps, cfg.train.micro_batch_size), zero.batch_sharding)
+               for r in rows]
+    init_fn = functools.partial(gpt_model.init_params, model)
+
+    def median_step(step, state) -> float:
+        times = []
+        for i in range(args.warmup + args.steps):
+            t = time.perf_counter()
+            state, metrics = step(state, batches[i % 2])
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - t)
+        return float(np.median(times[args.warmup:]))
+
+    zero_s = median_step(zero.step, zero.init(init_fn, jax.random.key(0)))
+    naive = naive_data_parallel_step(zero.mesh, zero_loss := functools.partial(gpt_model.lm_loss, model), zero.tx)
+    params = jax.jit(init_fn, out_shardings=zero.replicated)(jax.random.key(0))
+
+    def naive_step(state, batch):
+        p, o, m = naive(*state, batch)
+        return (p, o), m
+
+    naive_s = median_step(naive_step, (params, jax.jit(zero.tx.init)(params)))
+    del zero_loss
+    return {"zero_step_s": zero_s, "naive_step_s": naive_s}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--configs", nargs="+", default=["125m", "350m", "760m", "1_3b"])
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--vocab-size", type=int, default=50257, help="GPT-2's, as the published figures use")
+    p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--remat", nargs="+", default=list(POLICIES), choices=POLICIES)
+    p.add_argument("--accum", type=int, default=2, help="accumulation steps per optimizer step (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps per timed run (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the median (default: %(default)s)")
+    p.add_argument("--profile", default=None, metavar="A-B", help="profile these steps of each run")
+    p.add_argument("--write", type=Path, default=None, help="put the table into this markdown file")
+    args = p.parse_args()
+
+    device = jax.devices()[0]
+    peak = peak_for(device.device_kind)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="zerolm-mfu-") as work:
+        for config in args.configs:
+            print(f"{config}: searching micro-batch × remat on {device.device_kind}", flush=True)
+            results = [train_through_zerolm(args, cand, Path(work)) for cand in search(args, config)]
+            ok = [r for r in results if "error" not in r]
+            for r in results:
+                if "error" in r:
+                    print(f"  {config} remat={r['remat']} micro={r['micro']}: failed: {r['error']}", flush=True)
+            if not ok:
+                continue
+            best = min(ok, key=lambda r: r["step_s"] / r["micro"])
+            cfg, _, abstract, _ = load(args, config, best["micro"], best["remat"])
+            fpt = flops_per_token(gpt_model.count_params(abstract, exclude_positions=True), cfg.model.n_layer,
+                                  cfg.model.d_model, cfg.model.seq_len)
+            tokens = cfg.train.global_batch_size * cfg.model.seq_len
+            best.update(structure_cost(args, best), fpt=fpt, tokens_per_s=tokens / best["step_s"],
+                        dtype=gpt_model.compute_dtype(cfg.model).__name__,
+                        attention=gpt_model.attention_implementation(cfg.model),
+                        others=", ".join(f"{r['remat']}/{r['micro']}: {r['micro'] * args.accum * args.seq_len / r['step_s']:,.0f}"
+                                         for r in ok if r is not best))
+            best["mfu"] = mfu(best["tokens_per_s"], fpt, device.device_kind)
+            rows.append(best)
+            print(json.dumps(best, default=str), flush=True)
+
+    date = datetime.date.today().isoformat()
+    head = (f"{device.device_kind}, jax {jax.__version__}, {date}; seq_len {args.seq_len}, vocab {args.vocab_size}, "
+            f"dp 1, {args.accum} accumulation steps; median of {args.steps - args.warmup} steps after {args.warmup}. "
+            f"Peak: {peak.source if peak else 'unknown for this device: no MFU'}.")
+    lines = [head, "", "| config | remat | micro-batch | dtype / attention | step (s) | tokens/s | MFU | "
+             "MFU naive single-jit | ZeRO-1 / naive step | peak memory (GiB) | compile grad (s) | other candidates (tokens/s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        naive_mfu = mfu(r["tokens_per_s"] * r["zero_step_s"] / r["naive_step_s"], r["fpt"], device.device_kind)
+        pct = lambda v: "—" if v is None else f"{v:.1%}"  # noqa: E731
+        peak_mem = f"{r['peak_gib']:.1f}" if r["peak_gib"] else f"{r['need_gib']:.1f} (compiled)"
+        lines.append(f"| {r['config']} | {r['remat']} | {r['micro']} | {r['dtype']} / {r['attention']} | {r['step_s']:.3f} "
+                     f"| {r['tokens_per_s']:,.0f} | {pct(r['mfu'])} | {pct(naive_mfu)} "
+                     f"| {r['zero_step_s'] / r['naive_step_s']:.3f} | {peak_mem} | {r['compile_s']:.1f} | {r['others'] or '—'} |")
+    table = "\n".join(lines)
+    print("\n" + table)
+    if args.write:
+        slug = re.sub(r"[^a-z0-9]+", "-", device.device_kind.lower()).strip("-")
+        begin, end = f"<!-- train_mfu:{slug}:begin -->", f"<!-- train_mfu:{slug}:end -->"
+        command = "python benchmarks/train_mfu.py " + " ".join(sys.argv[1:])
+        block = f"{begin}\n```\n{command}\n```\n{table}\n{end}"
+        text = args.write.read_text() if args.write.exists() else ""
+        if begin in text:
+            text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
+        else:
+            text = text.rstrip() + "\n\n" + block + "\n"
+        args.write.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

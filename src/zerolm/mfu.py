@@ -1,0 +1,67 @@
+"""Model FLOPs utilisation: the model's FLOPs per token, and the peak of the device that runs them.
+
+    MFU = (6·N + 12·L·d·T) · tokens/s per device / peak FLOP/s of one device
+
+(PaLM, Chowdhery et al. 2022, appendix B.) N is the parameter count without the position
+embeddings (the tied token embedding counts: it is the output matmul). 6·N is the forward (2) and
+backward (4) FLOPs of every weight matmul per token. 12·L·d·T is attention's own matmuls, QKᵀ and
+A·V, forward and backward, counted over the full T×T score matrix as PaLM and most published MFU
+figures do: a causal kernel skips about half of that work, so this is the convention, not the
+kernel's true count. Rematerialisation is not counted (that would be hardware FLOPs utilisation).
+
+Peaks are dense bfloat16 matmul rates per *JAX device*. On TPU v2 and v3, JAX shows each of a chip's
+two TensorCores as a device, so the per-core peak is half the chip's; dividing a per-chip peak by
+cores (or multiplying a per-core throughput by chips) is how MFU above 100% gets reported. A device
+not in the table has an unknown peak and no MFU, rather than a guessed one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    flops: float  # dense bf16 FLOP/s of one JAX device
+    source: str
+
+
+_CLOUD_TPU = "https://cloud.google.com/tpu/docs/system-architecture-tpu-vm"
+# device_kind substring -> peak; the first match wins, so the more specific names come first.
+PEAKS: dict[str, Peak] = {
+    "TPU v2": Peak(22.5e12, "Cloud TPU v2: 45 TFLOP/s per chip, 2 TensorCores = 2 JAX devices; " + _CLOUD_TPU),
+    "TPU v3": Peak(61.5e12, "Cloud TPU v3: 123 TFLOP/s per chip, 2 TensorCores = 2 JAX devices; " + _CLOUD_TPU),
+    "TPU v4": Peak(275e12, "Cloud TPU v4: 275 TFLOP/s per chip (one megacore device); " + _CLOUD_TPU),
+    "TPU v5 lite": Peak(197e12, "Cloud TPU v5e: 197 TFLOP/s per chip; https://cloud.google.com/tpu/docs/v5e"),
+    "TPU v5p": Peak(459e12, "Cloud TPU v5p: 459 TFLOP/s per chip; https://cloud.google.com/tpu/docs/v5p"),
+    "TPU v5": Peak(459e12, "Cloud TPU v5p: 459 TFLOP/s per chip; https://cloud.google.com/tpu/docs/v5p"),
+    "TPU v6 lite": Peak(918e12, "Cloud TPU v6e: 918 TFLOP/s per chip; https://cloud.google.com/tpu/docs/v6e"),
+    "A100": Peak(312e12, "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16"),
+    "H100 PCIe": Peak(756e12, "NVIDIA H100 datasheet: 756 TFLOP/s dense BF16 (PCIe)"),
+    "H100": Peak(989e12, "NVIDIA H100 datasheet: 989 TFLOP/s dense BF16 (SXM)"),
+    "H200": Peak(989e12, "NVIDIA H200 datasheet: 989 TFLOP/s dense BF16 (SXM)"),
+}
+
+
+def peak_for(device_kind: str) -> Peak | None:
+    for name, peak in PEAKS.items():
+        if name in device_kind:
+            return peak
+    return None
+
+
+def flops_per_token(n_params_no_pos: int, n_layer: int, d_model: int, seq_len: int) -> float:
+    return 6 * n_params_no_pos + 12 * n_layer * d_model * seq_len
+
+
+def mfu(tokens_per_s_per_device: float, flops_token: float, device_kind: str) -> float | None:
+    """MFU of one device, or None when its peak is unknown; warns above 100% (a wrong peak or count)."""
+    peak = peak_for(device_kind)
+    if peak is None:
+        return None
+    value = tokens_per_s_per_device * flops_token / peak.flops
+    if value > 1:
+        warnings.warn(f"MFU {value:.0%} exceeds 100% on {device_kind}: the peak ({peak.source}) or the "
+                      "throughput is per the wrong unit (chips vs cores, per device vs total)", stacklevel=2)
+    return value

@@ -1,0 +1,24 @@
+"""The GPU MFU benchmark runs end to end on CPU (tiny config), through `zerolm train`."""
+
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def test_train_mfu_benchmark_runs_on_cpu_and_writes_its_table(tmp_path):
+    out = tmp_path / "B.md"
+    out.write_text("# Benchmarks\n\nkept text\n")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "train_mfu.py"), "--configs", "tiny",
+                           "--seq-len", "64", "--vocab-size", "2048", "--micro-batches", "2", "4", "--remat", "dots",
+                           "--steps", "5", "--warmup", "1", "--write", str(out)],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert text.startswith("# Benchmarks\n\nkept text\n") and "<!-- train_mfu:cpu:begin -->" in text
+    row = next(line for line in text.splitlines() if line.startswith("| tiny |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:3] == ["dots", "4"] and cells[6] == "—"  # largest micro-batch; no MFU without a known peak
+    assert float(cells[4]) > 0 and float(cells[5].replace(",", "")) > 0
