@@ -44,7 +44,7 @@ from zerolm.config import load_config  # noqa: E402
 from zerolm.data.loader import to_accum_layout  # noqa: E402
 from zerolm.mesh import make_mesh  # noqa: E402
 from zerolm.mfu import flops_per_token, mfu, peak_for  # noqa: E402
-from zerolm.zero import Zero1, bytes_per_device, make_optimizer, naive_data_parallel_step  # noqa: E402
+from zerolm.zero import Zero1, make_optimizer, naive_data_parallel_step  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = ("none", "dots_attention", "dots", "attention", "full")  # from the most memory to the least

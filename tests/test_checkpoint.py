@@ -1,5 +1,6 @@
-"""Checkpoints, in real processes: exact resume after kill -9 and SIGTERM, a crash mid-save, elastic
-restore (dp 8 -> 4 -> 1, 1 process -> 2 -> 1), and the refusals that keep checkpoints safe."""
+"""Checkpoints, in real processes: exact resume after kill -9, SIGTERM and Ctrl-C, a crash mid-save,
+elastic restore (dp 8 -> 4 -> 1), damaged checkpoints, one run per directory, and the refusals that keep
+checkpoints safe. (Multi-process runs are in test_launch.py.)"""
 
 import hashlib
 import json
@@ -13,65 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, TINY, free_port
+from conftest import REPO
+from runs import STEPS, command, env, logged_steps, losses, start_and_wait, train
 
 from zerolm.checkpoint import Checkpoints
 from zerolm.runlock import LOCK_FILE
 from zerolm.data.prepare import prepare
 from zerolm.train import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED
-
-STEPS = 16
-SMALL = ["model.n_layer=2", "model.d_model=32", "model.n_head=4", "model.seq_len=32", "model.dtype=float32",
-         "train.global_batch_size=16", "train.micro_batch_size=1", "train.warmup_steps=2", "train.eval_every=1000",
-         "checkpoint.every=4", "sample.tokens=0", f"train.schedule_steps={STEPS}"]
-
-
-def command(run_dir, *extra_sets, steps=STEPS, script="main_zero.py", args=()):
-    sets = [*SMALL, f"train.steps={steps}", f"checkpoint.dir={run_dir / 'ckpt'}", f"logging.dir={run_dir / 'log'}",
-            *extra_sets]
-    return [sys.executable, str(REPO / script if script == "main_zero.py" else REPO / "tests" / script),
-            "--config", str(TINY), *[a for s in sets for a in ("--set", s)], *args]
-
-
-def env(devices=8, **extra):
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "PYTHONUNBUFFERED": "1",
-            **extra}
-
-
-def train(run_dir, *extra_sets, devices=8, expect=0, **kw):
-    proc = subprocess.run(command(run_dir, *extra_sets, **kw), env=env(devices), capture_output=True, text=True,
-                          timeout=300, cwd=REPO)
-    assert proc.returncode == expect, proc.stderr[-3000:]
-    return proc
-
-
-def losses(run_dir) -> dict[int, float]:
-    """step -> loss; each step is logged once, also after a restart."""
-    out = {}
-    for line in (run_dir / "log" / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            assert record["step"] not in out, f"step {record['step']} logged twice"
-            out[record["step"]] = record["loss"]
-    return out
-
-
-def logged_steps(run_dir) -> int:
-    path = run_dir / "log" / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def start_and_wait(run_dir, cmd_env, until, timeout=240):
-    """Start a training process and return it once `until()` holds."""
-    proc = subprocess.Popen(command(run_dir, **cmd_env.pop("kw", {})), env=cmd_env, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + timeout
-    while not until():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.time() < deadline, "timed out waiting for the run"
-        time.sleep(0.02)
-    return proc
-
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
@@ -142,49 +91,6 @@ def test_elastic_restore_dp8_to_dp4_to_one_device(straight, tmp_path):
     assert sorted(resumed) == list(range(9, 17))
     # Same samples in the same order: only the float32 summation order differs between device counts.
     np.testing.assert_allclose([resumed[s] for s in range(9, 17)], [reference[s] for s in range(9, 17)], rtol=2e-5)
-
-
-def _start_two_processes(run_dir, steps):
-    port = free_port()
-    return [subprocess.Popen(command(run_dir, steps=steps, args=["--coordinator", f"127.0.0.1:{port}",
-                                                                 "--num-processes", "2", "--process-id", str(i)]),
-                             env=env(4), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for i in range(2)]
-
-
-def _two_processes(run_dir, steps):
-    procs = _start_two_processes(run_dir, steps)
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    return outs[0][0]
-
-
-def test_one_process_to_two_and_back(straight, tmp_path):
-    run_dir, reference = straight
-    shutil.copytree(run_dir / "ckpt", tmp_path / "ckpt")
-    for step in ("12", "16"):
-        shutil.rmtree(tmp_path / "ckpt" / step)
-    out = _two_processes(tmp_path, steps=12)  # saved by 1 process x 8 devices, restored by 2 x 4
-    assert "in 2 process(es)" in out and "resumed from" in out
-    assert Checkpoints(tmp_path / "ckpt", read_only=True).latest_step() == 12
-    train(tmp_path)  # and back to 1 process
-    resumed = losses(tmp_path)
-    np.testing.assert_allclose([resumed[s] for s in range(9, 17)], [reference[s] for s in range(9, 17)], rtol=2e-5)
-
-
-def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
-    procs = _start_two_processes(tmp_path, steps=400)
-    deadline = time.time() + 240
-    while logged_steps(tmp_path) < 10:
-        assert all(p.poll() is None for p in procs) and time.time() < deadline
-        time.sleep(0.05)
-    procs[1].send_signal(signal.SIGTERM)  # as when one host of a slice is being preempted
-    errs = [p.communicate(timeout=120)[1] for p in procs]
-    assert [p.returncode for p in procs] == [EXIT_PREEMPTED, EXIT_PREEMPTED], errs[0][-2000:] + errs[1][-2000:]
-    latest = Checkpoints(tmp_path / "ckpt", read_only=True).latest_step()
-    assert 10 < latest < 400
-    assert all(f"preempted: checkpoint saved at step {latest}" in err for err in errs)
 
 
 def test_resume_follows_the_data_not_its_location(straight, tmp_path):

@@ -18,7 +18,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from zerolm import train
+    from zerolm import launch, train
     from zerolm.data import prepare
 
     argv = sys.argv[1:] if argv is None else argv
@@ -28,12 +28,28 @@ def main(argv: list[str] | None = None) -> int:
     prepare.add_arguments(sub.add_parser("prepare", help="tokenize raw text into training shards"))
     ckpt = sub.add_parser("checkpoints", help="list a run's checkpoints and the one --resume auto would take")
     ckpt.add_argument("dir", help="a run's checkpoint directory, e.g. checkpoints/tiny")
+    launch.add_arguments(sub.add_parser(
+        "launch-local", help="a multi-process run on this machine: zerolm launch-local --processes P "
+                             "--devices-per-process D -- TRAIN_ARGS"))
     args = parser.parse_args(argv)
     if args.command == "train":
         return train.main(argv[1:])
     if args.command == "checkpoints":
         return _checkpoints(args.dir)
+    if args.command == "launch-local":
+        return _launch_local(args)
     return prepare.main_args(args)
+
+
+def _launch_local(args) -> int:
+    from zerolm.config import ConfigError
+    from zerolm.launch import launch
+
+    try:
+        return launch(args.processes, args.devices_per_process, args.train_args, grace=args.grace)
+    except (ValueError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def _checkpoints(directory: str) -> int:

@@ -68,14 +68,95 @@ def compute_batch_size(mesh: Mesh, process_index: int | None = None) -> tuple[bo
     return local_shards > 0, local_shards
 
 
-def initialize_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+class DistributedError(RuntimeError):
+    """A multi-process run that cannot start: one line naming the flag or address at fault."""
+
+
+EXIT_PEER_LOST = 76  # a peer process of the run failed: restart the run; it resumes from the last checkpoint
+
+# What JAX reports, in a process that lives on, when a peer process is gone: gloo's broken connection on
+# CPU, the coordination service's heartbeat timeout or unavailable task, a NCCL communicator error.
+_PEER_FAILURE = ("Connection reset by peer", "Connection closed by peer", "Gloo ", "heartbeat timeout",
+                 "UNAVAILABLE", "NCCL", "CoordinationService", "Socket closed", "connect error")
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    return jax.process_count() > 1 and any(marker in str(error) for marker in _PEER_FAILURE)
+
+
+def exit_peer_lost(error: BaseException) -> None:
+    """One line and exit EXIT_PEER_LOST, at once: JAX's own shutdown would wait on the dead peer at a
+    barrier and then abort with a C++ stack dump. The run lock dies with the process; an unfinished
+    save stays a temporary directory that the next run removes."""
+    import os
+    import sys
+
+    first = str(error).strip().splitlines()[0][:240] if str(error).strip() else type(error).__name__
+    print(f"\nerror: process {jax.process_index()} lost a peer process of the run ({first}); the last complete "
+          f"checkpoint stays the latest; exiting with code {EXIT_PEER_LOST} (restart the run to resume)",
+          file=sys.stderr, flush=True)
+    os._exit(EXIT_PEER_LOST)
+
+
+def initialize_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None, *,
+                           heartbeat_timeout_s: int = 10, init_timeout_s: int = 120) -> None:
     """Join a multi-process run. With no arguments on a TPU VM slice or SLURM, JAX detects the cluster;
-    elsewhere (e.g. 127.0.0.1 in tests) pass all three. CPU collectives go through gloo."""
-    if coordinator is None and num_processes is None:
-        jax.distributed.initialize()
+    elsewhere (e.g. 127.0.0.1 in tests) pass all three. CPU collectives go through gloo.
+
+    `heartbeat_timeout_s`: JAX's coordination service declares a process dead after this long without a
+    heartbeat, and the others stop (JAX's default, 100 s, leaves a slice idle for minutes).
+    `init_timeout_s`: how long to wait for the coordinator. JAX aborts from C++ when it cannot reach one,
+    so a process other than 0 first waits for the coordinator's port itself, and says which address
+    it could not reach."""
+    timeouts = dict(heartbeat_timeout_seconds=heartbeat_timeout_s, initialization_timeout=init_timeout_s)
+    if coordinator is None and num_processes is None and process_id is None:
+        jax.distributed.initialize(**timeouts)
         return
+    if coordinator is None or num_processes is None or process_id is None:
+        raise DistributedError("--coordinator, --num-processes and --process-id go together (or use --distributed "
+                               "on a TPU VM slice or under SLURM)")
+    host, sep, port = coordinator.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DistributedError(f"--coordinator {coordinator}: expected HOST:PORT, e.g. 127.0.0.1:12355")
+    if num_processes < 1:
+        raise DistributedError(f"--num-processes {num_processes}: must be at least 1")
+    if not 0 <= process_id < num_processes:
+        raise DistributedError(f"--process-id {process_id}: must be in 0 .. {num_processes - 1} (--num-processes)")
+    if process_id == 0:
+        _check_can_listen(int(port), coordinator)
+    else:
+        _wait_for_coordinator(host, int(port), coordinator, init_timeout_s)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
+                               **timeouts)
+
+
+def _check_can_listen(port: int, coordinator: str) -> None:
+    import socket
+
+    with socket.socket(socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            raise DistributedError(f"--coordinator {coordinator}: process 0 cannot listen on port {port} "
+                                   f"({e.strerror}); pick a free port") from None
+
+
+def _wait_for_coordinator(host: str, port: int, coordinator: str, timeout_s: int) -> None:
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise DistributedError(f"--coordinator {coordinator}: not reachable within {timeout_s} s ({e.strerror or e}); "
+                                       "is process 0 running there? (--init-timeout sets the wait)") from None
+            time.sleep(0.5)
 
 
 def on_process_0(fn: Callable[[], T], errors: tuple[type[Exception], ...]) -> T | None:

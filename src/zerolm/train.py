@@ -1,10 +1,11 @@
 """The training loop: data, init or resume, the ZeRO-1 step, evaluation, checkpoints, metrics, a sample.
 
-Exit codes of `zerolm train`: 0 done; 2 bad config, data or checkpoint, or the checkpoint directory is
-in use by another run; 3 a non-finite loss or gradient norm (or, with train.skip_nonfinite, too many
+Exit codes of `zerolm train`: 0 done; 2 bad config, data, checkpoint or launch flags, or the checkpoint
+directory is in use by another run; 3 a non-finite loss or gradient norm (or, with train.skip_nonfinite, too many
 skipped updates in a row); 75 stopped by SIGTERM (preemption) or Ctrl-C: a checkpoint of the step
-reached was saved, run again to resume; 130 a second Ctrl-C abandoned that save, or Ctrl-C before
-the first step.
+reached was saved, run again to resume; 76 a peer process of a multi-process run died: restart, the
+run resumes from the last complete checkpoint; 130 a second Ctrl-C abandoned that save, or Ctrl-C
+before the first step.
 
 Steps are counted from 1 everywhere: step s is the s-th optimizer update, its line in metrics.jsonl
 holds that update's loss, and the checkpoint named s holds the state after it.
@@ -38,7 +39,8 @@ from zerolm.data.loader import BatchLoader
 from zerolm.data.prepare import MANIFEST, prepare
 from zerolm.data.shards import DataError, PreparedDataset
 from zerolm.data.tokenizer import cache_dir, from_file
-from zerolm.mesh import initialize_distributed, make_mesh, on_process_0
+from zerolm.mesh import (DistributedError, exit_peer_lost, initialize_distributed, is_peer_failure, make_mesh,
+                         on_process_0)
 from zerolm.metrics import MetricsWriter
 from zerolm.runlock import LEASE_FILE, LOCK_FILE, LockHeld, RunLock
 from zerolm.sample import generate
@@ -396,6 +398,10 @@ def _train_loop(cfg: Config, zero: Zero1, state: TrainState, start: int, ckpts: 
                 raise Preempted(step, preemption.why)
         emitter.flush()
         ckpts.wait()
+    except Exception as e:
+        if is_peer_failure(e):  # before the cleanup below, which would wait on the dead peer
+            exit_peer_lost(e)
+        raise
     finally:
         profiler.close()
         batches.close()
@@ -491,18 +497,24 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     dist.add_argument("--coordinator", default=None, help="host:port of process 0, e.g. 127.0.0.1:12355")
     dist.add_argument("--num-processes", type=int, default=None)
     dist.add_argument("--process-id", type=int, default=None)
+    dist.add_argument("--heartbeat-timeout", type=int, default=10, metavar="S",
+                      help="a process silent this long is declared dead and the others stop with exit code 76 "
+                           "(default: %(default)s)")
+    dist.add_argument("--init-timeout", type=int, default=120, metavar="S",
+                      help="how long to wait for the coordinator at start (default: %(default)s)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.distributed or args.coordinator:
-            initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+        if args.distributed or args.coordinator or args.num_processes is not None or args.process_id is not None:
+            initialize_distributed(args.coordinator, args.num_processes, args.process_id,
+                                   heartbeat_timeout_s=args.heartbeat_timeout, init_timeout_s=args.init_timeout)
         sets = args.set + ([f"logging.profile={args.profile}"] if args.profile else [])
         cfg = load_config(args.config, sets, device_count=jax.device_count())
         run(cfg, resume=args.resume, overwrite=args.overwrite)
-    except (ConfigError, DataError, LockHeld) as e:
+    except (ConfigError, DataError, LockHeld, DistributedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except CheckpointError as e:
@@ -517,6 +529,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"zerolm: interrupted before the first step; nothing was saved; exiting with code {EXIT_INTERRUPTED}",
               file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as e:
+        if is_peer_failure(e):
+            exit_peer_lost(e)
+        raise
     return 0
 
 

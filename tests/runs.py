@@ -1,0 +1,83 @@
+"""Training runs in subprocesses, shared by the checkpoint and launch tests: a small model on the tiny
+config, 16 steps, a checkpoint every 4."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from conftest import REPO, TINY
+
+STEPS = 16
+SMALL = ["model.n_layer=2", "model.d_model=32", "model.n_head=4", "model.seq_len=32", "model.dtype=float32",
+         "train.global_batch_size=16", "train.micro_batch_size=1", "train.warmup_steps=2", "train.eval_every=1000",
+         "checkpoint.every=4", "sample.tokens=0", f"train.schedule_steps={STEPS}"]
+
+
+def command(run_dir, *extra_sets, steps=STEPS, script="main_zero.py", args=()):
+    sets = [*SMALL, f"train.steps={steps}", f"checkpoint.dir={run_dir / 'ckpt'}", f"logging.dir={run_dir / 'log'}",
+            *extra_sets]
+    return [sys.executable, str(REPO / script if script == "main_zero.py" else REPO / "tests" / script),
+            "--config", str(TINY), *[a for s in sets for a in ("--set", s)], *args]
+
+
+def env(devices=8, **extra):
+    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "PYTHONUNBUFFERED": "1",
+            **extra}
+
+
+def train(run_dir, *extra_sets, devices=8, expect=0, **kw):
+    proc = subprocess.run(command(run_dir, *extra_sets, **kw), env=env(devices), capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert proc.returncode == expect, proc.stderr[-3000:]
+    return proc
+
+
+def losses(run_dir) -> dict[int, float]:
+    """step -> loss; each step is logged once, also after a restart."""
+    out = {}
+    for line in (run_dir / "log" / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            assert record["step"] not in out, f"step {record['step']} logged twice"
+            out[record["step"]] = record["loss"]
+    return out
+
+
+def logged_steps(run_dir) -> int:
+    path = run_dir / "log" / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def start_and_wait(run_dir, cmd_env, until, timeout=240):
+    """Start a training process and return it once `until()` holds."""
+    proc = subprocess.Popen(command(run_dir, **cmd_env.pop("kw", {})), env=cmd_env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + timeout
+    while not until():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, "timed out waiting for the run"
+        time.sleep(0.02)
+    return proc
+
+
+def checkpoint_params(run_dir, step: int):
+    """The params of a run's checkpoint, restored onto this process's 8 devices, flattened."""
+    import functools
+
+    import jax
+    import numpy as np
+
+    from zerolm import model as gpt_model
+    from zerolm.checkpoint import Checkpoints
+    from zerolm.config import load_config
+    from zerolm.mesh import make_mesh
+    from zerolm.zero import Zero1, make_optimizer
+
+    cfg = load_config(TINY, [*SMALL, "model.vocab_size=2048"], device_count=8)
+    model = gpt_model.GPT(cfg.model)
+    abstract = jax.eval_shape(functools.partial(gpt_model.init_params, model), jax.random.key(0))
+    zero = Zero1(make_mesh(8), functools.partial(gpt_model.lm_loss, model), make_optimizer(cfg.train)[0], abstract)
+    state, _ = Checkpoints(run_dir / "ckpt", read_only=True).restore(step, zero, cfg.model.model_dump())
+    return np.concatenate([np.ravel(x) for x in jax.tree.leaves(state.params)])
