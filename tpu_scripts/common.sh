@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Shared by the tpu_scripts: parameters, --help, --dry-run. Sourced, not run.
+# shellcheck disable=SC2034  # the variables set here are read by the script that sources this file
+
+set -euo pipefail
+
+DRY_RUN=0
+NAME=""
+ZONE="${ZEROLM_TPU_ZONE:-us-central2-b}"
+PROJECT="${ZEROLM_TPU_PROJECT:-}"
+
+# Print the script's header comment (the lines after the shebang that start with '#') as its help.
+usage() {
+  sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"
+}
+
+die() {
+  echo "error: $(basename "$0"): $*" >&2
+  exit 2
+}
+
+# need FLAG VALUE: a flag's value must be there.
+need() {
+  [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || die "$1 needs a value (see $(basename "$0") --help)"
+}
+
+# Parse the parameters every script has; the script handles the rest in its own loop first.
+common_arg() {
+  case "$1" in
+    --name) need "$@"; NAME="$2"; return 2 ;;
+    --zone) need "$@"; ZONE="$2"; return 2 ;;
+    --project) need "$@"; PROJECT="$2"; return 2 ;;
+    --dry-run) DRY_RUN=1; return 1 ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown parameter: $1 (see $(basename "$0") --help)" ;;
+  esac
+}
+
+require_name() {
+  [[ -n "$NAME" ]] || die "--name is required (the TPU VM / queued resource name)"
+}
+
+# run CMD...: run it, or with --dry-run print it, quoted so that it can be pasted into a shell.
+run() {
+  if [[ "$DRY_RUN" == 1 ]]; then
+    printf '%q' "$1"
+    shift
+    printf ' %q' "$@"
+    printf '\n'
+  else
+    "$@"
+  fi
+}
+
+# The flags every gcloud call of a slice takes.
+location() {
+  LOCATION=(--zone="$ZONE")
+  if [[ -n "$PROJECT" ]]; then
+    LOCATION+=(--project="$PROJECT")
+  fi
+}
+
+# on_workers WORKER COMMAND: run a shell command on one worker (0, 1, ...) or on all of them.
+on_workers() {
+  location
+  run gcloud compute tpus tpu-vm ssh "$NAME" "${LOCATION[@]}" --worker="$1" --command="$2"
+}

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Create a Cloud TPU VM slice through a queued resource (the current way to get spot capacity).
+#
+#   tpu_scripts/create.sh --name NAME [--zone ZONE] [--accelerator-type TYPE] [--runtime-version V] [--spot]
+#
+#   --name NAME               the queued resource and TPU VM name (required)
+#   --zone ZONE               default: $ZEROLM_TPU_ZONE or us-central2-b
+#   --project PROJECT         default: $ZEROLM_TPU_PROJECT or gcloud's configured project
+#   --accelerator-type TYPE   v3-32, v4-64, v5p-128, ... (default: v4-32)
+#   --runtime-version V       TPU software version (default: tpu-ubuntu2204-base)
+#   --spot                    spot capacity: cheaper, can be preempted (relaunch.sh resumes)
+#   --dry-run                 print the gcloud commands instead of running them
+#   -h, --help                this help
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=tpu_scripts/common.sh
+source "$here/common.sh"
+
+ACCELERATOR_TYPE="v4-32"
+RUNTIME_VERSION="tpu-ubuntu2204-base"
+SPOT=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --accelerator-type) need "$@"; ACCELERATOR_TYPE="$2"; shift 2 ;;
+    --runtime-version) need "$@"; RUNTIME_VERSION="$2"; shift 2 ;;
+    --spot) SPOT=1; shift ;;
+    *) common_arg "$@" || shift $? ;;
+  esac
+done
+require_name
+location
+extra=()
+if [[ "$SPOT" == 1 ]]; then
+  extra+=(--spot)
+fi
+run gcloud compute tpus queued-resources create "$NAME" "${LOCATION[@]}" --node-id="$NAME" \
+  --accelerator-type="$ACCELERATOR_TYPE" --runtime-version="$RUNTIME_VERSION" "${extra[@]}"
