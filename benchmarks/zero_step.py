@@ -27,7 +27,8 @@ from zerolm.config import load_config
 from zerolm.data.loader import to_accum_layout
 from zerolm.mesh import make_mesh
 from zerolm.mfu import flops_per_token as model_flops_per_token, peak_for
-from zerolm.zero import Zero1, bytes_per_device, make_optimizer, naive_data_parallel_step, with_shardings
+from zerolm.sharding import bytes_per_device, with_shardings
+from zerolm.zero import Zero1, make_optimizer, naive_data_parallel_step
 
 
 def peak_flops() -> tuple[float, str]:
@@ -102,7 +103,8 @@ def main() -> None:
 
     results = []
     for variant in ("all_reduce", "reduce_scatter", "naive"):
-        zero = Zero1(mesh, loss_fn, tx, abstract, grad_reduce="reduce_scatter" if variant == "naive" else variant)
+        zero = Zero1(mesh, loss_fn, tx, abstract, logical_axes=gpt_model.logical_axes(model),
+                     grad_reduce="reduce_scatter" if variant == "naive" else variant)
         batches = [jax.device_put(to_accum_layout(r, cfg.dp, cfg.accum_steps, cfg.train.micro_batch_size),
                                   zero.batch_sharding) for r in rows]
         if variant == "naive":

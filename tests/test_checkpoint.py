@@ -93,6 +93,40 @@ def test_elastic_restore_dp8_to_dp4_to_one_device(straight, tmp_path):
     np.testing.assert_allclose([resumed[s] for s in range(9, 17)], [reference[s] for s in range(9, 17)], rtol=2e-5)
 
 
+def test_elastic_restore_across_tensor_parallel_layouts(straight, tmp_path):
+    """(dp 8, tp 1) -> (4, 2) -> (2, 4) -> one device, with the same global batch and data order."""
+    run_dir, reference = straight
+    shutil.copytree(run_dir / "ckpt", tmp_path / "ckpt")
+    for step in ("12", "16"):
+        shutil.rmtree(tmp_path / "ckpt" / step)
+    tp2 = train(tmp_path, "mesh.tp=2", steps=11)
+    assert "saved on dp=8 tp=1" in tp2.stdout and "tensor parallelism changed: tp 1 -> 2" in tp2.stdout
+    tp4 = train(tmp_path, "mesh.tp=4", "checkpoint.every=1", steps=13)
+    assert "saved on dp=4 tp=2" in tp4.stdout and "tp 2 -> 4" in tp4.stdout
+    one = train(tmp_path, devices=1)
+    assert "saved on dp=2 tp=4" in one.stdout
+    resumed = losses(tmp_path)
+    assert sorted(resumed) == list(range(9, 17))
+    np.testing.assert_allclose([resumed[s] for s in range(9, 17)], [reference[s] for s in range(9, 17)], rtol=2e-5)
+
+
+def test_a_checkpoint_of_an_older_format_is_refused_not_moved(straight, tmp_path):
+    run_dir, _ = straight
+    shutil.copytree(run_dir / "ckpt", tmp_path / "ckpt")
+    meta_file = tmp_path / "ckpt" / "16" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    del meta["format"]
+    meta_file.write_text(json.dumps(meta))
+    (tmp_path / "ckpt" / "16" / "zerolm_files.json").unlink()  # as an older zerolm left it
+    before = _snapshot(tmp_path / "ckpt")
+    proc = train(tmp_path, "train.steps=20", expect=2)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {tmp_path / 'ckpt' / '16'}: checkpoint format 1, this zerolm reads format 2 (c_attn's kernel became "
+        "(layers, d, 3, d) for tensor parallelism); resume it with the zerolm that wrote it, or start over with "
+        "--resume never --overwrite")
+    assert _snapshot(tmp_path / "ckpt") == before and not (tmp_path / "ckpt.damaged").exists()
+
+
 def test_resume_follows_the_data_not_its_location(straight, tmp_path):
     run_dir, reference = straight
     shutil.copytree(run_dir / "ckpt", tmp_path / "ckpt")

@@ -85,6 +85,17 @@ def test_two_processes_train_as_one(one_by_eight, two_by_four):
     assert np.linalg.norm(b - a) / np.linalg.norm(a) < 1e-5
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_in_two_processes_trains_as_dp8(one_by_eight, tmp_path, tp):
+    """(dp 4, tp 2) and (dp 2, tp 4) over 2 processes × 4 devices: tp groups inside a process, the loader's
+    tp = 0 devices reading; the same losses as 1 process × dp 8, to float32 summation order."""
+    _, reference = one_by_eight
+    out, _ = launched(tmp_path, f"mesh.tp={tp}")
+    assert f"mesh dp={8 // tp} tp={tp}" in out
+    got = losses(tmp_path)
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [reference[s] for s in sorted(reference)], rtol=2e-5)
+
+
 def test_kill_9_of_one_process_stops_the_other_and_a_relaunch_resumes_exactly(two_by_four, tmp_path):
     _, reference = two_by_four
     proc = start(tmp_path, steps=STEPS, **{})

@@ -73,7 +73,7 @@ def test_chunked_per_token_losses_and_bfloat16_match_the_plain_ones():
 
     (l0, g0), (l1, g1) = weighted(0), weighted(5)
     np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
-    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7), g0, g1)
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6), g0, g1)
     # bfloat16 compute: the fused training loss against the plain one, to bfloat16's precision.
     (b0, h0), (b1, h1) = (_loss_and_grads("model.dtype=bfloat16", f"model.loss_chunk={c}") for c in (0, 5))
     np.testing.assert_allclose(float(b1), float(b0), rtol=1e-2)
@@ -107,5 +107,6 @@ def test_param_names_follow_hugging_face_gpt2():
     names = {jax.tree_util.keystr(p, simple=True, separator=".") for p, _ in jax.tree_util.tree_leaves_with_path(abstract)}
     assert {"wte", "wpe", "ln_f.scale", "h.attn.c_attn.kernel", "h.attn.c_proj.bias", "h.mlp.c_fc.kernel",
             "h.ln_1.scale", "h.ln_2.bias"} <= names
-    assert abstract["h"]["attn"]["c_attn"]["kernel"].shape == (2, 32, 96)  # stacked over the 2 layers
+    # Stacked over the 2 layers; (d, 3, d) = (embed, qkv, heads), which reshapes to GPT-2's (d, 3·d).
+    assert abstract["h"]["attn"]["c_attn"]["kernel"].shape == (2, 32, 3, 32)
     assert gpt_model.count_params(abstract) == sum(x.size for x in jax.tree.leaves(abstract))

@@ -17,10 +17,10 @@ and takes the newest intact one before it.
 The data loader's position is not stored separately: the batch of step s is a pure function of
 (seed, s) (see data/loader.py), so the step is the position.
 
-Elastic restore: the optimizer state is saved in the ZeRO layout of the dp it was trained on (see
-zero.Layout). Leaves split along an axis have the parameter's shape whatever dp is, and restore
-straight into the new sharding. Leaves packed into dp padded blocks change shape with dp: they are
-restored whole and repacked for the new dp.
+Elastic restore: the optimizer state is saved in the ZeRO layout of the (dp, tp) it was trained on
+(see sharding.Layout). Leaves split along an axis have the parameter's shape whatever the mesh is, and
+restore straight into the new sharding. Leaves packed into dp·tp padded blocks change shape with the
+mesh: they are restored whole and repacked (sharding.Table.restore_target decides which).
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from typing import Any
 import absl.logging
 import jax
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from zerolm.zero import TrainState, Zero1, abstract_views, is_layout, plan, with_shardings
+from zerolm.sharding import with_shardings
+from zerolm.zero import TrainState, Zero1
 
 
 class CheckpointError(ValueError):
@@ -52,6 +52,8 @@ class DamagedCheckpoint(CheckpointError):
         self.step, self.reason = step, reason
 
 
+# 2: c_attn's kernel is (layers, d, 3, d) (1: (layers, d, 3·d)), and the meta records tp.
+FORMAT = 2
 FILE_LIST = "zerolm_files.json"  # relative path -> bytes of every file of a durable checkpoint
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's marker of a save not yet finalized
 
@@ -142,35 +144,28 @@ class Checkpoints:
         """Restore `step` into `zero`'s mesh and shardings. Checks the model first; writes nothing."""
         meta = self.meta(step)
         where = self.directory / str(step)
+        if meta.get("format", 1) != FORMAT:
+            raise CheckpointError(f"{where}: checkpoint format {meta.get('format', 1)}, this zerolm reads format "
+                                  f"{FORMAT} (c_attn's kernel became (layers, d, 3, d) for tensor parallelism); resume "
+                                  "it with the zerolm that wrote it, or start over with --resume never --overwrite")
         saved_model = meta["config"]["model"]
         differs = [f"model.{k}: checkpoint {saved_model.get(k)!r}, config {v!r}"
                    for k, v in model_config.items() if saved_model.get(k) != v and k not in _COMPUTE_ONLY]
         if differs:
             raise CheckpointError(f"{where}: the checkpoint's model differs from the config: " + "; ".join(differs))
 
-        saved_layouts = plan(zero.abstract_params, meta["dp"])
-        saved_views = abstract_views(saved_layouts, zero.abstract_params)
-        saved_opt = jax.eval_shape(zero.tx.init, saved_views)
-        # Same shape as now: restore straight into the new sharding; else whole, then repacked below.
-        same = jax.tree.map(lambda old, new: old.view_shape == new.view_shape, saved_layouts, zero.layouts,
-                            is_leaf=is_layout)
-        view_restore = jax.tree.map(lambda s, sh: sh if s else zero.replicated, same, zero.view_shardings)
-        opt_restore = optax.tree_map_params(zero.tx, lambda _, sh: sh, saved_opt, view_restore,
-                                            transform_non_params=lambda _: zero.replicated)
+        saved_dp, saved_tp = meta["dp"], meta.get("tp", 1)
+        opt_target, _, repack = zero.table.restore_target(saved_dp, saved_tp)
         target = TrainState(step=jax.ShapeDtypeStruct((), np.int32, sharding=zero.replicated),
                             params=with_shardings(zero.abstract_params, zero.param_shardings),
-                            opt_state=with_shardings(saved_opt, opt_restore))
+                            opt_state=opt_target)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         except Exception as e:
             raise DamagedCheckpoint(step, where, "cannot restore it "
                                     f"({type(e).__name__}: {_first_line(e)})") from None
         state = restored["state"]
-        if meta["dp"] != zero.dp:
-            repack = jax.jit(lambda opt: optax.tree_map_params(
-                zero.tx, lambda v, old, new: new.to_view(old.from_view(v)), opt, saved_layouts, zero.layouts,
-                transform_non_params=lambda x: x, is_leaf=is_layout), out_shardings=zero.opt_shardings)
-            state = state.replace(opt_state=repack(state.opt_state))
+        state = state.replace(opt_state=repack(state.opt_state))
         return state, meta
 
 

@@ -181,8 +181,13 @@ class Config(_Section):
         if device_count is not None and dp * self.mesh.tp != device_count:
             raise _KeyError("mesh.dp", f"dp × tp = {dp} × {self.mesh.tp} = {dp * self.mesh.tp}, "
                             f"but there are {device_count} devices")
-        if self.mesh.tp != 1:
-            raise _KeyError("mesh.tp", f"tp={self.mesh.tp}: tensor parallelism is not supported yet; use tp: 1")
+        tp = self.mesh.tp
+        if self.model.n_head % tp:
+            raise _KeyError("mesh.tp", f"tp={tp} does not divide model.n_head={self.model.n_head} (tensor "
+                            "parallelism splits whole attention heads)", related=("model.n_head",))
+        if (4 * self.model.d_model) % tp:
+            raise _KeyError("mesh.tp", f"tp={tp} does not divide the MLP width 4 × model.d_model = "
+                            f"{4 * self.model.d_model}", related=("model.d_model",))
         if dp != "auto":
             per_step = self.train.micro_batch_size * dp
             if self.train.global_batch_size % per_step:

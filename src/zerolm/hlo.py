@@ -1,14 +1,19 @@
-"""What collectives a compiled program runs, and whether any sits inside a loop.
+"""What collectives a compiled program runs, over which mesh axis, and whether any sits inside a loop.
 
 Reads the optimized HLO text of `jitted.lower(...).compile()`: the ground truth for "one gradient
-reduction per optimizer step". Used by the tests and the benchmark.
+reduction per optimizer step". A collective's replica groups (listed, or XLA's iota form
+`[4,2]<=[8]` / `[2,4]<=[4,2]T(1,0)`) are positions in the mesh's device order, so `axis_of` names the
+mesh axes a collective runs over. Used by the tests and the benchmarks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
+
+import numpy as np
 
 COLLECTIVE_OPS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 
@@ -17,6 +22,8 @@ _INSTRUCTION = re.compile(r"=\s+(.+?)\s+(" + "|".join(COLLECTIVE_OPS) + r")(-sta
 _CALLED = re.compile(r"(?:body|condition|calls|to_apply|branch_computations)=\{?([%\w.\-, ]+)\}?")
 _WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+)")
 _ARRAY = re.compile(r"(pred|[a-z]+\d+)\[([\d,]*)\]")
+_GROUPS_LISTED = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
           "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 
@@ -27,6 +34,7 @@ class Collective:
     computation: str  # the HLO computation it sits in
     in_loop: bool  # inside a while body (or something a while body calls)
     result_type: str
+    groups: tuple[frozenset[int], ...] = ()  # replica groups; () = all devices in one group
 
     @property
     def elements(self) -> int:
@@ -71,8 +79,34 @@ def collectives(hlo_text: str) -> list[Collective]:
         for line in lines:
             m = _INSTRUCTION.search(line)
             if m:
-                found.append(Collective(m.group(2), name, name in in_loop, m.group(1)))
+                found.append(Collective(m.group(2), name, name in in_loop, m.group(1), _groups(line)))
     return found
+
+
+def _groups(line: str) -> tuple[frozenset[int], ...]:
+    if m := _GROUPS_IOTA.search(line):
+        shape = [int(d) for d in m.group(1).split(",")]
+        ids = np.arange(math.prod(int(d) for d in m.group(2).split(","))).reshape([int(d) for d in m.group(2).split(",")])
+        if m.group(3):
+            ids = ids.transpose([int(d) for d in m.group(3).split(",")])
+        return tuple(frozenset(int(i) for i in row) for row in ids.reshape(shape[0], -1))
+    if m := _GROUPS_LISTED.search(line):
+        return tuple(frozenset(int(i) for i in g.split(",") if i) for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
+    return ()
+
+
+def axis_of(collective: Collective, mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes (in mesh order) whose devices each replica group spans; e.g. ("dp",) or ("tp",)."""
+    names = list(mesh_shape)
+    ids = np.arange(math.prod(mesh_shape.values())).reshape(list(mesh_shape.values()))
+    groups = set(collective.groups) or {frozenset(range(ids.size))}
+    for r in range(len(names) + 1):
+        for axes in itertools.combinations(range(len(names)), r):
+            kept = [i for i in range(len(names)) if i not in axes]
+            moved = np.moveaxis(ids, kept, list(range(len(kept)))).reshape(math.prod(ids.shape[i] for i in kept) or 1, -1)
+            if {frozenset(int(i) for i in row) for row in moved} == groups:
+                return tuple(names[i] for i in axes)
+    raise ValueError(f"replica groups {sorted(map(sorted, groups))} span no set of mesh axes")
 
 
 def compiled_text(jitted, *args) -> str:

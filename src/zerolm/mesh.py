@@ -56,6 +56,12 @@ def slice(mesh: Mesh) -> _MeshSlicer:  # noqa: A001 - the seeds' name: `slice(me
     return _MeshSlicer(mesh)
 
 
+def is_first_host(mesh: Mesh) -> bool:
+    """Does this host hold the mesh's first device (the first data and tensor rank, `slice(mesh)[:1, :1]`)?
+    That host prints, logs metrics and samples."""
+    return slice(mesh)[:1, :1].devices.flat[0].process_index == jax.process_index()
+
+
 def compute_batch_size(mesh: Mesh, process_index: int | None = None) -> tuple[bool, int]:
     """(should_load, local_shards) for this host on a (dp, tp) mesh (seed note 004).
 

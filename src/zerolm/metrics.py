@@ -3,7 +3,8 @@
 `step` is the number of optimizer steps taken, as in messages and checkpoint names: the line of
 step s holds the loss of the s-th update, and the checkpoint of step s the state after it. A run
 that resumes from the checkpoint of step s first drops the lines of later steps (rewriting the file
-atomically), so each step is logged once even after a `kill -9`. Only process 0 writes. wandb is imported only when a run asks for it (`offline` or `online`), and
+atomically), so each step is logged once even after a `kill -9`. One host writes: the one holding
+the mesh's first device (process 0 by default). wandb is imported only when a run asks for it (`offline` or `online`), and
 the WANDB_MODE environment variable, when set, wins over the config, as wandb documents.
 """
 
@@ -19,8 +20,8 @@ import jax
 
 class MetricsWriter:
     def __init__(self, log_dir: Path, config: dict[str, Any], run_name: str, wandb_mode: str, project: str,
-                 wandb_id: str, resume_step: int = 0):
-        self.enabled = jax.process_index() == 0
+                 wandb_id: str, resume_step: int = 0, enabled: bool | None = None):
+        self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self._wandb = None
         if not self.enabled:
             return

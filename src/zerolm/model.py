@@ -1,8 +1,12 @@
 """The GPT-2 decoder (pre-LayerNorm blocks, learned positions, GELU MLP, tied embeddings), in flax.
 
-Pure: no sharding logic. Parameter names follow Hugging Face's GPT-2 (wte, wpe, h.attn.c_attn, ...)
-so that an export is a renaming; the blocks are stacked along a leading layer axis by `nn.scan`,
-which keeps compile time flat in depth.
+Pure: no sharding logic. Each parameter carries *logical* axis names (`vocab`, `embed`, `heads`,
+`mlp`, `qkv`, `position`, `layers`), which say what an axis means; `zerolm.sharding`'s rule table
+decides which mesh axis, if any, splits it. Parameter names follow Hugging Face's GPT-2 (wte, wpe,
+h.attn.c_attn, ...). `c_attn`'s kernel is (d, 3, d) = (embed, qkv, heads), so that tensor
+parallelism splits whole heads of q, k and v; reshaped to (d, 3·d) it is GPT-2's, column for column.
+The blocks are stacked along a leading `layers` axis by `nn.scan`, which keeps compile time flat in
+depth.
 """
 
 from __future__ import annotations
@@ -49,6 +53,11 @@ def attention_implementation(cfg: ModelConfig) -> str | None:
     return cfg.attention
 
 
+def _named(init, *axes: str):
+    """An initializer whose parameter carries logical axis names (metadata; see zerolm.sharding)."""
+    return nn.with_logical_partitioning(init, axes)
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype
@@ -59,14 +68,17 @@ class Attention(nn.Module):
         B, T, D = x_BxTxD.shape
         H = self.cfg.n_head
         init = nn.initializers.normal(0.02)
-        qkv = nn.Dense(3 * D, dtype=self.dtype, kernel_init=init, name="c_attn")(x_BxTxD)
-        q_BxTxHxK, k_BxTxHxK, v_BxTxHxK = (t.reshape(B, T, H, D // H) for t in jnp.split(qkv, 3, axis=-1))
+        qkv_BxTx3xD = nn.DenseGeneral((3, D), dtype=self.dtype, name="c_attn",
+                                      kernel_init=_named(init, "embed", "qkv", "heads"),
+                                      bias_init=_named(nn.initializers.zeros, "qkv", "heads"))(x_BxTxD)
+        q_BxTxHxK, k_BxTxHxK, v_BxTxHxK = (qkv_BxTx3xD[:, :, i].reshape(B, T, H, D // H) for i in range(3))
         y = jax.nn.dot_product_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, is_causal=True,
                                          implementation=self.implementation)
         y = checkpoint_name(y, "attention_out")
         # GPT-2 scales the residual projections' init by 1/sqrt(2 * n_layer).
         proj_init = nn.initializers.normal(0.02 / math.sqrt(2 * self.cfg.n_layer))
-        return nn.Dense(D, dtype=self.dtype, kernel_init=proj_init, name="c_proj")(y.reshape(B, T, D))
+        return nn.Dense(D, dtype=self.dtype, kernel_init=_named(proj_init, "heads", "embed"),
+                        bias_init=_named(nn.initializers.zeros, "embed"), name="c_proj")(y.reshape(B, T, D))
 
 
 class MLP(nn.Module):
@@ -76,10 +88,12 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         D = x_BxTxD.shape[-1]
-        h = nn.Dense(4 * D, dtype=self.dtype, kernel_init=nn.initializers.normal(0.02), name="c_fc")(x_BxTxD)
+        h = nn.Dense(4 * D, dtype=self.dtype, kernel_init=_named(nn.initializers.normal(0.02), "embed", "mlp"),
+                     bias_init=_named(nn.initializers.zeros, "mlp"), name="c_fc")(x_BxTxD)
         h = nn.gelu(h, approximate=True)  # GPT-2's "gelu_new"
         proj_init = nn.initializers.normal(0.02 / math.sqrt(2 * self.cfg.n_layer))
-        return nn.Dense(D, dtype=self.dtype, kernel_init=proj_init, name="c_proj")(h)
+        return nn.Dense(D, dtype=self.dtype, kernel_init=_named(proj_init, "mlp", "embed"),
+                        bias_init=_named(nn.initializers.zeros, "embed"), name="c_proj")(h)
 
 
 class Block(nn.Module):
@@ -89,7 +103,9 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array, _: None) -> tuple[jax.Array, None]:
-        ln = lambda name: nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name=name)  # noqa: E731
+        ln = lambda name: nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name=name,  # noqa: E731
+                                       scale_init=_named(nn.initializers.ones, "embed"),
+                                       bias_init=_named(nn.initializers.zeros, "embed"))
         x_BxTxD = x_BxTxD + Attention(self.cfg, self.dtype, self.implementation, name="attn")(ln("ln_1")(x_BxTxD))
         x_BxTxD = x_BxTxD + MLP(self.cfg, self.dtype, name="mlp")(ln("ln_2")(x_BxTxD))
         return x_BxTxD, None
@@ -108,16 +124,18 @@ class GPT(nn.Module):
         dtype = compute_dtype(cfg)
         V, D = cfg.padded_vocab_size, cfg.d_model
         T = tokens_BxT.shape[1]
-        wte_VxD = self.param("wte", nn.initializers.normal(0.02), (V, D), jnp.float32)
-        wpe_TxD = self.param("wpe", nn.initializers.normal(0.01), (cfg.seq_len, D), jnp.float32)
+        wte_VxD = self.param("wte", _named(nn.initializers.normal(0.02), "vocab", "embed"), (V, D), jnp.float32)
+        wpe_TxD = self.param("wpe", _named(nn.initializers.normal(0.01), "position", "embed"), (cfg.seq_len, D),
+                             jnp.float32)
         x_BxTxD = (jnp.take(wte_VxD, tokens_BxT, axis=0) + wpe_TxD[:T]).astype(dtype)
 
         block = (Block if cfg.remat == "none"
                  else nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat]))
         blocks = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                         length=cfg.n_layer, metadata_params={nn.PARTITION_NAME: None})
+                         length=cfg.n_layer, metadata_params={nn.PARTITION_NAME: "layers"})
         x_BxTxD, _ = blocks(cfg, dtype, attention_implementation(cfg), name="h")(x_BxTxD, None)
-        x_BxTxD = nn.LayerNorm(epsilon=LN_EPS, dtype=dtype, name="ln_f")(x_BxTxD)
+        x_BxTxD = nn.LayerNorm(epsilon=LN_EPS, dtype=dtype, name="ln_f", scale_init=_named(nn.initializers.ones, "embed"),
+                               bias_init=_named(nn.initializers.zeros, "embed"))(x_BxTxD)
         if hidden_only:
             return x_BxTxD
         return output_logits(x_BxTxD, wte_VxD, cfg.vocab_size)
@@ -239,7 +257,17 @@ def lm_loss(model: GPT, params, tokens_BxT1: jax.Array) -> jax.Array:
 
 
 def init_params(model: GPT, rng: jax.Array):
+    """Plain arrays (the logical names stripped: `logical_axes` has them)."""
+    return nn.meta.unbox(_init_boxed(model, rng))
+
+
+def _init_boxed(model: GPT, rng: jax.Array):
     return model.init(rng, jnp.zeros((1, model.cfg.seq_len), jnp.int32))["params"]
+
+
+def logical_axes(model: GPT):
+    """The params' logical axis names, as a tree of PartitionSpecs of names (no arrays are made)."""
+    return nn.get_partition_spec(jax.eval_shape(functools.partial(_init_boxed, model), jax.random.key(0)))
 
 
 def count_params(params, exclude_positions: bool = False) -> int:

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 import zerolm
 from zerolm import model as gpt_model
-from zerolm.checkpoint import (CheckpointError, Checkpoints, DamagedCheckpoint, move_aside, move_damaged,
+from zerolm.checkpoint import (FORMAT, CheckpointError, Checkpoints, DamagedCheckpoint, move_aside, move_damaged,
                                remove_unfinished)
 from zerolm.cli import OneLineParser
 from zerolm.config import Config, ConfigError, load_config
@@ -39,8 +39,8 @@ from zerolm.data.loader import BatchLoader
 from zerolm.data.prepare import MANIFEST, prepare
 from zerolm.data.shards import DataError, PreparedDataset
 from zerolm.data.tokenizer import cache_dir, from_file
-from zerolm.mesh import (DistributedError, exit_peer_lost, initialize_distributed, is_peer_failure, make_mesh,
-                         on_process_0)
+from zerolm.mesh import (DistributedError, exit_peer_lost, initialize_distributed, is_first_host, is_peer_failure,
+                         make_mesh, on_process_0)
 from zerolm.metrics import MetricsWriter
 from zerolm.runlock import LEASE_FILE, LOCK_FILE, LockHeld, RunLock
 from zerolm.sample import generate
@@ -238,7 +238,8 @@ def start_state(cfg: Config, zero: Zero1, init_fn, data_id: dict, resume: str, o
     except BaseException:
         ckpts.close()
         raise
-    say(f"resumed from {ckpts.directory / str(latest)} (step {latest}, saved on dp={meta['dp']})")
+    saved_tp = meta.get("tp", 1)
+    say(f"resumed from {ckpts.directory / str(latest)} (step {latest}, saved on dp={meta['dp']} tp={saved_tp})")
     saved_train = meta["config"]["train"]
     saved_schedule = saved_train["schedule_steps"] or saved_train["steps"]
     if saved_schedule != cfg.train.schedule_length:
@@ -247,6 +248,8 @@ def start_state(cfg: Config, zero: Zero1, init_fn, data_id: dict, resume: str, o
     if meta["accum_steps"] != cfg.accum_steps or meta["dp"] != cfg.dp:
         say(f"  device count changed: dp {meta['dp']} -> {cfg.dp}; accumulation steps recomputed "
             f"{meta['accum_steps']} -> {cfg.accum_steps} (same global batch of {cfg.train.global_batch_size})")
+    if saved_tp != cfg.mesh.tp:
+        say(f"  tensor parallelism changed: tp {saved_tp} -> {cfg.mesh.tp}; parameters and optimizer state resharded")
     return ckpts, state, meta["wandb_id"]
 
 
@@ -276,7 +279,8 @@ def use_compilation_cache(setting: str | None) -> str | None:
 
 def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = False) -> dict[str, float]:
     """Train `cfg` (resuming per `resume`); returns the last train loss, val loss and unigram entropy."""
-    is_main = jax.process_index() == 0
+    mesh = make_mesh(cfg.dp, cfg.mesh.tp)
+    is_main = is_first_host(mesh)
     say = (lambda *a: print(*a, file=out, flush=True)) if is_main else (lambda *a: None)
     use_compilation_cache(cfg.train.compilation_cache)
     dataset = open_dataset(cfg)
@@ -288,13 +292,13 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
     entropy = dataset.manifest["splits"]["train"]["unigram_entropy"]
     tokenizer = dataset.tokenizer() if cfg.sample.tokens and is_main else None  # fail now, not after training
 
-    mesh = make_mesh(cfg.dp, cfg.mesh.tp)
     model = gpt_model.GPT(cfg.model)
     init_fn = functools.partial(gpt_model.init_params, model)
     loss_fn = functools.partial(gpt_model.lm_loss, model)
     abstract_params = jax.eval_shape(init_fn, jax.random.key(0))
     tx, schedule = make_optimizer(cfg.train)
-    zero = Zero1(mesh, loss_fn, tx, abstract_params, grad_reduce=cfg.zero.grad_reduce, lr_schedule=schedule)
+    zero = Zero1(mesh, loss_fn, tx, abstract_params, logical_axes=gpt_model.logical_axes(model),
+                 grad_reduce=cfg.zero.grad_reduce, lr_schedule=schedule)
 
     say(f"zerolm: {cfg.name}: {gpt_model.count_params(abstract_params) / 1e6:.2f}M params, {jax.device_count()} "
         f"{jax.default_backend()} device(s) in {jax.process_count()} process(es), mesh dp={cfg.dp} tp={cfg.mesh.tp}, "
@@ -352,20 +356,22 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
 def _train_loop(cfg: Config, zero: Zero1, state: TrainState, start: int, ckpts: Checkpoints, train_split,
                 evaluate, data_id: dict, wandb_id: str, entropy: float, out):
     """Steps start + 1 .. train.steps, with evaluation, checkpoints and preemption."""
-    mesh, is_main = zero.mesh, jax.process_index() == 0
+    mesh = zero.mesh
+    is_main = is_first_host(mesh)
     loader = BatchLoader(train_split, mesh, cfg.train.global_batch_size, cfg.train.micro_batch_size,
                          cfg.train.seed)
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
 
     def checkpoint_meta(step: int, loss: float | None) -> dict:
-        return {"step": step, "time": time.time(), "config": cfg.model_dump(), "dp": cfg.dp,
+        return {"format": FORMAT, "step": step, "time": time.time(), "config": cfg.model_dump(), "dp": cfg.dp,
+                "tp": cfg.mesh.tp,
                 "accum_steps": cfg.accum_steps, "process_count": jax.process_count(), "dataset": data_id,
                 "dataset_location": str(train_split.dataset.location),
                 "tokens_seen": step * tokens_per_step, "loss": loss, "wandb_id": wandb_id,
                 "zerolm_version": zerolm.__version__}
 
     writer = MetricsWriter(cfg.log_dir, cfg.model_dump(), cfg.name, cfg.logging.wandb, cfg.logging.wandb_project,
-                           wandb_id, resume_step=start)
+                           wandb_id, resume_step=start, enabled=is_main)
     bar = tqdm(total=cfg.train.steps, initial=start, desc=cfg.name, unit="step", disable=not is_main, file=out,
                dynamic_ncols=True, mininterval=0.5)
     preemption = PreemptionWatch(out)

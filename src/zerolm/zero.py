@@ -1,25 +1,23 @@
-"""ZeRO-1: every sharding of the training step, the shard_map gradient step, the reshard and the update.
+"""ZeRO-1: the shard_map gradient step, the reshard and the update (their shardings: zerolm.sharding).
 
 One optimizer step is three compiled programs (seed note 003, on today's JAX):
 
-1. `grad`: `jax.shard_map` over `dp`. Each device scans over its micro-batches, accumulating float32
-   gradients locally, then ONE cross-device reduction: a `pmean` (all_reduce) or a `psum_scatter`
-   straight into the optimizer-state layout (reduce_scatter, half the bytes).
-2. `reshard`: an identity `jax.jit` that moves replicated trees into the optimizer-state layout. Each
+1. `grad`: `jax.shard_map`, manual over `dp` alone (tensor parallelism over `tp`, if any, is left to
+   the compiler inside it). Each device scans over its micro-batches, accumulating float32 gradients
+   locally, then ONE cross-device reduction over dp: a `pmean` (all_reduce) or a `psum_scatter`
+   straight into the optimizer-state layout (reduce_scatter, half the bytes). The tp collectives of
+   the forward and backward passes run inside the loop, over tp only.
+2. `reshard`: an identity `jax.jit` that moves the parameters into the optimizer-state layout. Each
    device keeps its own slice, so it compiles to no collective.
-3. `update`: a jitted optax update on the `dp`-sharded view; the optimizer state stays sharded (and is
-   donated) and the new parameters come back replicated, which is the one all-gather.
+3. `update`: a jitted optax update on the sharded view; the optimizer state stays sharded (and is
+   donated) and the new parameters come back in their own (tp) sharding: the step's all-gather.
 
-The optimizer-state layout of a parameter is derived from its shape alone (`Layout`): split along an
-axis divisible by dp, or, when no axis divides, flattened and padded into dp equal blocks (the seeds'
-"blockify"). Either way every device holds exactly 1/dp of the optimizer state, plus padding.
+Each device holds 1/(dp·tp) of the optimizer state, plus padding (zerolm.sharding.Layout).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -30,87 +28,13 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from zerolm import sharding
 from zerolm.mesh import DP
+from zerolm.sharding import from_views, is_layout, to_views
 
 PyTree = Any
 GradReduce = Literal["all_reduce", "reduce_scatter"]
 LossFn = Callable[[PyTree, jax.Array], jax.Array]  # (params, tokens_BxT1) -> scalar loss
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Where one parameter's optimizer state lives: split along `axis`, or in dp padded blocks (axis None)."""
-
-    shape: tuple[int, ...]
-    dp: int
-    axis: int | None
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def view_shape(self) -> tuple[int, ...]:
-        return self.shape if self.axis is not None else (self.dp, -(-self.size // self.dp))
-
-    @property
-    def spec(self) -> P:
-        if self.axis is None:
-            return P(DP, None)
-        return P(*(DP if i == self.axis else None for i in range(len(self.shape))))
-
-    @property
-    def scatter_dim(self) -> int:
-        return 0 if self.axis is None else self.axis
-
-    @property
-    def padding(self) -> int:
-        return math.prod(self.view_shape) - self.size
-
-    def to_view(self, x: jax.Array) -> jax.Array:
-        """Replicated parameter -> optimizer layout. Local reshaping only; no communication."""
-        if self.axis is not None:
-            return x
-        return jnp.pad(x.reshape(-1), (0, self.padding)).reshape(self.view_shape)
-
-    def from_view(self, v: jax.Array) -> jax.Array:
-        if self.axis is not None:
-            return v
-        return v.reshape(-1)[: self.size].reshape(self.shape)
-
-
-def plan_layout(shape: tuple[int, ...], dp: int) -> Layout:
-    """Split the largest axis that dp divides; blockify when none does (odd vocab, biases, scalars)."""
-    divisible = [i for i, n in enumerate(shape) if n % dp == 0]
-    if not divisible:
-        return Layout(tuple(shape), dp, None)
-    return Layout(tuple(shape), dp, max(divisible, key=lambda i: shape[i]))
-
-
-def plan(abstract_params: PyTree, dp: int) -> PyTree:
-    return jax.tree.map(lambda a: plan_layout(a.shape, dp), abstract_params)
-
-
-def is_layout(x) -> bool:
-    return isinstance(x, Layout)
-
-
-def to_views(layouts: PyTree, tree: PyTree) -> PyTree:
-    return jax.tree.map(lambda lay, x: lay.to_view(x), layouts, tree, is_leaf=is_layout)
-
-
-def from_views(layouts: PyTree, tree: PyTree) -> PyTree:
-    return jax.tree.map(lambda lay, v: lay.from_view(v), layouts, tree, is_leaf=is_layout)
-
-
-def with_shardings(abstract: PyTree, shardings: PyTree) -> PyTree:
-    """Abstract arrays carrying shardings: the targets for lowering or restoring sharded state."""
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-
-
-def abstract_views(layouts: PyTree, abstract_params: PyTree) -> PyTree:
-    return jax.tree.map(lambda lay, a: jax.ShapeDtypeStruct(lay.view_shape, a.dtype),
-                        layouts, abstract_params, is_leaf=is_layout)
 
 
 @flax.struct.dataclass
@@ -128,35 +52,26 @@ class Zero1:
     """
 
     def __init__(self, mesh: Mesh, loss_fn: LossFn, tx: optax.GradientTransformation,
-                 abstract_params: PyTree, *, grad_reduce: GradReduce = "reduce_scatter",
-                 lr_schedule: optax.Schedule | None = None):
+                 abstract_params: PyTree, *, logical_axes: PyTree | None = None,
+                 grad_reduce: GradReduce = "reduce_scatter", lr_schedule: optax.Schedule | None = None):
         self.mesh = mesh
-        self.dp = mesh.shape[DP]
         self.grad_reduce = grad_reduce
         self.tx = tx
-        self.layouts = plan(abstract_params, self.dp)
         self.abstract_params = abstract_params
-
-        # The sharding table: everything the three programs take and give.
-        self.replicated = NamedSharding(mesh, P())
-        self.batch_sharding = NamedSharding(mesh, P(None, DP))  # (accum, rows, tokens): rows over dp
-        self.row_sharding = NamedSharding(mesh, P(DP))  # (rows, ...): evaluation batches
-        self.param_shardings = jax.tree.map(lambda _: self.replicated, abstract_params)
-        self.view_shardings = jax.tree.map(lambda lay: NamedSharding(mesh, lay.spec), self.layouts,
-                                           is_leaf=is_layout)
-        abstract_opt = jax.eval_shape(tx.init, abstract_views(self.layouts, abstract_params))
-        self.opt_shardings = optax.tree_map_params(
-            tx, lambda _, sharding: sharding, abstract_opt, self.view_shardings,
-            transform_non_params=lambda _: self.replicated)
+        self.table = table = sharding.Table(mesh, abstract_params, logical_axes, tx)
+        self.dp, self.tp, self.layouts = table.dp, table.tp, table.layouts
+        # What the three programs take and give (read these; zerolm.sharding derives them).
+        self.replicated, self.batch_sharding, self.row_sharding = table.replicated, table.batch, table.rows
+        self.param_shardings, self.view_shardings, self.opt_shardings = table.params, table.views, table.opt
         self.state_shardings = TrainState(step=self.replicated, params=self.param_shardings,
                                           opt_state=self.opt_shardings)
 
         grad_specs = (P() if grad_reduce == "all_reduce"
-                      else jax.tree.map(lambda lay: lay.spec, self.layouts, is_leaf=is_layout))
+                      else jax.tree.map(lambda lay: lay.dp_spec, self.layouts, is_leaf=is_layout))
         local = functools.partial(_local_grads, loss_fn=loss_fn, layouts=self.layouts,
                                   grad_reduce=grad_reduce, dp=self.dp)
-        self.grad = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, DP)),
-                                          out_specs=(grad_specs, P())))
+        self.grad = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), self.batch_sharding.spec),
+                                          out_specs=(grad_specs, P()), axis_names=frozenset({DP})))
         self.reshard = jax.jit(functools.partial(to_views, self.layouts), out_shardings=self.view_shardings)
         self.update = jax.jit(
             functools.partial(_update, tx=tx, layouts=self.layouts, lr_schedule=lr_schedule),
@@ -207,6 +122,9 @@ def _local_grads(params, batch_AxMxT1, *, loss_fn: LossFn, layouts, grad_reduce:
     if grad_reduce == "all_reduce":
         grads, loss = lax.pmean((grads, loss), DP)
     else:
+        # With tp > 1 the compiler gathers a tp-split gradient over tp before this dp reduce-scatter
+        # (a collective over the manual axis wants its operand whole on the automatic one): one tp
+        # all-gather per step, after the loop. The reduction over dp is still this one collective.
         grads = jax.tree.map(
             lambda lay, g: lax.psum_scatter(lay.to_view(g), DP, scatter_dimension=lay.scatter_dim, tiled=True) / dp,
             layouts, grads, is_leaf=is_layout)
@@ -249,15 +167,6 @@ def decay_mask(params: PyTree) -> PyTree:
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def bytes_per_device(tree: PyTree) -> dict[jax.Device, int]:
-    """Bytes of a (sharded) pytree that each local device actually holds."""
-    per_device: dict[jax.Device, int] = {}
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-    return per_device
-
-
 def naive_data_parallel_step(mesh: Mesh, loss_fn: LossFn, tx: optax.GradientTransformation):
     """The baseline the design avoids: one plain `jax.jit`, batch sharded, accumulation scan inside.
 
@@ -276,5 +185,5 @@ def naive_data_parallel_step(mesh: Mesh, loss_fn: LossFn, tx: optax.GradientTran
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"loss": jnp.mean(losses)}
 
-    return jax.jit(step, in_shardings=(replicated, replicated, NamedSharding(mesh, P(None, DP))),
+    return jax.jit(step, in_shardings=(replicated, replicated, sharding.batch(mesh)),
                    out_shardings=replicated, donate_argnums=(0, 1))

@@ -24,10 +24,11 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
+from zerolm import sharding
 from zerolm.data.shards import Split
-from zerolm.mesh import DP, TP
+from zerolm.mesh import DP, TP, compute_batch_size
 
 
 def to_accum_layout(rows: np.ndarray, n_devices: int, accum: int, micro: int) -> np.ndarray:
@@ -84,13 +85,21 @@ class BatchLoader:
         self.accum = global_batch_size // (micro_batch_size * self.dp)
         self.order = SampleOrder(split.sizes, seed)
         self.shape = (self.accum, self.dp * self.micro, split.T1)
-        self.sharding = NamedSharding(mesh, P(None, DP))
+        self.sharding = sharding.batch(mesh)
         # Staging array with a leading tp axis: device (dp i, tp j) holds slot j of dp block i. Only
         # slot 0 is read from storage, so a host reads the blocks of its tp = 0 devices: exactly
         # compute_batch_size(mesh)'s local_shards of them. The sum over tp hands them to the rest.
-        self._staging = NamedSharding(mesh, P(TP, None, DP))
+        # (jax.make_array_from_process_local_data would need every host to read the rows of all its
+        # devices, tp ≠ 0 ones included: this keeps seed note 004's "only tp = 0 hosts read".)
+        self._staging = sharding.batch_staging(mesh)
         self._staged_shape = (self.tp, *self.shape)
         self._sum_tp = jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=self.sharding)
+        # The dp blocks this host reads: those of its tp = 0 devices, as many as seed note 004 says.
+        self._devices = [(d, (idx[0].start or 0, (idx[2].start or 0) // self.micro))
+                         for d, idx in self._staging.addressable_devices_indices_map(self._staged_shape).items()]
+        self.reads, local_shards = compute_batch_size(mesh)
+        self._read_blocks = sorted({dp for _, (tp, dp) in self._devices if tp == 0})
+        assert len(self._read_blocks) == local_shards and self.reads == bool(local_shards)
 
     def device_rows(self, step: int, dp_index: int) -> np.ndarray:
         """The (accum, micro, T+1) rows of dp block `dp_index` at `step`, read from storage."""
@@ -100,11 +109,11 @@ class BatchLoader:
         return rows.reshape(self.accum, self.micro, -1)
 
     def global_batch(self, step: int) -> jax.Array:
+        read = {dp: self.device_rows(step, dp) for dp in self._read_blocks}  # each block once
+        zeros = np.zeros((self.accum, self.micro, self.shape[-1]), np.int32)
         arrays = []
-        for d, idx in self._staging.addressable_devices_indices_map(self._staged_shape).items():
-            tp_index, dp_index = idx[0].start or 0, (idx[2].start or 0) // self.micro
-            rows = (self.device_rows(step, dp_index) if tp_index == 0
-                    else np.zeros((self.accum, self.micro, self.shape[-1]), np.int32))
+        for d, (tp_index, dp_index) in self._devices:
+            rows = read[dp_index] if tp_index == 0 else zeros
             arrays.append(jax.device_put(rows if self.tp == 1 else rows[None], d))
         if self.tp == 1:  # nothing to hand over: the rows are already where they belong
             return jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)

@@ -161,18 +161,30 @@ def prepare(source: str, out: str | Path, *, tokenizer: str = "default", vocab_s
         raise PrepareError(f"{out}: exists and is not a directory")
     skipped = Skipped() if skip_bad else None
 
+    stop = _StopSignals()
+
     def documents(skipped: Skipped | None) -> Iterator[tuple[int, str]]:
-        return enumerate(iter_documents(source, text_field=text_field, tfds_data_dir=tfds_data_dir, skipped=skipped))
+        for item in enumerate(iter_documents(source, text_field=text_field, tfds_data_dir=tfds_data_dir,
+                                             skipped=skipped)):
+            stop.check()
+            yield item
 
-    if tokenizer == "default":
-        # A first pass to train the BPE; its skipped records are counted by the second pass, not twice.
-        first_pass = Skipped() if skip_bad else None
-        tok = load_tokenizer("default", vocab_size,
-                             [d for i, d in documents(first_pass) if i % val_every != val_every - 1])
-    else:
-        tok = load_tokenizer(tokenizer)
+    with stop:
+        if tokenizer == "default":
+            # A first pass to train the BPE; its skipped records are counted by the second pass, not twice.
+            first_pass = Skipped() if skip_bad else None
+            tok = load_tokenizer("default", vocab_size,
+                                 [d for i, d in documents(first_pass) if i % val_every != val_every - 1])
+        else:
+            tok = load_tokenizer(tokenizer)
+        stop.check()
+        return _prepare_into(out, source, documents(skipped), tok, seq_len, val_every, samples_per_shard, skipped,
+                             progress, stop)
+
+
+def _prepare_into(out: Path, source: str, documents, tok: Tokenizer, seq_len: int, val_every: int,
+                  samples_per_shard: int, skipped: Skipped | None, progress: bool, stop: _StopSignals) -> dict:
     dtype = token_dtype(tok.vocab_size)
-
     out.parent.mkdir(parents=True, exist_ok=True)
     removed = remove_dead_partials(out)
     if removed and progress:
@@ -180,17 +192,16 @@ def prepare(source: str, out: str | Path, *, tokenizer: str = "default", vocab_s
     tmp = out.parent / f".{out.name}.partial-{socket.gethostname()}-{os.getpid()}"
     tmp.mkdir()
     try:
-        with _terminate_as_interrupt():
-            manifest = _write_splits(tmp, documents(skipped), tok, seq_len, dtype, val_every, samples_per_shard,
-                                     progress)
-            if manifest["splits"]["train"]["samples"] == 0:
-                raise PrepareError(f"{source}: empty source: no training sample of {seq_len + 1} tokens "
-                                   f"({manifest['documents']} documents)")
-            manifest.update(source=source, skipped=skipped.count if skipped else 0,
-                            skipped_first=skipped.first if skipped else "")
-            tok.save(tmp)
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-            _move_into_place(tmp, out)
+        manifest = _write_splits(tmp, documents, tok, seq_len, dtype, val_every, samples_per_shard, progress)
+        stop.check()
+        if manifest["splits"]["train"]["samples"] == 0:
+            raise PrepareError(f"{source}: empty source: no training sample of {seq_len + 1} tokens "
+                               f"({manifest['documents']} documents)")
+        manifest.update(source=source, skipped=skipped.count if skipped else 0,
+                        skipped_first=skipped.first if skipped else "")
+        tok.save(tmp)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -231,21 +242,31 @@ def _alive(pid: int) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def _terminate_as_interrupt():
-    """SIGTERM raises KeyboardInterrupt inside, so the partial directory is cleaned up as for Ctrl-C."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
+class _StopSignals:
+    """Ctrl-C and SIGTERM during a prepare: noted by the handler, acted on by `check()` between documents
+    (as KeyboardInterrupt, so the partial directory is removed). Raising from the handler itself could
+    land inside a garbage-collection callback, where Python ignores it."""
 
-    try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict = {}
+
+    def _note(self, signum, frame):
+        self.received = signum
+
+    def check(self) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> _StopSignals:
+        with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def _write_splits(directory: Path, documents, tok: Tokenizer, seq_len: int, dtype, val_every: int,

@@ -1,0 +1,224 @@
+"""Every sharding of the training step, derived in one place: the table the other modules ask.
+
+- **Parameters** (tensor parallelism): each parameter's logical axis names (from the model) go through
+  `RULES`, Megatron-style: attention heads and the MLP hidden dimension are split over `tp`
+  (column-parallel `c_attn`/`c_fc`, row-parallel `c_proj`s); everything else, the embedding
+  included, is replicated over `tp`. Replicating the embedding keeps the embedding lookup, the tied
+  output layer and the chunked loss free of vocabulary collectives; its cost is the output layer's
+  FLOPs repeated on each tp device and its parameters held whole (the optimizer state is still
+  split, below). Every parameter is replicated over `dp`.
+- **Optimizer state** (ZeRO-1, `Layout`): on top of a parameter's tp split, one more axis is split
+  over `dp`, so that each device holds 1/(dp·tp) of the state. A tp-split parameter gets dp on
+  another axis that dp divides; a tp-replicated one is split over dp and tp together. When no axis
+  divides, the leaf is flattened and padded into dp·tp equal blocks (the seeds' "blockify").
+- **Batches**: rows over `dp`, replicated over `tp`; the loader's staging array adds a leading `tp`
+  axis (only tp = 0 devices read, seed note 004).
+- **Checkpoints**: the restore target of a state saved on another (dp, tp), and the repacking of the
+  leaves whose layout shape depends on dp·tp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zerolm.mesh import DP, TP
+
+PyTree = Any
+
+# logical axis -> mesh axis (None: replicated).
+RULES = (("layers", None), ("vocab", None), ("position", None), ("embed", None), ("qkv", None),
+         ("heads", TP), ("mlp", TP))
+
+
+def param_spec(logical: P) -> P:
+    return P(*nn.logical_to_mesh_axes(tuple(logical), RULES))
+
+
+def _tp_axis(spec: P) -> int | None:
+    return next((i for i, a in enumerate(spec) if a == TP), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where one parameter's optimizer state lives, as a `view` of the parameter.
+
+    `tp_axis`: the axis tensor parallelism splits (None: replicated over tp). `axis`: the axis the
+    ZeRO split goes on, over dp alone when tp already splits another axis, else over dp and tp
+    together; None: flattened and padded into dp·tp blocks."""
+
+    shape: tuple[int, ...]
+    dp: int
+    tp: int
+    tp_axis: int | None
+    axis: int | None
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def blocks(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def view_shape(self) -> tuple[int, ...]:
+        return self.shape if self.axis is not None else (self.blocks, -(-self.size // self.blocks))
+
+    @property
+    def spec(self) -> P:
+        """The view's sharding over the whole mesh."""
+        joint = (DP, TP) if self.tp > 1 else DP
+        if self.axis is None:
+            return P(joint, None)
+        if self.tp_axis is not None:
+            return P(*(DP if i == self.axis else TP if i == self.tp_axis else None for i in range(len(self.shape))))
+        return P(*(joint if i == self.axis else None for i in range(len(self.shape))))
+
+    @property
+    def dp_spec(self) -> P:
+        """The same, over `dp` alone: what the gradient step (manual over dp only) hands out."""
+        return P(*(DP if a == DP or (isinstance(a, tuple) and DP in a) else None for a in self.spec))
+
+    @property
+    def scatter_dim(self) -> int:
+        return 0 if self.axis is None else self.axis
+
+    @property
+    def padding(self) -> int:
+        return math.prod(self.view_shape) - self.size
+
+    def to_view(self, x: jax.Array) -> jax.Array:
+        """Parameter -> optimizer layout. A reshape at most (and padding, for blockified leaves)."""
+        if self.axis is not None:
+            return x
+        return jnp.pad(x.reshape(-1), (0, self.padding)).reshape(self.view_shape)
+
+    def from_view(self, v: jax.Array) -> jax.Array:
+        if self.axis is not None:
+            return v
+        return v.reshape(-1)[: self.size].reshape(self.shape)
+
+
+def plan_layout(shape: tuple[int, ...], dp: int, tp: int = 1, tp_axis: int | None = None) -> Layout:
+    """The largest axis the split divides (dp alone beside a tp axis; dp·tp otherwise); else blockify."""
+    shape = tuple(shape)
+    if tp_axis is not None and tp > 1:
+        candidates = [i for i, n in enumerate(shape) if i != tp_axis and n % dp == 0]
+    else:
+        tp_axis = None
+        candidates = [i for i, n in enumerate(shape) if n % (dp * tp) == 0]
+    axis = max(candidates, key=lambda i: shape[i]) if candidates else None
+    return Layout(shape, dp, tp, tp_axis, axis)
+
+
+def is_layout(x) -> bool:
+    return isinstance(x, Layout)
+
+
+def to_views(layouts: PyTree, tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda lay, x: lay.to_view(x), layouts, tree, is_leaf=is_layout)
+
+
+def from_views(layouts: PyTree, tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda lay, v: lay.from_view(v), layouts, tree, is_leaf=is_layout)
+
+
+def with_shardings(abstract: PyTree, shardings: PyTree) -> PyTree:
+    """Abstract arrays carrying shardings: the targets for lowering or restoring sharded state."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+def abstract_views(layouts: PyTree, abstract_params: PyTree) -> PyTree:
+    return jax.tree.map(lambda lay, a: jax.ShapeDtypeStruct(lay.view_shape, a.dtype),
+                        layouts, abstract_params, is_leaf=is_layout)
+
+
+def batch(mesh: Mesh) -> NamedSharding:
+    """(accum, rows, tokens): rows split over dp, replicated over tp."""
+    return NamedSharding(mesh, P(None, DP))
+
+
+def batch_staging(mesh: Mesh) -> NamedSharding:
+    """(tp, accum, rows, tokens): the loader's staging array, where tp = 0 devices hold the read rows."""
+    return NamedSharding(mesh, P(TP, None, DP))
+
+
+def rows(mesh: Mesh) -> NamedSharding:
+    """(rows, ...): evaluation batches."""
+    return NamedSharding(mesh, P(DP))
+
+
+class Table:
+    """The shardings of one mesh, parameter tree and optimizer."""
+
+    def __init__(self, mesh: Mesh, abstract_params: PyTree, logical_axes: PyTree | None,
+                 tx: optax.GradientTransformation):
+        self.mesh, self.tx, self.abstract_params = mesh, tx, abstract_params
+        self.dp, self.tp = mesh.shape[DP], mesh.shape[TP]
+        if logical_axes is None:
+            if self.tp > 1:
+                raise ValueError("tensor parallelism needs the parameters' logical axes")
+            logical_axes = jax.tree.map(lambda a: P(*[None] * a.ndim), abstract_params)
+        self.param_specs = jax.tree.map(param_spec, logical_axes, is_leaf=lambda x: isinstance(x, P))
+        self.replicated = NamedSharding(mesh, P())
+        self.batch, self.rows = batch(mesh), rows(mesh)
+        self.params = jax.tree.map(lambda s: NamedSharding(mesh, s), self.param_specs,
+                                   is_leaf=lambda x: isinstance(x, P))
+        self.layouts = self.plan(self.dp, self.tp)
+        self.views = jax.tree.map(lambda lay: NamedSharding(mesh, lay.spec), self.layouts, is_leaf=is_layout)
+        self.opt = self.opt_shardings(self.layouts, self.views)
+
+    def plan(self, dp: int, tp: int) -> PyTree:
+        """The layouts on a (dp, tp) mesh: this one's, or the one a checkpoint was saved on."""
+        return jax.tree.map(lambda a, s: plan_layout(a.shape, dp, tp, _tp_axis(s) if tp > 1 else None),
+                            self.abstract_params, self.param_specs, is_leaf=lambda x: isinstance(x, P))
+
+    def opt_shardings(self, layouts: PyTree, view_shardings: PyTree) -> PyTree:
+        abstract_opt = jax.eval_shape(self.tx.init, abstract_views(layouts, self.abstract_params))
+        return optax.tree_map_params(self.tx, lambda _, sharding: sharding, abstract_opt, view_shardings,
+                                     transform_non_params=lambda _: self.replicated)
+
+    def restore_target(self, saved_dp: int, saved_tp: int) -> tuple[PyTree, PyTree, Any]:
+        """What to restore a state saved on (saved_dp, saved_tp) into, and how to finish it.
+
+        Returns (abstract optimizer state with shardings, saved layouts, repack). Leaves whose view has
+        the same shape now restore straight into this mesh's sharding; the others (blockified into a
+        different number of blocks) restore whole and `repack(opt_state)` rebuilds them here."""
+        saved = self.plan(saved_dp, saved_tp)
+        saved_opt = jax.eval_shape(self.tx.init, abstract_views(saved, self.abstract_params))
+        same = jax.tree.map(lambda old, new: old.view_shape == new.view_shape, saved, self.layouts, is_leaf=is_layout)
+        target_views = jax.tree.map(lambda s, sh: sh if s else self.replicated, same, self.views)
+        target = optax.tree_map_params(self.tx, lambda _, sh: sh, saved_opt, target_views,
+                                       transform_non_params=lambda _: self.replicated)
+
+        def repack(opt_state):
+            if all(jax.tree.leaves(same)):
+                return opt_state
+            return jax.jit(lambda opt: optax.tree_map_params(
+                self.tx, lambda v, old, new: new.to_view(old.from_view(v)), opt, saved, self.layouts,
+                transform_non_params=lambda x: x, is_leaf=is_layout), out_shardings=self.opt)(opt_state)
+
+        return with_shardings(saved_opt, target), saved, repack
+
+
+def bytes_per_device(tree: PyTree) -> dict[jax.Device, int]:
+    """Bytes of a (sharded) pytree that each local device actually holds."""
+    per_device: dict[jax.Device, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return per_device
+
+
+def device_ids(mesh: Mesh) -> np.ndarray:
+    """The mesh's device ids in mesh order: replica groups of compiled programs index these."""
+    return np.vectorize(lambda d: d.id)(mesh.devices)

@@ -1,0 +1,109 @@
+"""Tensor parallelism on the (dp, tp) mesh, composed with ZeRO-1: the same numbers as dp = 8 and as one
+device, one dp reduction per step (after the loop; tp collectives inside it, over tp only), and
+1/(dp·tp) of the optimizer state per device."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from conftest import REPO, TINY, requires_devices, small_config
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zerolm import hlo, model as gpt_model
+from zerolm.config import ConfigError, load_config
+from zerolm.data.loader import to_accum_layout
+from zerolm.mesh import make_mesh
+from zerolm.sharding import is_layout
+from zerolm.zero import Zero1, make_optimizer
+
+pytestmark = requires_devices(8)
+LAYOUTS = [(8, 1), (4, 2), (2, 4)]
+
+
+def _setup(cfg, dp, tp, devices=None, mode="reduce_scatter"):
+    model = gpt_model.GPT(cfg.model)
+    init_fn = functools.partial(gpt_model.init_params, model)
+    abstract = jax.eval_shape(init_fn, jax.random.key(0))
+    mesh = make_mesh(dp, tp, devices if devices is not None else jax.devices()[:dp * tp])
+    zero = Zero1(mesh, functools.partial(gpt_model.lm_loss, model), make_optimizer(cfg.train)[0], abstract,
+                 logical_axes=gpt_model.logical_axes(model), grad_reduce=mode)
+    return zero, zero.init(init_fn, jax.random.key(0))
+
+
+def _flat(tree):
+    return np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])
+
+
+@pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
+def test_tp_layouts_match_dp8_and_one_device(mode):
+    cfg = small_config("train.global_batch_size=16", "train.micro_batch_size=2", "train.steps=10",
+                       "train.warmup_steps=2", "train.lr=1e-2")
+    rows = [np.random.default_rng(i).integers(0, 100, (16, 17)).astype(np.int32) for i in range(3)]
+    results = {}
+    for dp, tp in [*LAYOUTS, (1, 1)]:
+        zero, state = _setup(cfg, dp, tp, mode=mode)
+        if tp > 1:  # the parameters really are split over tp: column-parallel c_fc, row-parallel c_proj
+            assert state.params["h"]["mlp"]["c_fc"]["kernel"].sharding.spec == P(None, None, "tp")
+            assert state.params["h"]["mlp"]["c_proj"]["kernel"].sharding.spec == P(None, "tp", None)
+            assert state.params["h"]["attn"]["c_attn"]["kernel"].sharding.spec == P(None, None, None, "tp")
+        losses = []
+        for r in rows:
+            state, metrics = zero(state, jax.device_put(to_accum_layout(r, dp, 16 // (2 * dp), 2), zero.batch_sharding))
+            losses.append(float(metrics["loss"]))
+        results[(dp, tp)] = losses, _flat(state.params)
+    ref_losses, ref_params = results[(8, 1)]
+    for layout, (losses, params) in results.items():
+        # Only float32 summation order differs; Adam amplifies it where a gradient is ~0 (see test_zero).
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=str(layout))
+        np.testing.assert_allclose(params, ref_params, rtol=0, atol=1e-4, err_msg=str(layout))
+        assert np.linalg.norm(params - ref_params) / np.linalg.norm(ref_params) < 1e-5, layout
+
+
+@pytest.mark.parametrize("dp, tp", [(4, 2), (2, 4)])
+def test_one_dp_reduction_after_the_loop_and_tp_collectives_inside_it(dp, tp):
+    cfg = small_config(f"train.global_batch_size={dp * 4}", "train.micro_batch_size=1")
+    zero, state = _setup(cfg, dp, tp)
+    batch = jax.device_put(to_accum_layout(np.zeros((dp * 4, 17), np.int32), dp, 4, 1), zero.batch_sharding)
+    ops = hlo.collectives(hlo.compiled_text(zero.grad, state.params, batch))
+    mesh_shape = dict(zero.mesh.shape)
+    by_axis = [(c, hlo.axis_of(c, mesh_shape)) for c in ops]
+    assert not [c for c, axes in by_axis if c.in_loop and "dp" in axes], "a dp collective inside the accumulation loop"
+    assert [axes for c, axes in by_axis if c.in_loop] and all(axes == ("tp",) for c, axes in by_axis if c.in_loop)
+    dp_reductions = [c for c, axes in by_axis if axes == ("dp",) and c.op == "reduce-scatter"]
+    assert len(dp_reductions) == len(jax.tree.leaves(state.params))  # one reduce-scatter per leaf, once
+    padded_over_tp = sum(np.prod(lay.view_shape) for lay in jax.tree.leaves(zero.layouts, is_leaf=is_layout))
+    assert sum(c.elements for c in dp_reductions) * dp == padded_over_tp
+
+
+def _opt_bytes_per_device(zero) -> int:
+    """Bytes of AdamW's moments one device holds, from the shardings (nothing is allocated)."""
+    total = 0
+    for lay, sharding in zip(jax.tree.leaves(zero.layouts, is_leaf=is_layout), jax.tree.leaves(zero.view_shardings)):
+        total += 2 * 4 * int(np.prod(sharding.shard_shape(lay.view_shape)))
+    return total
+
+
+@pytest.mark.parametrize("dp, tp", LAYOUTS)
+def test_125m_optimizer_state_is_one_dp_tp_th_per_device(dp, tp):
+    cfg = load_config(REPO / "configs" / "125m.yaml", ["train.micro_batch_size=1", "model.vocab_size=50257",
+                                                      f"mesh.tp={tp}"], device_count=8)
+    model = gpt_model.GPT(cfg.model)
+    abstract = jax.eval_shape(functools.partial(gpt_model.init_params, model), jax.random.key(0))
+    zero = Zero1(make_mesh(dp, tp), functools.partial(gpt_model.lm_loss, model), make_optimizer(cfg.train)[0],
+                 abstract, logical_axes=gpt_model.logical_axes(model))
+    whole = 2 * 4 * gpt_model.count_params(abstract)
+    assert _opt_bytes_per_device(zero) <= whole / (dp * tp) * 1.01
+    for sharding in jax.tree.leaves(zero.view_shardings):  # every leaf is split over every device
+        assert isinstance(sharding, NamedSharding) and sharding.num_devices == 8
+
+
+@pytest.mark.parametrize("overrides, devices, message", [
+    (["mesh.tp=3"], 3, "mesh.tp: tp=3 does not divide model.n_head=4 (tensor parallelism splits whole attention heads)"),
+    (["mesh.tp=16"], 8, "mesh.tp: tp=16 does not divide the 8 devices"),
+    (["mesh.tp=2", "mesh.dp=2"], 8, "mesh.dp: dp × tp = 2 × 2 = 4, but there are 8 devices"),
+])
+def test_bad_tp_is_one_line(overrides, devices, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, overrides, device_count=devices)
+    assert str(e.value).endswith(message) and "\n" not in str(e.value)
