@@ -23,7 +23,7 @@ import time
 import jax
 import numpy as np
 
-from zerolm import hlo, model as gpt_model
+from zerolm import hlo, model as gpt_model, sharding
 from zerolm.config import load_config
 from zerolm.data.loader import to_accum_layout
 from zerolm.mesh import make_mesh
@@ -53,6 +53,8 @@ def main() -> None:
                    help="sequences per step, the same for every layout (default: %(default)s)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per layout (default: %(default)s)")
     p.add_argument("--memory-only", action="store_true", help="compile and count, do not run steps")
+    p.add_argument("--vocab-parallel", action="store_true",
+                   help="split the token embedding over tp (sharding.VOCAB_PARALLEL_RULES) instead of replicating it")
     args = p.parse_args()
 
     rows, times = [], {}
@@ -68,7 +70,8 @@ def main() -> None:
         abstract = jax.eval_shape(init_fn, jax.random.key(0))
         tx = make_optimizer(cfg.train)[0]
         zero = Zero1(make_mesh(dp, tp), functools.partial(gpt_model.lm_loss, model), tx, abstract,
-                     logical_axes=gpt_model.logical_axes(model))
+                     logical_axes=gpt_model.logical_axes(model),
+                     rules=sharding.VOCAB_PARALLEL_RULES if args.vocab_parallel else sharding.RULES)
         T1 = cfg.model.seq_len + 1
         params = with_shardings(abstract, zero.param_shardings)
         batch = jax.ShapeDtypeStruct((accum, dp * args.micro_batch, T1), np.int32, sharding=zero.batch_sharding)
@@ -104,7 +107,7 @@ def main() -> None:
             jax.block_until_ready((state, m))
             times[rows[-1]["layout"]] = (time.perf_counter() - t) / args.steps
 
-    print(f"\nconfig {args.config} {' '.join(args.set)}: {jax.device_count()} × {jax.devices()[0].device_kind} "
+    print(f"\nconfig {args.config} {' '.join(args.set)}{' (vocabulary-parallel embedding)' if args.vocab_parallel else ''}: {jax.device_count()} × {jax.devices()[0].device_kind} "
           f"({platform.processor() or platform.machine()}), global batch {args.global_batch}, micro-batch "
           f"{args.micro_batch} per device (accumulation steps = global / (dp × micro)), jax {jax.__version__}\n")
     mib = lambda b: f"{b / 2**20:,.2f}"  # noqa: E731

@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO, TINY, requires_devices, small_config
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerolm import hlo, model as gpt_model
+from zerolm import hlo, model as gpt_model, sharding
 from zerolm.config import ConfigError, load_config
 from zerolm.data.loader import to_accum_layout
 from zerolm.mesh import make_mesh
@@ -21,13 +21,13 @@ pytestmark = requires_devices(8)
 LAYOUTS = [(8, 1), (4, 2), (2, 4)]
 
 
-def _setup(cfg, dp, tp, devices=None, mode="reduce_scatter"):
+def _setup(cfg, dp, tp, devices=None, mode="reduce_scatter", rules=sharding.RULES):
     model = gpt_model.GPT(cfg.model)
     init_fn = functools.partial(gpt_model.init_params, model)
     abstract = jax.eval_shape(init_fn, jax.random.key(0))
     mesh = make_mesh(dp, tp, devices if devices is not None else jax.devices()[:dp * tp])
     zero = Zero1(mesh, functools.partial(gpt_model.lm_loss, model), make_optimizer(cfg.train)[0], abstract,
-                 logical_axes=gpt_model.logical_axes(model), grad_reduce=mode)
+                 logical_axes=gpt_model.logical_axes(model), grad_reduce=mode, rules=rules)
     return zero, zero.init(init_fn, jax.random.key(0))
 
 
@@ -35,14 +35,15 @@ def _flat(tree):
     return np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])
 
 
-@pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
-def test_tp_layouts_match_dp8_and_one_device(mode):
+@pytest.mark.parametrize("mode, rules", [("all_reduce", sharding.RULES), ("reduce_scatter", sharding.RULES),
+                                         ("reduce_scatter", sharding.VOCAB_PARALLEL_RULES)])
+def test_tp_layouts_match_dp8_and_one_device(mode, rules):
     cfg = small_config("train.global_batch_size=16", "train.micro_batch_size=2", "train.steps=10",
                        "train.warmup_steps=2", "train.lr=1e-2")
     rows = [np.random.default_rng(i).integers(0, 100, (16, 17)).astype(np.int32) for i in range(3)]
     results = {}
     for dp, tp in [*LAYOUTS, (1, 1)]:
-        zero, state = _setup(cfg, dp, tp, mode=mode)
+        zero, state = _setup(cfg, dp, tp, mode=mode, rules=rules)
         if tp > 1:  # the parameters really are split over tp: column-parallel c_fc, row-parallel c_proj
             assert state.params["h"]["mlp"]["c_fc"]["kernel"].sharding.spec == P(None, None, "tp")
             assert state.params["h"]["mlp"]["c_proj"]["kernel"].sharding.spec == P(None, "tp", None)
@@ -72,8 +73,12 @@ def test_one_dp_reduction_after_the_loop_and_tp_collectives_inside_it(dp, tp):
     assert [axes for c, axes in by_axis if c.in_loop] and all(axes == ("tp",) for c, axes in by_axis if c.in_loop)
     dp_reductions = [c for c, axes in by_axis if axes == ("dp",) and c.op == "reduce-scatter"]
     assert len(dp_reductions) == len(jax.tree.leaves(state.params))  # one reduce-scatter per leaf, once
-    padded_over_tp = sum(np.prod(lay.view_shape) for lay in jax.tree.leaves(zero.layouts, is_leaf=is_layout))
-    assert sum(c.elements for c in dp_reductions) * dp == padded_over_tp
+    # Each device reduces its own tp block of a tp-split leaf, the whole of the others: nothing is first
+    # gathered over tp (no tp collective after the loop).
+    per_device = sum(np.prod(lay.view_shape) // (tp if lay.tp_axis is not None and lay.axis is not None else 1)
+                     for lay in jax.tree.leaves(zero.layouts, is_leaf=is_layout))
+    assert sum(c.elements for c in dp_reductions) * dp == per_device
+    assert not [c for c, axes in by_axis if not c.in_loop and axes == ("tp",)]
 
 
 def _opt_bytes_per_device(zero) -> int:

@@ -37,10 +37,12 @@ PyTree = Any
 # logical axis -> mesh axis (None: replicated).
 RULES = (("layers", None), ("vocab", None), ("position", None), ("embed", None), ("qkv", None),
          ("heads", TP), ("mlp", TP))
+# The alternative, measured in BENCHMARKS.md: the token embedding (and so the output layer) split over tp.
+VOCAB_PARALLEL_RULES = tuple((name, TP if name == "vocab" else axis) for name, axis in RULES)
 
 
-def param_spec(logical: P) -> P:
-    return P(*nn.logical_to_mesh_axes(tuple(logical), RULES))
+def param_spec(logical: P, rules=RULES) -> P:
+    return P(*nn.logical_to_mesh_axes(tuple(logical), rules))
 
 
 def _tp_axis(spec: P) -> int | None:
@@ -161,14 +163,15 @@ class Table:
     """The shardings of one mesh, parameter tree and optimizer."""
 
     def __init__(self, mesh: Mesh, abstract_params: PyTree, logical_axes: PyTree | None,
-                 tx: optax.GradientTransformation):
+                 tx: optax.GradientTransformation, rules=RULES):
         self.mesh, self.tx, self.abstract_params = mesh, tx, abstract_params
         self.dp, self.tp = mesh.shape[DP], mesh.shape[TP]
         if logical_axes is None:
             if self.tp > 1:
                 raise ValueError("tensor parallelism needs the parameters' logical axes")
             logical_axes = jax.tree.map(lambda a: P(*[None] * a.ndim), abstract_params)
-        self.param_specs = jax.tree.map(param_spec, logical_axes, is_leaf=lambda x: isinstance(x, P))
+        self.param_specs = jax.tree.map(lambda logical: param_spec(logical, rules), logical_axes,
+                                        is_leaf=lambda x: isinstance(x, P))
         self.replicated = NamedSharding(mesh, P())
         self.batch, self.rows = batch(mesh), rows(mesh)
         self.params = jax.tree.map(lambda s: NamedSharding(mesh, s), self.param_specs,

@@ -2,11 +2,12 @@
 
 One optimizer step is three compiled programs (seed note 003, on today's JAX):
 
-1. `grad`: `jax.shard_map`, manual over `dp` alone (tensor parallelism over `tp`, if any, is left to
-   the compiler inside it). Each device scans over its micro-batches, accumulating float32 gradients
-   locally, then ONE cross-device reduction over dp: a `pmean` (all_reduce) or a `psum_scatter`
-   straight into the optimizer-state layout (reduce_scatter, half the bytes). The tp collectives of
-   the forward and backward passes run inside the loop, over tp only.
+1. `grad`: one jit of two `jax.shard_map`s. The first, manual over `dp` alone (tensor parallelism
+   over `tp` is left to the compiler inside it), scans over each device's micro-batches, accumulating
+   float32 gradients locally; the tp collectives of the forward and backward passes run inside this
+   loop, over tp only. The second, manual over dp and tp, is the ONE cross-device reduction over dp,
+   each device reducing only its own tp block: a `pmean` (all_reduce) or a `psum_scatter` straight
+   into the optimizer-state layout (reduce_scatter, half the bytes).
 2. `reshard`: an identity `jax.jit` that moves the parameters into the optimizer-state layout. Each
    device keeps its own slice, so it compiles to no collective.
 3. `update`: a jitted optax update on the sharded view; the optimizer state stays sharded (and is
@@ -29,7 +30,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerolm import sharding
-from zerolm.mesh import DP
+from zerolm.mesh import DP, TP
 from zerolm.sharding import from_views, is_layout, to_views
 
 PyTree = Any
@@ -53,12 +54,13 @@ class Zero1:
 
     def __init__(self, mesh: Mesh, loss_fn: LossFn, tx: optax.GradientTransformation,
                  abstract_params: PyTree, *, logical_axes: PyTree | None = None,
-                 grad_reduce: GradReduce = "reduce_scatter", lr_schedule: optax.Schedule | None = None):
+                 grad_reduce: GradReduce = "reduce_scatter", lr_schedule: optax.Schedule | None = None,
+                 rules=sharding.RULES):
         self.mesh = mesh
         self.grad_reduce = grad_reduce
         self.tx = tx
         self.abstract_params = abstract_params
-        self.table = table = sharding.Table(mesh, abstract_params, logical_axes, tx)
+        self.table = table = sharding.Table(mesh, abstract_params, logical_axes, tx, rules)
         self.dp, self.tp, self.layouts = table.dp, table.tp, table.layouts
         # What the three programs take and give (read these; zerolm.sharding derives them).
         self.replicated, self.batch_sharding, self.row_sharding = table.replicated, table.batch, table.rows
@@ -66,12 +68,29 @@ class Zero1:
         self.state_shardings = TrainState(step=self.replicated, params=self.param_shardings,
                                           opt_state=self.opt_shardings)
 
-        grad_specs = (P() if grad_reduce == "all_reduce"
-                      else jax.tree.map(lambda lay: lay.dp_spec, self.layouts, is_leaf=is_layout))
-        local = functools.partial(_local_grads, loss_fn=loss_fn, layouts=self.layouts,
-                                  grad_reduce=grad_reduce, dp=self.dp)
-        self.grad = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), self.batch_sharding.spec),
-                                          out_specs=(grad_specs, P()), axis_names=frozenset({DP})))
+        # (1) accumulate: manual over dp; per-device gradients come out stacked on a leading dp axis.
+        stacked = jax.tree.map(lambda _: P(DP), table.param_specs, is_leaf=lambda x: isinstance(x, P))
+        accumulate = jax.shard_map(functools.partial(_accumulate, loss_fn=loss_fn), mesh=mesh,
+                                   in_specs=(P(), self.batch_sharding.spec), out_specs=(stacked, P(DP)),
+                                   axis_names=frozenset({DP}))
+        # (2) reduce: manual over dp and tp. A tp-split gradient arrives as this device's tp block; the rest
+        # (tp-replicated, or blockified into dp·tp blocks) arrive whole and leave as this device's block.
+        local_tp = jax.tree.map(lambda lay, s: lay.tp_axis is not None and (lay.axis is not None or grad_reduce == "all_reduce"),
+                                self.layouts, table.param_specs, is_leaf=is_layout)
+        in_specs = jax.tree.map(lambda local, s: P(DP, *(s if local else [None] * len(s))), local_tp,
+                                table.param_specs, is_leaf=lambda x: isinstance(x, P))
+        if grad_reduce == "all_reduce":
+            out_specs = jax.tree.map(lambda s: s, table.param_specs, is_leaf=lambda x: isinstance(x, P))
+        else:
+            out_specs = jax.tree.map(lambda lay: lay.spec, self.layouts, is_leaf=is_layout)
+        reduce = jax.shard_map(functools.partial(_reduce, layouts=self.layouts, local_tp=local_tp,
+                                                 grad_reduce=grad_reduce, dp=self.dp, tp=self.tp),
+                               mesh=mesh, in_specs=(in_specs, P(DP)), out_specs=(out_specs, P()))
+
+        def grad_step(params, batch):
+            return reduce(*accumulate(params, batch))
+
+        self.grad = jax.jit(grad_step)
         self.reshard = jax.jit(functools.partial(to_views, self.layouts), out_shardings=self.view_shardings)
         self.update = jax.jit(
             functools.partial(_update, tx=tx, layouts=self.layouts, lr_schedule=lr_schedule),
@@ -101,8 +120,8 @@ class Zero1:
     __call__ = step
 
 
-def _local_grads(params, batch_AxMxT1, *, loss_fn: LossFn, layouts, grad_reduce: GradReduce, dp: int):
-    """Per device: accumulate gradients over the micro-batches, then one cross-device reduction."""
+def _accumulate(params, batch_AxMxT1, *, loss_fn: LossFn):
+    """Per device: the mean gradient over its micro-batches, float32, with no cross-device reduction."""
     # Without the cast, the gradient of a replicated (unvarying) input picks up an implicit psum
     # on every micro-step, and the result comes out dp times too large.
     varying = functools.partial(lax.pcast, axis_name=DP, to="varying")
@@ -117,19 +136,25 @@ def _local_grads(params, batch_AxMxT1, *, loss_fn: LossFn, layouts, grad_reduce:
 
     accum = batch_AxMxT1.shape[0]
     (grads, loss), _ = lax.scan(micro_step, (zeros, varying(jnp.zeros((), jnp.float32))), batch_AxMxT1)
-    grads = jax.tree.map(lambda g: g / accum, grads)
-    loss = loss / accum
+    return jax.tree.map(lambda g: (g / accum)[None], grads), (loss / accum)[None]
+
+
+def _reduce(grads, loss, *, layouts, local_tp, grad_reduce: GradReduce, dp: int, tp: int):
+    """The one reduction over dp, on each device's own tp block: pmean, or psum_scatter into the layout."""
+    grads = jax.tree.map(lambda g: g[0], grads)
+    loss = lax.pmean(loss[0], DP)
     if grad_reduce == "all_reduce":
-        grads, loss = lax.pmean((grads, loss), DP)
-    else:
-        # With tp > 1 the compiler gathers a tp-split gradient over tp before this dp reduce-scatter
-        # (a collective over the manual axis wants its operand whole on the automatic one): one tp
-        # all-gather per step, after the loop. The reduction over dp is still this one collective.
-        grads = jax.tree.map(
-            lambda lay, g: lax.psum_scatter(lay.to_view(g), DP, scatter_dimension=lay.scatter_dim, tiled=True) / dp,
-            layouts, grads, is_leaf=is_layout)
-        loss = lax.pmean(loss, DP)
-    return grads, {"loss": loss}
+        return lax.pmean(grads, DP), {"loss": loss}
+
+    def scatter(lay, local, g):
+        view = lax.psum_scatter(lay.to_view(g), DP, scatter_dimension=lay.scatter_dim, tiled=True) / dp
+        if local or tp == 1:
+            return view
+        # Whole over tp here (tp-replicated or blockified): keep this tp device's share of the dp block.
+        n = view.shape[lay.scatter_dim] // tp
+        return lax.dynamic_slice_in_dim(view, lax.axis_index(TP) * n, n, axis=lay.scatter_dim)
+
+    return jax.tree.map(scatter, layouts, local_tp, grads, is_leaf=is_layout), {"loss": loss}
 
 
 def _update(grads_view, params_view, opt_state, step, *, tx, layouts, lr_schedule):

@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from zerolm import sharding
 from zerolm.data.shards import Split
-from zerolm.mesh import DP, TP, compute_batch_size
+from zerolm.mesh import DP, TP, compute_batch_size, this_host_has_first
 
 
 def to_accum_layout(rows: np.ndarray, n_devices: int, accum: int, micro: int) -> np.ndarray:
@@ -97,7 +97,8 @@ class BatchLoader:
         # The dp blocks this host reads: those of its tp = 0 devices, as many as seed note 004 says.
         self._devices = [(d, (idx[0].start or 0, (idx[2].start or 0) // self.micro))
                          for d, idx in self._staging.addressable_devices_indices_map(self._staged_shape).items()]
-        self.reads, local_shards = compute_batch_size(mesh)
+        self.reads = this_host_has_first(mesh, DP)  # a host at tp = 0 (seed note 000) loads data
+        _, local_shards = compute_batch_size(mesh)
         self._read_blocks = sorted({dp for _, (tp, dp) in self._devices if tp == 0})
         assert len(self._read_blocks) == local_shards and self.reads == bool(local_shards)
 
