@@ -36,6 +36,14 @@ common_arg() {
   esac
 }
 
+# For a script with no parameters of its own.
+only_common_args() {
+  while [[ $# -gt 0 ]]; do
+    common_arg "$@" || shift $?
+  done
+  require_name
+}
+
 require_name() {
   [[ -n "$NAME" ]] || die "--name is required (the TPU VM / queued resource name)"
 }

@@ -12,9 +12,6 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=tpu_scripts/common.sh
 source "$here/common.sh"
 
-while [[ $# -gt 0 ]]; do
-  common_arg "$@" || shift $?
-done
-require_name
+only_common_args "$@"
 location
 run gcloud compute tpus queued-resources delete "$NAME" "${LOCATION[@]}" --force --quiet

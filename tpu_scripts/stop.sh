@@ -13,8 +13,5 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=tpu_scripts/common.sh
 source "$here/common.sh"
 
-while [[ $# -gt 0 ]]; do
-  common_arg "$@" || shift $?
-done
-require_name
+only_common_args "$@"
 on_workers all "pkill -TERM -f 'zerolm train' || true"
