@@ -155,7 +155,7 @@ class Checkpoints:
             raise CheckpointError(f"{where}: the checkpoint's model differs from the config: " + "; ".join(differs))
 
         saved_dp, saved_tp = meta["dp"], meta.get("tp", 1)
-        opt_target, _, repack = zero.table.restore_target(saved_dp, saved_tp)
+        opt_target, repack = zero.table.restore_target(saved_dp, saved_tp)
         target = TrainState(step=jax.ShapeDtypeStruct((), np.int32, sharding=zero.replicated),
                             params=with_shardings(zero.abstract_params, zero.param_shardings),
                             opt_state=opt_target)

@@ -28,8 +28,7 @@ import time
 from pathlib import Path
 
 from zerolm.mesh import EXIT_PEER_LOST
-
-EXIT_PREEMPTED = 75
+from zerolm.train import EXIT_PREEMPTED
 
 
 def add_arguments(p) -> None:

@@ -26,7 +26,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -84,11 +83,6 @@ class Layout:
         if self.tp_axis is not None:
             return P(*(DP if i == self.axis else TP if i == self.tp_axis else None for i in range(len(self.shape))))
         return P(*(joint if i == self.axis else None for i in range(len(self.shape))))
-
-    @property
-    def dp_spec(self) -> P:
-        """The same, over `dp` alone: what the gradient step (manual over dp only) hands out."""
-        return P(*(DP if a == DP or (isinstance(a, tuple) and DP in a) else None for a in self.spec))
 
     @property
     def scatter_dim(self) -> int:
@@ -190,10 +184,26 @@ class Table:
         return optax.tree_map_params(self.tx, lambda _, sharding: sharding, abstract_opt, view_shardings,
                                      transform_non_params=lambda _: self.replicated)
 
-    def restore_target(self, saved_dp: int, saved_tp: int) -> tuple[PyTree, PyTree, Any]:
+    def reduction(self, grad_reduce: str) -> tuple[PyTree, PyTree, PyTree]:
+        """The gradient step's reduction, manual over dp and tp: (tp_local, in_specs, out_specs).
+
+        Per-device gradients arrive stacked on a leading dp axis. A leaf is `tp_local` when its gradient
+        is reduced as this device's tp block (a tp-split leaf, unless reduce_scatter blockifies it); the
+        others arrive whole over tp. They leave in the optimizer-state layout (reduce_scatter) or in the
+        parameters' own sharding (all_reduce)."""
+        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+        tp_local = jax.tree.map(lambda lay: lay.tp_axis is not None and (lay.axis is not None or grad_reduce == "all_reduce"),
+                                self.layouts, is_leaf=is_layout)
+        in_specs = jax.tree.map(lambda local, s: P(DP, *(s if local else [None] * len(s))), tp_local,
+                                self.param_specs, is_leaf=is_spec)
+        out_specs = (self.param_specs if grad_reduce == "all_reduce"
+                     else jax.tree.map(lambda lay: lay.spec, self.layouts, is_leaf=is_layout))
+        return tp_local, in_specs, out_specs
+
+    def restore_target(self, saved_dp: int, saved_tp: int) -> tuple[PyTree, Any]:
         """What to restore a state saved on (saved_dp, saved_tp) into, and how to finish it.
 
-        Returns (abstract optimizer state with shardings, saved layouts, repack). Leaves whose view has
+        Returns (abstract optimizer state with shardings, repack). Leaves whose view has
         the same shape now restore straight into this mesh's sharding; the others (blockified into a
         different number of blocks) restore whole and `repack(opt_state)` rebuilds them here."""
         saved = self.plan(saved_dp, saved_tp)
@@ -210,7 +220,7 @@ class Table:
                 self.tx, lambda v, old, new: new.to_view(old.from_view(v)), opt, saved, self.layouts,
                 transform_non_params=lambda x: x, is_leaf=is_layout), out_shardings=self.opt)(opt_state)
 
-        return with_shardings(saved_opt, target), saved, repack
+        return with_shardings(saved_opt, target), repack
 
 
 def bytes_per_device(tree: PyTree) -> dict[jax.Device, int]:
@@ -221,7 +231,3 @@ def bytes_per_device(tree: PyTree) -> dict[jax.Device, int]:
             per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
     return per_device
 
-
-def device_ids(mesh: Mesh) -> np.ndarray:
-    """The mesh's device ids in mesh order: replica groups of compiled programs index these."""
-    return np.vectorize(lambda d: d.id)(mesh.devices)

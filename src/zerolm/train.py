@@ -145,10 +145,9 @@ class PreemptionWatch:
     Ctrl-C is taken as SIGTERM: the step reached is saved and the run exits 75. A second Ctrl-C
     abandons that save and exits at once (130); the unfinished save is removed by the next run."""
 
-    def __init__(self, out):
+    def __init__(self):
         self.flag = False
         self.interrupted = False
-        self.out = out
         self.multi = jax.process_count() > 1
         if not self.multi:  # jax.distributed's preemption notifier handles SIGTERM across processes
             self._previous_term = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -266,15 +265,13 @@ def _check_resumable(cfg: Config, meta: dict, data_id: dict, where) -> None:
                               f"resuming with {cfg.train.global_batch_size} would change the data order")
 
 
-def use_compilation_cache(setting: str | None) -> str | None:
+def use_compilation_cache(setting: str | None) -> None:
     """Point JAX's persistent compilation cache at train.compilation_cache, so a restarted run (after a
     preemption, say) loads its compiled programs instead of compiling them again."""
     if setting is None:
-        return None
-    directory = str(cache_dir() / "xla") if setting == "default" else setting
-    jax.config.update("jax_compilation_cache_dir", directory)
+        return
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla") if setting == "default" else setting)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # the train step, not every tiny jit
-    return directory
 
 
 def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = False) -> dict[str, float]:
@@ -374,7 +371,7 @@ def _train_loop(cfg: Config, zero: Zero1, state: TrainState, start: int, ckpts: 
                            wandb_id, resume_step=start, enabled=is_main)
     bar = tqdm(total=cfg.train.steps, initial=start, desc=cfg.name, unit="step", disable=not is_main, file=out,
                dynamic_ncols=True, mininterval=0.5)
-    preemption = PreemptionWatch(out)
+    preemption = PreemptionWatch()
     summary: dict[str, float] = {"unigram_entropy": entropy}
     emitter = _Emitter(writer, bar, summary, tokens_per_step, cfg.logging.every,
                        cfg.train.max_consecutive_skips if cfg.train.skip_nonfinite else None)

@@ -41,8 +41,8 @@ LossFn = Callable[[PyTree, jax.Array], jax.Array]  # (params, tokens_BxT1) -> sc
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array  # int32 scalar: optimizer steps taken
-    params: PyTree  # float32, replicated on every device
-    opt_state: PyTree  # sharded on dp, in the Layout views
+    params: PyTree  # float32, replicated over dp, split over tp by the rule table
+    opt_state: PyTree  # split over dp and tp, in the Layout views
 
 
 class Zero1:
@@ -73,17 +73,9 @@ class Zero1:
         accumulate = jax.shard_map(functools.partial(_accumulate, loss_fn=loss_fn), mesh=mesh,
                                    in_specs=(P(), self.batch_sharding.spec), out_specs=(stacked, P(DP)),
                                    axis_names=frozenset({DP}))
-        # (2) reduce: manual over dp and tp. A tp-split gradient arrives as this device's tp block; the rest
-        # (tp-replicated, or blockified into dp·tp blocks) arrive whole and leave as this device's block.
-        local_tp = jax.tree.map(lambda lay, s: lay.tp_axis is not None and (lay.axis is not None or grad_reduce == "all_reduce"),
-                                self.layouts, table.param_specs, is_leaf=is_layout)
-        in_specs = jax.tree.map(lambda local, s: P(DP, *(s if local else [None] * len(s))), local_tp,
-                                table.param_specs, is_leaf=lambda x: isinstance(x, P))
-        if grad_reduce == "all_reduce":
-            out_specs = jax.tree.map(lambda s: s, table.param_specs, is_leaf=lambda x: isinstance(x, P))
-        else:
-            out_specs = jax.tree.map(lambda lay: lay.spec, self.layouts, is_leaf=is_layout)
-        reduce = jax.shard_map(functools.partial(_reduce, layouts=self.layouts, local_tp=local_tp,
+        # (2) reduce: manual over dp and tp, each device reducing its own tp block (sharding.Table.reduction).
+        tp_local, in_specs, out_specs = table.reduction(grad_reduce)
+        reduce = jax.shard_map(functools.partial(_reduce, layouts=self.layouts, tp_local=tp_local,
                                                  grad_reduce=grad_reduce, dp=self.dp, tp=self.tp),
                                mesh=mesh, in_specs=(in_specs, P(DP)), out_specs=(out_specs, P()))
 
@@ -139,7 +131,7 @@ def _accumulate(params, batch_AxMxT1, *, loss_fn: LossFn):
     return jax.tree.map(lambda g: (g / accum)[None], grads), (loss / accum)[None]
 
 
-def _reduce(grads, loss, *, layouts, local_tp, grad_reduce: GradReduce, dp: int, tp: int):
+def _reduce(grads, loss, *, layouts, tp_local, grad_reduce: GradReduce, dp: int, tp: int):
     """The one reduction over dp, on each device's own tp block: pmean, or psum_scatter into the layout."""
     grads = jax.tree.map(lambda g: g[0], grads)
     loss = lax.pmean(loss[0], DP)
@@ -154,7 +146,7 @@ def _reduce(grads, loss, *, layouts, local_tp, grad_reduce: GradReduce, dp: int,
         n = view.shape[lay.scatter_dim] // tp
         return lax.dynamic_slice_in_dim(view, lax.axis_index(TP) * n, n, axis=lay.scatter_dim)
 
-    return jax.tree.map(scatter, layouts, local_tp, grads, is_leaf=is_layout), {"loss": loss}
+    return jax.tree.map(scatter, layouts, tp_local, grads, is_leaf=is_layout), {"loss": loss}
 
 
 def _update(grads_view, params_view, opt_state, step, *, tx, layouts, lr_schedule):

@@ -107,9 +107,6 @@ class _ShardWriter:
         """The split's manifest entry. The last partial sample (fewer than seq_len + 1 tokens) is dropped."""
         if self._tar is not None:
             self._close_shard()
-        return self.entry()
-
-    def entry(self) -> dict:
         samples = sum(s["samples"] for s in self.shards)
         return {"shards": self.shards, "samples": samples, "tokens": samples * self.T1,
                 "unigram_entropy": unigram_entropy(self.counts) if samples else None}
