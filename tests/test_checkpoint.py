@@ -42,22 +42,6 @@ def test_kill_9_then_resume_is_bit_identical(straight, tmp_path):
     assert losses(tmp_path) == reference, f"killed after {kill_after} logged steps"
 
 
-def test_sigterm_saves_the_step_reached_and_exits_with_the_preemption_code(straight, tmp_path):
-    _, reference = straight
-    stop_after = int(np.random.default_rng().integers(2, 13))
-    proc = start_and_wait(tmp_path, env(), lambda: logged_steps(tmp_path) >= stop_after)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
-    saved = Checkpoints(tmp_path / "ckpt", read_only=True).latest_step()
-    assert f"preempted: checkpoint saved at step {saved}" in err
-    assert saved > stop_after and saved < STEPS  # the step it had reached, not the last periodic one
-    wandb_id = Checkpoints(tmp_path / "ckpt", read_only=True).meta(saved)["wandb_id"]
-    train(tmp_path)
-    assert losses(tmp_path) == reference
-    assert Checkpoints(tmp_path / "ckpt", read_only=True).meta(STEPS)["wandb_id"] == wandb_id  # same wandb run
-
-
 def test_crash_during_a_save_leaves_the_previous_checkpoint_latest(straight, tmp_path):
     _, reference = straight
     ckpt = tmp_path / "ckpt"
@@ -286,18 +270,24 @@ def test_damaged_latest_checkpoint_resumes_from_the_one_before(straight, tmp_pat
     assert rows[1].endswith(" ok") and rows[3].endswith(" ok") and rows[-1] == "`--resume auto` would take step 16"
 
 
-def test_ctrl_c_saves_the_step_reached_like_sigterm(straight, tmp_path):
+@pytest.mark.parametrize("sig, why", [(signal.SIGTERM, "preempted"), (signal.SIGINT, "interrupted")],
+                         ids=["sigterm", "ctrl-c"])
+def test_a_stop_signal_saves_the_step_reached_and_exits_75(straight, tmp_path, sig, why):
+    """SIGTERM (a preemption) and Ctrl-C alike: the step reached is saved, exit 75, resume is exact."""
     _, reference = straight
     stop_after = int(np.random.default_rng().integers(2, 13))
     proc = start_and_wait(tmp_path, env(), lambda: logged_steps(tmp_path) >= stop_after)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
     saved = Checkpoints(tmp_path / "ckpt", read_only=True).latest_step()
-    assert err.strip().splitlines()[-1] == f"zerolm: interrupted: checkpoint saved at step {saved}; exiting with code 75"
-    assert "Traceback" not in err and saved > stop_after
+    assert err.strip().splitlines()[-1] == f"zerolm: {why}: checkpoint saved at step {saved}; exiting with code 75"
+    assert "Traceback" not in err
+    assert stop_after < saved < STEPS  # the step it had reached, not the last periodic one
+    wandb_id = Checkpoints(tmp_path / "ckpt", read_only=True).meta(saved)["wandb_id"]
     train(tmp_path)
     assert losses(tmp_path) == reference
+    assert Checkpoints(tmp_path / "ckpt", read_only=True).meta(STEPS)["wandb_id"] == wandb_id  # same wandb run
 
 
 def test_second_ctrl_c_abandons_the_save(tmp_path):
