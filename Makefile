@@ -7,7 +7,7 @@ TRAIN_ARGS ?=
 # 8 fake CPU devices so the data-parallel and ZeRO paths run on any laptop.
 TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 WANDB_MODE=disabled JAX_PLATFORMS=cpu
 
-.PHONY: install train test bench clean
+.PHONY: install install-test train test bench clean
 
 install: $(VENV)/.installed
 
@@ -17,10 +17,18 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install -q -r requirements.txt -e .
 	touch $@
 
-train: install
-	$(PY) main_zero.py --config $(CONFIG) $(TRAIN_ARGS)
+# The test extra: pytest, shellcheck, and PyTorch (CPU) + transformers to check the Hugging Face export.
+install-test: $(VENV)/.installed-test
 
-test: install
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+# Trains, then draws the run's curves (loss, tokens/s, MFU, lr) and prints the PNG's path.
+train: install
+	$(PY) main_zero.py --config $(CONFIG) --plot $(TRAIN_ARGS)
+
+test: install-test
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile tests
 
 bench: install

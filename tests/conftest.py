@@ -51,3 +51,14 @@ def small_model(cfg_model):
     model = gpt_model.GPT(cfg_model)
     init_fn = functools.partial(gpt_model.init_params, model)
     return model, init_fn, functools.partial(gpt_model.lm_loss, model), jax.eval_shape(init_fn, jax.random.key(0))
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    """A small model trained for 16 steps (tests/runs.py's SMALL), evaluated at steps 8 and 16; the run's
+    directory holds ckpt/ (steps 8 and 16 kept of every 4) and log/."""
+    import runs
+
+    run_dir = tmp_path_factory.mktemp("trained")
+    runs.train(run_dir, "train.eval_every=8", "checkpoint.keep=2")
+    return run_dir

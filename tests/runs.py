@@ -81,3 +81,21 @@ def checkpoint_params(run_dir, step: int):
     zero = Zero1(make_mesh(8), functools.partial(gpt_model.lm_loss, model), make_optimizer(cfg.train)[0], abstract)
     state, _ = Checkpoints(run_dir / "ckpt", read_only=True).restore(step, zero, cfg.model.model_dump())
     return np.concatenate([np.ravel(x) for x in jax.tree.leaves(state.params)])
+
+
+def snapshot(path):
+    """Every file's size and content hash under `path` (the run lock's holder record aside)."""
+    import hashlib
+
+    from zerolm.runlock import LOCK_FILE
+
+    return {str(p.relative_to(path)): (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in path.rglob("*") if p.is_file() and p.name != LOCK_FILE}
+
+
+def zerolm(*args, expect=0, devices=8, timeout=300, **env_extra):
+    """`zerolm ARGS` in a subprocess; asserts its exit code."""
+    proc = subprocess.run([sys.executable, "-m", "zerolm.cli", *map(str, args)], env=env(devices, **env_extra),
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert proc.returncode == expect, (proc.stdout[-2000:], proc.stderr[-3000:])
+    return proc

@@ -2,7 +2,6 @@
 elastic restore (dp 8 -> 4 -> 1), damaged checkpoints, one run per directory, and the refusals that keep
 checkpoints safe. (Multi-process runs are in test_launch.py.)"""
 
-import hashlib
 import json
 import os
 import shutil
@@ -15,10 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import REPO
-from runs import STEPS, command, env, logged_steps, losses, start_and_wait, train
+from runs import STEPS, command, env, logged_steps, losses, snapshot, start_and_wait, train
 
 from zerolm.checkpoint import Checkpoints
-from zerolm.runlock import LOCK_FILE
 from zerolm.data.prepare import prepare
 from zerolm.train import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED
 
@@ -102,13 +100,13 @@ def test_a_checkpoint_of_an_older_format_is_refused_not_moved(straight, tmp_path
     del meta["format"]
     meta_file.write_text(json.dumps(meta))
     (tmp_path / "ckpt" / "16" / "zerolm_files.json").unlink()  # as an older zerolm left it
-    before = _snapshot(tmp_path / "ckpt")
+    before = snapshot(tmp_path / "ckpt")
     proc = train(tmp_path, "train.steps=20", expect=2)
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: {tmp_path / 'ckpt' / '16'}: checkpoint format 1, this zerolm reads format 2 (c_attn's kernel became "
-        "(layers, d, 3, d) for tensor parallelism); resume it with the zerolm that wrote it, or start over with "
+        "(layers, d, 3, d) for tensor parallelism); use it with the zerolm that wrote it, or start over with "
         "--resume never --overwrite")
-    assert _snapshot(tmp_path / "ckpt") == before and not (tmp_path / "ckpt.damaged").exists()
+    assert snapshot(tmp_path / "ckpt") == before and not (tmp_path / "ckpt.damaged").exists()
 
 
 def test_resume_follows_the_data_not_its_location(straight, tmp_path):
@@ -129,16 +127,10 @@ def test_resume_follows_the_data_not_its_location(straight, tmp_path):
     assert [resumed[s] for s in range(9, 17)] == [reference[s] for s in range(9, 17)]
 
 
-def _snapshot(path):
-    """Every checkpoint file's size and content hash (the run lock's holder record aside)."""
-    return {str(p.relative_to(path)): (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
-            for p in path.rglob("*") if p.is_file() and p.name != LOCK_FILE}
-
-
 def test_refusals_leave_checkpoints_untouched(straight, tmp_path):
     run_dir, _ = straight
     shutil.copytree(run_dir / "ckpt", tmp_path / "ckpt")
-    before = _snapshot(tmp_path / "ckpt")
+    before = snapshot(tmp_path / "ckpt")
 
     fresh = train(tmp_path, expect=2, args=["--resume", "never"])
     assert fresh.stderr.strip().splitlines()[-1] == (
@@ -148,21 +140,21 @@ def test_refusals_leave_checkpoints_untouched(straight, tmp_path):
     assert other_model.stderr.strip().splitlines()[-1] == (
         f"error: {tmp_path / 'ckpt' / '16'}: the checkpoint's model differs from the config: "
         "model.d_model: checkpoint 32, config 64")
-    assert _snapshot(tmp_path / "ckpt") == before
+    assert snapshot(tmp_path / "ckpt") == before
 
     # A damaged checkpoint, under --resume strict: the largest array-data file is gone.
     data = max((tmp_path / "ckpt" / "16" / "state").rglob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size)
     data.unlink()
-    before = _snapshot(tmp_path / "ckpt")
+    before = snapshot(tmp_path / "ckpt")
     broken = train(tmp_path, "train.steps=20", expect=2, args=["--resume", "strict"])
     assert broken.stderr.strip().splitlines()[-1] == (
         f"error: {tmp_path / 'ckpt' / '16'}: damaged checkpoint: {data.relative_to(tmp_path / 'ckpt' / '16')} is "
         "missing (--resume strict; --resume auto moves it aside and takes the newest intact checkpoint before it)")
-    assert _snapshot(tmp_path / "ckpt") == before
+    assert snapshot(tmp_path / "ckpt") == before
 
     overwritten = train(tmp_path, steps=4, args=["--resume", "never", "--overwrite"])
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("ckpt.replaced-")]
-    assert len(aside) == 1 and _snapshot(aside[0]) == before  # moved, not deleted
+    assert len(aside) == 1 and snapshot(aside[0]) == before  # moved, not deleted
     assert "moved the old run aside" in overwritten.stdout
     assert Checkpoints(tmp_path / "ckpt", read_only=True).steps() == [4]
 
@@ -243,7 +235,7 @@ def test_damaged_latest_checkpoint_resumes_from_the_one_before(straight, tmp_pat
     data = max((tmp_path / "ckpt" / "16" / "state").rglob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size)
     saved_size = data.stat().st_size
     data.write_bytes(data.read_bytes()[:1000])  # truncated
-    damaged = _snapshot(tmp_path / "ckpt" / "16")
+    damaged = snapshot(tmp_path / "ckpt" / "16")
     rel = data.relative_to(tmp_path / "ckpt" / "16")
 
     listing = subprocess.run([sys.executable, "-m", "zerolm.cli", "checkpoints", str(tmp_path / "ckpt")],
@@ -257,7 +249,7 @@ def test_damaged_latest_checkpoint_resumes_from_the_one_before(straight, tmp_pat
     moved = next((tmp_path / "ckpt.damaged").iterdir())
     assert f"checkpoints: step 16 is damaged ({rel} has 1000 bytes, {saved_size} when it was saved); moved it aside " \
            f"to {moved}; resuming from step 12" in proc.stdout
-    assert _snapshot(moved) == damaged  # moved aside, never deleted
+    assert snapshot(moved) == damaged  # moved aside, never deleted
     assert losses(tmp_path) == reference  # steps 13..16 again, bit-identical, each logged once
 
     # A damaged metadata file is one marked row, not a failed listing.

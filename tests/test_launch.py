@@ -90,8 +90,12 @@ def test_tensor_parallel_in_two_processes_trains_as_dp8(one_by_eight, tmp_path, 
     """(dp 4, tp 2) and (dp 2, tp 4) over 2 processes × 4 devices: tp groups inside a process, the loader's
     tp = 0 devices reading; the same losses as 1 process × dp 8, to float32 summation order."""
     _, reference = one_by_eight
-    out, _ = launched(tmp_path, f"mesh.tp={tp}")
+    out, _ = launched(tmp_path, f"mesh.tp={tp}", "sample.tokens=8")
     assert f"mesh dp={8 // tp} tp={tp}" in out
+    # Every process samples (the params span both), process 0 prints; the step's tp collectives are in the loop.
+    assert [line for line in out.splitlines() if line.startswith("sample: And God said,")]
+    grad_line = next(line for line in out.splitlines() if line.startswith("collectives per step: grad: "))
+    assert "over tp" in grad_line and "INSIDE" in grad_line and "reduce-scatter over dp" in grad_line
     got = losses(tmp_path)
     np.testing.assert_allclose([got[s] for s in sorted(got)], [reference[s] for s in sorted(reference)], rtol=2e-5)
 

@@ -22,7 +22,7 @@ def test_main_zero_trains_logs_and_samples(tmp_path):
         [sys.executable, str(REPO / "main_zero.py"), "--config", str(TINY), "--set", "train.steps=40",
          "--set", "train.eval_every=20", "--set", "train.warmup_steps=5", "--set", f"logging.dir={tmp_path}",
          "--set", f"checkpoint.dir={tmp_path / 'ckpt'}",
-         "--set", "sample.tokens=16"],
+         "--set", "sample.tokens=16", "--set", "sample.every=20", "--plot"],
         capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -38,6 +38,17 @@ def test_main_zero_trains_logs_and_samples(tmp_path):
     assert sample and sample[0].startswith("sample: And God said,") and len(sample[0]) > len("sample: And God said,") + 10
     assert "tok_s" in proc.stderr + proc.stdout  # the live progress bar
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["40", "zerolm.lock"]  # the final checkpoint
+    # The start-up summary: sizes, per-device bytes, FLOPs, and the compiled step's collectives.
+    assert "32 sequences = 4,096 tokens per step" in proc.stdout
+    assert "per device: params 4.1 MiB, gradient accumulator 4.1 MiB, optimizer state" in proc.stdout
+    assert "MFU: unknown peak for device kind 'cpu'" in proc.stdout
+    grad_line = next(line for line in proc.stdout.splitlines() if line.startswith("collectives per step: grad: "))
+    assert "reduce-scatter over dp" in grad_line and "INSIDE" not in grad_line
+    # A sample every sample.every steps (not again at the last step: the final one is printed after it).
+    assert "step 20: sample: And God said," in proc.stdout + proc.stderr
+    assert "step 40: sample:" not in proc.stdout + proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == f"plot: {tmp_path / 'metrics.png'}"
+    assert (tmp_path / "metrics.png").stat().st_size > 10_000
 
 
 def test_default_corpus():
@@ -72,7 +83,8 @@ def test_validation_loss_of_a_checkpoint_is_the_same_on_1_2_and_8_devices(tmp_pa
     from zerolm.checkpoint import Checkpoints
     from zerolm.data.shards import PreparedDataset
     from zerolm.mesh import make_mesh
-    from zerolm.train import default_dataset_dir, make_evaluator
+    from zerolm.evaluate import make_evaluator
+    from zerolm.train import default_dataset_dir
     from zerolm.zero import Zero1, make_optimizer
 
     sets = ["model.vocab_size=auto", "train.steps=4", "train.warmup_steps=1", "train.global_batch_size=16",
@@ -89,8 +101,8 @@ def test_validation_loss_of_a_checkpoint_is_the_same_on_1_2_and_8_devices(tmp_pa
                      make_optimizer(cfg.train)[0], abstract)
         state, _ = Checkpoints(tmp_path / "ckpt", read_only=True).restore(4, zero, cfg.model.model_dump())
         rows = PreparedDataset(default_dataset_dir(cfg)).split("val").read(np.arange(37))  # 37: a padded last batch
-        evaluate = make_evaluator(zero, functools.partial(gpt_model.token_losses, model), rows,
-                                  n * cfg.train.micro_batch_size)
+        evaluate = make_evaluator(functools.partial(gpt_model.token_losses, model), zero.param_shardings,
+                                  zero.row_sharding, rows, n * cfg.train.micro_batch_size)
         losses[n] = evaluate(state.params)
     assert losses[8] == pytest.approx(summary["val_loss"], rel=1e-6)  # what training logged
     assert losses[1] == pytest.approx(losses[8], rel=1e-5) and losses[2] == pytest.approx(losses[8], rel=1e-5), losses

@@ -140,14 +140,33 @@ class Checkpoints:
             raise DamagedCheckpoint(step, self.directory / str(step), "cannot read its metadata "
                                     f"({type(e).__name__}: {_first_line(e)})") from None
 
+    def readable_meta(self, step: int) -> dict[str, Any]:
+        """The metadata of a checkpoint in the format this zerolm reads."""
+        meta = self.meta(step)
+        if meta.get("format", 1) != FORMAT:
+            raise CheckpointError(f"{self.directory / str(step)}: checkpoint format {meta.get('format', 1)}, this "
+                                  f"zerolm reads format {FORMAT} (c_attn's kernel became (layers, d, 3, d) for tensor "
+                                  "parallelism); use it with the zerolm that wrote it, or start over with --resume "
+                                  "never --overwrite")
+        return meta
+
+    def restore_params(self, step: int, target: Any) -> Any:
+        """Only the parameters of `step`, into `target` (abstract arrays with the shardings wanted,
+        e.g. from `sharding.with_shardings`): for evaluation, sampling and export, whatever mesh the
+        run trained on. The optimizer state is not read."""
+        target = {"params": target}
+        args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                      partial_restore=True)
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
+        except Exception as e:
+            raise DamagedCheckpoint(step, self.directory / str(step), "cannot restore its parameters "
+                                    f"({type(e).__name__}: {_first_line(e)})") from None
+
     def restore(self, step: int, zero: Zero1, model_config: dict) -> tuple[TrainState, dict[str, Any]]:
         """Restore `step` into `zero`'s mesh and shardings. Checks the model first; writes nothing."""
-        meta = self.meta(step)
+        meta = self.readable_meta(step)
         where = self.directory / str(step)
-        if meta.get("format", 1) != FORMAT:
-            raise CheckpointError(f"{where}: checkpoint format {meta.get('format', 1)}, this zerolm reads format "
-                                  f"{FORMAT} (c_attn's kernel became (layers, d, 3, d) for tensor parallelism); resume "
-                                  "it with the zerolm that wrote it, or start over with --resume never --overwrite")
         saved_model = meta["config"]["model"]
         differs = [f"model.{k}: checkpoint {saved_model.get(k)!r}, config {v!r}"
                    for k, v in model_config.items() if saved_model.get(k) != v and k not in _COMPUTE_ONLY]

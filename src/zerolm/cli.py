@@ -18,7 +18,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from zerolm import launch, train
+    from zerolm import evaluate, export, launch, plot, sample, train
     from zerolm.data import prepare
 
     argv = sys.argv[1:] if argv is None else argv
@@ -31,14 +31,16 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_arguments(sub.add_parser(
         "launch-local", help="a multi-process run on this machine: zerolm launch-local --processes P "
                              "--devices-per-process D -- TRAIN_ARGS"))
+    evaluate.add_arguments(sub.add_parser("eval", help="the held-out loss and perplexity of a checkpoint"))
+    sample.add_arguments(sub.add_parser("sample", help="continue a prompt with a checkpoint's model (KV cache)"))
+    plot.add_arguments(sub.add_parser("plot", help="loss, throughput, MFU and lr of runs, as a PNG"))
+    export.add_arguments(sub.add_parser("export-hf", help="a checkpoint as a Hugging Face GPT-2 model directory"))
     args = parser.parse_args(argv)
-    if args.command == "train":
-        return train.main(argv[1:])
-    if args.command == "checkpoints":
-        return _checkpoints(args.dir)
-    if args.command == "launch-local":
-        return _launch_local(args)
-    return prepare.main_args(args)
+    commands = {"train": lambda: train.main(argv[1:]), "checkpoints": lambda: _checkpoints(args.dir),
+                "launch-local": lambda: _launch_local(args), "prepare": lambda: prepare.main_args(args),
+                "eval": lambda: evaluate.main_args(args), "sample": lambda: sample.main_args(args),
+                "plot": lambda: plot.main_args(args), "export-hf": lambda: export.main_args(args)}
+    return commands[args.command]()
 
 
 def _launch_local(args) -> int:

@@ -157,6 +157,9 @@ class SampleConfig(_Section):
     prompt: str
     tokens: int = Field(ge=0)
     temperature: float = Field(ge=0)
+    top_k: int = Field(ge=0)
+    top_p: float = Field(gt=0, le=1)
+    every: int | None = PositiveInt
 
 
 class Config(_Section):

@@ -109,5 +109,23 @@ def axis_of(collective: Collective, mesh_shape: dict[str, int]) -> tuple[str, ..
     raise ValueError(f"replica groups {sorted(map(sorted, groups))} span no set of mesh axes")
 
 
+def axes_label(collective: Collective, mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """`axis_of`, or, for replica groups that span only part of an axis (a collective the compiler split
+    into stages), the axes they vary along, each marked with the share of it one group covers: `dp(2/4)`."""
+    try:
+        return axis_of(collective, mesh_shape)
+    except ValueError:
+        pass
+    ids = np.arange(math.prod(mesh_shape.values())).reshape(list(mesh_shape.values()))
+    coords = {int(ids[idx]): idx for idx in np.ndindex(ids.shape)}
+    group = sorted(collective.groups[0])
+    labels = []
+    for a, (name, size) in enumerate(mesh_shape.items()):
+        spread = len({coords[d][a] for d in group})
+        if spread > 1:
+            labels.append(name if spread == size else f"{name}({spread}/{size})")
+    return tuple(labels)
+
+
 def compiled_text(jitted, *args) -> str:
     return jitted.lower(*args).compile().as_text()

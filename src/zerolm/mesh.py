@@ -14,7 +14,7 @@ from jax.sharding import AxisType, Mesh
 T = TypeVar("T")
 
 DP = "dp"  # data parallel: batch rows and the ZeRO-1 optimizer-state shards
-TP = "tp"  # tensor parallel: reserved (size 1 until tensor parallelism lands)
+TP = "tp"  # tensor parallel: attention heads and the MLP width (Megatron), see zerolm.sharding
 
 
 def make_mesh(dp: int, tp: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:

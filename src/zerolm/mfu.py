@@ -65,3 +65,32 @@ def mfu(tokens_per_s_per_device: float, flops_token: float, device_kind: str) ->
         warnings.warn(f"MFU {value:.0%} exceeds 100% on {device_kind}: the peak ({peak.source}) or the "
                       "throughput is per the wrong unit (chips vs cores, per device vs total)", stacklevel=2)
     return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Accounting:
+    """A run's FLOP accounting: from tokens/s (all devices together) to per-device TFLOP/s and MFU."""
+
+    flops_per_token: float
+    devices: int
+    device_kind: str
+
+    @property
+    def peak(self) -> Peak | None:
+        return peak_for(self.device_kind)
+
+    def __call__(self, tokens_per_s: float) -> dict[str, float]:
+        per_device = tokens_per_s / self.devices
+        values = {"model_tflops_per_device": per_device * self.flops_per_token / 1e12}
+        value = mfu(per_device, self.flops_per_token, self.device_kind)
+        if value is not None:
+            values["mfu"] = value
+        return values
+
+    def describe(self) -> str:
+        peak = self.peak
+        head = f"model FLOPs {self.flops_per_token / 1e6:.1f} M/token (6·N + 12·L·d·T); "
+        if peak is None:
+            return head + (f"MFU: unknown peak for device kind {self.device_kind!r} (not in zerolm.mfu.PEAKS), so "
+                           "only model_tflops_per_device is logged")
+        return head + f"MFU against {peak.flops / 1e12:.1f} TFLOP/s per {self.device_kind} device ({peak.source})"

@@ -64,7 +64,7 @@ class Attention(nn.Module):
     implementation: str | None
 
     @nn.compact
-    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxTxD: jax.Array, start: jax.Array | None = None) -> jax.Array:
         B, T, D = x_BxTxD.shape
         H = self.cfg.n_head
         init = nn.initializers.normal(0.02)
@@ -72,13 +72,29 @@ class Attention(nn.Module):
                                       kernel_init=_named(init, "embed", "qkv", "heads"),
                                       bias_init=_named(nn.initializers.zeros, "qkv", "heads"))(x_BxTxD)
         q_BxTxHxK, k_BxTxHxK, v_BxTxHxK = (qkv_BxTx3xD[:, :, i].reshape(B, T, H, D // H) for i in range(3))
-        y = jax.nn.dot_product_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, is_causal=True,
-                                         implementation=self.implementation)
+        if start is None:
+            y = jax.nn.dot_product_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, is_causal=True,
+                                             implementation=self.implementation)
+        else:
+            y = self._cached_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, start)
         y = checkpoint_name(y, "attention_out")
         # GPT-2 scales the residual projections' init by 1/sqrt(2 * n_layer).
         proj_init = nn.initializers.normal(0.02 / math.sqrt(2 * self.cfg.n_layer))
         return nn.Dense(D, dtype=self.dtype, kernel_init=_named(proj_init, "heads", "embed"),
                         bias_init=_named(nn.initializers.zeros, "embed"), name="c_proj")(y.reshape(B, T, D))
+
+
+    def _cached_attention(self, q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, start):
+        """Decoding: write these S positions' keys and values into the `cache` collection at `start`,
+        then attend over every cached position up to each query's own."""
+        B, S, H, K = q_BxSxHxK.shape
+        T = self.cfg.seq_len
+        cached = [self.variable("cache", name, jnp.zeros, (B, T, H, K), k_BxSxHxK.dtype) for name in ("k", "v")]
+        for var, new in zip(cached, (k_BxSxHxK, v_BxSxHxK)):
+            var.value = lax.dynamic_update_slice(var.value, new.astype(var.value.dtype), (0, start, 0, 0))
+        visible_SxT = jnp.arange(T)[None, :] <= (start + jnp.arange(S))[:, None]
+        return jax.nn.dot_product_attention(q_BxSxHxK, cached[0].value, cached[1].value,
+                                            mask=visible_SxT[None, None], implementation="xla")
 
 
 class MLP(nn.Module):
@@ -102,11 +118,12 @@ class Block(nn.Module):
     implementation: str | None
 
     @nn.compact
-    def __call__(self, x_BxTxD: jax.Array, _: None) -> tuple[jax.Array, None]:
+    def __call__(self, x_BxTxD: jax.Array, start: jax.Array | None) -> tuple[jax.Array, None]:
         ln = lambda name: nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name=name,  # noqa: E731
                                        scale_init=_named(nn.initializers.ones, "embed"),
                                        bias_init=_named(nn.initializers.zeros, "embed"))
-        x_BxTxD = x_BxTxD + Attention(self.cfg, self.dtype, self.implementation, name="attn")(ln("ln_1")(x_BxTxD))
+        x_BxTxD = x_BxTxD + Attention(self.cfg, self.dtype, self.implementation, name="attn")(ln("ln_1")(x_BxTxD),
+                                                                                             start)
         x_BxTxD = x_BxTxD + MLP(self.cfg, self.dtype, name="mlp")(ln("ln_2")(x_BxTxD))
         return x_BxTxD, None
 
@@ -115,11 +132,14 @@ class GPT(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_BxT: jax.Array, *, hidden_only: bool = False) -> jax.Array:
+    def __call__(self, tokens_BxT: jax.Array, *, hidden_only: bool = False,
+                 start: jax.Array | None = None) -> jax.Array:
         """Float32 logits over the padded vocabulary; padded entries are -inf-like, so they get no mass.
 
         `hidden_only`: the final LayerNorm's output instead, for a loss that applies the (tied)
-        output layer itself, chunk by chunk."""
+        output layer itself, chunk by chunk (or a sampler, at one position).
+        `start`: decode with a KV cache (the mutable `cache` collection, see `init_cache`): the tokens
+        sit at positions start .. start+T-1 and attend to the cached positions before them."""
         cfg = self.cfg
         dtype = compute_dtype(cfg)
         V, D = cfg.padded_vocab_size, cfg.d_model
@@ -127,13 +147,14 @@ class GPT(nn.Module):
         wte_VxD = self.param("wte", _named(nn.initializers.normal(0.02), "vocab", "embed"), (V, D), jnp.float32)
         wpe_TxD = self.param("wpe", _named(nn.initializers.normal(0.01), "position", "embed"), (cfg.seq_len, D),
                              jnp.float32)
-        x_BxTxD = (jnp.take(wte_VxD, tokens_BxT, axis=0) + wpe_TxD[:T]).astype(dtype)
+        positions_TxD = wpe_TxD[:T] if start is None else lax.dynamic_slice_in_dim(wpe_TxD, start, T)
+        x_BxTxD = (jnp.take(wte_VxD, tokens_BxT, axis=0) + positions_TxD).astype(dtype)
 
         block = (Block if cfg.remat == "none"
                  else nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat]))
-        blocks = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                         length=cfg.n_layer, metadata_params={nn.PARTITION_NAME: "layers"})
-        x_BxTxD, _ = blocks(cfg, dtype, attention_implementation(cfg), name="h")(x_BxTxD, None)
+        blocks = nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
+                         in_axes=nn.broadcast, length=cfg.n_layer, metadata_params={nn.PARTITION_NAME: "layers"})
+        x_BxTxD, _ = blocks(cfg, dtype, attention_implementation(cfg), name="h")(x_BxTxD, start)
         x_BxTxD = nn.LayerNorm(epsilon=LN_EPS, dtype=dtype, name="ln_f", scale_init=_named(nn.initializers.ones, "embed"),
                                bias_init=_named(nn.initializers.zeros, "embed"))(x_BxTxD)
         if hidden_only:
@@ -263,6 +284,14 @@ def init_params(model: GPT, rng: jax.Array):
 
 def _init_boxed(model: GPT, rng: jax.Array):
     return model.init(rng, jnp.zeros((1, model.cfg.seq_len), jnp.int32))["params"]
+
+
+def init_cache(model: GPT, batch: int):
+    """An empty KV cache for `batch` sequences: the `cache` collection `GPT(..., start=...)` updates,
+    (layers, batch, seq_len, heads, head_dim) keys and values in the compute dtype."""
+    def shapes():
+        return model.init(jax.random.key(0), jnp.zeros((batch, 1), jnp.int32), start=jnp.int32(0))["cache"]
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(shapes))
 
 
 def logical_axes(model: GPT):

@@ -1,43 +1,159 @@
-"""Text generation from a trained model: a fixed-size, fully jitted sampling loop."""
+"""Text generation with a KV cache: a prompt's positions run once (prefill), then each new token costs
+one position's compute. Jitted and compiled once per prompt-length bucket (powers of two), whatever
+the number of new tokens or the sampling settings, which are traced values.
+
+Sampling: temperature 0 is greedy (argmax); otherwise the logits are divided by the temperature,
+cut to the `top_k` most likely tokens (0: no cut) and to the smallest set whose probability reaches
+`top_p` (1: no cut), and a token is drawn. Generation stops after `max_new_tokens`, at the end of
+the context, or after an end-of-text token (which is kept).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from zerolm.model import GPT
+from zerolm.model import GPT, init_cache, output_logits
 
-
-@functools.partial(jax.jit, static_argnames=("model", "n_new"))
-def _generate(model: GPT, params, buffer_T: jax.Array, start: jax.Array, n_new: int, temperature, rng):
-    """Fill positions start .. start+n_new-1 of a seq_len buffer, one token per full forward pass.
-
-    No KV cache: this is for the short samples printed after training, not for serving.
-    """
-    def body(i, carry):
-        buf, rng = carry
-        pos = start + i
-        logits_V = model.apply({"params": params}, buf[None])[0, pos - 1]
-        rng, key = jax.random.split(rng)
-        greedy = jnp.argmax(logits_V)
-        sampled = jax.random.categorical(key, logits_V / jnp.maximum(temperature, 1e-6))
-        token = jnp.where(temperature > 0, sampled, greedy)
-        return buf.at[pos].set(token.astype(buf.dtype)), rng
-
-    buf, _ = jax.lax.fori_loop(0, n_new, body, (buffer_T, rng))
-    return buf
+MIN_BUCKET = 16
 
 
-def generate(model: GPT, params, prompt_ids: np.ndarray, n_new: int, temperature: float, seed: int = 0) -> np.ndarray:
-    """Prompt followed by up to `n_new` sampled tokens (fewer if the context would overflow)."""
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.8
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
+            raise ValueError(f"--temperature: {self.temperature} must be >= 0 (0: greedy)")
+        if self.top_k < 0:
+            raise ValueError(f"--top-k: {self.top_k} must be >= 0 (0: no cut)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p: {self.top_p} must be in (0, 1] (1: no cut)")
+
+
+def pick(logits_V: jax.Array, key: jax.Array, temperature, top_k, top_p) -> jax.Array:
+    """One token from float32 logits: greedy at temperature 0, else top-k / top-p sampling."""
+    V = logits_V.shape[-1]
+    scaled_V = logits_V / jnp.maximum(temperature, 1e-6)
+    sorted_V = jnp.sort(scaled_V)[::-1]
+    kth = sorted_V[jnp.clip(top_k - 1, 0, V - 1)]
+    scaled_V = jnp.where((top_k > 0) & (scaled_V < kth), -jnp.inf, scaled_V)
+    # top-p: keep the most likely tokens until their probability reaches top_p (the one that crosses it too).
+    probs_V = jax.nn.softmax(jnp.where((top_k > 0) & (sorted_V < kth), -jnp.inf, sorted_V))
+    before_V = jnp.cumsum(probs_V) - probs_V
+    threshold = jnp.min(jnp.where(before_V < top_p, sorted_V, jnp.inf))
+    scaled_V = jnp.where(scaled_V < threshold, -jnp.inf, scaled_V)
+    sampled = jax.random.categorical(key, scaled_V)
+    return jnp.where(temperature > 0, sampled, jnp.argmax(logits_V)).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def _generate(model: GPT, params, prompt_P: jax.Array, prompt_len, n_new, eot_id, temperature, top_k, top_p, rng):
+    """The prompt (padded to a bucket of P) then up to `n_new` tokens, in a seq_len buffer; and how
+    many tokens the buffer holds."""
     T = model.cfg.seq_len
-    prompt_ids = np.asarray(prompt_ids, np.int32)[-(T - 1):]
-    n_new = min(n_new, T - len(prompt_ids))
-    buf = np.zeros(T, np.int32)
-    buf[: len(prompt_ids)] = prompt_ids
-    out = _generate(model, params, jnp.asarray(buf), jnp.int32(len(prompt_ids)), n_new,
-                    jnp.float32(temperature), jax.random.key(seed))
-    return np.asarray(out[: len(prompt_ids) + n_new])
+    vocab = model.cfg.vocab_size
+
+    def logits_at(cache, tokens_1xS, start, last):
+        x_1xSxD, variables = model.apply({"params": params, "cache": cache}, tokens_1xS, start=start,
+                                         hidden_only=True, mutable=["cache"])
+        return output_logits(x_1xSxD[0, last], params["wte"], vocab), variables["cache"]
+
+    # Prefill: the padding after the prompt is written into the cache too, but no query sees it before
+    # a generated token overwrites it (each query sees only positions up to its own).
+    logits_V, cache = logits_at(init_cache(model, 1), prompt_P[None], jnp.int32(0), prompt_len - 1)
+    buf_T = jnp.zeros(T, jnp.int32).at[:prompt_P.shape[0]].set(prompt_P)
+
+    def not_done(carry):
+        i, _, _, _, done, _ = carry
+        return (i < n_new) & ~done
+
+    def step(carry):
+        i, cache, buf_T, logits_V, _, rng = carry
+        rng, key = jax.random.split(rng)
+        token = pick(logits_V, key, temperature, top_k, top_p)
+        pos = prompt_len + i
+        buf_T = buf_T.at[pos].set(token)
+        logits_V, cache = logits_at(cache, token.reshape(1, 1), pos, 0)
+        return i + 1, cache, buf_T, logits_V, token == eot_id, rng
+
+    n, _, buf_T, _, _, _ = lax.while_loop(not_done, step, (jnp.int32(0), cache, buf_T, logits_V, False, rng))
+    return buf_T, prompt_len + n
+
+
+def bucket(n: int, seq_len: int) -> int:
+    """The padded prompt length: the next power of two (at least MIN_BUCKET), at most seq_len."""
+    return min(seq_len, max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length()))
+
+
+def generate(model: GPT, params, prompt_ids, max_new_tokens: int, sampling: Sampling = Sampling(),
+             eot_id: int = -1) -> np.ndarray:
+    """The prompt followed by up to `max_new_tokens` new tokens (fewer at the end of the context or
+    after `eot_id`). The prompt must leave room for one token; an empty prompt starts at `eot_id`."""
+    T = model.cfg.seq_len
+    prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
+    if prompt.size == 0:
+        prompt = np.asarray([max(eot_id, 0)], np.int32)
+    if prompt.size >= T:
+        raise ValueError(f"the prompt has {prompt.size} tokens; the model's context is {T} (model.seq_len), "
+                         f"so at most {T - 1} leave room to generate")
+    n_new = max(0, min(max_new_tokens, T - prompt.size))
+    padded = np.zeros(bucket(prompt.size, T), np.int32)
+    padded[:prompt.size] = prompt
+    buf, length = _generate(model, params, jnp.asarray(padded), jnp.int32(prompt.size), jnp.int32(n_new),
+                            jnp.int32(eot_id), jnp.float32(sampling.temperature), jnp.int32(sampling.top_k),
+                            jnp.float32(sampling.top_p), jax.random.key(sampling.seed))
+    return np.asarray(buf)[: int(length)]
+
+
+def add_arguments(parser):
+    parser.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="a run's checkpoint directory (its newest intact step) or one step's directory")
+    parser.add_argument("--prompt", default="", help="the text to continue (default: empty: start a new document)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="(default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default: %(default)s)")
+    parser.add_argument("--top-k", type=int, default=0, metavar="K",
+                        help="sample among the K most likely tokens; 0: all (default: %(default)s)")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                        help="sample among the fewest tokens whose probability reaches P, in (0, 1]; 1: all "
+                             "(default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    parser.add_argument("--tokenizer", default=None, metavar="FILE",
+                        help="the run's tokenizer file, if its dataset is not where the checkpoint says")
+    return parser
+
+
+def main_args(args, out=None) -> int:
+    import sys
+
+    from zerolm import trained
+    from zerolm.checkpoint import CheckpointError
+
+    out = out or sys.stdout
+    try:
+        if args.max_new_tokens < 0:
+            raise ValueError(f"--max-new-tokens: {args.max_new_tokens} must be >= 0")
+        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+        model_run = trained.load(args.checkpoint, jax.local_devices()[:1])
+        tokenizer = model_run.tokenizer(args.tokenizer)
+        prompt = tokenizer.encode(args.prompt)
+        T = model_run.model.cfg.seq_len
+        if len(prompt) >= T:
+            raise ValueError(f"--prompt: {len(prompt)} tokens, but the model's context is {T} tokens "
+                             f"(model.seq_len), so a prompt may have at most {T - 1}")
+        if len(prompt) + args.max_new_tokens > T:
+            print(f"note: the context ends after {T - len(prompt)} new tokens (model.seq_len {T})", file=sys.stderr)
+        ids = generate(model_run.model, model_run.params, prompt, args.max_new_tokens, sampling, tokenizer.eot_id)
+    except (CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(tokenizer.decode(ids), file=out)
+    return 0

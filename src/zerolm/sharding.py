@@ -231,3 +231,8 @@ def bytes_per_device(tree: PyTree) -> dict[jax.Device, int]:
             per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
     return per_device
 
+
+
+def shard_bytes(abstract: PyTree) -> int:
+    """Bytes one device holds of a tree of abstract arrays with shardings (the largest shard per leaf)."""
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(abstract))

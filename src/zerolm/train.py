@@ -30,6 +30,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 import zerolm
+from zerolm import comms, plot
 from zerolm import model as gpt_model
 from zerolm.checkpoint import (FORMAT, CheckpointError, Checkpoints, DamagedCheckpoint, move_aside, move_damaged,
                                remove_unfinished)
@@ -38,12 +39,15 @@ from zerolm.config import Config, ConfigError, load_config
 from zerolm.data.loader import BatchLoader
 from zerolm.data.prepare import MANIFEST, prepare
 from zerolm.data.shards import DataError, PreparedDataset
-from zerolm.data.tokenizer import cache_dir, from_file
+from zerolm.data.tokenizer import Tokenizer, cache_dir, from_file
+from zerolm.evaluate import make_evaluator, perplexity
 from zerolm.mesh import (DistributedError, exit_peer_lost, initialize_distributed, is_first_host, is_peer_failure,
                          make_mesh, on_process_0)
 from zerolm.metrics import MetricsWriter
+from zerolm.mfu import Accounting, flops_per_token
 from zerolm.runlock import LEASE_FILE, LOCK_FILE, LockHeld, RunLock
-from zerolm.sample import generate
+from zerolm.sample import Sampling, generate
+from zerolm.sharding import abstract_views, shard_bytes, with_shardings
 from zerolm.zero import TrainState, Zero1, make_optimizer
 
 EXIT_NONFINITE = 3
@@ -112,31 +116,6 @@ def dataset_identity(cfg: Config, dataset: PreparedDataset) -> dict:
             "train_shards_sha256": hashlib.sha256(json.dumps(shards).encode()).hexdigest(),
             "train_samples": int(dataset.manifest["splits"]["train"]["samples"]),
             "seq_len": dataset.seq_len, "seed": cfg.train.seed}
-
-
-def make_evaluator(zero: Zero1, token_loss_fn, rows_NxT1: np.ndarray, batch_rows: int):
-    """Mean token loss over a fixed set of validation sequences, the same on any device count.
-
-    The rows go `batch_rows` at a time (sharded on dp, like a training micro-batch); the last batch is
-    padded and its padding masked out, so the set, not the mesh, decides what is averaged."""
-    n_rows, T1 = rows_NxT1.shape
-    n_batches = -(-n_rows // batch_rows)
-    tokens = np.zeros((n_batches * batch_rows, T1), np.int32)
-    tokens[:n_rows] = rows_NxT1
-    weights = (np.arange(n_batches * batch_rows) < n_rows).astype(np.float32)
-
-    def global_rows(host: np.ndarray) -> jax.Array:
-        return jax.make_array_from_callback(host.shape, zero.row_sharding, lambda index: host[index])
-
-    batches = [(global_rows(tokens[i * batch_rows:(i + 1) * batch_rows]),
-                global_rows(weights[i * batch_rows:(i + 1) * batch_rows])) for i in range(n_batches)]
-    total = jax.jit(lambda params, tokens_BxT1, weight_B: (token_loss_fn(params, tokens_BxT1).sum(-1) * weight_B).sum(),
-                    in_shardings=(zero.param_shardings, zero.row_sharding, zero.row_sharding))
-
-    def evaluate(params) -> float:
-        return sum(float(total(params, t, w)) for t, w in batches) / (n_rows * (T1 - 1))
-
-    return evaluate
 
 
 class PreemptionWatch:
@@ -287,7 +266,7 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
     train_split.verify()  # a missing or truncated shard stops the run now, not when first read
     val_split.verify()
     entropy = dataset.manifest["splits"]["train"]["unigram_entropy"]
-    tokenizer = dataset.tokenizer() if cfg.sample.tokens and is_main else None  # fail now, not after training
+    tokenizer = dataset.tokenizer() if cfg.sample.tokens else None  # fail now, not after training
 
     model = gpt_model.GPT(cfg.model)
     init_fn = functools.partial(gpt_model.init_params, model)
@@ -296,25 +275,32 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
     tx, schedule = make_optimizer(cfg.train)
     zero = Zero1(mesh, loss_fn, tx, abstract_params, logical_axes=gpt_model.logical_axes(model),
                  grad_reduce=cfg.zero.grad_reduce, lr_schedule=schedule)
-
-    say(f"zerolm: {cfg.name}: {gpt_model.count_params(abstract_params) / 1e6:.2f}M params, {jax.device_count()} "
-        f"{jax.default_backend()} device(s) in {jax.process_count()} process(es), mesh dp={cfg.dp} tp={cfg.mesh.tp}, "
-        f"{cfg.accum_steps} accumulation step(s) of {cfg.train.micro_batch_size} per device, "
-        f"grad_reduce={cfg.zero.grad_reduce}")
+    n_params = gpt_model.count_params(abstract_params)
+    accounting = Accounting(flops_per_token(gpt_model.count_params(abstract_params, exclude_positions=True),
+                                            cfg.model.n_layer, cfg.model.d_model, cfg.model.seq_len),
+                            jax.device_count(), jax.devices()[0].device_kind)
+    facts = {"params": n_params, "devices": jax.device_count(), "device_kind": accounting.device_kind,
+             "processes": jax.process_count(), "mesh": {"dp": cfg.dp, "tp": cfg.mesh.tp},
+             "accum_steps": cfg.accum_steps, "tokens_per_step": cfg.train.global_batch_size * cfg.model.seq_len,
+             "flops_per_token": accounting.flops_per_token, "zerolm_version": zerolm.__version__}
+    for line in _startup_summary(cfg, zero, accounting, n_params):
+        say(line)
     say(f"data: {dataset.location}: {len(train_split)} train / {len(val_split)} val samples of "
         f"{cfg.model.seq_len + 1} tokens, tokenizer {dataset.manifest['tokenizer']['name']} "
         f"({dataset.manifest['tokenizer']['vocab_size']} tokens), unigram entropy {entropy:.3f} nats/token")
     evaluate = None
     n_val = min(cfg.train.eval_sequences, len(val_split))
     if n_val:
-        evaluate = make_evaluator(zero, functools.partial(gpt_model.token_losses, model),
-                                  val_split.read(np.arange(n_val)), cfg.dp * cfg.train.micro_batch_size)
+        evaluate = make_evaluator(functools.partial(gpt_model.token_losses, model), zero.param_shardings,
+                                  zero.row_sharding, val_split.read(np.arange(n_val)),
+                                  cfg.dp * cfg.train.micro_batch_size)
         if n_val < cfg.train.eval_sequences:
             say(f"note: evaluating on all {n_val} validation samples (train.eval_sequences asks for "
                 f"{cfg.train.eval_sequences})")
     else:
         say("note: " + ("train.eval_sequences is 0" if len(val_split) else f"{dataset.location} has no validation "
                         "samples") + ": training without evaluation")
+    sample = functools.partial(_sample_text, model, tokenizer, cfg) if tokenizer is not None else None
 
     data_id = dataset_identity(cfg, dataset)
     lock = on_process_0(lambda: RunLock.acquire(cfg.checkpoint_dir), (LockHeld,))
@@ -332,8 +318,10 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
                 say(f"nothing to do: {cfg.checkpoint_dir} is at step {start} and train.steps is {cfg.train.steps} "
                     "(raise train.steps to go on, or start over with --resume never --overwrite)")
                 return {"unigram_entropy": entropy}
-            state, summary = _train_loop(cfg, zero, state, start, ckpts, train_split, evaluate, data_id,
-                                         wandb_id, entropy, out)
+            loop = _Loop(cfg, zero, ckpts, train_split, data_id, wandb_id, out, evaluate=evaluate, sample=sample,
+                         accounting=accounting, facts=facts)
+            state, summary = loop.run(state, start)
+            summary["unigram_entropy"] = entropy
         finally:
             ckpts.close()  # waits for a save in flight to be durable; an interrupted one is never listed
     finally:
@@ -343,75 +331,115 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
     val = f", val loss {summary['val_loss']:.4f}" if "val_loss" in summary else ""
     say(f"done: train loss {summary['loss']:.4f}{val} (unigram entropy {entropy:.4f}); metrics in "
         f"{cfg.log_dir / 'metrics.jsonl'}, checkpoints in {cfg.checkpoint_dir}")
-    if tokenizer is not None:
-        ids = generate(model, state.params, tokenizer.encode(cfg.sample.prompt), cfg.sample.tokens,
-                       cfg.sample.temperature, seed=cfg.train.seed)
-        say("sample: " + tokenizer.decode(ids))
+    if sample is not None:
+        say("sample: " + sample(state.params))
     return summary
 
 
-def _train_loop(cfg: Config, zero: Zero1, state: TrainState, start: int, ckpts: Checkpoints, train_split,
-                evaluate, data_id: dict, wandb_id: str, entropy: float, out):
-    """Steps start + 1 .. train.steps, with evaluation, checkpoints and preemption."""
-    mesh = zero.mesh
-    is_main = is_first_host(mesh)
-    loader = BatchLoader(train_split, mesh, cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                         cfg.train.seed)
-    tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+def _sample_text(model: gpt_model.GPT, tokenizer: Tokenizer, cfg: Config, params) -> str:
+    """The config's prompt and its continuation (every process runs it: the params span them all)."""
+    sampling = Sampling(cfg.sample.temperature, cfg.sample.top_k, cfg.sample.top_p, seed=cfg.train.seed)
+    prompt = tokenizer.encode(cfg.sample.prompt)[-(cfg.model.seq_len - 1):]
+    return tokenizer.decode(generate(model, params, prompt, cfg.sample.tokens, sampling, tokenizer.eot_id))
 
-    def checkpoint_meta(step: int, loss: float | None) -> dict:
+
+def _startup_summary(cfg: Config, zero: Zero1, accounting: Accounting, n_params: int) -> list[str]:
+    """What a run costs before it starts: sizes, per-device bytes, FLOPs and the compiled step's collectives."""
+    params = with_shardings(zero.abstract_params, zero.param_shardings)
+    opt = with_shardings(jax.eval_shape(zero.tx.init, abstract_views(zero.layouts, zero.abstract_params)),
+                         zero.opt_shardings)
+    accumulator = shard_bytes(jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, np.float32, sharding=p.sharding),
+                                           params))
+    tokens = cfg.train.global_batch_size * cfg.model.seq_len
+    mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+    lines = [f"zerolm: {cfg.name}: {n_params / 1e6:.2f}M params, {jax.device_count()} {accounting.device_kind} "
+             f"device(s) in {jax.process_count()} process(es), mesh dp={cfg.dp} tp={cfg.mesh.tp}, "
+             f"{cfg.accum_steps} accumulation step(s) of {cfg.train.micro_batch_size} sequence(s) per device, "
+             f"{cfg.train.global_batch_size} sequences = {tokens:,} tokens per step, grad_reduce={cfg.zero.grad_reduce}",
+             f"per device: params {mib(shard_bytes(params))}, gradient accumulator {mib(accumulator)}, optimizer state "
+             f"{mib(shard_bytes(opt))} (1/{cfg.dp * cfg.mesh.tp} of it, plus padding); activations not counted",
+             accounting.describe()]
+    texts = comms.compiled_texts(zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps)
+    lines += ["collectives per step: " + line for line in comms.describe(comms.traffic(texts, dict(zero.mesh.shape)))]
+    return lines
+
+
+class _Loop:
+    """Steps start + 1 .. train.steps of one run, with evaluation, samples, checkpoints and preemption."""
+
+    def __init__(self, cfg: Config, zero: Zero1, ckpts: Checkpoints, train_split, data_id: dict, wandb_id: str,
+                 out, *, evaluate, sample, accounting: Accounting, facts: dict):
+        self.cfg, self.zero, self.ckpts, self.train_split = cfg, zero, ckpts, train_split
+        self.data_id, self.wandb_id, self.out = data_id, wandb_id, out
+        self.evaluate, self.sample, self.accounting, self.facts = evaluate, sample, accounting, facts
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+
+    def checkpoint_meta(self, step: int, loss: float | None) -> dict:
+        cfg = self.cfg
         return {"format": FORMAT, "step": step, "time": time.time(), "config": cfg.model_dump(), "dp": cfg.dp,
-                "tp": cfg.mesh.tp,
-                "accum_steps": cfg.accum_steps, "process_count": jax.process_count(), "dataset": data_id,
-                "dataset_location": str(train_split.dataset.location),
-                "tokens_seen": step * tokens_per_step, "loss": loss, "wandb_id": wandb_id,
+                "tp": cfg.mesh.tp, "accum_steps": cfg.accum_steps, "process_count": jax.process_count(),
+                "dataset": self.data_id, "dataset_location": str(self.train_split.dataset.location),
+                "tokens_seen": step * self.tokens_per_step, "loss": loss, "wandb_id": self.wandb_id,
                 "zerolm_version": zerolm.__version__}
 
-    writer = MetricsWriter(cfg.log_dir, cfg.model_dump(), cfg.name, cfg.logging.wandb, cfg.logging.wandb_project,
-                           wandb_id, resume_step=start, enabled=is_main)
-    bar = tqdm(total=cfg.train.steps, initial=start, desc=cfg.name, unit="step", disable=not is_main, file=out,
-               dynamic_ncols=True, mininterval=0.5)
-    preemption = PreemptionWatch()
-    summary: dict[str, float] = {"unigram_entropy": entropy}
-    emitter = _Emitter(writer, bar, summary, tokens_per_step, cfg.logging.every,
-                       cfg.train.max_consecutive_skips if cfg.train.skip_nonfinite else None)
-    batches = loader.batches(start_step=start, prefetch=cfg.data.prefetch)
-    profiler = _Profiler(cfg.logging.profile_steps, cfg.log_dir / "profile", bar, out)
-    try:
-        for step in range(start + 1, cfg.train.steps + 1):
-            batch, waited = next(batches)
-            profiler.before(step)
-            state, metrics = zero(state, batch)
-            if cfg.data.skip_bad_samples:
-                metrics = {**metrics, "bad_samples": train_split.bad_samples}
-            emitter.push(step, metrics, waited)  # emits the previous step's metrics: one step behind
-            stop = preemption.reached(step)
-            evaluate_now = evaluate is not None and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
-            save_now = step % cfg.checkpoint.every == 0 or step == cfg.train.steps or stop
-            if evaluate_now or save_now:
-                emitter.flush()  # a non-finite step raises here, before it could be saved
-            if evaluate_now:
-                summary["val_loss"] = evaluate(state.params)
-                writer.write(step, {"val_loss": summary["val_loss"]})
-                bar.write(f"step {step}: val loss {summary['val_loss']:.4f}", file=out)
-            if save_now:
-                ckpts.save(state, checkpoint_meta(step, summary.get("loss")), wait=stop)
-            profiler.after(step, state)
-            if stop:
-                raise Preempted(step, preemption.why)
-        emitter.flush()
-        ckpts.wait()
-    except Exception as e:
-        if is_peer_failure(e):  # before the cleanup below, which would wait on the dead peer
-            exit_peer_lost(e)
-        raise
-    finally:
-        profiler.close()
-        batches.close()
-        bar.close()
-        writer.close()
-        preemption.close()
-    return state, summary
+    def run(self, state: TrainState, start: int) -> tuple[TrainState, dict[str, float]]:
+        cfg, zero = self.cfg, self.zero
+        is_main = is_first_host(zero.mesh)
+        loader = BatchLoader(self.train_split, zero.mesh, cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                             cfg.train.seed)
+        writer = MetricsWriter(cfg.log_dir, {**cfg.model_dump(), "run": self.facts}, cfg.name, cfg.logging.wandb,
+                               cfg.logging.wandb_project, self.wandb_id, resume_step=start, enabled=is_main)
+        bar = tqdm(total=cfg.train.steps, initial=start, desc=cfg.name, unit="step", disable=not is_main,
+                   file=self.out, dynamic_ncols=True, mininterval=0.5)
+        preemption = PreemptionWatch()
+        summary: dict[str, float] = {}
+        emitter = _Emitter(writer, bar, summary, self.tokens_per_step, self.accounting, cfg.logging.every,
+                           cfg.train.max_consecutive_skips if cfg.train.skip_nonfinite else None)
+        batches = loader.batches(start_step=start, prefetch=cfg.data.prefetch)
+        profiler = _Profiler(cfg.logging.profile_steps, cfg.log_dir / "profile", bar, self.out)
+        try:
+            for step in range(start + 1, cfg.train.steps + 1):
+                batch, waited = next(batches)
+                profiler.before(step)
+                state, metrics = zero(state, batch)
+                if cfg.data.skip_bad_samples:
+                    metrics = {**metrics, "bad_samples": self.train_split.bad_samples}
+                emitter.push(step, metrics, waited)  # emits the previous step's metrics: one step behind
+                stop = preemption.reached(step)
+                last = step == cfg.train.steps
+                evaluate_now = self.evaluate is not None and (step % cfg.train.eval_every == 0 or last)
+                sample_now = self.sample is not None and cfg.sample.every and step % cfg.sample.every == 0 and not last
+                save_now = step % cfg.checkpoint.every == 0 or last or stop
+                if evaluate_now or save_now or sample_now:
+                    emitter.flush()  # a non-finite step raises here, before it could be saved
+                if evaluate_now:
+                    loss = summary["val_loss"] = self.evaluate(state.params)
+                    writer.write(step, {"val_loss": loss, "val_perplexity": perplexity(loss),
+                                        "tokens_seen": step * self.tokens_per_step})
+                    bar.write(f"step {step}: val loss {loss:.4f}, perplexity {perplexity(loss):.2f}", file=self.out)
+                if sample_now:
+                    text = self.sample(state.params)
+                    writer.write_text(step, "sample", text)
+                    if is_main:
+                        bar.write(f"step {step}: sample: {text}", file=self.out)
+                if save_now:
+                    self.ckpts.save(state, self.checkpoint_meta(step, summary.get("loss")), wait=stop)
+                profiler.after(step, state)
+                if stop:
+                    raise Preempted(step, preemption.why)
+            emitter.flush()
+            self.ckpts.wait()
+        except Exception as e:
+            if is_peer_failure(e):  # before the cleanup below, which would wait on the dead peer
+                exit_peer_lost(e)
+            raise
+        finally:
+            profiler.close()
+            batches.close()
+            bar.close()
+            writer.close()
+            preemption.close()
+        return state, summary
 
 
 class _Profiler:
@@ -441,9 +469,10 @@ class _Profiler:
 class _Emitter:
     """Turns a step's device metrics into logged numbers one step late, so dispatch never waits."""
 
-    def __init__(self, writer, bar, summary, tokens_per_step, every, max_skips: int | None):
+    def __init__(self, writer, bar, summary, tokens_per_step, accounting: Accounting, every, max_skips: int | None):
         self.writer, self.bar, self.summary = writer, bar, summary
-        self.tokens_per_step, self.every, self.max_skips = tokens_per_step, every, max_skips
+        self.tokens_per_step, self.accounting = tokens_per_step, accounting
+        self.every, self.max_skips = every, max_skips
         self.pending = None
         self.last_time = time.perf_counter()
 
@@ -458,13 +487,19 @@ class _Emitter:
         self.pending = None
         values = {k: float(v) for k, v in metrics.items()}  # blocks until that step is done
         now = time.perf_counter()
-        values["step_time_s"] = now - self.last_time
-        values["tokens_per_s"] = self.tokens_per_step / max(values["step_time_s"], 1e-9)
-        values["data_wait_s"] = waited
-        memory = jax.local_devices()[0].memory_stats()  # None where the backend keeps no count (CPU)
-        if memory and "peak_bytes_in_use" in memory:
-            values["device_peak_bytes"] = memory["peak_bytes_in_use"]
+        step_time = max(now - self.last_time, 1e-9)
         self.last_time = now
+        values["perplexity"] = perplexity(values["loss"])
+        values["tokens_seen"] = step * self.tokens_per_step
+        values["step_time_s"] = step_time
+        values["tokens_per_s"] = self.tokens_per_step / step_time
+        values["data_wait_s"] = waited
+        values["data_wait_share"] = min(waited / step_time, 1.0)
+        values.update(self.accounting(values["tokens_per_s"]))
+        memory = jax.local_devices()[0].memory_stats()  # None where the backend keeps no count (CPU)
+        for key, name in (("bytes_in_use", "device_bytes_in_use"), ("peak_bytes_in_use", "device_peak_bytes")):
+            if memory and key in memory:
+                values[name] = memory[key]
         self.writer.write(step, values)
         finite = np.isfinite(values["loss"]) and np.isfinite(values["grad_norm"])
         if not finite and self.max_skips is None:
@@ -478,7 +513,10 @@ class _Emitter:
         self.summary.update(values)
         self.bar.update(1)
         if step % self.every == 0:
-            self.bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{values['tokens_per_s']:,.0f}", refresh=False)
+            postfix = {"loss": f"{values['loss']:.3f}", "tok_s": f"{values['tokens_per_s']:,.0f}"}
+            if "mfu" in values:
+                postfix["mfu"] = f"{values['mfu']:.1%}"
+            self.bar.set_postfix(postfix, refresh=False)
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -493,6 +531,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                              "(default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true",
                         help="with --resume never: move existing checkpoints aside and start over")
+    parser.add_argument("--plot", action="store_true",
+                        help="at the end, draw the run's curves into <logging.dir>/metrics.png (as `zerolm plot`)")
     parser.add_argument("--profile", metavar="FIRST-LAST", default=None,
                         help="capture a jax.profiler trace of these steps (the same as --set logging.profile=...)")
     dist = parser.add_argument_group("multi-process (omit on one host; on a TPU VM slice use --distributed)")
@@ -517,7 +557,9 @@ def main(argv: list[str] | None = None) -> int:
         sets = args.set + ([f"logging.profile={args.profile}"] if args.profile else [])
         cfg = load_config(args.config, sets, device_count=jax.device_count())
         run(cfg, resume=args.resume, overwrite=args.overwrite)
-    except (ConfigError, DataError, LockHeld, DistributedError) as e:
+        if args.plot and jax.process_index() == 0:
+            print(f"plot: {plot.write([cfg.log_dir], cfg.log_dir / 'metrics.png')}", flush=True)
+    except (ConfigError, DataError, LockHeld, DistributedError, plot.PlotError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except CheckpointError as e:

@@ -1,0 +1,118 @@
+"""Held-out loss: the evaluator training calls every `train.eval_every` steps, and `zerolm eval`.
+
+The loss is the mean next-token loss over a fixed set of sequences (the split's first N), and the
+perplexity is exp of it. The sequences go through the mesh in padded, masked batches, so the set,
+not the device count, decides what is averaged: the same checkpoint gives the same number on 1 or 8
+devices.
+
+    zerolm eval --checkpoint checkpoints/tiny            # newest intact step, the run's held-out split
+    zerolm eval --checkpoint checkpoints/tiny/200 --data /data/other-prepared --split val --sequences 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import sys
+
+import jax
+import numpy as np
+
+from zerolm import model as gpt_model
+from zerolm.checkpoint import CheckpointError
+from zerolm.data.shards import DataError, PreparedDataset
+from zerolm.sharding import rows as row_sharding
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+def make_evaluator(token_loss_fn, param_shardings, rows_sharding, rows_NxT1: np.ndarray, batch_rows: int):
+    """Mean token loss of `params` over the rows (N sequences of seq_len + 1 tokens).
+
+    The rows go `batch_rows` at a time, sharded like a training micro-batch; the last batch is
+    padded and its padding masked out."""
+    n_rows, T1 = rows_NxT1.shape
+    n_batches = -(-n_rows // batch_rows)
+    tokens = np.zeros((n_batches * batch_rows, T1), np.int32)
+    tokens[:n_rows] = rows_NxT1
+    weights = (np.arange(n_batches * batch_rows) < n_rows).astype(np.float32)
+
+    def global_rows(host: np.ndarray) -> jax.Array:
+        return jax.make_array_from_callback(host.shape, rows_sharding, lambda index: host[index])
+
+    batches = [(global_rows(tokens[i * batch_rows:(i + 1) * batch_rows]),
+                global_rows(weights[i * batch_rows:(i + 1) * batch_rows])) for i in range(n_batches)]
+    total = jax.jit(lambda params, tokens_BxT1, weight_B: (token_loss_fn(params, tokens_BxT1).sum(-1) * weight_B).sum(),
+                    in_shardings=(param_shardings, rows_sharding, rows_sharding))
+
+    def evaluate(params) -> float:
+        return sum(float(total(params, t, w)) for t, w in batches) / (n_rows * (T1 - 1))
+
+    return evaluate
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="a run's checkpoint directory (its newest intact step) or one step's directory")
+    parser.add_argument("--data", default=None, metavar="DATASET",
+                        help="a prepared dataset (directory or URL) with the model's tokenizer and seq_len "
+                             "(default: the run's own dataset)")
+    parser.add_argument("--split", default="val", choices=["val", "train"], help="(default: %(default)s)")
+    parser.add_argument("--sequences", type=int, default=None, metavar="N",
+                        help="the split's first N sequences (default: the run's train.eval_sequences; fewer if "
+                             "the split has fewer)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a sentence")
+    return parser
+
+
+def main_args(args: argparse.Namespace, out=sys.stdout) -> int:
+    from zerolm import trained
+
+    try:
+        if args.sequences is not None and args.sequences <= 0:
+            raise ValueError(f"--sequences: {args.sequences} must be > 0")
+        model_run = trained.load(args.checkpoint)
+        result = evaluate_checkpoint(model_run, args.data, args.split, args.sequences)
+    except (CheckpointError, DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result), file=out)
+    else:
+        print(f"step {result['step']} of {result['checkpoint']}: {args.split} loss {result['loss']:.4f}, perplexity "
+              f"{result['perplexity']:.2f} on {result['sequences']} sequences ({result['tokens']:,} tokens) of "
+              f"{result['dataset']}", file=out)
+    return 0
+
+
+def evaluate_checkpoint(model_run, data: str | None, split: str, sequences: int | None) -> dict:
+    model_cfg = model_run.model.cfg
+    location = data or model_run.meta.get("dataset_location")
+    flag = "--data" if data else f"{model_run.where}: the run's dataset"
+    try:
+        dataset = PreparedDataset(location)
+    except DataError as e:
+        raise DataError(f"{flag}: {e}") from None
+    if dataset.seq_len != model_cfg.seq_len:
+        raise DataError(f"{flag}: {location} has sequences of {dataset.seq_len} tokens, the model "
+                        f"{model_cfg.seq_len} (model.seq_len)")
+    if dataset.manifest["tokenizer"]["sha256"] != model_run.tokenizer_sha256:
+        raise DataError(f"{flag}: {location} was prepared with another tokenizer ({dataset.manifest['tokenizer']['name']}, "
+                        f"sha256 {dataset.manifest['tokenizer']['sha256'][:12]}) than the model's "
+                        f"(sha256 {model_run.tokenizer_sha256[:12]})")
+    rows = dataset.split(split)
+    n = min(sequences or model_run.config["train"]["eval_sequences"], len(rows))
+    if n == 0:
+        raise DataError(f"{flag}: {location} has no {split} sequences")
+    mesh = model_run.mesh
+    evaluate = make_evaluator(functools.partial(gpt_model.token_losses, model_run.model),
+                              jax.tree.map(lambda x: x.sharding, model_run.params), row_sharding(mesh),
+                              rows.read(np.arange(n)), mesh.size * model_run.config["train"]["micro_batch_size"])
+    loss = evaluate(model_run.params)
+    return {"checkpoint": str(model_run.where.parent), "step": model_run.step, "dataset": str(dataset.location),
+            "split": split, "sequences": n, "tokens": n * dataset.seq_len, "loss": loss,
+            "perplexity": perplexity(loss)}

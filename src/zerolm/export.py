@@ -1,0 +1,180 @@
+"""`zerolm export-hf --checkpoint DIR --out OUT`: a checkpoint as a Hugging Face GPT-2 model directory.
+
+OUT holds `config.json` (GPT2Config: gelu_new, LayerNorm eps 1e-5, tied embeddings, the run's
+context length and vocabulary), `model.safetensors` (float32, HF's `GPT2LMHeadModel` names; the
+output layer is the tied `wte`, so `lm_head.weight` is not stored) and the tokenizer as
+`tokenizer.json` with `tokenizer_config.json`, so that
+
+    GPT2LMHeadModel.from_pretrained(OUT), AutoTokenizer.from_pretrained(OUT)
+
+load it without missing or unexpected weights, and give zerolm's logits. The mapping: zerolm's
+parameters carry HF's names already; the layer axis of the stacked blocks becomes `h.<i>`,
+`c_attn`'s (d, 3, d) kernel is reshaped to HF's Conv1D (d, 3·d), LayerNorm `scale` is `weight`, and
+the vocabulary's padding rows are dropped. A tiktoken tokenizer is converted to an equivalent
+byte-level BPE `tokenizer.json` (GPT-2's split regex). The directory is written beside OUT and
+renamed into place: an existing OUT is refused (or, with --overwrite, replaced only once the new one
+is complete).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+from zerolm.checkpoint import CheckpointError
+from zerolm.data.tokenizer import EOT, GPT2_PATTERN, Tokenizer
+from zerolm.model import LN_EPS
+
+
+def hf_config(model_cfg, tokenizer: Tokenizer) -> dict:
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": model_cfg.vocab_size,
+            "n_positions": model_cfg.seq_len, "n_embd": model_cfg.d_model, "n_layer": model_cfg.n_layer,
+            "n_head": model_cfg.n_head, "n_inner": None, "activation_function": "gelu_new",
+            "layer_norm_epsilon": LN_EPS, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+            "initializer_range": 0.02, "scale_attn_weights": True, "tie_word_embeddings": True,
+            "bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id, "dtype": "float32"}
+
+
+def hf_state_dict(params, vocab_size: int) -> dict[str, np.ndarray]:
+    """zerolm's parameter tree as GPT2LMHeadModel's float32 tensors (numpy, contiguous)."""
+    p = {k: np.asarray(v) for k, v in _flatten(params).items()}
+    out = {"transformer.wte.weight": p["wte"][:vocab_size], "transformer.wpe.weight": p["wpe"],
+           "transformer.ln_f.weight": p["ln_f.scale"], "transformer.ln_f.bias": p["ln_f.bias"]}
+    n_layer, d = p["h.attn.c_attn.kernel"].shape[:2]
+    for i in range(n_layer):
+        layer = {"ln_1.weight": p["h.ln_1.scale"][i], "ln_1.bias": p["h.ln_1.bias"][i],
+                 "attn.c_attn.weight": p["h.attn.c_attn.kernel"][i].reshape(d, 3 * d),
+                 "attn.c_attn.bias": p["h.attn.c_attn.bias"][i].reshape(3 * d),
+                 "attn.c_proj.weight": p["h.attn.c_proj.kernel"][i], "attn.c_proj.bias": p["h.attn.c_proj.bias"][i],
+                 "ln_2.weight": p["h.ln_2.scale"][i], "ln_2.bias": p["h.ln_2.bias"][i],
+                 "mlp.c_fc.weight": p["h.mlp.c_fc.kernel"][i], "mlp.c_fc.bias": p["h.mlp.c_fc.bias"][i],
+                 "mlp.c_proj.weight": p["h.mlp.c_proj.kernel"][i], "mlp.c_proj.bias": p["h.mlp.c_proj.bias"][i]}
+        out.update({f"transformer.h.{i}.{k}": v for k, v in layer.items()})
+    return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
+
+
+def _flatten(tree, prefix=""):
+    flat = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            flat.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            flat[f"{prefix}{k}"] = v
+    return flat
+
+
+def hf_tokenizer(tokenizer: Tokenizer) -> tokenizers.Tokenizer:
+    """The tokenizer as a Hugging Face `tokenizers` one (a tiktoken BPE is converted)."""
+    if tokenizer.kind == "hf":
+        return tokenizers.Tokenizer.from_str(tokenizer.file_bytes.decode())
+    ranks = tokenizer._backend._mergeable_ranks
+    return _from_tiktoken(ranks)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (what byte-level BPE vocabularies hold)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, n = printable[:], 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(printable, map(chr, chars)))
+
+
+def _from_tiktoken(ranks: dict[bytes, int]) -> tokenizers.Tokenizer:
+    """A byte-level BPE equal to a tiktoken encoding: each token's merge is the split of it into two
+    tokens of lower rank, ordered by the token's rank."""
+    table = _bytes_to_unicode()
+    text = lambda b: "".join(table[x] for x in b)  # noqa: E731
+    vocab = {text(token): rank for token, rank in ranks.items()}
+    merges = []
+    for token, rank in ranks.items():
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
+        if splits:
+            left, right = min(splits, key=lambda lr: (ranks[lr[0]], ranks[lr[1]]))
+            merges.append((rank, text(left), text(right)))
+    bpe = models.BPE(vocab, [(a, b) for _, a, b in sorted(merges)], fuse_unk=False)
+    tok = tokenizers.Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(tokenizers.Regex(GPT2_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([tokenizers.AddedToken(EOT, special=True)])
+    if tok.token_to_id(EOT) != len(ranks):
+        raise ValueError(f"tokenizer: {EOT} would get id {tok.token_to_id(EOT)}, not {len(ranks)} as in tiktoken")
+    return tok
+
+
+def export(model_run, tokenizer: Tokenizer, out: Path, overwrite: bool = False) -> Path:
+    from safetensors.numpy import save_file
+
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"--out: {out} already exists (pass --overwrite to replace it)")
+    cfg = model_run.model.cfg
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        (partial / "config.json").write_text(json.dumps(hf_config(cfg, tokenizer), indent=2) + "\n")
+        save_file(hf_state_dict(model_run.params, cfg.vocab_size), str(partial / "model.safetensors"),
+                  metadata={"format": "pt", "zerolm_checkpoint": str(model_run.where)})
+        hf_tokenizer(tokenizer).save(str(partial / "tokenizer.json"))
+        (partial / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.seq_len,
+            "bos_token": EOT, "eos_token": EOT, "unk_token": EOT, "add_prefix_space": False,
+            "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+        (partial / "generation_config.json").write_text(json.dumps({
+            "bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id}, indent=2) + "\n")
+        if out.exists():  # --overwrite: the old directory goes only once the new one is complete
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+            partial.rename(out)
+            shutil.rmtree(old)
+        else:
+            partial.rename(out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="a run's checkpoint directory (its newest intact step) or one step's directory")
+    parser.add_argument("--out", required=True, metavar="OUT", help="the model directory to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--tokenizer", default=None, metavar="FILE",
+                        help="the run's tokenizer file, if its dataset is not where the checkpoint says")
+    return parser
+
+
+def main_args(args: argparse.Namespace) -> int:
+    import jax
+
+    from zerolm import trained
+
+    out = Path(args.out)
+    try:
+        if out.exists() and not args.overwrite:  # before reading the checkpoint
+            raise CheckpointError(f"--out: {out} already exists (pass --overwrite to replace it)")
+        if out.exists() and not out.is_dir():
+            raise CheckpointError(f"--out: {out} is a file, not a model directory")
+        model_run = trained.load(args.checkpoint, jax.local_devices()[:1])
+        tokenizer = model_run.tokenizer(args.tokenizer)
+        export(model_run, tokenizer, out, overwrite=args.overwrite)
+    except (CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported step {model_run.step} of {model_run.where.parent} to {out}: load it with "
+          f"transformers.GPT2LMHeadModel.from_pretrained({str(out)!r})")
+    return 0

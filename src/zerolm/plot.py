@@ -1,0 +1,114 @@
+"""`zerolm plot RUN_DIR [RUN_DIR ...] [--out FILE.png]`: a run's curves from its metrics.jsonl.
+
+Four panels against tokens seen: train loss (lines) with validation loss (markers), tokens/s, MFU
+(or model TFLOP/s per device where the device's peak is unknown) and the learning rate. Several runs
+are overlaid, one colour each, labelled by their directory. Drawn with matplotlib's Agg backend, so
+no display is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+METRICS = "metrics.jsonl"
+
+
+class PlotError(ValueError):
+    pass
+
+
+def read_run(run_dir: Path) -> list[dict]:
+    path = run_dir / METRICS
+    if not path.exists():
+        raise PlotError(f"{run_dir}: no {METRICS} (a run's logging.dir, e.g. runs/tiny)")
+    records = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a kill
+        if not isinstance(record, dict) or "step" not in record:
+            raise PlotError(f"{path}: line {n} is not a metrics record")
+        records.append(record)
+    if not any("loss" in r for r in records):
+        raise PlotError(f"{path}: no step has a loss yet")
+    return records
+
+
+def series(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens seen, value) of every record that has `key`."""
+    rows = [(r["tokens_seen"], r[key]) for r in records if key in r and "tokens_seen" in r]
+    return np.asarray([x for x, _ in rows], float), np.asarray([y for _, y in rows], float)
+
+
+def figure(run_dirs: list[Path]):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {str(d): read_run(d) for d in run_dirs}
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
+    (loss_ax, speed_ax), (mfu_ax, lr_ax) = axes
+    use_mfu = all(any("mfu" in r for r in records) for records in runs.values())
+    for i, (name, records) in enumerate(runs.items()):
+        color = f"C{i}"
+        loss_ax.plot(*series(records, "loss"), color=color, lw=1, label=f"{name} train")
+        x, y = series(records, "val_loss")
+        if len(x):
+            loss_ax.plot(x, y, "o--", color=color, ms=4, label=f"{name} val")
+        speed_ax.plot(*series(records, "tokens_per_s"), color=color, lw=1, label=name)
+        if use_mfu:
+            x, y = series(records, "mfu")
+            mfu_ax.plot(x, 100 * y, color=color, lw=1, label=name)
+        else:
+            mfu_ax.plot(*series(records, "model_tflops_per_device"), color=color, lw=1, label=name)
+        lr_ax.plot(*series(records, "lr"), color=color, lw=1, label=name)
+    loss_ax.set(title="loss", ylabel="nats/token")
+    speed_ax.set(title="throughput", ylabel="tokens/s")
+    mfu_ax.set(title="MFU" if use_mfu else "model TFLOP/s per device (MFU: device peak unknown)",
+               ylabel="%" if use_mfu else "TFLOP/s")
+    lr_ax.set(title="learning rate", ylabel="lr")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes[1]:
+        ax.set_xlabel("tokens seen")
+    fig.tight_layout()
+    return fig
+
+
+def write(run_dirs: list[Path], out: Path) -> Path:
+    fig = figure(run_dirs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (logging.dir) to overlay")
+    parser.add_argument("--out", default=None, metavar="FILE.png",
+                        help="(default: RUN_DIR/metrics.png for one run, runs.png for several)")
+    return parser
+
+
+def main_args(args: argparse.Namespace) -> int:
+    run_dirs = [Path(r) for r in args.runs]
+    out = Path(args.out) if args.out else (run_dirs[0] / "metrics.png" if len(run_dirs) == 1 else Path("runs.png"))
+    if out.suffix.lower() != ".png":
+        print(f"error: --out: {out}: expected a .png file", file=sys.stderr)
+        return 2
+    try:
+        print(write(run_dirs, out))
+    except PlotError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

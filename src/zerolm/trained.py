@@ -1,0 +1,126 @@
+"""A trained model, read from a checkpoint: what `zerolm eval`, `zerolm sample` and `zerolm export-hf`
+start from.
+
+`--checkpoint DIR` is either a run's checkpoint directory (its newest intact step is taken) or one
+step's directory inside it (`checkpoints/tiny/300`). Only the parameters are read, replicated onto
+the devices given (the run's mesh and tensor parallelism do not matter), with the model config the
+checkpoint recorded. The tokenizer is the one the run's dataset was prepared with, found through the
+dataset location the checkpoint recorded, or a file given with `--tokenizer`; either way its sha256
+must be the one the checkpoint recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any
+
+import jax
+from etils import epath
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zerolm import model as gpt_model
+from zerolm.checkpoint import CheckpointError, Checkpoints, DamagedCheckpoint, quiet_orbax
+from zerolm.config import ModelConfig
+from zerolm.data.shards import DataError, PreparedDataset
+from zerolm.data.tokenizer import Tokenizer, from_file
+from zerolm.mesh import make_mesh
+from zerolm.sharding import with_shardings
+
+
+@dataclasses.dataclass
+class Trained:
+    model: gpt_model.GPT
+    params: Any  # replicated over `mesh`
+    meta: dict  # the checkpoint's metadata (config, dataset identity, tokens seen, ...)
+    step: int
+    where: epath.Path  # the step directory
+    mesh: jax.sharding.Mesh
+
+    @property
+    def config(self) -> dict:
+        return self.meta["config"]
+
+    @property
+    def tokenizer_sha256(self) -> str:
+        return self.meta["dataset"]["tokenizer_sha256"]
+
+    def tokenizer(self, path: str | None = None) -> Tokenizer:
+        """The run's tokenizer (or the file at `path`, which must be the same tokenizer)."""
+        if path is not None:
+            try:
+                tok = from_file(Path(path))
+            except ValueError as e:
+                raise CheckpointError(f"--tokenizer: {e}") from None
+            source = f"--tokenizer: {path}"
+        else:
+            location = self.meta.get("dataset_location")
+            try:
+                tok = PreparedDataset(location).tokenizer()
+            except (DataError, OSError, TypeError) as e:
+                raise CheckpointError(f"{self.where}: unknown tokenizer: the run's dataset {location} cannot "
+                                      f"give it ({_first_line(e)}); pass the tokenizer file with --tokenizer") from None
+            source = f"{self.where}: the tokenizer of the run's dataset {location}"
+        if tok.sha256 != self.tokenizer_sha256:
+            raise CheckpointError(f"{source} (sha256 {tok.sha256[:12]}) is not the tokenizer this model was trained "
+                                  f"with (sha256 {self.tokenizer_sha256[:12]})")
+        return tok
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def locate(path: str) -> tuple[Checkpoints, int]:
+    """The checkpoints and the step that `path` names (a run directory: its newest intact step)."""
+    p = epath.Path(path if "://" in path else epath.Path(path).absolute())
+    if not p.exists() and p.name.isdigit() and p.parent.exists():
+        with quiet_orbax():
+            steps = Checkpoints(p.parent, read_only=True).steps()
+        if steps:
+            raise CheckpointError(f"{path}: no step {p.name} in {p.parent} (its steps: {', '.join(map(str, steps))})")
+    if not p.exists():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if not p.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint directory")
+    is_step = p.name.isdigit() and (p / "meta").exists()
+    with quiet_orbax():
+        ckpts = Checkpoints(p.parent if is_step else p, read_only=True)
+    steps = ckpts.steps()
+    if is_step:
+        step = int(p.name)
+        if step not in steps:
+            raise CheckpointError(f"{path}: not a complete checkpoint (the run's steps: "
+                                  f"{', '.join(map(str, steps)) or 'none'})")
+        ckpts.verify(step)
+        return ckpts, step
+    if not steps:
+        numbered = sorted(int(c.name) for c in p.iterdir() if c.name.isdigit())
+        hint = f"; its step directories: {', '.join(map(str, numbered))}" if numbered else ""
+        raise CheckpointError(f"{path}: no checkpoint here (a run's checkpoint directory, e.g. checkpoints/tiny, "
+                              f"or one of its step directories){hint}")
+    for step in reversed(steps):
+        try:
+            ckpts.verify(step)
+            return ckpts, step
+        except DamagedCheckpoint:
+            continue
+    raise CheckpointError(f"{path}: every checkpoint is damaged (see zerolm checkpoints {path})")
+
+
+def load(path: str, devices: list[jax.Device] | None = None) -> Trained:
+    """The parameters and metadata of the checkpoint `path` names, replicated over `devices` (default:
+    this process's devices)."""
+    ckpts, step = locate(path)
+    with quiet_orbax():
+        try:
+            meta = ckpts.readable_meta(step)
+            model = gpt_model.GPT(ModelConfig.model_validate(meta["config"]["model"]))
+            mesh = make_mesh(len(devices or jax.local_devices()), 1, devices or jax.local_devices())
+            abstract = jax.eval_shape(functools.partial(gpt_model.init_params, model), jax.random.key(0))
+            replicated = jax.tree.map(lambda _: NamedSharding(mesh, P()), abstract)
+            params = ckpts.restore_params(step, with_shardings(abstract, replicated))
+        finally:
+            ckpts.close()
+    return Trained(model=model, params=params, meta=meta, step=step, where=ckpts.directory / str(step), mesh=mesh)

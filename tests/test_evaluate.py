@@ -1,0 +1,42 @@
+"""`zerolm eval`: a checkpoint's held-out loss, equal to what training logged; bad input in one line."""
+
+import json
+import math
+
+import pytest
+from runs import snapshot, zerolm
+
+
+def val_losses(run_dir) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "log" / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records if "val_loss" in r}
+
+
+def test_eval_of_a_run_and_of_a_step_equals_the_logged_validation_loss(trained_run):
+    logged = val_losses(trained_run)
+    assert sorted(logged) == [8, 16]
+    assert logged[16]["val_perplexity"] == pytest.approx(math.exp(logged[16]["val_loss"]))
+    latest = json.loads(zerolm("eval", "--checkpoint", trained_run / "ckpt", "--json", devices=2).stdout)
+    assert latest["step"] == 16 and latest["sequences"] == 128  # the run's train.eval_sequences
+    assert latest["loss"] == pytest.approx(logged[16]["val_loss"], rel=1e-5)  # 2 devices here, 8 in training
+    assert latest["perplexity"] == pytest.approx(math.exp(latest["loss"]))
+    step12 = zerolm("eval", "--checkpoint", trained_run / "ckpt" / "12", "--sequences", "37", devices=1).stdout
+    assert step12.startswith(f"step 12 of {trained_run / 'ckpt'}: val loss ") and "on 37 sequences (1,184 tokens)" in step12
+    on_train = json.loads(zerolm("eval", "--checkpoint", trained_run / "ckpt", "--split", "train", "--sequences", "16",
+                                 "--json").stdout)
+    assert on_train["split"] == "train" and on_train["sequences"] == 16 and on_train["loss"] != latest["loss"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--checkpoint", "{run}/nope"], "{run}/nope: no such checkpoint directory"),
+    (["--checkpoint", "{run}/ckpt/8"], "{run}/ckpt/8: no step 8 in {run}/ckpt (its steps: 12, 16)"),
+    (["--checkpoint", "{run}/log"], "{run}/log: no checkpoint here (a run's checkpoint directory"),
+    (["--checkpoint", "{run}/ckpt", "--data", "{run}/log"], "--data: {run}/log/manifest.json: no manifest"),
+    (["--checkpoint", "{run}/ckpt", "--sequences", "0"], "--sequences: 0 must be > 0"),
+])
+def test_bad_input_is_one_line_and_exit_2(trained_run, args, message):
+    before = snapshot(trained_run)
+    proc = zerolm("eval", *[a.format(run=trained_run) for a in args], expect=2, devices=1)
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith(f"error: {message.format(run=trained_run)}")
+    assert snapshot(trained_run) == before

@@ -1,0 +1,75 @@
+"""metrics.jsonl's fields and values; MFU by hand; where wandb writes (offline: only in the run directory)."""
+
+import json
+import math
+import os
+import subprocess
+import warnings
+
+import pytest
+from runs import command, env
+
+from zerolm import mfu
+
+TOKENS_PER_STEP = 16 * 32  # tests/runs.py SMALL: 16 sequences of 32 tokens
+
+
+def test_every_step_logs_the_documented_fields_with_sane_values(trained_run):
+    records = [json.loads(line) for line in (trained_run / "log" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    # SMALL: n_layer 2, d 32, vocab 2048 (padded: 2048), seq 32. N without positions: wte + 2 blocks + ln_f.
+    per_layer = (32 * 96 + 96) + (32 * 32 + 32) + (32 * 128 + 128) + (128 * 32 + 32) + 4 * 32
+    flops_token = 6 * (2048 * 32 + 2 * per_layer + 2 * 32) + 12 * 2 * 32 * 32
+    for r in steps:
+        assert {"step", "loss", "perplexity", "lr", "grad_norm", "tokens_seen", "tokens_per_s", "step_time_s",
+                "data_wait_s", "data_wait_share", "model_tflops_per_device"} <= set(r)
+        assert r["perplexity"] == pytest.approx(math.exp(r["loss"]))
+        assert r["tokens_seen"] == r["step"] * TOKENS_PER_STEP
+        assert r["step_time_s"] > 0 and r["tokens_per_s"] == pytest.approx(TOKENS_PER_STEP / r["step_time_s"])
+        assert 0 <= r["data_wait_share"] <= 1
+        assert r["data_wait_share"] == pytest.approx(min(r["data_wait_s"] / r["step_time_s"], 1))
+        # 8 devices; the hand count of FLOPs per token above.
+        assert r["model_tflops_per_device"] == pytest.approx(r["tokens_per_s"] / 8 * flops_token / 1e12)
+        assert "mfu" not in r  # CPU: no peak in the table, so no MFU rather than a made-up one
+    assert [r["step"] for r in steps] == list(range(1, 17)) and steps[-1]["loss"] < steps[0]["loss"]
+
+
+def test_mfu_of_a_step_by_hand_and_the_over_100_percent_warning():
+    # 125m (N = 123,689,472 without positions), 8 H100 SXM, 256 × 2048 tokens per step in 0.25 s.
+    accounting = mfu.Accounting(mfu.flops_per_token(123_689_472, 12, 768, 2048), 8, "NVIDIA H100 80GB HBM3")
+    values = accounting(256 * 2048 / 0.25)
+    by_hand = (256 * 2048 / 0.25 / 8) * (6 * 123_689_472 + 12 * 12 * 768 * 2048) / 989e12
+    assert values["mfu"] == pytest.approx(by_hand) and 0.2 < by_hand < 0.3
+    assert values["model_tflops_per_device"] == pytest.approx(by_hand * 989)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        accounting(256 * 2048 / 0.25)  # 26%: no warning
+    with pytest.warns(UserWarning, match=r"exceeds 100% on NVIDIA H100"):
+        assert accounting(256 * 2048 / 0.05)["mfu"] > 1
+    assert "unknown peak for device kind 'cpu'" in mfu.Accounting(1e6, 1, "cpu").describe()
+    assert mfu.Accounting(1e6, 1, "cpu")(1e6) == {"model_tflops_per_device": 1.0}
+
+
+def _files(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("mode", ["offline", "disabled"])
+def test_wandb_writes_only_inside_the_run_directory(tmp_path, mode):
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    run_env = {k: v for k, v in env(2, HOME=str(home), WANDB_MODE=mode, TMPDIR=str(tmp_path / "tmp")).items()
+               if not k.startswith("WANDB_") or k == "WANDB_MODE"}
+    (tmp_path / "tmp").mkdir()
+    proc = subprocess.run(command(tmp_path / "run", steps=2), env=run_env, cwd=work, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _files(home) == [] and _files(work) == []
+    wandb_files = [f for f in _files(tmp_path / "run") if "wandb" in f]
+    if mode == "disabled":
+        assert wandb_files == []
+    else:
+        assert any(f.startswith("log/wandb/offline-run-") and f.endswith(".wandb") for f in wandb_files), wandb_files
+        record = next((tmp_path / "run" / "log" / "wandb").glob("offline-run-*/*.wandb")).read_bytes()
+        assert b"device_kind" in record and b"tokens_per_step" in record  # the run's facts are in its config
+    assert all(not k.startswith("WANDB_") or k == "WANDB_MODE" for k in os.environ if k not in run_env)

@@ -1,0 +1,52 @@
+"""`zerolm plot`: the curves drawn are the runs' metrics; the PNG is written."""
+
+import json
+import shutil
+
+import matplotlib.image
+import numpy as np
+from runs import zerolm
+
+from zerolm import plot
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "log" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_plotted_series_are_the_metrics_of_each_run(trained_run, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(trained_run / "log", other / "log")
+    lines = (other / "log" / "metrics.jsonl").read_text().splitlines()[:5]  # a shorter second run
+    (other / "log" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    fig = plot.figure([trained_run / "log", other / "log"])
+    loss_ax, speed_ax, flops_ax, lr_ax = fig.axes
+    rec = records(trained_run)
+    steps = [r for r in rec if "loss" in r]
+    tokens = [r["tokens_seen"] for r in steps]
+    assert tokens == [16 * 32 * s for s in range(1, 17)]
+    train_line, val_line, other_line = loss_ax.get_lines()
+    np.testing.assert_array_equal(train_line.get_xydata(), np.c_[tokens, [r["loss"] for r in steps]])
+    np.testing.assert_array_equal(val_line.get_xydata(), [[r["tokens_seen"], r["val_loss"]] for r in rec
+                                                          if "val_loss" in r])
+    assert len(other_line.get_xydata()) == 5 and other_line.get_label() == f"{other / 'log'} train"
+    np.testing.assert_array_equal(speed_ax.get_lines()[0].get_ydata(), [r["tokens_per_s"] for r in steps])
+    np.testing.assert_array_equal(lr_ax.get_lines()[0].get_ydata(), [r["lr"] for r in steps])
+    # CPU has no peak in the table: the panel shows model TFLOP/s per device, and says why.
+    assert "MFU: device peak unknown" in flops_ax.get_title()
+    np.testing.assert_array_equal(flops_ax.get_lines()[0].get_ydata(), [r["model_tflops_per_device"] for r in steps])
+
+
+def test_the_cli_writes_a_png(trained_run, tmp_path):
+    out = tmp_path / "curves.png"
+    proc = zerolm("plot", trained_run / "log", "--out", out, devices=1)
+    assert proc.stdout.strip() == str(out)
+    image = matplotlib.image.imread(out)
+    assert image.shape[:2] == (800, 1200) and image.std() > 0.05  # 12 × 8 inches at 100 dpi, not blank
+
+
+def test_bad_input_is_one_line(tmp_path):
+    proc = zerolm("plot", tmp_path, expect=2, devices=1)
+    assert proc.stderr == f"error: {tmp_path}: no metrics.jsonl (a run's logging.dir, e.g. runs/tiny)\n"
+    proc = zerolm("plot", tmp_path, "--out", tmp_path / "x.pdf", expect=2, devices=1)
+    assert proc.stderr == f"error: --out: {tmp_path / 'x.pdf'}: expected a .png file\n"
