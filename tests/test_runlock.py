@@ -36,3 +36,13 @@ def test_lease_is_refused_while_fresh_and_taken_over_when_stale(tmp_path):
     second = RunLock.acquire(directory, lease=True, stale_after_s=60, heartbeat_s=0.05)
     assert second.taken_over["host"] == "old-host"
     second.release()
+
+
+def test_a_lease_being_renewed_is_never_seen_half_written(tmp_path):
+    # A half-written lease reads as no lease, and a second run would take a live run's directory.
+    directory = str(tmp_path / "bucket" / "run")
+    with RunLock.acquire(directory, lease=True, stale_after_s=60, heartbeat_s=0.001):
+        lease = tmp_path / "bucket" / "run" / LEASE_FILE
+        for _ in range(3000):
+            assert "token" in json.loads(lease.read_text())
+    assert list(lease.parent.iterdir()) == []  # released: no lease and no staged copy left behind

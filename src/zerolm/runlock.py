@@ -8,7 +8,9 @@ Object stores (`gs://...`) have no OS lock, and orbax offers none, so there the 
 `<dir>/zerolm.lease` holds the holder and a heartbeat that a background thread renews every
 `heartbeat_s`. A lease whose heartbeat is older than `stale_after_s` belongs to a dead run and is
 taken over (and the new holder says so). Object stores give no atomic create here, so two runs
-starting within a second of each other are told apart by writing, waiting, and reading back.
+starting within a second of each other are told apart by writing, waiting, and reading back. The
+lease is written beside itself and renamed into place, so a reader never sees a half-written one
+(which it would take for no lease at all).
 """
 
 from __future__ import annotations
@@ -123,7 +125,9 @@ def _acquire_lease(directory: epath.Path, stale_after_s: float, heartbeat_s: flo
     record = {**_holder_record(), "token": token}
 
     def write() -> None:
-        path.write_text(json.dumps({**record, "heartbeat": time.time()}))
+        staged = directory / f".{LEASE_FILE}.{token}"
+        staged.write_text(json.dumps({**record, "heartbeat": time.time()}))
+        staged.replace(path)
 
     write()
     time.sleep(min(1.0, heartbeat_s))  # a run that wrote at the same moment: the last writer wins
