@@ -18,7 +18,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from zerolm import evaluate, export, launch, plot, sample, train
+    from zerolm import comms, evaluate, export, launch, plan, plot, sample, train
     from zerolm.data import prepare
 
     argv = sys.argv[1:] if argv is None else argv
@@ -35,11 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     sample.add_arguments(sub.add_parser("sample", help="continue a prompt with a checkpoint's model (KV cache)"))
     plot.add_arguments(sub.add_parser("plot", help="loss, throughput, MFU and lr of runs, as a PNG"))
     export.add_arguments(sub.add_parser("export-hf", help="a checkpoint as a Hugging Face GPT-2 model directory"))
+    plan.add_arguments(sub.add_parser("plan", help="per-device memory of ZeRO stages 0-3, the micro-batch that fits, "
+                                                   "and the step time, before launching"))
+    comms.add_arguments(sub.add_parser("comms", help="every collective of the compiled training step, beside the "
+                                                     "planner's prediction"))
     args = parser.parse_args(argv)
     commands = {"train": lambda: train.main(argv[1:]), "checkpoints": lambda: _checkpoints(args.dir),
                 "launch-local": lambda: _launch_local(args), "prepare": lambda: prepare.main_args(args),
                 "eval": lambda: evaluate.main_args(args), "sample": lambda: sample.main_args(args),
-                "plot": lambda: plot.main_args(args), "export-hf": lambda: export.main_args(args)}
+                "plot": lambda: plot.main_args(args), "export-hf": lambda: export.main_args(args),
+                "plan": lambda: plan.main_args(args), "comms": lambda: comms.main_args(args)}
     return commands[args.command]()
 
 

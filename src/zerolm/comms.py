@@ -4,6 +4,10 @@ The gradient step, the reshard and the update are lowered and compiled for the r
 programs the loop runs: JAX keeps the executables, so the loop does not compile them again), and
 their optimized HLO is read by `zerolm.hlo`: each collective's kind, result bytes per device, the
 mesh axes it runs over, and whether it sits inside the accumulation loop.
+
+`zerolm comms` does this for a config without training: on the real devices when there are enough,
+else on fake CPU devices (the same partitioner, but the CPU backend's own collective passes), and
+puts the planner's predicted bytes (zerolm.plan.predicted_traffic) beside what was found.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class Traffic:
     in_loop: bool
     count: int
     bytes: int  # result bytes per device, summed over the `count` collectives
+    bytes_per_run: int | None  # ... each times it runs per program execution (loops' trip counts); None: unknown
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "axes": list(self.axes)}
@@ -50,15 +55,20 @@ def compiled_texts(zero: Zero1, micro_batch: int, seq_len: int, accum_steps: int
 
 
 def traffic(texts: dict[str, str], mesh_shape: dict[str, int]) -> list[Traffic]:
-    rows: dict[tuple, list[int]] = collections.defaultdict(lambda: [0, 0])
+    rows: dict[tuple, list] = collections.defaultdict(lambda: [0, 0, 0])
     for program, text in texts.items():
         for c in hlo.collectives(text):
             key = (program, c.op, hlo.axes_label(c, mesh_shape), c.in_loop)
             rows[key][0] += 1
             rows[key][1] += c.bytes
-    return [Traffic(p, op, axes, in_loop, count, nbytes)
-            for (p, op, axes, in_loop), (count, nbytes) in sorted(rows.items(), key=lambda kv: (
-                PROGRAMS.index(kv[0][0]), kv[0][3], kv[0][1], kv[0][2]))]
+            rows[key][2] = None if rows[key][2] is None or c.runs is None else rows[key][2] + c.bytes * c.runs
+    return [Traffic(p, op, axes, in_loop, count, nbytes, per_run)
+            for (p, op, axes, in_loop), (count, nbytes, per_run) in sorted(rows.items(), key=lambda kv: (
+                _order(kv[0][0]), kv[0][3], kv[0][1], kv[0][2]))]
+
+
+def _order(program: str) -> int:
+    return PROGRAMS.index(program) if program in PROGRAMS else len(PROGRAMS)  # e.g. the naive "step"
 
 
 def describe(rows: list[Traffic]) -> list[str]:
@@ -79,3 +89,156 @@ def _mib(n: int) -> str:
     if n >= 2**20:
         return f"{n / 2**20:.2f} MiB"
     return f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} B"
+
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", required=True, help="a zerolm YAML config")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="devices to compile for (default: mesh.dp × mesh.tp; with mesh.dp auto, this machine's "
+                             "accelerators, or 8 fake CPU devices)")
+    parser.add_argument("--step", choices=("zerolm", "naive"), default="zerolm",
+                        help="zerolm: the ZeRO-1 step; naive: one plain jax.jit with the accumulation scan inside, "
+                             "the baseline the design avoids (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _devices(wanted: int | None) -> list[jax.Device]:
+    """`wanted` devices (None: the accelerators, or 8 fake CPU devices): real ones when there are enough."""
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_num_cpu_devices", wanted or 8)
+    real = jax.devices()
+    if wanted is None:
+        wanted = len(real) if real[0].platform != "cpu" else len(jax.devices("cpu"))
+    if len(real) >= wanted:
+        return real[:wanted]
+    cpu = jax.devices("cpu")
+    if len(cpu) < wanted:
+        raise ValueError(f"--devices: {wanted} devices wanted, but only {len(cpu)} CPU devices can be made in this "
+                         "process (XLA_FLAGS or JAX_NUM_CPU_DEVICES set fewer)")
+    return cpu[:wanted]
+
+
+def report(cfg, devices: list[jax.Device], step: str = "zerolm") -> dict:
+    """Compile `cfg`'s step on `devices` and put every collective beside the planner's prediction."""
+    import jax.numpy as jnp
+
+    from zerolm import model as gpt_model
+    from zerolm import plan, train
+    from zerolm.mesh import make_mesh
+    from zerolm.zero import naive_data_parallel_step
+
+    mesh = make_mesh(cfg.dp, cfg.mesh.tp, devices)
+    _, zero, _ = train.build_step(cfg, mesh)
+    micro, seq, accum = cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps
+    if step == "naive":
+        if cfg.mesh.tp > 1:
+            raise ValueError("--step naive: the naive baseline is data parallel only; set mesh.tp=1")
+        naive = naive_data_parallel_step(mesh, _loss(cfg), zero.tx)
+        replicated = zero.replicated
+        params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), zero.abstract_params)
+        opt = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
+                           jax.eval_shape(zero.tx.init, zero.abstract_params))
+        batch = jax.ShapeDtypeStruct((accum, zero.dp * micro, seq + 1), np.int32, sharding=zero.batch_sharding)
+        texts = {"step": hlo.compiled_text(naive, params, opt, batch)}
+        predicted = plan.predicted_naive_traffic(zero.abstract_params, accum)
+    else:
+        texts = compiled_texts(zero, micro, seq, accum)
+        activation = micro * seq * cfg.model.d_model * jnp.dtype(gpt_model.compute_dtype(cfg.model)).itemsize
+        predicted = plan.predicted_traffic(zero.table, cfg.zero.grad_reduce, accum, activation, cfg.model.n_layer,
+                                           cfg.model.remat == "full")
+    rows = [r.as_dict() for r in traffic(texts, dict(mesh.shape))]
+    for p in predicted:  # each prediction beside the rows it predicts (axes None: any rows over dp)
+        mine = [r for r in rows if (r["program"], r["op"], r["in_loop"]) == (p["program"], p["op"], p["in_loop"])
+                and (r["axes"] == p["axes"] if p["axes"] is not None else "dp" in r["axes"])]
+        p["found_bytes"] = sum(r["bytes"] for r in mine) if mine else None
+        p["found_bytes_per_step"] = None if not mine or any(r["bytes_per_run"] is None for r in mine) else \
+            sum(r["bytes_per_run"] for r in mine)
+        for r in mine:
+            r["predicted"] = p
+    return {"config": cfg.name, "step": step, "backend": devices[0].platform, "device_kind": devices[0].device_kind,
+            "devices": len(devices), "mesh": dict(mesh.shape), "grad_reduce": cfg.zero.grad_reduce,
+            "micro_batch": micro, "accum_steps": accum, "collectives": [{k: v for k, v in r.items() if k != "predicted"}
+                                                                         for r in rows],
+            "predicted": predicted, "_rows": rows}
+
+
+def _loss(cfg):
+    import functools
+
+    from zerolm import model as gpt_model
+    return functools.partial(gpt_model.lm_loss, gpt_model.GPT(cfg.model))
+
+
+def describe_report(r: dict) -> list[str]:
+    lines = [f"comms: {r['config']}: the {r['step']} step compiled for {r['devices']} {r['backend']} device(s) "
+             f"({r['device_kind']}), mesh {' × '.join(f'{k}={v}' for k, v in r['mesh'].items())}, "
+             f"{r['accum_steps']} accumulation step(s) of {r['micro_batch']}, grad_reduce={r['grad_reduce']}",
+             "bytes are per device: of the HLO instructions once, and per optimizer step (times their loops' trip counts)",
+             f"  {'program':8s} {'collective':18s} {'axes':8s} {'where':14s} {'count':>5s} {'bytes':>12s} "
+             f"{'bytes/step':>13s}   predicted by zerolm plan (bytes, bytes/step)"]
+    shown = set()
+    for c in r["_rows"]:
+        p = c.get("predicted")
+        if p is None:
+            verdict = "-"
+        elif id(p) in shown:
+            verdict = "(in the row above)"
+        else:
+            shown.add(id(p))
+            summed = "" if p["axes"] is not None else " summed over the dp rows"
+            verdict = f"{p['bytes']:,}, {p['bytes_per_step']:,}{summed}: " + _verdict(p)
+        per_step = "?" if c["bytes_per_run"] is None else f"{c['bytes_per_run']:,}"
+        lines.append(f"  {c['program']:8s} {c['op']:18s} {'+'.join(c['axes']) or '-':8s} "
+                     f"{'IN a loop' if c['in_loop'] else 'once':14s} {c['count']:5d} {c['bytes']:12,} {per_step:>13s}   "
+                     f"{verdict}")
+    for p in r["predicted"]:
+        if p["found_bytes"] is None:
+            lines.append(f"  predicted but NOT in the compiled step: {p['program']} {p['op']} over "
+                         f"{'+'.join(p['axes'] or ['dp'])}{' in a loop' if p['in_loop'] else ''}, {p['bytes']:,} bytes")
+    lines.append("  (-: not predicted: the update's norms and counters, a few scalars)")
+    reductions = [c for c in r["_rows"] if "dp" in c["axes"] and c["op"] in ("all-reduce", "reduce-scatter")
+                  and c["program"] in ("grad", "step") and c["bytes"] > 4]
+    if reductions:
+        inside = [c for c in reductions if c["in_loop"]]
+        lines.append("gradient reduction over dp: " + (
+            f"INSIDE the accumulation loop: every micro-step ({sum(c['count'] for c in inside)} HLO collective(s) "
+            "in loops)" if inside else "once per step, after the accumulation loop"))
+    return lines
+
+
+def _verdict(p: dict) -> str:
+    if p.get("at_least"):
+        return "at least that: yes" if (p["found_bytes_per_step"] or 0) >= p["bytes_per_step"] else "LESS"
+    same = p["found_bytes"] == p["bytes"] and p["found_bytes_per_step"] == p["bytes_per_step"]
+    return "equal" if same else "DIFFERENT"
+
+
+def main_args(args) -> int:
+    import json
+    import sys
+
+    from zerolm import plan
+    from zerolm.config import ConfigError, load_config
+
+    try:
+        if args.devices is not None and args.devices <= 0:
+            raise ValueError(f"--devices: {args.devices} is not positive")
+        cfg = load_config(args.config, args.set)
+        wanted = args.devices or (cfg.dp * cfg.mesh.tp if cfg.mesh.dp != "auto" else None)
+        devices = _devices(wanted)
+        cfg = load_config(args.config, args.set, device_count=len(devices))
+        cfg = cfg.resolve(model__vocab_size=plan.planned_vocab(cfg))
+        result = report(cfg, devices, args.step)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        result.pop("_rows")
+        print(json.dumps(result, indent=1))
+    else:
+        print("\n".join(describe_report(result)))
+    return 0

@@ -21,6 +21,7 @@ _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"=\s+(.+?)\s+(" + "|".join(COLLECTIVE_OPS) + r")(-start)?\(")
 _CALLED = re.compile(r"(?:body|condition|calls|to_apply|branch_computations)=\{?([%\w.\-, ]+)\}?")
 _WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _ARRAY = re.compile(r"(pred|[a-z]+\d+)\[([\d,]*)\]")
 _GROUPS_LISTED = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
@@ -35,6 +36,7 @@ class Collective:
     in_loop: bool  # inside a while body (or something a while body calls)
     result_type: str
     groups: tuple[frozenset[int], ...] = ()  # replica groups; () = all devices in one group
+    runs: int | None = 1  # times it runs per execution of the program (the enclosing loops' trip counts); None: unknown
 
     @property
     def elements(self) -> int:
@@ -64,9 +66,24 @@ def _computations(hlo_text: str) -> dict[str, list[str]]:
 
 def collectives(hlo_text: str) -> list[Collective]:
     comps = _computations(hlo_text)
-    callees = {name: {c.strip().lstrip("%") for m in _CALLED.finditer("\n".join(lines))
-                      for c in m.group(1).split(",") if c.strip()}
-               for name, lines in comps.items()}
+    callees = _callees(comps)
+    in_loop = _loop_computations(comps, callees)
+    runs = _runs(hlo_text, comps, callees)
+    found = []
+    for name, lines in comps.items():
+        for line in lines:
+            m = _INSTRUCTION.search(line)
+            if m:
+                found.append(Collective(m.group(2), name, name in in_loop, m.group(1), _groups(line), runs.get(name)))
+    return found
+
+
+def _callees(comps: dict[str, list[str]]) -> dict[str, set[str]]:
+    return {name: {c.strip().lstrip("%") for m in _CALLED.finditer("\n".join(lines)) for c in m.group(1).split(",")
+                   if c.strip()} for name, lines in comps.items()}
+
+
+def _loop_computations(comps: dict[str, list[str]], callees: dict[str, set[str]]) -> set[str]:
     in_loop: set[str] = set()
     stack = [m.group(1) for lines in comps.values() for line in lines for m in [_WHILE_BODY.search(line)] if m]
     while stack:
@@ -74,13 +91,40 @@ def collectives(hlo_text: str) -> list[Collective]:
         if name not in in_loop:
             in_loop.add(name)
             stack.extend(callees.get(name, ()))
-    found = []
+    return in_loop
+
+
+def ops_in_loops(hlo_text: str, opcode: str) -> tuple[int, int]:
+    """(instructions of `opcode` inside a while body or what it calls, instructions of it elsewhere)."""
+    comps = _computations(hlo_text)
+    in_loop = _loop_computations(comps, _callees(comps))
+    pattern = re.compile(rf"\s{re.escape(opcode)}\(")
+    counts = [0, 0]
     for name, lines in comps.items():
-        for line in lines:
-            m = _INSTRUCTION.search(line)
-            if m:
-                found.append(Collective(m.group(2), name, name in in_loop, m.group(1), _groups(line)))
-    return found
+        counts[name not in in_loop] += sum(1 for line in lines if pattern.search(line))
+    return counts[0], counts[1]
+
+
+def _runs(hlo_text: str, comps: dict[str, list[str]], callees: dict[str, set[str]]) -> dict[str, int | None]:
+    """Times each computation runs per execution of the entry computation: a while body runs its
+    `known_trip_count` times per run of its caller (unknown trip count: None)."""
+    entry = next((m.group(1) for line in hlo_text.splitlines() if line.startswith("ENTRY")
+                  for m in [_COMPUTATION.match(line)] if m), None)
+    runs: dict[str, int | None] = {}
+    stack = [(entry, 1)] if entry else []
+    while stack:
+        name, times = stack.pop()
+        if name in runs:
+            continue
+        runs[name] = times
+        bodies = {}
+        for line in comps.get(name, ()):
+            if m := _WHILE_BODY.search(line):
+                trip = _TRIP_COUNT.search(line)
+                bodies[m.group(1)] = None if times is None or trip is None else times * int(trip.group(1))
+        stack.extend(bodies.items())
+        stack.extend((callee, times) for callee in callees.get(name, ()) if callee not in bodies)
+    return runs
 
 
 def _groups(line: str) -> tuple[frozenset[int], ...]:

@@ -268,13 +268,8 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
     entropy = dataset.manifest["splits"]["train"]["unigram_entropy"]
     tokenizer = dataset.tokenizer() if cfg.sample.tokens else None  # fail now, not after training
 
-    model = gpt_model.GPT(cfg.model)
-    init_fn = functools.partial(gpt_model.init_params, model)
-    loss_fn = functools.partial(gpt_model.lm_loss, model)
-    abstract_params = jax.eval_shape(init_fn, jax.random.key(0))
-    tx, schedule = make_optimizer(cfg.train)
-    zero = Zero1(mesh, loss_fn, tx, abstract_params, logical_axes=gpt_model.logical_axes(model),
-                 grad_reduce=cfg.zero.grad_reduce, lr_schedule=schedule)
+    model, zero, init_fn = build_step(cfg, mesh)
+    abstract_params = zero.abstract_params
     n_params = gpt_model.count_params(abstract_params)
     accounting = Accounting(flops_per_token(gpt_model.count_params(abstract_params, exclude_positions=True),
                                             cfg.model.n_layer, cfg.model.d_model, cfg.model.seq_len),
@@ -334,6 +329,16 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
     if sample is not None:
         say("sample: " + sample(state.params))
     return summary
+
+
+def build_step(cfg: Config, mesh) -> tuple[gpt_model.GPT, Zero1, functools.partial]:
+    """The model, its ZeRO-1 step on `mesh` and its init function, as the config says (vocab resolved)."""
+    model = gpt_model.GPT(cfg.model)
+    init_fn = functools.partial(gpt_model.init_params, model)
+    tx, schedule = make_optimizer(cfg.train)
+    zero = Zero1(mesh, functools.partial(gpt_model.lm_loss, model), tx, jax.eval_shape(init_fn, jax.random.key(0)),
+                 logical_axes=gpt_model.logical_axes(model), grad_reduce=cfg.zero.grad_reduce, lr_schedule=schedule)
+    return model, zero, init_fn
 
 
 def _sample_text(model: gpt_model.GPT, tokenizer: Tokenizer, cfg: Config, params) -> str:

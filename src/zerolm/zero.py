@@ -9,7 +9,8 @@ One optimizer step is three compiled programs (seed note 003, on today's JAX):
    each device reducing only its own tp block: a `pmean` (all_reduce) or a `psum_scatter` straight
    into the optimizer-state layout (reduce_scatter, half the bytes).
 2. `reshard`: an identity `jax.jit` that moves the parameters into the optimizer-state layout. Each
-   device keeps its own slice, so it compiles to no collective.
+   device keeps its own slice, so it compiles to no collective (but for a small gather of each
+   blockified tp-split leaf; `zerolm comms` shows them).
 3. `update`: a jitted optax update on the sharded view; the optimizer state stays sharded (and is
    donated) and the new parameters come back in their own (tp) sharding: the step's all-gather.
 

@@ -1,0 +1,124 @@
+"""Evidence for docs/zero-questions.md: seed note 000's four questions, asked of the compiler.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/zero_questions.py [--layers 2 8 32]
+
+Runs on whatever backend JAX has (8 fake CPU devices above; a GPU or TPU slice as it is) and prints:
+1. whether a sum over data-parallel gradients plus a sharding constraint becomes a reduce-scatter,
+   next to an explicit `lax.psum_scatter` and a plain sum;
+2. whether the collectives are asynchronous (`-start`/`-done` pairs the scheduler can overlap) and
+   what separates the gradient reduction from the backward pass in zerolm's step;
+3. the gradient step's compile time as the depth grows (layers under `nn.scan`);
+4. where the optimizer update sits relative to the accumulation loop, in the naive single jit with
+   1 and with 2 accumulation steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zerolm import comms, hlo
+from zerolm import model as gpt_model
+from zerolm.config import load_config
+from zerolm.mesh import DP, make_mesh
+from zerolm.train import build_step
+from zerolm.zero import naive_data_parallel_step
+
+
+def collectives(text: str, mesh) -> str:
+    rows = comms.traffic({"program": text}, dict(mesh.shape))
+    return ", ".join(f"{r.count} {r.op} over {'+'.join(r.axes)}{' IN a loop' if r.in_loop else ''}" for r in rows) \
+        or "no collective"
+
+
+def question_1(mesh) -> None:
+    n = mesh.shape[DP]
+    stacked = jax.ShapeDtypeStruct((n, 1024 * n), np.float32, sharding=NamedSharding(mesh, P(DP)))
+    out = NamedSharding(mesh, P(DP))
+
+    def summed(x):
+        return jnp.sum(x, axis=0)
+
+    def constrained(x):
+        return lax.with_sharding_constraint(jnp.sum(x, axis=0), out)
+
+    scatter = jax.shard_map(lambda x: lax.psum_scatter(x[0], DP, tiled=True), mesh=mesh, in_specs=P(DP),
+                            out_specs=P(DP))
+    print("1. per-device gradients (stacked on dp) summed over dp:")
+    for name, fn, kw in [("jnp.sum", summed, {}), ("jnp.sum + with_sharding_constraint(P('dp'))", constrained, {}),
+                         ("jnp.sum, out_shardings=P('dp')", summed, {"out_shardings": out}),
+                         ("shard_map + lax.psum_scatter (zerolm)", scatter, {})]:
+        print(f"   {name:45s} -> {collectives(hlo.compiled_text(jax.jit(fn, **kw), stacked), mesh)}")
+
+
+def _cfg(layers: int, accum: int, dp: int):
+    cfg = load_config("configs/tiny.yaml", [f"model.n_layer={layers}", f"mesh.dp={dp}",
+                                            f"train.micro_batch_size={32 // dp // accum}"], device_count=dp)
+    return cfg.resolve(model__vocab_size=cfg.data.default_vocab_size)
+
+
+def question_2(mesh) -> None:
+    cfg = _cfg(4, 2, mesh.shape[DP])
+    _, zero, _ = build_step(cfg, mesh)
+    text = comms.compiled_texts(zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps)["grad"]
+    asynchronous = sorted(set(re.findall(r"\b((?:all-reduce|reduce-scatter|all-gather)-start)\(", text)))
+    print(f"2. backend {jax.default_backend()}: asynchronous collectives in zerolm's gradient step: "
+          f"{', '.join(asynchronous) or 'none (each collective blocks until done)'}")
+    scatters = [c for c in hlo.collectives(text) if c.op == "reduce-scatter"]
+    loops = len(re.findall(r"\bwhile\(", text))
+    print(f"   {loops} while loops; the dp reduction: {len(scatters)} "
+          f"reduce-scatters, {sum(c.in_loop for c in scatters)} of them inside a loop")
+
+
+def question_3(mesh, depths: list[int]) -> None:
+    print("3. compile time of the gradient step (layers under nn.scan):")
+    for layers in depths:
+        cfg = _cfg(layers, 2, mesh.shape[DP])
+        _, zero, _ = build_step(cfg, mesh)
+        start = time.perf_counter()
+        text = comms.compiled_texts(zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps)["grad"]
+        seconds = time.perf_counter() - start
+        print(f"   {layers:3d} layers: {seconds:6.2f} s to lower and compile grad+reshard+update, "
+              f"HLO {len(text.splitlines()):6d} lines")
+
+
+def question_4(mesh) -> None:
+    print("4. the naive single jit: where the AdamW update sits")
+    for accum in (1, 2):
+        cfg = _cfg(4, accum, mesh.shape[DP])
+        _, zero, _ = build_step(cfg, mesh)
+        step = naive_data_parallel_step(mesh, functools.partial(gpt_model.lm_loss, gpt_model.GPT(cfg.model)), zero.tx)
+        rep = zero.replicated
+        params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), zero.abstract_params)
+        opt = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
+                           jax.eval_shape(zero.tx.init, zero.abstract_params))
+        batch = jax.ShapeDtypeStruct((accum, 32, cfg.model.seq_len + 1), np.int32, sharding=zero.batch_sharding)
+        text = hlo.compiled_text(step, params, opt, batch)
+        inside, outside = hlo.ops_in_loops(text, "sqrt")
+        loops = len(re.findall(r"\bwhile\(", text))
+        print(f"   accumulation {accum}: {loops} while loop(s); collectives: {collectives(text, mesh)}; "
+              f"Adam's sqrt: {inside} inside a loop, {outside} after the loops")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
+    args = p.parse_args()
+    mesh = make_mesh(jax.device_count(), 1)
+    print(f"{jax.device_count()} {jax.devices()[0].device_kind} device(s), jax {jax.__version__}")
+    question_1(mesh)
+    question_2(mesh)
+    question_3(mesh, args.layers)
+    question_4(mesh)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,621 @@
+"""Know before you launch: per-device memory of ZeRO stages 0–3, the micro-batch that fits, the step time.
+
+**Model states** (params, gradients, optimizer state), per device, on a dp × tp layout. A stage
+shards over dp what it names (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models", section 5): stage 0 nothing, 1 the optimizer state, 2 also the gradients,
+3 also the parameters. Bytes per parameter:
+
+    --precision mixed   2 (bf16 params) + 2 (bf16 grads) + 12 (fp32 master, Adam m and v)   the paper's K = 12
+    --precision fp32    4 (fp32 params) + 4 (fp32 gradient accumulator) + 8 (fp32 Adam m, v)   what zerolm trains
+
+From a config the bytes are exact: the planner asks `zerolm.sharding` for the very layouts the train
+step uses (on an abstract mesh, so no devices are needed), padding and step counters included; stage
+1 at fp32 is the train state. From `--params N` they are the paper's formulas in N.
+
+**Activations** of one micro-batch of b sequences of s tokens, width h, a heads, L layers, e bytes per
+compute element (bf16: 2), tensor parallelism t, stored for the backward pass. Per layer, after
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", section
+4.1) without dropout: the two LayerNorm inputs and outputs (4·sbh, replicated over tp), q, k, v
+(3·sbh/t), the attention output (sbh/t), the MLP's GELU input and output (8·sbh/t), and the softmax
+probabilities a·s²·b/t (none with flash attention, which keeps a float32 log-sum-exp per row). With
+full remat a layer keeps only its input (sbh), and one layer at a time is rebuilt during the backward
+pass. Beyond the layers: the final LayerNorm's input and output, and the output layer: zerolm's
+chunked loss keeps the float32 gradient of the embedding (V·h) and two float32 chunks of logits
+(chunk·V); unchunked, the float32 logits and their gradient (2·b·s·V).
+
+**Step time**: compute = (6·N + 12·L·h·s) FLOPs per token (zerolm.mfu; 8·N + 16·L·h·s with full
+remat) over the device's peak times `--efficiency`. Communication follows seed note 002's ring model:
+a ring reduce-scatter or all-gather of S bytes over n devices takes base + (n−1)·hop latency +
+(n−1)/n·S/bandwidth (an all-reduce twice the steps), hops between nodes at the inter-node latency
+and the whole ring at the slowest link's bandwidth; the tree all-reduce (NCCL's double binary tree)
+takes base + 2·⌈log2 n⌉·hop + 2·S/bandwidth. zerolm's step reduce-scatters the gradients and
+all-gathers the parameters once per step, after the accumulation loop (not overlapped). With
+overlap, the last micro-batch's backward pass would reduce bucket by bucket (the note's bucketed
+reduction): t_fwd + t_bwd(first bucket) + max(t_bwd(rest), t_comm(all buckets but the last)) +
+t_comm(last bucket). The recommended bucket is the note's rule: the smallest bucket for which the
+rest of the backward pass covers the communication, else the fastest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import sys
+from typing import Any
+
+from zerolm.hardware import Device, UnknownDevice, preset
+
+STAGES = (0, 1, 2, 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    param: int  # bytes per parameter of the params the step computes with
+    grad: int  # ... of the gradients (zerolm: its float32 accumulator)
+    master: int  # ... of an fp32 master copy kept with the optimizer (mixed precision)
+    moments: int  # ... of Adam's m and v
+
+
+PRECISIONS = {"mixed": Precision(2, 2, 4, 8), "fp32": Precision(4, 4, 0, 8)}
+
+
+class PlanError(ValueError):
+    """A bad plan request; the message is the one line a user sees."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """What the planner needs of a model: its size and shape."""
+
+    params: int  # N, all parameters
+    tp_split: int  # of which tensor parallelism splits (the blocks' matrices and their biases)
+    n_layer: int
+    d_model: int
+    n_head: int
+    seq_len: int
+    vocab: int  # padded
+    act_bytes: int = 2  # bytes per compute-dtype element
+    loss_chunk: int = 2048
+    remat: str = "none"
+    source: str = ""
+
+    @property
+    def flops_params(self) -> int:
+        """N without the position embedding (zerolm.mfu's convention)."""
+        return self.params - self.seq_len * self.d_model
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    params: int
+    grads: int
+    optimizer: int
+
+
+class AnalyticStates:
+    """Model-state bytes from the parameter count: the ZeRO paper's formulas (tp splits `tp_split`)."""
+
+    def __init__(self, model: Model, dp: int, tp: int):
+        self.full = model.params - model.tp_split + -(-model.tp_split // tp)  # per device, whole over dp
+        self.sharded = -(-model.params // (dp * tp))
+
+    def __call__(self, stage: int, p: Precision) -> StateBytes:
+        params = self.sharded if stage >= 3 else self.full
+        grads = self.sharded if stage >= 2 else self.full
+        opt = self.sharded if stage >= 1 else self.full
+        return StateBytes(p.param * params, p.grad * grads, (p.master + p.moments) * opt)
+
+
+class ExactStates:
+    """Model-state bytes of zerolm's own layouts (`zerolm.sharding.Table` on an abstract mesh)."""
+
+    def __init__(self, table):
+        import jax
+        import numpy as np
+        import optax
+
+        from zerolm.sharding import abstract_views, shard_bytes, with_shardings
+
+        def cast(tree, dtype):
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype, sharding=a.sharding), tree)
+
+        params = with_shardings(table.abstract_params, table.params)
+        views = with_shardings(abstract_views(table.layouts, table.abstract_params), table.views)
+        self._full = {np.dtype(d).itemsize: shard_bytes(cast(params, d)) for d in (np.float32, jax.numpy.bfloat16)}
+        self._sharded = {np.dtype(d).itemsize: shard_bytes(cast(views, d)) for d in (np.float32, jax.numpy.bfloat16)}
+        opt_whole = jax.eval_shape(table.tx.init, table.abstract_params)
+        opt_whole = with_shardings(opt_whole, optax.tree_map_params(
+            table.tx, lambda _, s: s, opt_whole, table.params, transform_non_params=lambda _: table.replicated))
+        opt_sharded = with_shardings(jax.eval_shape(table.tx.init, abstract_views(table.layouts, table.abstract_params)),
+                                     table.opt)
+        self._adam = {False: shard_bytes(opt_whole), True: shard_bytes(opt_sharded)}
+
+    def __call__(self, stage: int, p: Precision) -> StateBytes:
+        def of(sharded: bool, nbytes: int) -> int:
+            return (self._sharded if sharded else self._full)[nbytes] if nbytes else 0
+        return StateBytes(of(stage >= 3, p.param), of(stage >= 2, p.grad),
+                          of(stage >= 1, p.master) + self._adam[stage >= 1])
+
+
+def activation_bytes(m: Model, micro: int, tp: int, remat: str, flash: bool) -> int:
+    """Bytes one device keeps for the backward pass of one micro-batch (see the module docstring)."""
+    s, b, h, a, e = m.seq_len, micro, m.d_model, m.n_head, m.act_bytes
+    sbh = s * b * h
+    scores = 4 * a * s * b // tp if flash else a * s * s * b * e // tp
+    layer = 4 * sbh * e + 12 * sbh * e // tp + scores
+    layers = m.n_layer * layer if remat == "none" else m.n_layer * sbh * e + layer
+    tokens = b * s
+    if m.loss_chunk and m.loss_chunk < tokens:
+        loss = m.vocab * h * 4 + 2 * m.loss_chunk * m.vocab * 4
+    else:
+        loss = 2 * tokens * m.vocab * 4
+    return layers + 2 * sbh * e + loss
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    global_batch: int  # sequences per optimizer step
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def per_rank(self) -> int:
+        return self.global_batch // self.dp
+
+
+# ---------------------------------------------------------------------------------------------------
+# Communication: seed note 002's ring model, and the tree all-reduce.
+
+def _span(device: Device, n: int, tp: int) -> tuple[int, float, float]:
+    """(nodes a dp ring of n ranks spans, its bandwidth, its hop latency between nodes)."""
+    nodes = -(-n * tp // device.per_node)
+    return nodes, (device.inter_bw if nodes > 1 else device.intra_bw), device.inter_latency
+
+
+def ring_time(device: Device, op: str, nbytes: float, n: int, tp: int = 1) -> float:
+    """A ring reduce-scatter / all-gather (n−1 steps) or all-reduce (2(n−1)) of `nbytes` per device."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    passes = 2 if op == "all-reduce" else 1
+    nodes, bw, inter_lat = _span(device, n, tp)
+    inter_hops = nodes if nodes > 1 else 0
+    hops = passes * (inter_hops * inter_lat + (n - 1 - inter_hops) * device.intra_latency)
+    return device.base_latency + hops + passes * (n - 1) / n * nbytes / bw
+
+
+def tree_time(device: Device, nbytes: float, n: int, tp: int = 1) -> float:
+    """A pipelined (double binary) tree all-reduce: log-depth latency, 2·S/bandwidth transport."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    nodes, bw, inter_lat = _span(device, n, tp)
+    return device.base_latency + 2 * math.ceil(math.log2(n)) * (inter_lat if nodes > 1 else device.intra_latency) \
+        + 2 * nbytes / bw
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    micro_batch: int
+    accum_steps: int
+    compute_s: float
+    tp_comm_s: float
+    grad_comm_s: float  # the reduction after the loop (ring reduce-scatter; all-reduce for stage 0)
+    param_gather_s: float  # the update's all-gather (stages 1, 2)
+    grad_allreduce_ring_s: float
+    grad_allreduce_tree_s: float
+    bucket_bytes: int
+    buckets: int
+    overlapped_s: float  # the step with the bucketed reduction overlapping the last backward pass
+    efficiency: float  # assumed share of peak while computing
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.tp_comm_s + self.grad_comm_s + self.param_gather_s
+
+    def mfu(self, overlap: bool = False) -> float:
+        return self.efficiency * self.compute_s / (self.overlapped_s if overlap else self.step_s)
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "step_s": self.step_s, "mfu": self.mfu(), "mfu_overlapped": self.mfu(True)}
+
+
+class Planner:
+    """One plan: a model on a layout of devices. `states(dp, tp)` gives the model-state bytes of a layout
+    (ExactStates from a config, AnalyticStates from a parameter count)."""
+
+    def __init__(self, model: Model, states, device: Device, layout: Layout, precision: str, micro_batch: int = 1,
+                 *, efficiency: float = 0.5, memory_fraction: float = 0.9, flash: bool | None = None):
+        self.model, self.device, self.layout, self.micro_batch = model, device, layout, micro_batch
+        self._factory, self.states = states, states(layout.dp, layout.tp)
+        self.precision_name, self.precision = precision, PRECISIONS[precision]
+        self.efficiency, self.memory_fraction = efficiency, memory_fraction
+        # zerolm's model.attention auto: cuDNN flash attention on GPUs, XLA's elsewhere.
+        self.flash = device.name in ("a100", "h100", "h200") if flash is None else flash
+
+    @property
+    def usable(self) -> float:
+        return self.device.memory * self.memory_fraction
+
+    def memory(self, stage: int, micro: int) -> dict[str, Any]:
+        st = self.states(stage, self.precision)
+        remat = "full" if self.model.remat == "full" else "none"
+        acts = {r: activation_bytes(self.model, micro, self.layout.tp, r, self.flash) for r in ("none", "full")}
+        total = st.params + st.grads + st.optimizer + acts[remat]
+        return {"params_bytes": st.params, "grads_bytes": st.grads, "optimizer_bytes": st.optimizer,
+                "activation_bytes": acts[remat], "activation_bytes_no_remat": acts["none"],
+                "activation_bytes_full_remat": acts["full"], "total_bytes": total, "fits": total <= self.usable}
+
+    def micro_batches(self) -> list[int]:
+        per_rank = self.layout.per_rank
+        return [b for b in range(1, per_rank + 1) if per_rank % b == 0]
+
+    def largest_micro(self, stage: int) -> int | None:
+        fitting = [b for b in self.micro_batches() if self.memory(stage, b)["fits"]]
+        return max(fitting) if fitting else None
+
+    def step(self, micro: int, stage: int = 1) -> StepTime:
+        m, d, lay, p = self.model, self.device, self.layout, self.precision
+        accum = lay.per_rank // micro
+        remat = self.model.remat == "full"
+        flops_token = (8 if remat else 6) * m.flops_params + (16 if remat else 12) * m.n_layer * m.d_model * m.seq_len
+        tokens_device = lay.global_batch * m.seq_len / lay.devices
+        compute = flops_token * tokens_device / (d.flops * self.efficiency)
+        # Megatron's tensor parallelism: 2 all-reduces of the activations forward and 2 backward per layer
+        # (one more forward with full remat), every micro-step.
+        act = micro * m.seq_len * m.d_model * m.act_bytes
+        tp_comm = accum * m.n_layer * (6 if remat else 4) * ring_time(d, "all-reduce", act, lay.tp)
+        full = self.states(0, p)  # whole over dp: what a rank reduces and gathers
+        grads, params = full.grads, full.params
+        if stage == 0:
+            grad_comm, gather = ring_time(d, "all-reduce", grads, lay.dp, lay.tp), 0.0
+        else:
+            grad_comm = ring_time(d, "reduce-scatter", grads, lay.dp, lay.tp)
+            gather = ring_time(d, "all-gather", params, lay.dp, lay.tp) if stage < 3 else 0.0
+        bwd = compute / accum * (3 / 4 if remat else 2 / 3)
+        bucket, k, overlapped = self._bucket(grads, bwd, compute + tp_comm + gather, stage)
+        return StepTime(micro, accum, compute, tp_comm, grad_comm, gather,
+                        ring_time(d, "all-reduce", grads, lay.dp, lay.tp), tree_time(d, grads, lay.dp, lay.tp),
+                        bucket, k, overlapped, self.efficiency)
+
+    def _bucket(self, grads: int, bwd: float, rest: float, stage: int) -> tuple[int, int, float]:
+        """The note's bucketed reduction of the last micro-batch's backward pass: (bucket, count, step)."""
+        op = "all-reduce" if stage == 0 else "reduce-scatter"
+        comm = functools.partial(ring_time, self.device, op, n=self.layout.dp, tp=self.layout.tp)
+        options = []
+        size = 2**20
+        while True:
+            k = -(-grads // size)
+            first = (k - 1) * comm(size)
+            last = comm(grads - (k - 1) * size)
+            step = rest - bwd + bwd / k + max(bwd * (k - 1) / k, first) + last
+            options.append((size, k, step, bwd * (k - 1) / k >= first))
+            if size >= grads:
+                break
+            size *= 2
+        covered = [o for o in options if o[3] and o[1] > 1]
+        size, k, step, _ = covered[0] if covered else min(options, key=lambda o: o[2])
+        return size, k, step
+
+    def with_layout(self, layout: Layout) -> Planner:
+        return Planner(self.model, self._factory, self.device, layout, self.precision_name, efficiency=self.efficiency,
+                       memory_fraction=self.memory_fraction, flash=self.flash)
+
+    def scaling(self, stage: int = 1) -> list[dict]:
+        """Step time and MFU as dp doubles (tp fixed), up to one sequence per rank."""
+        rows = []
+        dp = 1
+        while dp <= self.layout.global_batch:
+            if self.layout.global_batch % dp == 0:
+                planner = self.with_layout(Layout(dp, self.layout.tp, self.layout.global_batch))
+                micro = planner.largest_micro(stage)
+                row: dict[str, Any] = {"dp": dp, "devices": dp * self.layout.tp, "micro_batch": micro}
+                if micro is not None:
+                    t = planner.step(micro, stage)
+                    tokens = self.layout.global_batch * self.model.seq_len
+                    row.update(accum_steps=t.accum_steps, compute_s=t.compute_s, comm_s=t.step_s - t.compute_s,
+                               step_s=t.step_s, overlapped_s=t.overlapped_s, tokens_per_s=tokens / t.step_s,
+                               mfu=t.mfu(), grad_allreduce_ring_s=t.grad_allreduce_ring_s,
+                               grad_allreduce_tree_s=t.grad_allreduce_tree_s)
+                rows.append(row)
+            dp *= 2
+        return rows
+
+    def report(self, stage: int = 1) -> dict:
+        micro = self.micro_batch
+        stages = {str(s): {**self.memory(s, micro), "largest_micro_batch": self.largest_micro(s)} for s in STAGES}
+        for s, row in stages.items():
+            b = row["largest_micro_batch"]
+            row["accum_steps"] = self.layout.per_rank // b if b else None
+        best = self.largest_micro(stage)
+        step = self.step(best or micro, stage)
+        return {"model": dataclasses.asdict(self.model), "device": dataclasses.asdict(self.device),
+                "layout": {"dp": self.layout.dp, "tp": self.layout.tp, "devices": self.layout.devices,
+                           "global_batch": self.layout.global_batch},
+                "precision": self.precision_name, "efficiency": self.efficiency,
+                "memory_fraction": self.memory_fraction, "usable_bytes": int(self.usable),
+                "flash_attention": self.flash, "micro_batch": micro, "stages": stages,
+                "step": {"stage": stage, "fits": best is not None, **step.as_dict()},
+                "scaling": self.scaling(stage)}
+
+
+def predicted_traffic(table, grad_reduce: str, accum: int, activation: int = 0, n_layer: int = 0,
+                      remat: bool = False) -> list[dict]:
+    """zerolm's step on `table`'s mesh as the planner counts it: rows of (program, op, axes, in_loop,
+    bytes per device summed over the instructions, bytes per step). `axes` None: over dp, whichever
+    other axes the partitioner adds (it splits the update's all-gathers between dp and dp+tp freely).
+
+    grad: the one reduction after the loop, float32 (the accumulator's dtype): a reduce-scatter into
+    the optimizer layout (1/dp of each device's gradient block) or an all-reduce of the whole block,
+    and the loss's 4-byte all-reduce; with tp, Megatron's all-reduces of the `activation` bytes of a
+    micro-batch, 2 forward and 2 backward per layer (3 forward with full remat), every micro-step.
+    update: the all-gather of the new parameters out of the optimizer layout."""
+    import jax
+
+    from zerolm.mesh import DP, TP
+    from zerolm.sharding import is_layout
+
+    tp_local, _, _ = table.reduction(grad_reduce)
+    dp, tp = table.dp, table.tp
+    grads = scattered = gathered = 0
+    for lay, local in zip(jax.tree.leaves(table.layouts, is_leaf=is_layout), jax.tree.leaves(tp_local)):
+        split = tp if lay.tp_axis is not None else 1
+        grads += lay.size * 4 // split
+        scattered += math.prod(lay.view_shape) * 4 // dp // (tp if local else 1)
+        gathered += (math.prod(lay.view_shape) if lay.axis is None else lay.size // split) * 4
+
+    def row(program, op, axes, nbytes, in_loop=False, runs=1):
+        return {"program": program, "op": op, "axes": axes, "in_loop": in_loop, "bytes": nbytes,
+                "bytes_per_step": nbytes * runs}
+
+    rows = [row("grad", "reduce-scatter", [DP], scattered), row("grad", "all-reduce", [DP], 4)] \
+        if grad_reduce == "reduce_scatter" else [row("grad", "all-reduce", [DP], grads + 4)]
+    if tp > 1 and activation:
+        per_layer = 6 if remat else 4
+        rows.append(row("grad", "all-reduce", [TP], per_layer * activation, True, accum * n_layer))
+    rows.append(row("update", "all-gather", None if tp > 1 else [DP], gathered))
+    return rows
+
+
+def predicted_naive_traffic(abstract_params, accum: int) -> list[dict]:
+    """The naive single jit (zerolm.zero.naive_data_parallel_step): XLA all-reduces every micro-step's
+    gradient inside the accumulation loop: at least the gradient's bytes per micro-step (XLA may reduce
+    a leaf's parts separately, e.g. the tied embedding's input and output gradients)."""
+    import jax
+
+    from zerolm.mesh import DP
+
+    grads = sum(a.size * 4 for a in jax.tree.leaves(abstract_params))
+    return [{"program": "step", "op": "all-reduce", "axes": [DP], "in_loop": True, "bytes": grads,
+             "bytes_per_step": grads * accum, "at_least": True}]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Building a plan: from a config (exact layouts) or from a parameter count.
+
+# GPT-3's shapes (Brown et al. 2020, Table 2.1): params -> (layers, d_model, heads), for --params alone.
+GPT3 = ((125e6, 12, 768, 12), (350e6, 24, 1024, 16), (760e6, 24, 1536, 16), (1.3e9, 24, 2048, 32),
+        (2.7e9, 32, 2560, 32), (6.7e9, 32, 4096, 32), (13e9, 40, 5140, 40), (175e9, 96, 12288, 96))
+
+
+def model_from_params(n: int, layers: int | None, width: int | None, heads: int | None, seq_len: int,
+                      vocab: int, remat: str) -> Model:
+    if n <= 0:
+        raise PlanError(f"--params: {n} is not a positive parameter count")
+    padded = -(-vocab // 128) * 128
+    if layers is None and width is None:
+        _, layers, width, default_heads = min(GPT3, key=lambda r: abs(math.log(r[0] / n)))
+        heads = heads or default_heads
+    elif width is None:  # N ≈ 12·L·d² + (V + s)·d: solve for d
+        a, b = 12 * layers, padded + seq_len
+        width = max(64, round((-b + math.sqrt(b * b + 4 * a * n)) / (2 * a) / 64) * 64)
+    elif layers is None:
+        layers = max(1, round((n - (padded + seq_len) * width) / (12 * width * width)))
+    heads = heads or max(1, width // 128)
+    for flag, value in (("--layers", layers), ("--width", width), ("--heads", heads), ("--seq-len", seq_len)):
+        if value <= 0:
+            raise PlanError(f"{flag}: {value} is not positive")
+    # Tensor parallelism splits the blocks, not the embeddings (zerolm.sharding.RULES); LayerNorms ignored.
+    return Model(n, max(0, n - (padded + seq_len) * width), layers, width, heads, seq_len, padded, remat=remat,
+                 source=f"--params {n:,} (shape {layers} layers × {width}, {heads} heads)")
+
+
+def from_config(cfg, dp: int, tp: int) -> tuple[Model, Any]:
+    """(Model, a factory (dp, tp) -> exact model-state bytes of zerolm's layouts on that mesh)."""
+    import jax
+    from jax.sharding import AbstractMesh, AxisType
+
+    from zerolm import model as gpt_model
+    from zerolm.mesh import DP, TP
+    from zerolm.sharding import Table, param_spec
+    from zerolm.zero import make_optimizer
+
+    gpt = gpt_model.GPT(cfg.model)
+    abstract = jax.eval_shape(functools.partial(gpt_model.init_params, gpt), jax.random.key(0))
+    axes = gpt_model.logical_axes(gpt)
+    tx, _ = make_optimizer(cfg.train)
+
+    def states(dp_: int, tp_: int) -> ExactStates:
+        mesh = AbstractMesh((dp_, tp_), (DP, TP), axis_types=(AxisType.Auto, AxisType.Auto))
+        return ExactStates(Table(mesh, abstract, axes, tx))
+
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    split = sum(a.size for a, logical in zip(jax.tree.leaves(abstract), jax.tree.leaves(axes, is_leaf=is_spec))
+                if TP in param_spec(logical))
+    model = Model(gpt_model.count_params(abstract), split, cfg.model.n_layer, cfg.model.d_model, cfg.model.n_head,
+                  cfg.model.seq_len, cfg.model.padded_vocab_size, 4 if cfg.model.dtype == "float32" else 2,
+                  cfg.model.loss_chunk, "full" if cfg.model.remat == "full" else "none", source=f"config {cfg.name}")
+    return model, states
+
+
+def planned_vocab(cfg) -> int:
+    """model.vocab_size, with `auto` resolved as training would, without preparing anything."""
+    from zerolm.config import ConfigError
+    from zerolm.data.shards import DataError, PreparedDataset
+
+    if cfg.model.vocab_size != "auto":
+        return cfg.model.vocab_size
+    if cfg.data.dataset == "default":
+        return cfg.data.default_vocab_size
+    try:
+        return int(PreparedDataset(cfg.data.dataset).manifest["tokenizer"]["vocab_size"])
+    except DataError as e:
+        raise ConfigError(f"model.vocab_size: auto needs the dataset's tokenizer ({e}); set model.vocab_size") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The report and the command line.
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:8.2f} GiB"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:9.2f} ms"
+
+
+def describe(r: dict) -> list[str]:
+    m, lay = r["model"], r["layout"]
+    dev = r["device"]
+    lines = [f"plan: {m['source']}: {m['params']:,} params, {m['n_layer']} layers × {m['d_model']}, "
+             f"{m['n_head']} heads, seq_len {m['seq_len']}, vocab {m['vocab']} (padded)",
+             f"on {lay['devices']} × {dev['name']} (dp={lay['dp']} tp={lay['tp']}), global batch {lay['global_batch']} "
+             f"sequences, precision {r['precision']}, micro-batch {r['micro_batch']}, "
+             f"{'flash' if r['flash_attention'] else 'XLA'} attention, remat {m['remat']}",
+             f"fits means at most {r['memory_fraction']:.0%} of {dev['memory'] / 2**30:.1f} GiB = "
+             f"{r['usable_bytes'] / 2**30:.2f} GiB per device. Activations are the minimal set the backward "
+             "pass needs (a lower bound: XLA's CPU backend allocated 1.2-2.1x, BENCHMARKS.md)",
+             "",
+             "per-device memory    params        grads     optimizer   activations (no remat / full remat)      total"
+             "   largest micro-batch"]
+    for s, row in r["stages"].items():
+        b = row["largest_micro_batch"]
+        fit = f"{b} (accum {row['accum_steps']})" if b else "none fits"
+        lines.append(f"  ZeRO-{s}   {_gib(row['params_bytes'])} {_gib(row['grads_bytes'])} {_gib(row['optimizer_bytes'])} "
+                     f"{_gib(row['activation_bytes'])} ({_gib(row['activation_bytes_no_remat']).strip()} / "
+                     f"{_gib(row['activation_bytes_full_remat']).strip()}) {_gib(row['total_bytes'])}"
+                     f"{'' if row['fits'] else ' DOES NOT FIT'}   {fit}")
+    st = r["step"]
+    lines += ["", f"step time, ZeRO-{st['stage']} (zerolm: stage 1), micro-batch {st['micro_batch']} × "
+                  f"{st['accum_steps']} accumulation step(s), compute at {r['efficiency']:.0%} of "
+                  f"{dev['flops'] / 1e12:.0f} TFLOP/s" + ("" if st["fits"] else " (nothing fits: shown at the "
+                                                          "configured micro-batch)"),
+              f"  compute {_ms(st['compute_s'])}   tp all-reduces {_ms(st['tp_comm_s'])}",
+              f"  gradient reduction {_ms(st['grad_comm_s'])} (ring; as one all-reduce: ring "
+              f"{_ms(st['grad_allreduce_ring_s']).strip()}, tree {_ms(st['grad_allreduce_tree_s']).strip()})   "
+              f"param all-gather {_ms(st['param_gather_s'])}",
+              f"  step {_ms(st['step_s'])} (MFU {st['mfu']:.1%}), reduction after the loop as zerolm does",
+              f"  step {_ms(st['overlapped_s'])} (MFU {st['mfu_overlapped']:.1%}) if the last backward pass "
+              f"overlapped a bucketed reduction: bucket {st['bucket_bytes'] / 2**20:.0f} MiB "
+              f"({st['buckets']} buckets, seed note 002's rule)",
+              "", "scaling (dp doubles, tp fixed; largest micro-batch that fits):",
+              "     dp devices  micro accum      compute         comm         step   overlapped   tokens/s    MFU"]
+    for row in r["scaling"]:
+        if row["micro_batch"] is None:
+            lines.append(f"  {row['dp']:5d} {row['devices']:7d}  does not fit")
+            continue
+        lines.append(f"  {row['dp']:5d} {row['devices']:7d} {row['micro_batch']:6d} {row['accum_steps']:5d} "
+                     f"{_ms(row['compute_s'])} {_ms(row['comm_s'])} {_ms(row['step_s'])} {_ms(row['overlapped_s'])} "
+                     f"{row['tokens_per_s']:10.0f} {row['mfu']:6.1%}")
+    lines += ["", f"device: {Device(**dev).describe()}"]
+    return lines
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    what = parser.add_argument_group("the model (a config, or a parameter count)")
+    what.add_argument("--config", help="a zerolm YAML config: exact layouts of its model and optimizer")
+    what.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    what.add_argument("--params", type=float, help="or: the parameter count N (e.g. 7.5e9)")
+    what.add_argument("--layers", type=int, help="with --params: layers (default: GPT-3's shape nearest N)")
+    what.add_argument("--width", type=int, help="with --params: d_model")
+    what.add_argument("--heads", type=int, help="with --params: attention heads")
+    what.add_argument("--seq-len", type=int, default=2048, help="with --params (default: %(default)s)")
+    what.add_argument("--vocab", type=int, default=50257, help="with --params (default: %(default)s)")
+    where = parser.add_argument_group("where and how")
+    where.add_argument("--device", default="h100", help="device preset (default: %(default)s); one of: "
+                       "v3-core, v3-chip, v4, v5e, v5p, a100, h100, h200")
+    where.add_argument("--dp", type=int, help="data-parallel size (default: the config's mesh.dp, else one node)")
+    where.add_argument("--tp", type=int, help="tensor-parallel size (default: the config's mesh.tp, else 1)")
+    where.add_argument("--global-batch", type=int, help="sequences per step (default: the config's, else 256)")
+    where.add_argument("--micro-batch", type=int, help="sequences per device per micro-step for the memory table "
+                                                       "(default: the config's, else 1)")
+    where.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
+                       help="fp32: what zerolm trains with; mixed: the ZeRO paper's accounting (default: %(default)s)")
+    where.add_argument("--remat", choices=("none", "full"), help="default: the config's model.remat, else none")
+    where.add_argument("--efficiency", type=float, default=0.5,
+                       help="share of the peak FLOP/s the compute reaches (default: %(default)s)")
+    where.add_argument("--memory-fraction", type=float, default=0.9,
+                       help="share of device memory a plan may use (default: %(default)s; JAX preallocates 75%% of "
+                            "a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise)")
+    where.add_argument("--stage", type=int, choices=STAGES, default=1, help="stage for the step time (default: 1)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def build(args) -> Planner:
+    """The planner the command line asks for; PlanError / ConfigError for bad input."""
+    from zerolm.config import load_config
+
+    device = preset(args.device)
+    for flag in ("params", "dp", "tp", "global_batch", "micro_batch", "layers", "width", "heads", "seq_len", "vocab"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise PlanError(f"--{flag.replace('_', '-')}: {value:g} is not positive")
+    if not 0 < args.efficiency <= 1:
+        raise PlanError(f"--efficiency: {args.efficiency} is not in (0, 1]")
+    if not 0 < args.memory_fraction <= 1:
+        raise PlanError(f"--memory-fraction: {args.memory_fraction} is not in (0, 1]")
+    if (args.config is None) == (args.params is None):
+        raise PlanError("give the model as --config FILE or as --params N (one of them)")
+    if args.set and args.config is None:
+        raise PlanError("--set needs --config")
+    cfg = load_config(args.config, args.set) if args.config is not None else None
+    tp = args.tp or (cfg.mesh.tp if cfg else 1)
+    dp = args.dp or (cfg.mesh.dp if cfg and cfg.mesh.dp != "auto" else max(1, device.per_node // tp))
+    global_batch = args.global_batch or (cfg.train.global_batch_size if cfg else 256)
+    if global_batch % dp:
+        raise PlanError(f"--dp: the global batch of {global_batch} sequences does not divide over dp = {dp}")
+    per_rank = global_batch // dp
+    if args.micro_batch:
+        micro = args.micro_batch
+        if per_rank % micro:
+            raise PlanError(f"--micro-batch: {micro} does not divide the {per_rank} sequences of each of the "
+                            f"dp = {dp} ranks (global batch {global_batch})")
+    else:  # the configured micro-batch, or the largest below it that divides a rank's share
+        wanted = cfg.train.micro_batch_size if cfg else 1
+        micro = max(b for b in range(1, min(wanted, per_rank) + 1) if per_rank % b == 0)
+    if cfg is not None:
+        sets = [f"mesh.dp={dp}", f"mesh.tp={tp}", f"train.global_batch_size={global_batch}",
+                f"train.micro_batch_size={micro}"] + ([f"model.remat={args.remat}"] if args.remat else [])
+        cfg = load_config(args.config, [*args.set, *sets])
+        cfg = cfg.resolve(model__vocab_size=planned_vocab(cfg))
+        model, factory = from_config(cfg, dp, tp)
+    else:
+        model = model_from_params(int(args.params), args.layers, args.width, args.heads, args.seq_len, args.vocab,
+                                  args.remat or "none")
+        if model.n_head % tp or (4 * model.d_model) % tp:
+            raise PlanError(f"--tp: {tp} does not divide the {model.n_head} heads and the MLP width "
+                            f"{4 * model.d_model}")
+        factory = functools.partial(AnalyticStates, model)
+    return Planner(model, factory, device, Layout(dp, tp, global_batch), args.precision, micro,
+                   efficiency=args.efficiency, memory_fraction=args.memory_fraction)
+
+
+def main_args(args) -> int:
+    from zerolm.config import ConfigError
+
+    try:
+        planner = build(args)
+    except (PlanError, UnknownDevice, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report = planner.report(args.stage)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print("\n".join(describe(report)))
+    return 0

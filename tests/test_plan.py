@@ -1,0 +1,179 @@
+"""zerolm plan: model-state bytes against the real train state, hand computations and the ZeRO paper;
+the ring model against seed note 002's formula; bad input."""
+
+import argparse
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+from conftest import REPO, TINY, requires_devices
+from runs import zerolm
+
+from zerolm import plan
+from zerolm.config import load_config
+from zerolm.hardware import PRESETS
+from zerolm.mesh import make_mesh
+from zerolm.sharding import bytes_per_device
+from zerolm.train import build_step
+
+C125M = REPO / "configs" / "125m.yaml"
+
+
+def planner(*argv: str) -> plan.Planner:
+    parser = argparse.ArgumentParser()
+    plan.add_arguments(parser)
+    return plan.build(parser.parse_args(list(argv)))
+
+
+@requires_devices(8)
+@pytest.mark.parametrize("config", [TINY, C125M], ids=["tiny", "125m"])
+def test_stage1_fp32_bytes_are_the_real_sharded_train_state(config):
+    planned = planner("--config", str(config), "--dp", "8", "--precision", "fp32").memory(1, 1)
+
+    cfg = load_config(config, ["mesh.dp=8"], device_count=8)
+    cfg = cfg.resolve(model__vocab_size=plan.planned_vocab(cfg))
+    _, zero, init_fn = build_step(cfg, make_mesh(8, 1))
+    state = zero.init(init_fn, jax.random.key(0))
+    params, opt = bytes_per_device(state.params), bytes_per_device(state.opt_state)
+    assert len(params) == len(opt) == 8
+    assert set(params.values()) == {planned["params_bytes"]}
+    assert set(opt.values()) == {planned["optimizer_bytes"]}
+    # The gradient accumulator: a float32 copy of each device's parameter block (params are float32).
+    assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(state.params))
+    assert planned["grads_bytes"] == planned["params_bytes"]
+
+
+def _psi(n_layer, d, seq_len, vocab_padded):
+    """GPT-2 parameters by hand: embeddings, per block 12·d² weights + 13·d biases and LayerNorms, final LN."""
+    return vocab_padded * d + seq_len * d + n_layer * (12 * d * d + 13 * d) + 2 * d
+
+
+@pytest.mark.parametrize("config,shape", [(TINY, (4, 128, 128, 2048)), (C125M, (12, 768, 2048, 50304))],
+                         ids=["tiny", "125m"])
+@pytest.mark.parametrize("precision", ["fp32", "mixed"])
+def test_stage_memory_by_hand(config, shape, precision):
+    psi = _psi(*shape)
+    p = planner("--config", str(config), "--dp", "8", "--precision", precision, "--device", "a100")
+    assert p.model.params == psi
+    counters = 8  # two int32 step counters (Adam's and the lr schedule's), replicated
+    param, grad, opt = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+    for stage in range(4):
+        row = p.memory(stage, 1)
+        assert row["params_bytes"] == param * psi // (8 if stage >= 3 else 1)
+        assert row["grads_bytes"] == grad * psi // (8 if stage >= 2 else 1)
+        assert row["optimizer_bytes"] == opt * psi // (8 if stage >= 1 else 1) + counters
+        assert row["total_bytes"] == row["params_bytes"] + row["grads_bytes"] + row["optimizer_bytes"] + \
+            row["activation_bytes"]
+
+
+def test_activations_by_hand():
+    # 125m, one sequence, bf16, flash attention (h100), chunked loss of 2048 tokens = the whole sequence,
+    # so the loss is not chunked: float32 logits and their gradient.
+    p = planner("--config", str(C125M), "--dp", "8", "--device", "h100")
+    s, h, L, a, V = 2048, 768, 12, 12, 50304
+    per_layer = 4 * s * h * 2 + 12 * s * h * 2 + 4 * a * s  # LN in/out, q k v, attention out, MLP; lse
+    outside = 2 * s * h * 2 + 2 * s * V * 4
+    assert p.memory(1, 1)["activation_bytes_no_remat"] == L * per_layer + outside
+    assert p.memory(1, 1)["activation_bytes_full_remat"] == L * s * h * 2 + per_layer + outside
+    # On a TPU (XLA attention) the softmax probabilities are kept: a·s² elements per layer.
+    tpu = planner("--config", str(C125M), "--dp", "8", "--device", "v4")
+    xla_layer = 4 * s * h * 2 + 12 * s * h * 2 + a * s * s * 2
+    assert tpu.memory(1, 1)["activation_bytes_no_remat"] == L * xla_layer + outside
+    # Two sequences: 4096 tokens in chunks of 2048; the embedding's float32 gradient and two chunks of logits.
+    chunked = 2 * (2 * s) * h * 2 + V * h * 4 + 2 * 2048 * V * 4
+    assert p.memory(1, 2)["activation_bytes_no_remat"] == L * 2 * per_layer + chunked
+
+
+# Rajbhandari, Rasley, Ruwase, He: "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+# Models", SC'20 (arXiv:1910.02054), Table 1: per-device memory (GB) of the model states for K = 12,
+# as a function of the DP degree N_d. Columns: baseline (stage 0), P_os (1), P_os+g (2), P_os+g+p (3).
+ZERO_TABLE_1 = {
+    7.5e9: {1: (120, 120, 120, 120), 4: (120, 52.5, 41.3, 30), 16: (120, 35.6, 21.6, 7.5),
+            64: (120, 31.4, 16.6, 1.88), 256: (120, 30.4, 15.4, 0.47), 1024: (120, 30.1, 15.1, 0.12)},
+    128e9: {1: (2048, 2048, 2048, 2048), 4: (2048, 896, 704, 512), 16: (2048, 608, 368, 128),
+            64: (2048, 536, 284, 32), 256: (2048, 518, 263, 8), 1024: (2048, 513, 257, 2)},
+    1e12: {1: (16000, 16000, 16000, 16000), 4: (16000, 7000, 5500, 4000), 16: (16000, 4750, 2875, 1000),
+           64: (16000, 4187, 2218, 250), 256: (16000, 4046, 2054, 62.5), 1024: (16000, 4011, 2013, 15.6)},
+}
+
+
+@pytest.mark.parametrize("psi", sorted(ZERO_TABLE_1))
+def test_model_states_match_the_zero_papers_table_1(psi):
+    for dp, paper in ZERO_TABLE_1[psi].items():
+        p = planner("--params", str(psi), "--dp", str(dp), "--global-batch", str(dp), "--precision", "mixed")
+        for stage, gb in enumerate(paper):
+            row = p.memory(stage, 1)
+            states = (row["params_bytes"] + row["grads_bytes"] + row["optimizer_bytes"]) / 1e9
+            # The paper prints about 3 significant digits, some truncated (4011.7 as 4011, 257.75 as 257).
+            unit = max(10 ** (math.floor(math.log10(gb)) - 2), 0.005)
+            assert abs(states - gb) <= unit, (psi, dp, stage, states)
+
+
+def test_ring_model_is_seed_note_002s_formula():
+    # t_comm = base + [2(n-1) - 2·ceil(n/8)]·intra + 2·ceil(n/8)·inter + 2(n-1)·4P/(n·bandwidth), across nodes.
+    h100 = PRESETS["h100"]
+    n, params = 32, 125e6
+    note = (h100.base_latency + (2 * (n - 1) - 2 * math.ceil(n / 8)) * h100.intra_latency
+            + 2 * math.ceil(n / 8) * h100.inter_latency + 2 * (n - 1) * 4 * params / (n * h100.inter_bw))
+    assert plan.ring_time(h100, "all-reduce", 4 * params, n) == pytest.approx(note, rel=1e-12)
+    # Within one node: no inter-node hop, NVLink bandwidth; a reduce-scatter is half an all-reduce's steps.
+    one_node = h100.base_latency + 7 * h100.intra_latency + 7 / 8 * 4 * params / h100.intra_bw
+    assert plan.ring_time(h100, "reduce-scatter", 4 * params, 8) == pytest.approx(one_node, rel=1e-12)
+    # The tree's log-depth latency wins on small messages over many devices; the ring's bandwidth on large ones.
+    assert plan.tree_time(h100, 1e6, 256) < plan.ring_time(h100, "all-reduce", 1e6, 256)
+    assert plan.ring_time(h100, "all-reduce", 4 * params, 32) < plan.tree_time(h100, 4 * params, 32)
+    assert plan.ring_time(h100, "all-reduce", 4 * params, 1) == 0
+
+
+def test_step_time_and_scaling_table():
+    p = planner("--params", "1.3e9", "--device", "h100", "--dp", "8", "--global-batch", "512")
+    report = p.report()
+    step = report["step"]
+    # Compute: (6·N + 12·L·d·s) FLOPs per token over the 8 devices at 50% of the peak.
+    m = p.model
+    flops = 6 * (m.params - m.seq_len * m.d_model) + 12 * m.n_layer * m.d_model * m.seq_len
+    assert step["compute_s"] == pytest.approx(flops * 512 * 2048 / 8 / (PRESETS["h100"].flops * 0.5))
+    assert step["step_s"] > step["compute_s"] and step["overlapped_s"] <= step["step_s"]
+    assert step["accum_steps"] * step["micro_batch"] == 512 // 8
+    rows = report["scaling"]
+    assert [r["dp"] for r in rows] == [2**i for i in range(10)]
+    fitting = [r for r in rows if r["micro_batch"]]
+    assert all(a["compute_s"] > b["compute_s"] for a, b in zip(fitting, fitting[1:]))  # more devices, less compute
+    assert fitting[-1]["mfu"] < fitting[0]["mfu"]  # ... and more communication per FLOP
+    # 1.3B at fp32 (16 bytes/param = 21 GB of states) does not fit a 16 GB v5e at dp = 1 under stage 1.
+    v5e = planner("--params", "1.3e9", "--device", "v5e", "--dp", "1", "--global-batch", "8").report()
+    assert v5e["stages"]["1"]["largest_micro_batch"] is None and not v5e["stages"]["1"]["fits"]
+    assert v5e["scaling"][0]["micro_batch"] is None
+
+
+def test_plan_cli_json_and_text():
+    proc = zerolm("plan", "--config", TINY, "--device", "v5p", "--dp", "4", "--json")
+    report = json.loads(proc.stdout)
+    assert set(report["stages"]) == {"0", "1", "2", "3"}
+    for row in report["stages"].values():
+        assert {"params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "total_bytes"} <= set(row)
+    assert report["layout"] == {"dp": 4, "tp": 1, "devices": 4, "global_batch": 32}
+    text = zerolm("plan", "--params", "6.7e9", "--device", "a100", "--dp", "8", "--precision", "mixed").stdout
+    assert "ZeRO-0" in text and "DOES NOT FIT" in text  # 16 bytes × 6.7e9 > 80 GB
+    assert "32 layers × 4096" in text  # GPT-3 6.7B's shape
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--params", "1e9", "--device", "tpu-v9"], "--device: unknown device kind 'tpu-v9'; presets: v3-core, v3-chip, "
+                                                "v4, v5e, v5p, a100, h100, h200"),
+    (["--params", "1e9", "--dp", "3"], "--dp: the global batch of 256 sequences does not divide over dp = 3"),
+    (["--config", TINY, "--dp", "8", "--micro-batch", "3"], "--micro-batch: 3 does not divide the 4 sequences"),
+    (["--params", "0"], "--params: 0 is not positive"),
+    (["--params=-5e8"], "--params: -5e+08 is not positive"),
+    (["--params", "1e9", "--dp", "0"], "--dp: 0 is not positive"),
+    (["--params", "1e9", "--tp=-2"], "--tp: -2 is not positive"),
+    (["--config", TINY, "--set", "model.n_layer=0"], "model.n_layer: Input should be greater than 0"),
+    (["--config", "nope.yaml"], "nope.yaml: cannot read config file"),
+    (["--params", "1e9", "--tp", "5"], "--tp: 5 does not divide"),
+])
+def test_plan_bad_input_is_one_line_and_exit_2(args, message):
+    proc = zerolm("plan", *args, expect=2)
+    assert proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, proc.stderr
