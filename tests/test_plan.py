@@ -172,6 +172,9 @@ def test_plan_cli_json_and_text():
     (["--config", TINY, "--set", "model.n_layer=0"], "model.n_layer: Input should be greater than 0"),
     (["--config", "nope.yaml"], "nope.yaml: cannot read config file"),
     (["--params", "1e9", "--tp", "5"], "--tp: 5 does not divide"),
+    (["--config", C125M, "--tp", "5"], "--tp: 5 does not divide the 12 heads and the MLP width 3072 of"),
+    ([], "give the model as --config FILE or as --params N"),
+    (["--params", "1e9", "--set", "model.n_layer=3"], "--set needs --config"),
 ])
 def test_plan_bad_input_is_one_line_and_exit_2(args, message):
     proc = zerolm("plan", *args, expect=2)

@@ -575,6 +575,9 @@ def build(args) -> Planner:
         raise PlanError("--set needs --config")
     cfg = load_config(args.config, args.set) if args.config is not None else None
     tp = args.tp or (cfg.mesh.tp if cfg else 1)
+    if cfg is not None and (cfg.model.n_head % tp or (4 * cfg.model.d_model) % tp):
+        raise PlanError(f"--tp: {tp} does not divide the {cfg.model.n_head} heads and the MLP width "
+                        f"{4 * cfg.model.d_model} of {args.config}")
     dp = args.dp or (cfg.mesh.dp if cfg and cfg.mesh.dp != "auto" else max(1, device.per_node // tp))
     global_batch = args.global_batch or (cfg.train.global_batch_size if cfg else 256)
     if global_batch % dp:
