@@ -30,7 +30,6 @@ from zerolm import model as gpt_model
 from zerolm.config import load_config
 from zerolm.mesh import DP, make_mesh
 from zerolm.train import build_step
-from zerolm.zero import naive_data_parallel_step
 
 
 def collectives(text: str, mesh) -> str:
@@ -94,14 +93,9 @@ def question_4(mesh) -> None:
     print("4. the naive single jit: where the AdamW update sits")
     for accum in (1, 2):
         cfg = _cfg(4, accum, mesh.shape[DP])
-        _, zero, _ = build_step(cfg, mesh)
-        step = naive_data_parallel_step(mesh, functools.partial(gpt_model.lm_loss, gpt_model.GPT(cfg.model)), zero.tx)
-        rep = zero.replicated
-        params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), zero.abstract_params)
-        opt = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
-                           jax.eval_shape(zero.tx.init, zero.abstract_params))
-        batch = jax.ShapeDtypeStruct((accum, 32, cfg.model.seq_len + 1), np.int32, sharding=zero.batch_sharding)
-        text = hlo.compiled_text(step, params, opt, batch)
+        model, zero, _ = build_step(cfg, mesh)
+        text = comms.naive_text(zero, functools.partial(gpt_model.lm_loss, model), cfg.train.micro_batch_size,
+                                cfg.model.seq_len, accum)
         inside, outside = hlo.ops_in_loops(text, "sqrt")
         loops = len(re.findall(r"\bwhile\(", text))
         print(f"   accumulation {accum}: {loops} while loop(s); collectives: {collectives(text, mesh)}; "

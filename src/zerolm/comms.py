@@ -13,6 +13,7 @@ puts the planner's predicted bytes (zerolm.plan.predicted_traffic) beside what w
 from __future__ import annotations
 
 import collections
+import functools
 import dataclasses
 
 import jax
@@ -122,6 +123,20 @@ def _devices(wanted: int | None) -> list[jax.Device]:
     return cpu[:wanted]
 
 
+def naive_text(zero: Zero1, loss_fn, micro_batch: int, seq_len: int, accum_steps: int) -> str:
+    """The optimized HLO of the naive single-jit baseline (zerolm.zero.naive_data_parallel_step) on
+    zero's mesh: params and optimizer state replicated, the batch split over dp."""
+    from zerolm.zero import naive_data_parallel_step
+
+    def replicated(tree):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=zero.replicated), tree)
+
+    batch = jax.ShapeDtypeStruct((accum_steps, zero.dp * micro_batch, seq_len + 1), np.int32,
+                                 sharding=zero.batch_sharding)
+    return hlo.compiled_text(naive_data_parallel_step(zero.mesh, loss_fn, zero.tx), replicated(zero.abstract_params),
+                             replicated(jax.eval_shape(zero.tx.init, zero.abstract_params)), batch)
+
+
 def report(cfg, devices: list[jax.Device], step: str = "zerolm") -> dict:
     """Compile `cfg`'s step on `devices` and put every collective beside the planner's prediction."""
     import jax.numpy as jnp
@@ -129,21 +144,14 @@ def report(cfg, devices: list[jax.Device], step: str = "zerolm") -> dict:
     from zerolm import model as gpt_model
     from zerolm import plan, train
     from zerolm.mesh import make_mesh
-    from zerolm.zero import naive_data_parallel_step
 
     mesh = make_mesh(cfg.dp, cfg.mesh.tp, devices)
-    _, zero, _ = train.build_step(cfg, mesh)
+    model, zero, _ = train.build_step(cfg, mesh)
     micro, seq, accum = cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps
     if step == "naive":
         if cfg.mesh.tp > 1:
             raise ValueError("--step naive: the naive baseline is data parallel only; set mesh.tp=1")
-        naive = naive_data_parallel_step(mesh, _loss(cfg), zero.tx)
-        replicated = zero.replicated
-        params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), zero.abstract_params)
-        opt = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
-                           jax.eval_shape(zero.tx.init, zero.abstract_params))
-        batch = jax.ShapeDtypeStruct((accum, zero.dp * micro, seq + 1), np.int32, sharding=zero.batch_sharding)
-        texts = {"step": hlo.compiled_text(naive, params, opt, batch)}
+        texts = {"step": naive_text(zero, functools.partial(gpt_model.lm_loss, model), micro, seq, accum)}
         predicted = plan.predicted_naive_traffic(zero.abstract_params, accum)
     else:
         texts = compiled_texts(zero, micro, seq, accum)
@@ -164,13 +172,6 @@ def report(cfg, devices: list[jax.Device], step: str = "zerolm") -> dict:
             "micro_batch": micro, "accum_steps": accum, "collectives": [{k: v for k, v in r.items() if k != "predicted"}
                                                                          for r in rows],
             "predicted": predicted, "_rows": rows}
-
-
-def _loss(cfg):
-    import functools
-
-    from zerolm import model as gpt_model
-    return functools.partial(gpt_model.lm_loss, gpt_model.GPT(cfg.model))
 
 
 def describe_report(r: dict) -> list[str]:

@@ -47,6 +47,7 @@ import sys
 from typing import Any
 
 from zerolm.hardware import Device, UnknownDevice, preset
+from zerolm.mfu import flops_per_token
 
 STAGES = (0, 1, 2, 3)
 
@@ -263,7 +264,8 @@ class Planner:
         m, d, lay, p = self.model, self.device, self.layout, self.precision
         accum = lay.per_rank // micro
         remat = self.model.remat == "full"
-        flops_token = (8 if remat else 6) * m.flops_params + (16 if remat else 12) * m.n_layer * m.d_model * m.seq_len
+        # zerolm.mfu's count; full remat runs the forward pass again: 8·N + 16·L·d·T = 4/3 of it.
+        flops_token = flops_per_token(m.flops_params, m.n_layer, m.d_model, m.seq_len) * (4 / 3 if remat else 1)
         tokens_device = lay.global_batch * m.seq_len / lay.devices
         compute = flops_token * tokens_device / (d.flops * self.efficiency)
         # Megatron's tensor parallelism: 2 all-reduces of the activations forward and 2 backward per layer
