@@ -13,8 +13,13 @@ config's compute dtype (bfloat16 on a GPU):
    step, the real loop, loader (the default dataset), metrics and a final checkpoint. Its step time is
    the median of the per-step times it logs after `--warmup` steps; each ends with a device sync (the
    loop reads that step's loss). Peak device memory is what the backend reports (GPU) in the metrics.
+   `--candidates REMAT:MICRO ...` skips the search and trains just those (in that order).
 3. Structure cost: for the winner, the ZeRO-1 step (three programs) and the naive single-jit step,
    timed in this process on the same synthetic batches (median of `--steps`, synced every step).
+4. Checks: each run dumps its optimized gradient program (`--xla_dump_to`), and the table counts its
+   cuDNN flash-attention calls (`__cudnn$fmha` custom calls); `--repeat-best` trains the winner again
+   on the now warm persistent compilation cache: the whole run's wall time cold and warm (start-up,
+   compiling, the steps and the final checkpoint; the difference is what the cache saves).
 
 MFU = (6·N + 12·L·d·T) · tokens/s / peak (src/zerolm/mfu.py states the convention and the peaks).
 """
@@ -22,6 +27,7 @@ MFU = (6·N + 12·L·d·T) · tokens/s / peak (src/zerolm/mfu.py states the conv
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import json
@@ -103,20 +109,34 @@ def search(args, config: str) -> list[dict]:
     return kept
 
 
-def train_through_zerolm(args, cand: dict, workdir: Path) -> dict:
-    """`zerolm train` in a subprocess; step times and memory from its metrics.jsonl."""
-    run_dir = workdir / f"{cand['config']}-{cand['remat']}-{cand['micro']}"
+def parse_candidate(text: str) -> tuple[str, int]:
+    remat, _, micro = text.partition(":")
+    if remat not in POLICIES or not micro.isdigit() or int(micro) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected REMAT:MICRO, REMAT one of {', '.join(POLICIES)}")
+    return remat, int(micro)
+
+
+def train_through_zerolm(args, cand: dict, workdir: Path, tag: str = "") -> dict:
+    """`zerolm train` in a subprocess; step times and memory from its metrics.jsonl, cuDNN attention
+    calls from its dumped gradient program."""
+    run_dir = workdir / f"{cand['config']}-{cand['remat']}-{cand['micro']}{tag}"
     sets = [*overrides(args, cand["micro"], cand["remat"]), f"train.steps={args.steps}",
+            f"train.compilation_cache={workdir / 'xla-cache'}", "logging.wandb=disabled",
             f"train.schedule_steps={max(args.steps, 100)}", "train.warmup_steps=10", f"logging.dir={run_dir / 'log'}",
             f"checkpoint.dir={run_dir / 'ckpt'}", f"checkpoint.every={args.steps}", "train.eval_sequences=0",
             "sample.tokens=0", *([f"logging.profile={args.profile}"] if args.profile else [])]
-    env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", "PYTHONUNBUFFERED": "1"}
+    dump = run_dir / "hlo"
+    env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled",
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text "
+                        "--xla_dump_hlo_module_re=.*grad_step.*".strip()}
     env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "zerolm.cli", "train", "--config",
                            str(REPO / "configs" / f"{cand['config']}.yaml"), *[a for s in sets for a in ("--set", s)]],
                           capture_output=True, text=True, env=env, cwd=REPO)
     wall = time.perf_counter() - t
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "train.log").write_text(proc.stdout + "\n" + proc.stderr)
     if proc.returncode != 0:
         return {**cand, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
     records = [json.loads(line) for line in (run_dir / "log" / "metrics.jsonl").read_text().splitlines()]
@@ -124,7 +144,9 @@ def train_through_zerolm(args, cand: dict, workdir: Path) -> dict:
     timed = [r["step_time_s"] for r in steps[args.warmup:]]
     step_s = float(np.median(timed))
     peak = max((r.get("device_peak_bytes", 0) for r in steps), default=0)
-    return {**cand, "step_s": step_s, "first_step_s": steps[0]["step_time_s"], "wall_s": wall,
+    optimized = sorted(dump.glob("*after_optimizations.txt")) if dump.exists() else []
+    fmha = max((f.read_text().count("__cudnn$fmha") for f in optimized), default=None)
+    return {**cand, "step_s": step_s, "first_step_s": steps[0]["step_time_s"], "wall_s": wall, "cudnn_fmha": fmha,
             "peak_gib": peak / 2**30 if peak else None, "timed_steps": len(timed),
             "profile": str(run_dir / "log" / "profile") if args.profile else None}
 
@@ -174,15 +196,31 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the median (default: %(default)s)")
     p.add_argument("--profile", default=None, metavar="A-B", help="profile these steps of each run")
     p.add_argument("--write", type=Path, default=None, help="put the table into this markdown file")
+    p.add_argument("--candidates", type=parse_candidate, nargs="+", default=None, metavar="REMAT:MICRO",
+                   help="train these instead of searching, e.g. none:16 dots_attention:32")
+    p.add_argument("--no-structure", action="store_true", help="skip the ZeRO-1 vs naive single-jit timing")
+    p.add_argument("--repeat-best", action="store_true",
+                   help="train the winner again on the warm compilation cache (time to first step, cold and warm)")
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="keep the runs (logs, profiles, HLO dumps, checkpoints) here (default: a temp dir, removed)")
+    p.add_argument("--json", type=Path, default=None, help="also write every result as JSON lines here")
     args = p.parse_args()
 
     device = jax.devices()[0]
     peak = peak_for(device.device_kind)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="zerolm-mfu-") as work:
+    keep = contextlib.nullcontext(str(args.workdir)) if args.workdir else None
+    with keep or tempfile.TemporaryDirectory(prefix="zerolm-mfu-") as work:
         for config in args.configs:
-            print(f"{config}: searching micro-batch × remat on {device.device_kind}", flush=True)
-            results = [train_through_zerolm(args, cand, Path(work)) for cand in search(args, config)]
+            if args.candidates:
+                cands = [dict(config=config, remat=r, micro=m, need_gib=None, compile_s=None) for r, m in args.candidates]
+            else:
+                print(f"{config}: searching micro-batch × remat on {device.device_kind}", flush=True)
+                cands = search(args, config)
+            results = []
+            for cand in cands:
+                results.append(train_through_zerolm(args, cand, Path(work)))
+                print(json.dumps(results[-1], default=str), flush=True)
             ok = [r for r in results if "error" not in r]
             for r in results:
                 if "error" in r:
@@ -194,7 +232,12 @@ def main() -> None:
             fpt = flops_per_token(gpt_model.count_params(abstract, exclude_positions=True), cfg.model.n_layer,
                                   cfg.model.d_model, cfg.model.seq_len)
             tokens = cfg.train.global_batch_size * cfg.model.seq_len
-            best.update(structure_cost(args, best), fpt=fpt, tokens_per_s=tokens / best["step_s"],
+            if args.repeat_best:
+                warm = train_through_zerolm(args, best, Path(work), tag="-warm")
+                best.update(warm_first_step_s=warm.get("first_step_s"), warm_wall_s=warm.get("wall_s"))
+            if not args.no_structure:
+                best.update(structure_cost(args, best))
+            best.update(fpt=fpt, tokens_per_s=tokens / best["step_s"],
                         dtype=gpt_model.compute_dtype(cfg.model).__name__,
                         attention=gpt_model.attention_implementation(cfg.model),
                         others=", ".join(f"{r['remat']}/{r['micro']}: {r['micro'] * args.accum * args.seq_len / r['step_s']:,.0f}"
@@ -202,21 +245,34 @@ def main() -> None:
             best["mfu"] = mfu(best["tokens_per_s"], fpt, device.device_kind)
             rows.append(best)
             print(json.dumps(best, default=str), flush=True)
+            if args.json:
+                with args.json.open("a") as f:
+                    for r in results:
+                        f.write(json.dumps({**r, "best": r is best, "device": device.device_kind,
+                                            "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")},
+                                           default=str) + "\n")
 
     date = datetime.date.today().isoformat()
     head = (f"{device.device_kind}, jax {jax.__version__}, {date}; seq_len {args.seq_len}, vocab {args.vocab_size}, "
             f"dp 1, {args.accum} accumulation steps; median of {args.steps - args.warmup} steps after {args.warmup}. "
             f"Peak: {peak.source if peak else 'unknown for this device: no MFU'}.")
-    lines = [head, "", "| config | remat | micro-batch | dtype / attention | step (s) | tokens/s | MFU | "
-             "MFU naive single-jit | ZeRO-1 / naive step | peak memory (GiB) | compile grad (s) | other candidates (tokens/s) |",
+    lines = [head, "", "| config | remat | micro-batch | dtype / attention (cuDNN fmha calls) | step (s) | tokens/s | MFU | "
+             "MFU naive single-jit | ZeRO-1 / naive step | peak memory (GiB) | run wall time, cold / warm compilation cache (s) | "
+             "other candidates (tokens/s) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        naive_mfu = mfu(r["tokens_per_s"] * r["zero_step_s"] / r["naive_step_s"], r["fpt"], device.device_kind)
         pct = lambda v: "—" if v is None else f"{v:.1%}"  # noqa: E731
-        peak_mem = f"{r['peak_gib']:.1f}" if r["peak_gib"] else f"{r['need_gib']:.1f} (compiled)"
-        lines.append(f"| {r['config']} | {r['remat']} | {r['micro']} | {r['dtype']} / {r['attention']} | {r['step_s']:.3f} "
-                     f"| {r['tokens_per_s']:,.0f} | {pct(r['mfu'])} | {pct(naive_mfu)} "
-                     f"| {r['zero_step_s'] / r['naive_step_s']:.3f} | {peak_mem} | {r['compile_s']:.1f} | {r['others'] or '—'} |")
+        if "naive_step_s" in r:
+            naive_mfu = pct(mfu(r["tokens_per_s"] * r["zero_step_s"] / r["naive_step_s"], r["fpt"], device.device_kind))
+            ratio = f"{r['zero_step_s'] / r['naive_step_s']:.3f}"
+        else:
+            naive_mfu = ratio = "—"
+        peak_mem = (f"{r['peak_gib']:.1f}" if r["peak_gib"] else
+                    f"{r['need_gib']:.1f} (compiled)" if r["need_gib"] else "—")
+        first = f"{r['wall_s']:.0f}" + (f" / {r['warm_wall_s']:.0f}" if r.get("warm_wall_s") else "")
+        lines.append(f"| {r['config']} | {r['remat']} | {r['micro']} | {r['dtype']} / {r['attention']} ({r['cudnn_fmha']}) "
+                     f"| {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {pct(r['mfu'])} | {naive_mfu} "
+                     f"| {ratio} | {peak_mem} | {first} | {r['others'] or '—'} |")
     table = "\n".join(lines)
     print("\n" + table)
     if args.write:

@@ -22,3 +22,16 @@ def test_train_mfu_benchmark_runs_on_cpu_and_writes_its_table(tmp_path):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1:3] == ["dots", "4"] and cells[6] == "—"  # largest micro-batch; no MFU without a known peak
     assert float(cells[4]) > 0 and float(cells[5].replace(",", "")) > 0
+
+
+def test_torch_baseline_trains_the_config_shape_on_cpu(tmp_path):
+    """The PyTorch side of the GPU comparison (benchmarks/torch_gpt.py) runs and reports the same MFU count."""
+    import json
+
+    out = tmp_path / "torch.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "torch_gpt.py"), "--config", "tiny", "--device",
+                           "cpu", "--no-compile", "--seq-len", "64", "--vocab-size", "2048", "--micro-batch", "2", "--accum", "2", "--steps", "3", "--warmup", "1",
+                           "--json", str(out)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["tokens_per_s"] > 0 and result["mfu"] is None and 6 < result["loss"] < 9  # ~ln(2048) at init

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# One GPU measuring session, in parts that each fit one 10-minute call (BENCHMARKS.md: "H100/H200").
+#
+#   bash benchmarks/gpu_session.sh PART [OUT_DIR]
+#
+# PART: a = 125m (two micro-batches, profile, cold/warm compilation cache, ZeRO-1 vs naive) and
+#           PyTorch 125m at the same batch;
+#       b = 1_3b (ZeRO-1 vs naive) and PyTorch 1_3b at the same batch;
+#       c = 350m and 760m, then XLA GPU flags one at a time on 125m.
+# Results go to OUT_DIR (default: $OUT, else runs/gpu): JSON lines, markdown tables, the profile
+# summary and the whole log. Python packages the machine lacks are installed from .whl/ when present
+# (see the device notes in docs/performance-notes.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:?usage: gpu_session.sh a|b|c [OUT_DIR]}
+out=${2:-${OUT:-runs/gpu}}
+mkdir -p "$out"
+exec > >(tee -a "$out/log-$part.txt") 2>&1
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  # zerolm's tested flax/optax/orbax, only where the image's are older
+  python3 - <<'EOF' >/tmp/older.txt
+import importlib.metadata as md
+from packaging.version import Version
+need = {"flax": "0.12.8", "optax": "0.2.8", "orbax-checkpoint": "0.12.8"}
+print(" ".join(n for n, v in need.items() if Version(md.version(n)) < Version(v)))
+EOF
+  for name in $(cat /tmp/older.txt); do
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/opt/"${name//-/_}"-*.whl
+  done
+fi
+export PYTHONPATH="$PWD/src:/tmp/site" WANDB_MODE=disabled ZEROLM_CACHE=/tmp/zerolm-cache PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+python3 -c 'import jax, flax, optax, orbax.checkpoint as o, torch; print("jax", jax.__version__, "flax", flax.__version__,
+  "optax", optax.__version__, "orbax", o.__version__, "torch", torch.__version__, jax.devices())'
+work=/dev/shm/zerolm-mfu
+[ -d /dev/shm ] || work=/tmp/zerolm-mfu
+mkdir -p "$work"
+
+mfu() {  # CONFIG TAG ARGS...: benchmarks/train_mfu.py for one config
+  local config=$1 tag=$2; shift 2
+  python3 benchmarks/train_mfu.py --configs "$config" --workdir "$work/$tag" --json "$out/mfu-$part.jsonl" \
+    --write "$out/table-$part.md" "$@" || echo "train_mfu $config $tag FAILED"
+}
+torch_run() {  # CONFIG MICRO
+  python3 benchmarks/torch_gpt.py --config "$1" --micro-batch "$2" --accum 2 --steps 20 --warmup 5 \
+    --json /tmp/torch.json && cat /tmp/torch.json >>"$out/torch-$part.jsonl" || echo "torch $1 FAILED"
+}
+
+case $part in
+  a)
+    mfu 125m 125m --candidates none:16 none:32 --steps 25 --warmup 5 --profile 21-23 --repeat-best
+    for d in "$work"/125m/125m-none-*; do
+      [ -d "$d/log/profile" ] && python3 benchmarks/profile_summary.py "$d/log/profile" | tee -a "$out/profile-$part.txt"
+    done
+    torch_run 125m 16
+    torch_run 125m 32
+    ;;
+  b)
+    mfu 1_3b 1_3b --candidates none:8 --steps 20 --warmup 5 --profile 17-18
+    d=$(ls -d "$work"/1_3b/1_3b-none-8 2>/dev/null)
+    [ -n "$d" ] && python3 benchmarks/profile_summary.py "$d/log/profile" | tee -a "$out/profile-$part.txt"
+    torch_run 1_3b 8
+    ;;
+  c)
+    mfu 350m 350m --candidates none:16 --steps 20 --warmup 5 --no-structure
+    mfu 760m 760m --candidates none:16 --steps 20 --warmup 5 --no-structure
+    for flag in --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_latency_hiding_scheduler=true \
+                --xla_gpu_enable_command_buffer= --xla_gpu_enable_while_loop_double_buffering=true; do
+      XLA_FLAGS="$flag" mfu 125m "flag${flag//[^a-z]/}" --candidates none:16 --steps 15 --warmup 4 --no-structure
+    done
+    ;;
+  *) echo "unknown part $part"; exit 2 ;;
+esac
+echo "part $part done"
