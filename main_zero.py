@@ -5,7 +5,7 @@ Intentionally thin; everything lives in the zerolm package (`zerolm train` is th
 
 import sys
 
-from zerolm.train import main
+from zerolm.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["train", *sys.argv[1:]]))

@@ -100,6 +100,62 @@ def test_tensor_parallel_in_two_processes_trains_as_dp8(one_by_eight, tmp_path, 
     np.testing.assert_allclose([got[s] for s in sorted(got)], [reference[s] for s in sorted(reference)], rtol=2e-5)
 
 
+@pytest.mark.parametrize("processes, tp", [(2, 2), (4, 2)])
+def test_tensor_parallel_across_processes_trains_as_dp8(one_by_eight, tmp_path, processes, tp):
+    """tp groups that span processes (one device each, as tp pairs spanning GPU hosts): the loader's hand-over
+    over tp is then a collective between processes, run in step order with the step's own (it crashed gloo
+    with a "collective mismatch" when the prefetch thread ran it)."""
+    _, reference = one_by_eight
+    out, _ = launched(tmp_path, f"mesh.tp={tp}", processes=processes, devices=1)
+    assert f"mesh dp={processes // tp} tp={tp}" in out and f"in {processes} process(es)" in out
+    got = losses(tmp_path)
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [reference[s] for s in sorted(reference)], rtol=2e-5)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP])
+def test_nothing_outlives_a_killed_launcher(tmp_path, sig):
+    """kill -9 of the launcher (its children get SIGTERM from the kernel) or SIGHUP (a closed terminal,
+    forwarded): every process saves the step reached and is gone within seconds. (With a fresh cache,
+    process 0 prepares the default dataset first: that must not take SIGTERM from JAX's preemption notifier.)"""
+    proc = start(tmp_path, "checkpoint.every=1000", steps=400)
+    children = pids(read_launcher_err(proc))
+    wait_for(proc, lambda: logged_steps(tmp_path) >= 5)
+    proc.send_signal(sig)
+    killed = time.time()
+    while any(alive(p) for p in children) and time.time() - killed < 30:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in children), f"still running {time.time() - killed:.0f} s after the launcher's {sig.name}"
+    assert time.time() - killed < 20
+    proc.communicate(timeout=30)
+    if sig == signal.SIGHUP:
+        assert proc.returncode == EXIT_PREEMPTED
+    latest = Checkpoints(tmp_path / "ckpt", read_only=True).latest_step()
+    assert latest is not None and 5 <= latest < 400  # saved on the way out
+    for i in range(2):
+        assert f"preempted: checkpoint saved at step {latest}" in (tmp_path / "log" / f"process-{i}.log").read_text()
+
+
+def test_a_crash_is_not_a_restart(tmp_path):
+    """A process that crashes by itself (SIGABRT, as a C++ abort does) ends the launch with its own code, 134, not 76:
+    a scheduler that requeues on 76 would repeat the crash forever."""
+    proc = start(tmp_path, "checkpoint.every=1000", steps=400)
+    children = pids(read_launcher_err(proc))
+    wait_for(proc, lambda: logged_steps(tmp_path) >= 3)
+    subprocess.run(["kill", "-ABRT", str(children[1])], check=True)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGABRT, err[-2000:]
+    assert re.search(r"^launch-local: process 1 was killed by SIGABRT \(it crashed by itself: a restart would repeat "
+                     r"it, see its log\)", err, re.M), err[-2000:]
+
+
 def test_kill_9_of_one_process_stops_the_other_and_a_relaunch_resumes_exactly(two_by_four, tmp_path):
     _, reference = two_by_four
     proc = start(tmp_path, steps=STEPS, **{})
@@ -193,6 +249,9 @@ def test_one_process_to_two_and_back(one_by_eight, tmp_path):
     (["--processes", "2", "--devices-per-process", "0"], "error: --devices-per-process 0: must be at least 1"),
     (["--processes", "2", "--devices-per-process", "4", "--", "--process-id", "1"],
      "error: --process-id: set by launch-local itself; leave it out of the train arguments"),
+    (["--processes", "2", "--devices-per-process", "1", "--config", str(TINY)],
+     "error: zerolm: unrecognized arguments: --config; put the train arguments after --: zerolm launch-local "
+     "--processes P --devices-per-process D -- --config ... (see zerolm --help)"),
     (["--processes", "3", "--devices-per-process", "1", "--", "--config", str(TINY), "--set", "mesh.dp=2"],
      f"error: {TINY} (--set mesh.dp): mesh.dp: dp × tp = 2 × 1 = 2, but there are 3 devices"),
 ])

@@ -18,10 +18,17 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from zerolm.interrupts import guarded
+
+    argv = sys.argv[1:] if argv is None else argv
+    return guarded(lambda: _main(argv), "interrupted" if argv[:1] != ["train"] else
+                   "interrupted before the first step; nothing was saved")
+
+
+def _main(argv: list[str]) -> int:
     from zerolm import comms, evaluate, export, launch, plan, plot, sample, train
     from zerolm.data import prepare
 
-    argv = sys.argv[1:] if argv is None else argv
     parser = OneLineParser(prog="zerolm", description="GPT pretraining in JAX with ZeRO-1.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     train.build_parser(sub.add_parser("train", help="train a model (same as python main_zero.py)"))
@@ -39,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
                                                    "and the step time, before launching"))
     comms.add_arguments(sub.add_parser("comms", help="every collective of the compiled training step, beside the "
                                                      "planner's prediction"))
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        hint = f"; {launch.HINT}" if args.command == "launch-local" and "--" not in argv else ""
+        parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     commands = {"train": lambda: train.main(argv[1:]), "checkpoints": lambda: _checkpoints(args.dir),
                 "launch-local": lambda: _launch_local(args), "prepare": lambda: prepare.main_args(args),
                 "eval": lambda: evaluate.main_args(args), "sample": lambda: sample.main_args(args),

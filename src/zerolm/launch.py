@@ -10,14 +10,24 @@ process also writes `<logging.dir>/process-<i>.log`.
   together, as a single process does. A second Ctrl-C is forwarded too, and abandons the save.
 - When a process dies (any exit but 0 or 75 while others still run), the others get `--grace`
   seconds (default 3) to notice on their own (a failed collective: exit 76 with their own line),
-  then are killed. The launcher prints one line naming the process that died and its exit status,
-  and exits 76 ("restart me"; the run resumes from its last complete checkpoint), or with the
-  processes' own code when they all failed alike (2 for a bad config, say).
-- The children run in their own process group, so nothing outlives the launcher.
+  then are killed. The launcher prints one line naming the process that died and its exit status.
+  It exits 76 ("restart me"; the run resumes from its last complete checkpoint) only when that
+  process was killed from outside (SIGKILL, SIGTERM, SIGHUP, SIGINT: the OOM killer, a lost host) or
+  itself lost a peer; a crash that a restart would repeat (a Python error, exit 1; an abort, SIGABRT)
+  gives the crashed process's own code (128 + the signal's number for a signal), and processes that
+  all failed alike give that code (2 for a bad config, say).
+- Nothing outlives the launcher. The children run in their own process group (a Ctrl-C at the
+  terminal reaches the launcher alone, which forwards it), write straight into their log files (so a
+  launcher that is gone leaves no broken pipe behind), and get SIGTERM from the kernel the moment the
+  launcher dies, however it dies (`kill -9` included: Linux's parent-death signal, `PR_SET_PDEATHSIG`):
+  they save the step reached and exit, and a process then stuck in JAX's distributed shutdown is ended
+  after a few seconds (`zerolm.mesh.shutdown_distributed`). SIGHUP (a closed terminal) is forwarded
+  like SIGTERM.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -37,7 +47,21 @@ def add_arguments(p) -> None:
     p.add_argument("--grace", type=float, default=3.0,
                    help="when a process dies, seconds the others get to exit on their own before they are killed "
                         "(default: %(default)s)")
-    p.add_argument("train_args", nargs="*", metavar="-- TRAIN_ARGS", help="arguments of `zerolm train`")
+    p.add_argument("train_args", nargs="*", metavar="-- TRAIN_ARGS", help="arguments of `zerolm train`, after --")
+
+
+HINT = "put the train arguments after --: zerolm launch-local --processes P --devices-per-process D -- --config ..."
+
+# Signals that mean "killed from outside": the run can be restarted as it is.
+_EXTERNAL = {signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT}
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the launcher dies (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the launcher's own handlers are all there is
+        pass
 
 
 def _free_port() -> int:
@@ -76,27 +100,31 @@ def launch(processes: int, devices: int, train_args: list[str], grace: float = 3
     env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
                                       f"--xla_force_host_platform_device_count={devices}".strip(),
            "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-    procs, logs, pumps = [], [], []
+    procs, logs = [], []
     for i in range(processes):
         cmd = [sys.executable, "-m", "zerolm.cli", "train", *train_args, "--coordinator", f"127.0.0.1:{port}",
                "--num-processes", str(processes), "--process-id", str(i)]
         log = (log_dir / f"process-{i}.log").open("w")
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # own process group: Ctrl-C reaches the launcher only
+        proc = subprocess.Popen(cmd, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True,  # own process group: Ctrl-C reaches the launcher only
+                                preexec_fn=_die_with_parent)
         procs.append(proc)
         logs.append(log)
-        pump = threading.Thread(target=_pump, args=(proc.stdout, log, out if i == 0 else None), daemon=True)
-        pump.start()
-        pumps.append(pump)
+    done = threading.Event()
+    pump = threading.Thread(target=_follow, args=(log_dir / "process-0.log", out, done), daemon=True)
+    pump.start()
     print(f"launch-local: {processes} process(es) × {devices} CPU device(s), coordinator 127.0.0.1:{port}, "
           f"pids {' '.join(str(p.pid) for p in procs)}; logs in {log_dir}/process-*.log", file=sys.stderr, flush=True)
 
     def forward(signum, frame):
+        # A closed terminal (SIGHUP) stops the run as a preemption does: the processes save and exit 75.
+        sent = signal.SIGTERM if signum == signal.SIGHUP else signum
         for p in procs:
             if p.poll() is None:
-                p.send_signal(signum)
+                p.send_signal(sent)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         code = _supervise(procs, grace)
     finally:
@@ -106,20 +134,36 @@ def launch(processes: int, devices: int, train_args: list[str], grace: float = 3
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        for pump in pumps:
-            pump.join(timeout=5)
+        done.set()
+        pump.join(timeout=5)
         for log in logs:
             log.close()
     return code
 
 
-def _pump(stream, log, out) -> None:
-    for line in iter(stream.readline, b""):
-        log.write(line.decode(errors="replace"))
-        log.flush()
-        if out is not None:
-            out.write(line.decode(errors="replace"))
-            out.flush()
+def _follow(path: Path, out, done: threading.Event) -> None:
+    """Show process 0's log as it grows, until the processes are done and it is read to the end."""
+    with path.open("rb") as f:
+        while True:
+            chunk = f.read()
+            if chunk:
+                out.write(chunk.decode(errors="replace"))
+                out.flush()
+            elif done.is_set():
+                return
+            else:
+                time.sleep(0.05)
+
+
+def _exit_code(code: int) -> int:
+    """A process's exit status as a shell reports it: 128 + N when killed by signal N."""
+    return 128 - code if code < 0 else code
+
+
+def _restartable(code: int) -> bool:
+    """Would restarting the run help? Yes when the process was killed from outside or lost a peer;
+    no when it crashed by itself (a restart would repeat the crash)."""
+    return code == EXIT_PEER_LOST or (code < 0 and -code in _EXTERNAL)
 
 
 def _supervise(procs: list[subprocess.Popen], grace: float) -> int:
@@ -127,12 +171,10 @@ def _supervise(procs: list[subprocess.Popen], grace: float) -> int:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             if len(set(codes)) == 1:
-                return codes[0] if codes[0] >= 0 else EXIT_PEER_LOST
+                return codes[0] if codes[0] >= 0 else _verdict(codes, 0, "")
             failed = min((i for i, c in enumerate(codes) if c not in (0, EXIT_PREEMPTED)),
                          key=lambda i: (codes[i] == EXIT_PEER_LOST, i))
-            print(f"launch-local: process {failed} {_describe(codes[failed])}; exit codes {codes}",
-                  file=sys.stderr, flush=True)
-            return EXIT_PEER_LOST
+            return _verdict(codes, failed, "")
         # A process that lost its peer (76) is a consequence; name the one that failed first.
         dead = sorted((i for i, c in enumerate(codes) if c is not None and c not in (0, EXIT_PREEMPTED)),
                       key=lambda i: (codes[i] == EXIT_PEER_LOST, i))
@@ -152,7 +194,17 @@ def _supervise(procs: list[subprocess.Popen], grace: float) -> int:
             if len(set(codes)) == 1 and codes[0] > 0:
                 return codes[0]  # every process failed alike (a bad config: 2)
             killed = f"; killed the other {len(running)} process(es) after {grace:g} s" if running else ""
-            print(f"launch-local: process {first} {_describe(codes[first])}{killed}; exit codes {codes}",
-                  file=sys.stderr, flush=True)
-            return EXIT_PEER_LOST
+            return _verdict(codes, first, killed)
         time.sleep(0.1)
+
+
+def _verdict(codes: list[int], failed: int, killed: str) -> int:
+    """One line naming the process that failed; 76 when a restart can help, else its own code."""
+    code = codes[failed]
+    if _restartable(code):
+        print(f"launch-local: process {failed} {_describe(code)}{killed}; exit codes {codes}", file=sys.stderr,
+              flush=True)
+        return EXIT_PEER_LOST
+    print(f"launch-local: process {failed} {_describe(code)} (it crashed by itself: a restart would repeat it, "
+          f"see {'its log' if failed else 'above'}){killed}; exit codes {codes}", file=sys.stderr, flush=True)
+    return _exit_code(code)

@@ -104,6 +104,22 @@ def exit_peer_lost(error: BaseException) -> None:
     os._exit(EXIT_PEER_LOST)
 
 
+SHUTDOWN_LIMIT_S = 20
+
+
+def bound_shutdown(limit_s: int = SHUTDOWN_LIMIT_S) -> None:
+    """Leaving a multi-process run: JAX's distributed shutdown (at interpreter exit) waits for every
+    peer at a barrier, and while JAX's preemption notifier owns SIGTERM a process waiting there for a
+    dead peer ignores SIGTERM. So: SIGTERM back to its default (it ends the process), and the kernel
+    ends it with SIGALRM if it is still there `limit_s` seconds from now. Call it last, on the way out."""
+    import signal
+
+    if jax.process_count() > 1:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(limit_s)
+
+
 def initialize_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None, *,
                            heartbeat_timeout_s: int = 10, init_timeout_s: int = 120) -> None:
     """Join a multi-process run. With no arguments on a TPU VM slice or SLURM, JAX detects the cluster;

@@ -41,8 +41,9 @@ from zerolm.data.prepare import MANIFEST, prepare
 from zerolm.data.shards import DataError, PreparedDataset
 from zerolm.data.tokenizer import Tokenizer, cache_dir, from_file
 from zerolm.evaluate import make_evaluator, perplexity
-from zerolm.mesh import (DistributedError, exit_peer_lost, initialize_distributed, is_first_host, is_peer_failure,
+from zerolm.mesh import (DistributedError, bound_shutdown, exit_peer_lost, initialize_distributed, is_first_host, is_peer_failure,
                          make_mesh, on_process_0)
+from zerolm.interrupts import EXIT_INTERRUPTED, interrupted_early
 from zerolm.metrics import MetricsWriter
 from zerolm.mfu import Accounting, flops_per_token
 from zerolm.runlock import LEASE_FILE, LOCK_FILE, LockHeld, RunLock
@@ -52,7 +53,6 @@ from zerolm.zero import TrainState, Zero1, make_optimizer
 
 EXIT_NONFINITE = 3
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again later; `--resume auto` continues from the saved step
-EXIT_INTERRUPTED = 130  # 128 + SIGINT: stopped by Ctrl-C without saving
 
 
 class NonFiniteError(RuntimeError):
@@ -78,7 +78,7 @@ def open_dataset(cfg: Config) -> PreparedDataset:
         for turn in ("first", "rest"):
             if (turn == "first") == (jax.process_index() == 0) and not (location / MANIFEST).exists():
                 prepare("default", location, vocab_size=cfg.data.default_vocab_size, seq_len=cfg.model.seq_len,
-                        progress=False)
+                        progress=False, catch_sigterm=jax.process_count() == 1)
             if jax.process_count() > 1:
                 multihost_utils.sync_global_devices(f"zerolm: default dataset prepared ({turn})")
     try:
@@ -125,6 +125,8 @@ class PreemptionWatch:
     abandons that save and exits at once (130); the unfinished save is removed by the next run."""
 
     def __init__(self):
+        if interrupted_early():  # a Ctrl-C during start-up that something swallowed
+            raise KeyboardInterrupt
         self.flag = False
         self.interrupted = False
         self.multi = jax.process_count() > 1
@@ -555,6 +557,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    finally:
+        bound_shutdown()
+
+
+def _main(args) -> int:
     try:
         if args.distributed or args.coordinator or args.num_processes is not None or args.process_id is not None:
             initialize_distributed(args.coordinator, args.num_processes, args.process_id,

@@ -110,6 +110,11 @@ class BatchLoader:
         return rows.reshape(self.accum, self.micro, -1)
 
     def global_batch(self, step: int) -> jax.Array:
+        return self.assemble(self.stage(step))
+
+    def stage(self, step: int) -> jax.Array:
+        """The step's rows on the devices that read them (zeros on tp ≠ 0 devices): no collective, so
+        safe on the prefetch thread."""
         read = {dp: self.device_rows(step, dp) for dp in self._read_blocks}  # each block once
         zeros = np.zeros((self.accum, self.micro, self.shape[-1]), np.int32)
         arrays = []
@@ -118,16 +123,22 @@ class BatchLoader:
             arrays.append(jax.device_put(rows if self.tp == 1 else rows[None], d))
         if self.tp == 1:  # nothing to hand over: the rows are already where they belong
             return jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)
-        return self._sum_tp(jax.make_array_from_single_device_arrays(self._staged_shape, self._staging, arrays))
+        return jax.make_array_from_single_device_arrays(self._staged_shape, self._staging, arrays)
 
-    def batches(self, start_step: int, prefetch: int = 2) -> Prefetcher:
+    def assemble(self, staged: jax.Array) -> jax.Array:
+        """The staged rows handed over tp: a collective when tp spans processes, so it must run on the
+        thread that runs the steps. Collectives across processes must be issued in the same order
+        everywhere (gloo and NCCL pair them by order), and the prefetch thread's would race the step's."""
+        return staged if self.tp == 1 else self._sum_tp(staged)
+
+    def batches(self, start_step: int, prefetch: int = 2) -> Iterator[tuple[jax.Array, float]]:
         """(batch, seconds the consumer waited for it) from `start_step` on, read ahead on a thread."""
         def produce():
             step = start_step
             while True:
-                yield self.global_batch(step)
+                yield self.stage(step)
                 step += 1
-        return Prefetcher(produce(), prefetch)
+        return Prefetcher(produce(), prefetch, finish=self.assemble)
 
 
 class Prefetcher:
@@ -136,7 +147,8 @@ class Prefetcher:
     close() stops and joins the thread, so nothing touches JAX after the training loop ends.
     """
 
-    def __init__(self, it: Iterator, depth: int):
+    def __init__(self, it: Iterator, depth: int, finish=None):
+        self._finish = finish or (lambda item: item)  # on the consumer's thread
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, args=(it,), name="batch-prefetch", daemon=True)
@@ -164,7 +176,8 @@ class Prefetcher:
         item, error = self._queue.get()
         if error is not None:
             raise error
-        return item, time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        return self._finish(item), waited
 
     def close(self) -> None:
         self._stop.set()

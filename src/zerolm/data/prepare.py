@@ -147,8 +147,11 @@ def _batched(it: Iterable[str], n: int) -> Iterator[list[str]]:
 def prepare(source: str, out: str | Path, *, tokenizer: str = "default", vocab_size: int = 2048,
             seq_len: int = 2048, text_field: str = "text", tfds_data_dir: str | None = None,
             val_every: int = 50, samples_per_shard: int = 4096, overwrite: bool = False,
-            skip_bad: bool = False, progress: bool = True) -> dict:
-    """Prepare `source` into `out`; returns the manifest."""
+            skip_bad: bool = False, progress: bool = True, catch_sigterm: bool = True) -> dict:
+    """Prepare `source` into `out`; returns the manifest.
+
+    `catch_sigterm=False` leaves SIGTERM to whoever owns it: in a multi-process training run JAX's
+    preemption notifier holds it from C++, where Python could neither see nor put it back."""
     _check_numbers(seq_len=seq_len, val_every=val_every, samples_per_shard=samples_per_shard,
                    vocab_size=vocab_size if tokenizer == "default" else None)
     out = Path(out)
@@ -158,7 +161,7 @@ def prepare(source: str, out: str | Path, *, tokenizer: str = "default", vocab_s
         raise PrepareError(f"{out}: exists and is not a directory")
     skipped = Skipped() if skip_bad else None
 
-    stop = _StopSignals()
+    stop = _StopSignals((signal.SIGINT, signal.SIGTERM) if catch_sigterm else (signal.SIGINT,))
 
     def documents(skipped: Skipped | None) -> Iterator[tuple[int, str]]:
         for item in enumerate(iter_documents(source, text_field=text_field, tfds_data_dir=tfds_data_dir,
@@ -244,7 +247,8 @@ class _StopSignals:
     (as KeyboardInterrupt, so the partial directory is removed). Raising from the handler itself could
     land inside a garbage-collection callback, where Python ignores it."""
 
-    def __init__(self):
+    def __init__(self, signals=(signal.SIGINT, signal.SIGTERM)):
+        self.signals = signals
         self.received: int | None = None
         self._previous: dict = {}
 
@@ -258,7 +262,8 @@ class _StopSignals:
     def __enter__(self) -> _StopSignals:
         with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
             for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._note)
+                if sig in self.signals:
+                    self._previous[sig] = signal.signal(sig, self._note)
         return self
 
     def __exit__(self, *exc) -> None:

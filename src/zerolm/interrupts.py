@@ -1,0 +1,37 @@
+"""Ctrl-C before a command's own handlers are in place (while JAX and the rest are imported, say).
+
+Python's default handler raises KeyboardInterrupt wherever the main thread is; raised inside a
+callback that swallows exceptions (JAX's garbage-collection callback does), it is lost and the run
+goes on as if nothing happened. `guarded(main)` installs a handler first that also *records* the
+interrupt, so a lost one is still seen: the training loop asks `interrupted_early()` before its first
+step. A Ctrl-C that reaches `guarded` is one line and exit code 130, never a traceback.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Callable
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+
+_interrupted = False
+
+
+def _on_sigint(signum, frame):
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+def interrupted_early() -> bool:
+    return _interrupted
+
+
+def guarded(main: Callable[[], int | None], what: str = "interrupted before the first step; nothing was saved") -> int:
+    signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        return main() or 0
+    except KeyboardInterrupt:
+        print(f"\nzerolm: {what}; exiting with code {EXIT_INTERRUPTED}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
