@@ -4,6 +4,7 @@ checkpoints safe. (Multi-process runs are in test_launch.py.)"""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import runs
 from conftest import REPO
 from runs import STEPS, command, env, logged_steps, losses, snapshot, start_and_wait, train
 
@@ -295,3 +297,48 @@ def test_second_ctrl_c_abandons_the_save(tmp_path):
     assert err.strip().splitlines()[-1] == ("zerolm: interrupted again: abandoned the save; the latest complete "
                                             "checkpoint stays the latest; exiting with code 130")
     assert Checkpoints(ckpt, read_only=True).latest_step() == 4
+
+
+def test_overwrite_moves_the_old_runs_logs_aside_with_its_checkpoints(straight, tmp_path):
+    """--resume never --overwrite: the old metrics (and everything else of the run's logging dir) go aside with the
+    checkpoints, byte for byte, and the line that reports the move names where."""
+    shutil.copytree(straight[0] / "ckpt", tmp_path / "ckpt")
+    shutil.copytree(straight[0] / "log", tmp_path / "log")
+    (tmp_path / "log" / "wandb").mkdir()
+    (tmp_path / "log" / "wandb" / "run.wandb").write_text("old wandb run")
+    old_logs = runs.snapshot(tmp_path / "log")
+    proc = runs.train(tmp_path, steps=4, args=("--resume", "never", "--overwrite"))
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("checkpoints: moved the old run aside to "))
+    aside = Path(re.search(r"; its metrics and logs \(metrics\.jsonl, wandb\) to (\S+)$", line).group(1))
+    assert aside.parent == tmp_path and aside.name.startswith("log.replaced-")
+    assert runs.snapshot(aside) == old_logs
+    assert sorted(runs.losses(tmp_path)) == [1, 2, 3, 4]  # the new run's own lines only
+
+
+def test_two_runs_sharing_a_logging_dir(tmp_path):
+    """Different checkpoint directories, one logging.dir: the second run is refused with one line while the
+    first runs, and the first run's metrics are whole."""
+    first = subprocess.Popen(runs.command(tmp_path, "checkpoint.every=1000", steps=200), env=runs.env(), cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while runs.logged_steps(tmp_path) < 3:
+        assert first.poll() is None and time.time() < deadline, first.communicate()[1][-2000:]
+        time.sleep(0.05)
+    second = subprocess.run(runs.command(tmp_path, f"checkpoint.dir={tmp_path / 'other'}", steps=4), env=runs.env(),
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    first.send_signal(signal.SIGTERM)
+    first.communicate(timeout=120)
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert re.fullmatch(rf"error: {tmp_path / 'log'}: in use by another run \(host \S+, pid {first.pid}, since .+\); "
+                        r"wait for it to end or stop it \(one run per logging directory\)", second.stderr.strip())
+    steps = sorted(runs.losses(tmp_path))  # each step once: nothing of the second run's
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3
+
+
+def test_a_checkpoint_directory_where_no_lock_can_be_made_is_one_line(tmp_path):
+    """A checkpoint.dir that cannot be written (here: below a file; a read-only disk alike) is one line, exit 2."""
+    (tmp_path / "file").write_text("x")
+    proc = runs.train(tmp_path, f"checkpoint.dir={tmp_path / 'file' / 'ckpt'}", steps=2, expect=2)
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'file' / 'ckpt'}: cannot take the run lock of this checkpoint directory (Not a directory: "
+        f"{tmp_path / 'file' / 'ckpt'}); is it writable?"]

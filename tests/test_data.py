@@ -410,3 +410,47 @@ def test_interrupted_prepare_removes_its_partial_directory(tmp_path):
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == f"prepare: interrupted; {tmp_path / 'ds'} is unchanged and the partial output was removed"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl"]
+
+
+def _files(path):
+    import hashlib
+
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() for p in path.rglob("*") if p.is_file()}
+
+
+def test_prepare_never_writes_over_the_users_files(tmp_path):
+    """--out DIR holding the user's files (the source itself, here) is refused, with or without --overwrite,
+    and nothing is touched; --overwrite replaces only a dataset that holds nothing but a prepare's files."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "good.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in _texts(30)) + "\n")
+    (data / "notes.txt").write_text("mine")
+    before = _files(data)
+
+    def prepare(out, *flags):
+        return subprocess.run([sys.executable, "-m", "zerolm.cli", "prepare", "--source", f"jsonl:{data / 'good.jsonl'}",
+                               "--out", str(out), "--seq-len", "16", "--vocab-size", "300", *flags],
+                              capture_output=True, text=True)
+
+    for flags in ((), ("--overwrite",)):
+        proc = prepare(data, *flags)
+        assert proc.returncode == 2 and proc.stderr.strip() == (
+            f"error: {data}: is not empty and holds no prepared dataset (manifest.json); prepare writes only into a "
+            "missing or empty directory: choose another --out"), proc.stderr
+        assert _files(data) == before
+    (tmp_path / "empty").mkdir()
+    assert prepare(tmp_path / "empty").returncode == 0  # an empty directory is fine
+    out = tmp_path / "prepared"
+    assert prepare(out).returncode == 0
+    (out / "README.md").write_text("the user's note about this dataset")
+    held = _files(out)
+    proc = prepare(out, "--overwrite")
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"error: {out}: holds README.md, which no prepare wrote; --overwrite replaces only a prepared dataset: "
+        "move them out first"), proc.stderr
+    assert _files(out) == held
+    (out / "README.md").unlink()
+    assert prepare(out, "--overwrite").returncode == 0

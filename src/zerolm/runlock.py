@@ -33,7 +33,8 @@ LEASE_FILE = "zerolm.lease"
 
 
 class LockHeld(Exception):
-    """Another live run holds the directory; the message names it (host, pid, since when)."""
+    """Another live run holds the directory; the message names it (host, pid, since when). Also raised,
+    naming the directory and the reason, when the lock cannot be taken at all (a read-only disk)."""
 
 
 def _holder_record() -> dict:
@@ -58,15 +59,22 @@ class RunLock:
 
     @staticmethod
     def acquire(directory: str, *, stale_after_s: float = 120.0, heartbeat_s: float = 20.0,
-                lease: bool | None = None) -> RunLock:
-        """Lock `directory` (created if missing); raises LockHeld when a live run holds it.
+                lease: bool | None = None, what: str = "checkpoint directory") -> RunLock:
+        """Lock `directory` (created if missing); raises LockHeld when a live run holds it, or when
+        the lock cannot be made there (its message names the directory and the reason).
 
         `lease` picks the mechanism; by default the OS lock for local paths and the lease for URLs.
+        `what` names the directory's role in the messages (checkpoint directory, logging directory).
         """
         remote = "://" in directory
-        if lease if lease is not None else remote:
-            return _acquire_lease(epath.Path(directory), stale_after_s, heartbeat_s)
-        return _acquire_local(Path(directory))
+        try:
+            if lease if lease is not None else remote:
+                return _acquire_lease(epath.Path(directory), stale_after_s, heartbeat_s, what)
+            return _acquire_local(Path(directory), what)
+        except OSError as e:
+            raise LockHeld(f"{directory}: cannot take the run lock of this {what} "
+                           f"({e.strerror or e}{': ' + e.filename if getattr(e, 'filename', None) else ''}); "
+                           "is it writable?") from None
 
     def release(self) -> None:
         if self._release is not None:
@@ -80,7 +88,7 @@ class RunLock:
         self.release()
 
 
-def _acquire_local(directory: Path) -> RunLock:
+def _acquire_local(directory: Path, what: str) -> RunLock:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -93,7 +101,7 @@ def _acquire_local(directory: Path) -> RunLock:
             holder = {}
         os.close(fd)
         raise LockHeld(f"{directory}: in use by {_describe(holder)}; wait for it to end or stop it "
-                       "(one run per checkpoint directory)") from None
+                       f"(one run per {what})") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(_holder_record()).encode(), 0)
 
@@ -104,7 +112,7 @@ def _acquire_local(directory: Path) -> RunLock:
     return RunLock(str(directory), release)
 
 
-def _acquire_lease(directory: epath.Path, stale_after_s: float, heartbeat_s: float) -> RunLock:
+def _acquire_lease(directory: epath.Path, stale_after_s: float, heartbeat_s: float, what: str) -> RunLock:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LEASE_FILE
 

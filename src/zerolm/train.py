@@ -192,7 +192,9 @@ def start_state(cfg: Config, zero: Zero1, init_fn, data_id: dict, resume: str, o
             ckpts.close()
             aside = on_every_process("old checkpoints moved aside",
                                      lambda: move_aside(directory, keep=(LOCK_FILE, LEASE_FILE)))
-            say(f"checkpoints: moved the old run aside to {aside}")
+            logs_aside = on_every_process("old logs moved aside", lambda: _move_logs_aside(cfg.log_dir))
+            say(f"checkpoints: moved the old run aside to {aside}"
+                + (f"; its metrics and logs ({', '.join(logs_aside[1])}) to {logs_aside[0]}" if logs_aside else ""))
             ckpts, latest = open_checkpoints(), None
         state = meta = None
         while latest is not None and resume != "never":
@@ -231,6 +233,18 @@ def start_state(cfg: Config, zero: Zero1, init_fn, data_id: dict, resume: str, o
     if saved_tp != cfg.mesh.tp:
         say(f"  tensor parallelism changed: tp {saved_tp} -> {cfg.mesh.tp}; parameters and optimizer state resharded")
     return ckpts, state, meta["wandb_id"]
+
+
+def _move_logs_aside(log_dir: Path) -> tuple[Path, list[str]] | None:
+    """With the old checkpoints, the old run's logs (metrics.jsonl, wandb/, the profile, the plot) go
+    to `<logging.dir>.replaced-<time>/`. The lock and this launch's process logs stay."""
+    if not log_dir.is_dir():
+        return None
+    keep = (LOCK_FILE, LEASE_FILE, *(p.name for p in log_dir.glob("process-*.log")))
+    names = sorted(p.name for p in log_dir.iterdir() if p.name not in keep)
+    if not names:
+        return None
+    return Path(move_aside(log_dir, keep=keep)), names
 
 
 def _check_resumable(cfg: Config, meta: dict, data_id: dict, where) -> None:
@@ -302,6 +316,14 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
     data_id = dataset_identity(cfg, dataset)
     lock = on_process_0(lambda: RunLock.acquire(cfg.checkpoint_dir), (LockHeld,))
     try:
+        # Two runs writing one logging.dir would each rewrite the other's metrics.jsonl.
+        log_lock = (on_process_0(lambda: RunLock.acquire(str(cfg.log_dir), what="logging directory"), (LockHeld,))
+                    if str(cfg.log_dir) != str(cfg.checkpoint_dir) else None)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    try:
         removed = on_process_0(lambda: remove_unfinished(cfg.checkpoint_dir), (OSError,))
         if removed:
             say(f"checkpoints: removed {len(removed)} unfinished save(s) of an earlier run that died while saving: "
@@ -322,8 +344,9 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
         finally:
             ckpts.close()  # waits for a save in flight to be durable; an interrupted one is never listed
     finally:
-        if lock is not None:
-            lock.release()
+        for held in (log_lock, lock):
+            if held is not None:
+                held.release()
 
     val = f", val loss {summary['val_loss']:.4f}" if "val_loss" in summary else ""
     say(f"done: train loss {summary['loss']:.4f}{val} (unigram entropy {entropy:.4f}); metrics in "

@@ -155,10 +155,7 @@ def prepare(source: str, out: str | Path, *, tokenizer: str = "default", vocab_s
     _check_numbers(seq_len=seq_len, val_every=val_every, samples_per_shard=samples_per_shard,
                    vocab_size=vocab_size if tokenizer == "default" else None)
     out = Path(out)
-    if (out / MANIFEST).exists() and not overwrite:
-        raise PrepareError(f"{out}: already holds a prepared dataset; pass --overwrite to replace it")
-    if out.exists() and not out.is_dir():
-        raise PrepareError(f"{out}: exists and is not a directory")
+    _check_out(out, overwrite)
     skipped = Skipped() if skip_bad else None
 
     stop = _StopSignals((signal.SIGINT, signal.SIGTERM) if catch_sigterm else (signal.SIGINT,))
@@ -206,6 +203,32 @@ def _prepare_into(out: Path, source: str, documents, tok: Tokenizer, seq_len: in
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    """prepare writes only into a missing or empty directory, or (--overwrite) over an earlier prepared
+    dataset that holds nothing else: never over files of the user's."""
+    if out.exists() and not out.is_dir():
+        raise PrepareError(f"{out}: exists and is not a directory")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not (out / MANIFEST).exists():
+        raise PrepareError(f"{out}: is not empty and holds no prepared dataset ({MANIFEST}); prepare writes only "
+                           "into a missing or empty directory: choose another --out")
+    if not overwrite:
+        raise PrepareError(f"{out}: already holds a prepared dataset; pass --overwrite to replace it")
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+        ours = {MANIFEST, manifest["tokenizer"]["file"],
+                *(shard["name"] for split in manifest["splits"].values() for shard in split["shards"])}
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise PrepareError(f"{out}/{MANIFEST}: unreadable ({e}); --overwrite replaces only a prepared dataset, "
+                           "so nothing was touched") from None
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise PrepareError(f"{out}: holds {foreign[0]}{more}, which no prepare wrote; --overwrite replaces only a "
+                           "prepared dataset: move them out first")
 
 
 def _check_numbers(**values: int | None) -> None:
