@@ -175,8 +175,32 @@ def test_plan_cli_json_and_text():
     (["--config", C125M, "--tp", "5"], "--tp: 5 does not divide the 12 heads and the MLP width 3072 of"),
     ([], "give the model as --config FILE or as --params N"),
     (["--params", "1e9", "--set", "model.n_layer=3"], "--set needs --config"),
+    (["--params", "nan"], "--params: nan is not a number of parameters, devices or sequences"),
+    (["--params", "inf"], "--params: inf is not a number of parameters, devices or sequences"),
+    (["--params", "1e3"], "--params: 1,000 cannot hold a 12 × 768 model: its embeddings alone are 40,206,336 parameters"),
 ])
 def test_plan_bad_input_is_one_line_and_exit_2(args, message):
     proc = zerolm("plan", *args, expect=2)
     assert proc.stdout == ""
     assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_planned_mfu_is_the_mfu_training_would_log(remat):
+    """One MFU definition: zerolm.mfu's, which does not count remat's recomputation. The planner's compute
+    time includes the recomputation; its MFU must not (it overstated full remat's by 4/3)."""
+    from zerolm import mfu
+
+    p = planner("--config", str(C125M), "--device", "h100", "--dp", "8", "--remat", remat)
+    step = p.step(p.micro_batch)
+    m = p.model
+    tokens_per_s_device = p.layout.global_batch * m.seq_len / p.layout.devices / step.step_s
+    expected = mfu.mfu(tokens_per_s_device, mfu.flops_per_token(m.flops_params, m.n_layer, m.d_model, m.seq_len),
+                       "NVIDIA H100 80GB HBM3")
+    assert step.mfu() == pytest.approx(expected, rel=1e-12)
+    assert step.mfu() < step.efficiency * (0.76 if remat == "full" else 1.0001)  # remat spends a quarter on recompute
+
+
+def test_plan_shows_small_states_in_small_units():
+    text = zerolm("plan", "--config", TINY, "--device", "h100", "--dp", "1").stdout
+    assert "0.00 GiB" not in text and " MiB" in text

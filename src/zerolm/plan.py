@@ -214,13 +214,17 @@ class StepTime:
     buckets: int
     overlapped_s: float  # the step with the bucketed reduction overlapping the last backward pass
     efficiency: float  # assumed share of peak while computing
+    model_flops: float  # per device per step, zerolm.mfu's count: no recomputation (what training logs)
+    peak_flops: float  # of one device
 
     @property
     def step_s(self) -> float:
         return self.compute_s + self.tp_comm_s + self.grad_comm_s + self.param_gather_s
 
     def mfu(self, overlap: bool = False) -> float:
-        return self.efficiency * self.compute_s / (self.overlapped_s if overlap else self.step_s)
+        """zerolm.mfu's MFU, as training would log it at this step time: the model's FLOPs without the
+        recomputation of remat (which the compute time does include) over the device's peak."""
+        return self.model_flops / (self.peak_flops * (self.overlapped_s if overlap else self.step_s))
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "step_s": self.step_s, "mfu": self.mfu(), "mfu_overlapped": self.mfu(True)}
@@ -265,9 +269,9 @@ class Planner:
         accum = lay.per_rank // micro
         remat = self.model.remat == "full"
         # zerolm.mfu's count; full remat runs the forward pass again: 8·N + 16·L·d·T = 4/3 of it.
-        flops_token = flops_per_token(m.flops_params, m.n_layer, m.d_model, m.seq_len) * (4 / 3 if remat else 1)
+        model_flops_token = flops_per_token(m.flops_params, m.n_layer, m.d_model, m.seq_len)
         tokens_device = lay.global_batch * m.seq_len / lay.devices
-        compute = flops_token * tokens_device / (d.flops * self.efficiency)
+        compute = model_flops_token * (4 / 3 if remat else 1) * tokens_device / (d.flops * self.efficiency)
         # Megatron's tensor parallelism: 2 all-reduces of the activations forward and 2 backward per layer
         # (one more forward with full remat), every micro-step.
         act = micro * m.seq_len * m.d_model * m.act_bytes
@@ -283,7 +287,7 @@ class Planner:
         bucket, k, overlapped = self._bucket(grads, bwd, compute + tp_comm + gather, stage)
         return StepTime(micro, accum, compute, tp_comm, grad_comm, gather,
                         ring_time(d, "all-reduce", grads, lay.dp, lay.tp), tree_time(d, grads, lay.dp, lay.tp),
-                        bucket, k, overlapped, self.efficiency)
+                        bucket, k, overlapped, self.efficiency, model_flops_token * tokens_device, d.flops)
 
     def _bucket(self, grads: int, bwd: float, rest: float, stage: int) -> tuple[int, int, float]:
         """The note's bucketed reduction of the last micro-batch's backward pass: (bucket, count, step)."""
@@ -422,8 +426,13 @@ def model_from_params(n: int, layers: int | None, width: int | None, heads: int 
     for flag, value in (("--layers", layers), ("--width", width), ("--heads", heads), ("--seq-len", seq_len)):
         if value <= 0:
             raise PlanError(f"{flag}: {value} is not positive")
+    embeddings = (padded + seq_len) * width
+    if embeddings >= n:
+        raise PlanError(f"--params: {n:,} cannot hold a {layers} × {width} model: its embeddings alone are "
+                        f"{embeddings:,} parameters ({padded:,} vocabulary + {seq_len:,} positions × {width}); give a "
+                        "larger N, or a smaller --width / --vocab")
     # Tensor parallelism splits the blocks, not the embeddings (zerolm.sharding.RULES); LayerNorms ignored.
-    return Model(n, max(0, n - (padded + seq_len) * width), layers, width, heads, seq_len, padded, remat=remat,
+    return Model(n, n - embeddings, layers, width, heads, seq_len, padded, remat=remat,
                  source=f"--params {n:,} (shape {layers} layers × {width}, {heads} heads)")
 
 
@@ -474,7 +483,11 @@ def planned_vocab(cfg) -> int:
 # The report and the command line.
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:8.2f} GiB"
+    """A byte count in the unit that shows it (a tiny model's states are KiB, not "0.00 GiB")."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:8.2f} {unit}"
+    return f"{n:8.0f} B  "
 
 
 def _ms(s: float) -> str:
@@ -565,6 +578,8 @@ def build(args) -> Planner:
     device = preset(args.device)
     for flag in ("params", "dp", "tp", "global_batch", "micro_batch", "layers", "width", "heads", "seq_len", "vocab"):
         value = getattr(args, flag)
+        if value is not None and not math.isfinite(value):
+            raise PlanError(f"--{flag.replace('_', '-')}: {value} is not a number of parameters, devices or sequences")
         if value is not None and value <= 0:
             raise PlanError(f"--{flag.replace('_', '-')}: {value:g} is not positive")
     if not 0 < args.efficiency <= 1:
