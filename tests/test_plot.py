@@ -17,7 +17,8 @@ def records(run_dir):
 def test_the_plotted_series_are_the_metrics_of_each_run(trained_run, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(trained_run / "log", other / "log")
-    lines = (other / "log" / "metrics.jsonl").read_text().splitlines()[:5]  # a shorter second run
+    lines = [line for line in (other / "log" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["step"] <= 5]  # a shorter second run
     (other / "log" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     fig = plot.figure([trained_run / "log", other / "log"])
     loss_ax, speed_ax, flops_ax, lr_ax = fig.axes
@@ -30,11 +31,61 @@ def test_the_plotted_series_are_the_metrics_of_each_run(trained_run, tmp_path):
     np.testing.assert_array_equal(val_line.get_xydata(), [[r["tokens_seen"], r["val_loss"]] for r in rec
                                                           if "val_loss" in r])
     assert len(other_line.get_xydata()) == 5 and other_line.get_label() == f"{other / 'log'} train"
-    np.testing.assert_array_equal(speed_ax.get_lines()[0].get_ydata(), [r["tokens_per_s"] for r in steps])
+    timed = steps[1:]  # the first step (compiling) is left out of the throughput panels
+    np.testing.assert_array_equal(speed_ax.get_lines()[0].get_ydata(), [r["tokens_per_s"] for r in timed])
     np.testing.assert_array_equal(lr_ax.get_lines()[0].get_ydata(), [r["lr"] for r in steps])
     # CPU has no peak in the table: the panel shows model TFLOP/s per device, and says why.
     assert "MFU: device peak unknown" in flops_ax.get_title()
-    np.testing.assert_array_equal(flops_ax.get_lines()[0].get_ydata(), [r["model_tflops_per_device"] for r in steps])
+    np.testing.assert_array_equal(flops_ax.get_lines()[0].get_ydata(), [r["model_tflops_per_device"] for r in timed])
+
+
+def test_non_finite_steps_are_counted_and_marked(trained_run, tmp_path):
+    rec = records(trained_run)
+    for r in rec:
+        if r.get("step") in (3, 7) and "loss" in r:
+            r["loss"] = float("nan")
+    (tmp_path / "log").mkdir()
+    (tmp_path / "log" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rec))
+    fig = plot.figure([tmp_path / "log"])
+    loss_ax = fig.axes[0]
+    train_line = loss_ax.get_lines()[0]
+    assert train_line.get_label() == f"{tmp_path / 'log'} train (2 non-finite step(s))"
+    marks = [line for line in loss_ax.get_lines() if line.get_marker() == "x"]
+    assert len(marks) == 1 and list(marks[0].get_xdata()) == [16 * 32 * 3, 16 * 32 * 7]
+
+
+def test_step_time_is_the_step_not_the_host_work_between_steps(monkeypatch):
+    """A save (or an evaluation) between two steps is logged as save_s; the next step's time is its own."""
+    import time
+
+    from zerolm import train
+    from zerolm.mfu import Accounting
+
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    written = []
+
+    class Writer:
+        def write(self, step, values):
+            written.append((step, values))
+
+    class Bar:
+        def update(self, n):
+            pass
+
+    emitter = train._Emitter(Writer(), Bar(), {}, 100, Accounting(1.0, 1, "cpu"), every=1000, max_skips=None)
+    metrics = {"loss": np.float32(2.0), "grad_norm": np.float32(1.0)}
+    emitter.push(1, metrics, 0.0)
+    clock[0] = 2.0  # step 1 (compiling) ends
+    emitter.flush()
+    clock[0] = 10.0  # a checkpoint save took 8 s
+    emitter.restart_clock()
+    emitter.push(2, metrics, 0.0)
+    clock[0] = 10.5
+    emitter.flush()
+    times = {step: values["step_time_s"] for step, values in written}
+    assert times == {1: 2.0, 2: 0.5}
+    assert written[1][1]["tokens_per_s"] == 200
 
 
 def test_the_cli_writes_a_png(trained_run, tmp_path):

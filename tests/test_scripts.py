@@ -95,7 +95,7 @@ def test_create_launch_logs_stop_delete(fake):
     assert remote.endswith("> $HOME/zerolm-1_3b.log 2>&1 < /dev/null &")
 
     for script, tail in (("logs.sh", ["--worker=0", "--command=tail -n 100 -F $HOME/zerolm-125m.log"]),
-                         ("stop.sh", ["--worker=all", "--command=pkill -TERM -f 'zerolm train' || true"])):
+                         ("stop.sh", ["--worker=all", "--command=pkill -TERM -f '[z]erolm train' || true"])):
         proc, calls = fake(REPO / "tpu_scripts" / script, "--name", "slice-1")
         assert proc.returncode == 0 and calls == [["gcloud", "compute", "tpus", "tpu-vm", "ssh", "slice-1",
                                                     "--zone=us-central2-b", *tail]]
@@ -152,3 +152,18 @@ def test_slurm_script_runs_srun_and_requeues_on_preemption(fake, exit_code, requ
             "configs/1_3b.yaml", "--set", "checkpoint.dir=/shared/ckpt"]
     assert calls[0] == srun and dry(SLURM, *args) == [srun]
     assert (calls[1:] == [["scontrol", "requeue", "4242"]]) == requeued and len(calls) == 1 + requeued
+
+
+def test_stop_command_stops_training_and_not_itself():
+    """stop.sh's remote command, run by a shell as a worker would: it ends a `zerolm train` process and exits 0
+    (a pattern that matched the shell's own command line killed the shell: exit 143)."""
+    import subprocess
+    import time
+
+    script = (REPO / "tpu_scripts" / "stop.sh").read_text()
+    remote = script.split('on_workers all "', 1)[1].split('"', 1)[0]
+    dummy = subprocess.Popen(["bash", "-c", 'exec -a "zerolm train --distributed" sleep 60'])
+    time.sleep(0.3)
+    proc = subprocess.run(["bash", "-c", remote], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc
+    assert dummy.wait(timeout=10) == -15  # SIGTERM reached it

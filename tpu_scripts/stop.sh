@@ -14,4 +14,4 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$here/common.sh"
 
 only_common_args "$@"
-on_workers all "pkill -TERM -f 'zerolm train' || true"
+on_workers all "pkill -TERM -f '[z]erolm train' || true"  # [z]: the pattern cannot match this shell's own command line

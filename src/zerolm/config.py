@@ -146,11 +146,14 @@ class LoggingConfig(_Section):
         first, last = map(int, self.profile.split("-"))
         return first, last
 
-    @model_validator(mode="after")
-    def _profile_range(self) -> LoggingConfig:
-        if self.profile_steps is not None and not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
-            raise ValueError(f"profile {self.profile!r}: expected FIRST-LAST steps with 1 <= FIRST <= LAST")
-        return self
+    @field_validator("profile")
+    @classmethod
+    def _profile_range(cls, value: str | None) -> str | None:
+        if value is not None:
+            first, last = map(int, value.split("-"))
+            if not 1 <= first <= last:
+                raise ValueError(f"{value!r}: expected FIRST-LAST steps with 1 <= FIRST <= LAST")
+        return value
 
 
 class SampleConfig(_Section):

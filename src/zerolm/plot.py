@@ -4,6 +4,10 @@ Four panels against tokens seen: train loss (lines) with validation loss (marker
 (or model TFLOP/s per device where the device's peak is unknown) and the learning rate. Several runs
 are overlaid, one colour each, labelled by their directory. Drawn with matplotlib's Agg backend, so
 no display is needed.
+
+The throughput and MFU panels leave out each run's first `--skip-steps` steps (default 1: the first
+step's time includes compiling). Steps whose loss is not finite cannot be drawn on a loss axis: the
+legend counts them, and each is marked by a red x on the loss panel's bottom edge.
 """
 
 from __future__ import annotations
@@ -46,7 +50,14 @@ def series(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray([x for x, _ in rows], float), np.asarray([y for _, y in rows], float)
 
 
-def figure(run_dirs: list[Path]):
+def skip_first(records: list[dict], n: int) -> list[dict]:
+    """The records of steps after the run's first `n` steps (their times include compiling)."""
+    steps = sorted({r["step"] for r in records if "loss" in r})
+    first = steps[n] if n < len(steps) else float("inf")
+    return [r for r in records if r["step"] >= first]
+
+
+def figure(run_dirs: list[Path], skip_steps: int = 1):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,16 +69,22 @@ def figure(run_dirs: list[Path]):
     use_mfu = all(any("mfu" in r for r in records) for records in runs.values())
     for i, (name, records) in enumerate(runs.items()):
         color = f"C{i}"
-        loss_ax.plot(*series(records, "loss"), color=color, lw=1, label=f"{name} train")
+        x, y = series(records, "loss")
+        bad = ~np.isfinite(y)
+        loss_ax.plot(x, y, color=color, lw=1, label=f"{name} train" + (f" ({bad.sum()} non-finite step(s))" if bad.any() else ""))
+        if bad.any():
+            loss_ax.plot(x[bad], np.zeros(bad.sum()), "x", color="red", ms=7, clip_on=False,
+                         transform=loss_ax.get_xaxis_transform())
+        timed = skip_first(records, skip_steps)
         x, y = series(records, "val_loss")
         if len(x):
             loss_ax.plot(x, y, "o--", color=color, ms=4, label=f"{name} val")
-        speed_ax.plot(*series(records, "tokens_per_s"), color=color, lw=1, label=name)
+        speed_ax.plot(*series(timed, "tokens_per_s"), color=color, lw=1, label=name)
         if use_mfu:
-            x, y = series(records, "mfu")
+            x, y = series(timed, "mfu")
             mfu_ax.plot(x, 100 * y, color=color, lw=1, label=name)
         else:
-            mfu_ax.plot(*series(records, "model_tflops_per_device"), color=color, lw=1, label=name)
+            mfu_ax.plot(*series(timed, "model_tflops_per_device"), color=color, lw=1, label=name)
         lr_ax.plot(*series(records, "lr"), color=color, lw=1, label=name)
     loss_ax.set(title="loss", ylabel="nats/token")
     speed_ax.set(title="throughput", ylabel="tokens/s")
@@ -83,8 +100,8 @@ def figure(run_dirs: list[Path]):
     return fig
 
 
-def write(run_dirs: list[Path], out: Path) -> Path:
-    fig = figure(run_dirs)
+def write(run_dirs: list[Path], out: Path, skip_steps: int = 1) -> Path:
+    fig = figure(run_dirs, skip_steps)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     import matplotlib.pyplot as plt
@@ -97,6 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (logging.dir) to overlay")
     parser.add_argument("--out", default=None, metavar="FILE.png",
                         help="(default: RUN_DIR/metrics.png for one run, runs.png for several)")
+    parser.add_argument("--skip-steps", type=int, default=1, metavar="N",
+                        help="leave each run's first N steps out of the throughput and MFU panels (compiling) "
+                             "(default: %(default)s)")
     return parser
 
 
@@ -106,8 +126,11 @@ def main_args(args: argparse.Namespace) -> int:
     if out.suffix.lower() != ".png":
         print(f"error: --out: {out}: expected a .png file", file=sys.stderr)
         return 2
+    if args.skip_steps < 0:
+        print(f"error: --skip-steps: {args.skip_steps} is negative", file=sys.stderr)
+        return 2
     try:
-        print(write(run_dirs, out))
+        print(write(run_dirs, out, args.skip_steps))
     except PlotError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -37,7 +37,7 @@ from zerolm.checkpoint import (FORMAT, CheckpointError, Checkpoints, DamagedChec
 from zerolm.cli import OneLineParser
 from zerolm.config import Config, ConfigError, load_config
 from zerolm.data.loader import BatchLoader
-from zerolm.data.prepare import MANIFEST, prepare
+from zerolm.data.prepare import MANIFEST, PrepareError, prepare
 from zerolm.data.shards import DataError, PreparedDataset
 from zerolm.data.tokenizer import Tokenizer, cache_dir, from_file
 from zerolm.evaluate import make_evaluator, perplexity
@@ -77,8 +77,12 @@ def open_dataset(cfg: Config) -> PreparedDataset:
         # Process 0 first; then any host whose disk still lacks it (hosts of a slice have their own disks).
         for turn in ("first", "rest"):
             if (turn == "first") == (jax.process_index() == 0) and not (location / MANIFEST).exists():
-                prepare("default", location, vocab_size=cfg.data.default_vocab_size, seq_len=cfg.model.seq_len,
-                        progress=False, catch_sigterm=jax.process_count() == 1)
+                try:
+                    prepare("default", location, vocab_size=cfg.data.default_vocab_size, seq_len=cfg.model.seq_len,
+                            progress=False, catch_sigterm=jax.process_count() == 1)
+                except PrepareError as e:
+                    raise ConfigError(f"model.seq_len: {cfg.model.seq_len}: the default dataset cannot be prepared "
+                                      f"for it: {e}") from None
             if jax.process_count() > 1:
                 multihost_utils.sync_global_devices(f"zerolm: default dataset prepared ({turn})")
     try:
@@ -426,7 +430,7 @@ class _Loop:
         emitter = _Emitter(writer, bar, summary, self.tokens_per_step, self.accounting, cfg.logging.every,
                            cfg.train.max_consecutive_skips if cfg.train.skip_nonfinite else None)
         batches = loader.batches(start_step=start, prefetch=cfg.data.prefetch)
-        profiler = _Profiler(cfg.logging.profile_steps, cfg.log_dir / "profile", bar, self.out)
+        profiler = _Profiler(cfg.logging.profile_steps, start, cfg.train.steps, cfg.log_dir / "profile", bar, self.out)
         try:
             for step in range(start + 1, cfg.train.steps + 1):
                 batch, waited = next(batches)
@@ -443,9 +447,10 @@ class _Loop:
                 if evaluate_now or save_now or sample_now:
                     emitter.flush()  # a non-finite step raises here, before it could be saved
                 if evaluate_now:
+                    t0 = time.perf_counter()
                     loss = summary["val_loss"] = self.evaluate(state.params)
                     writer.write(step, {"val_loss": loss, "val_perplexity": perplexity(loss),
-                                        "tokens_seen": step * self.tokens_per_step})
+                                        "tokens_seen": step * self.tokens_per_step, "eval_s": time.perf_counter() - t0})
                     bar.write(f"step {step}: val loss {loss:.4f}, perplexity {perplexity(loss):.2f}", file=self.out)
                 if sample_now:
                     text = self.sample(state.params)
@@ -453,7 +458,11 @@ class _Loop:
                     if is_main:
                         bar.write(f"step {step}: sample: {text}", file=self.out)
                 if save_now:
+                    t0 = time.perf_counter()
                     self.ckpts.save(state, self.checkpoint_meta(step, summary.get("loss")), wait=stop)
+                    writer.write(step, {"save_s": time.perf_counter() - t0})  # the step waits this long for it
+                if evaluate_now or save_now or sample_now:
+                    emitter.restart_clock()  # the next step's time is its own, not this host work's
                 profiler.after(step, state)
                 if stop:
                     raise Preempted(step, preemption.why)
@@ -475,9 +484,21 @@ class _Loop:
 class _Profiler:
     """A jax.profiler trace of steps FIRST..LAST (logging.profile), written under the run's log dir."""
 
-    def __init__(self, steps: tuple[int, int] | None, directory: Path, bar, out):
-        self.steps, self.directory, self.bar, self.out = steps, directory, bar, out
+    def __init__(self, steps: tuple[int, int] | None, start: int, end: int, directory: Path, bar, out):
+        """Steps `start`+1 .. `end` will run; a range reaching past them is cut to them, and said so."""
+        self.directory, self.bar, self.out = directory, bar, out
         self.active = False
+        self.steps = steps
+        if steps is not None:
+            first, last = max(steps[0], start + 1), min(steps[1], end)
+            if first > last:
+                bar.write(f"profile: steps {steps[0]}-{steps[1]} asked for, but this run trains steps {start + 1}-{end}: "
+                          "nothing is traced", file=out)
+                self.steps = None
+            elif (first, last) != steps:
+                bar.write(f"profile: tracing steps {first}-{last} (steps {steps[0]}-{steps[1]} asked for; this run "
+                          f"trains steps {start + 1}-{end})", file=out)
+                self.steps = (first, last)
 
     def before(self, step: int) -> None:
         if self.steps is not None and step == self.steps[0]:
@@ -497,7 +518,11 @@ class _Profiler:
 
 
 class _Emitter:
-    """Turns a step's device metrics into logged numbers one step late, so dispatch never waits."""
+    """Turns a step's device metrics into logged numbers one step late, so dispatch never waits.
+
+    `step_time_s` is the time from the end of the previous step (its metrics ready on the device) to the
+    end of this one: the step itself, its wait for data included, but not the saves, evaluations and
+    samples between steps (`save_s` and `eval_s` have those). tokens/s and MFU follow from it."""
 
     def __init__(self, writer, bar, summary, tokens_per_step, accounting: Accounting, every, max_skips: int | None):
         self.writer, self.bar, self.summary = writer, bar, summary
@@ -509,6 +534,10 @@ class _Emitter:
     def push(self, step, metrics, waited):
         self.flush()
         self.pending = (step, metrics, waited)
+
+    def restart_clock(self):
+        """After host work between steps (a save, an evaluation): the next step is timed from now."""
+        self.last_time = time.perf_counter()
 
     def flush(self):
         if self.pending is None:

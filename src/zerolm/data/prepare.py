@@ -170,8 +170,10 @@ def prepare(source: str, out: str | Path, *, tokenizer: str = "default", vocab_s
         if tokenizer == "default":
             # A first pass to train the BPE; its skipped records are counted by the second pass, not twice.
             first_pass = Skipped() if skip_bad else None
-            tok = load_tokenizer("default", vocab_size,
-                                 [d for i, d in documents(first_pass) if i % val_every != val_every - 1])
+            texts = [d for i, d in documents(first_pass) if i % val_every != val_every - 1]
+            if not texts:
+                raise PrepareError(f"{source}: empty source: no document with text in {_files_of(source)}")
+            tok = load_tokenizer("default", vocab_size, texts)
         else:
             tok = load_tokenizer(tokenizer)
         stop.check()
@@ -192,8 +194,9 @@ def _prepare_into(out: Path, source: str, documents, tok: Tokenizer, seq_len: in
         manifest = _write_splits(tmp, documents, tok, seq_len, dtype, val_every, samples_per_shard, progress)
         stop.check()
         if manifest["splits"]["train"]["samples"] == 0:
-            raise PrepareError(f"{source}: empty source: no training sample of {seq_len + 1} tokens "
-                               f"({manifest['documents']} documents)")
+            raise PrepareError(f"{source}: too little text for one training sample of seq_len + 1 = {seq_len + 1} "
+                               f"tokens ({manifest['documents']} document(s) in {_files_of(source)}); use a smaller "
+                               "seq_len or more text")
         manifest.update(source=source, skipped=skipped.count if skipped else 0,
                         skipped_first=skipped.first if skipped else "")
         tok.save(tmp)
@@ -203,6 +206,17 @@ def _prepare_into(out: Path, source: str, documents, tok: Tokenizer, seq_len: in
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _files_of(source: str) -> str:
+    """The files a text:/jsonl: source names, for messages (the spec itself for other sources)."""
+    import glob
+
+    kind, _, pattern = source.partition(":")
+    if kind not in ("text", "jsonl"):
+        return source
+    files = sorted(glob.glob(pattern, recursive=True))
+    return ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "") if files else pattern
 
 
 def _check_out(out: Path, overwrite: bool) -> None:

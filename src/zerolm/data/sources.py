@@ -79,9 +79,13 @@ def _jsonl(path: Path, field: str, skipped: Skipped | None) -> Iterator[str]:
             except json.JSONDecodeError as e:
                 _bad(f"{path}:{lineno}: not valid JSON ({e.msg})", skipped)
                 continue
-            text = record.get(field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
+            if not isinstance(record, dict) or field not in record:
                 _bad(f"{path}:{lineno}: no text field {field!r}", skipped)
+                continue
+            text = record[field]
+            if not isinstance(text, str):
+                _bad(f"{path}:{lineno}: field {field!r} is not a string (got {type(text).__name__} "
+                     f"{json.dumps(text)[:40]})", skipped)
                 continue
             if text.strip():
                 yield text
