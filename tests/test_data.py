@@ -141,8 +141,17 @@ def test_bad_sources(tmp_path):
     with pytest.raises(SourceError, match=r"^text:.*: no files match"):
         prep.prepare(f"text:{tmp_path}/none/*.txt", tmp_path / "o", progress=False)
     (tmp_path / "empty.txt").write_text("hi")
-    with pytest.raises(prep.PrepareError, match=r"^text:.*: empty source: no training sample of 2049 tokens"):
+    with pytest.raises(prep.PrepareError, match=rf"^text:.*: too little text for one training sample of seq_len \+ 1 = "
+                                                rf"2049 tokens \(1 document\(s\) in {tmp_path / 'empty.txt'}\)"):
         prep.prepare(f"text:{tmp_path}/*.txt", tmp_path / "o", tokenizer=str(_tokenizer(tmp_path)), progress=False)
+    (tmp_path / "none.jsonl").write_text("")
+    with pytest.raises(prep.PrepareError, match=rf"^jsonl:.*: empty source: no document with text in "
+                                                rf"{tmp_path / 'none.jsonl'}$"):
+        prep.prepare(f"jsonl:{tmp_path}/none.jsonl", tmp_path / "o", progress=False)
+    number = tmp_path / "number.jsonl"
+    number.write_text(json.dumps({"text": 123}) + "\n")
+    with pytest.raises(SourceError, match=rf"^{number}:1: field 'text' is not a string \(got int 123\)$"):
+        prep.prepare(f"jsonl:{number}", tmp_path / "o", tokenizer=str(_tokenizer(tmp_path)), progress=False)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": _texts(1)[0]}) + "\n" + json.dumps({"txt": "x"}) + "\n{oops\n")
     with pytest.raises(SourceError, match=rf"^{bad}:2: no text field 'text'$"):

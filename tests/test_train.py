@@ -2,11 +2,14 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
+import runs
 from conftest import REPO, TINY, small_config
 
 from zerolm.config import ConfigError
@@ -134,3 +137,42 @@ def test_profile_of_two_steps_writes_a_trace(tmp_path):
     assert len(traces) == 1 and traces[0].stat().st_size > 1000
     assert list((tmp_path / "log" / "profile").rglob("*.xplane.pb"))  # what TensorBoard / XProf open
     assert f"profile of steps 2-3 in {tmp_path / 'log' / 'profile'}" in out.getvalue()
+
+
+def test_seq_len_longer_than_the_default_corpus_is_one_line(tmp_path):
+    proc = runs.train(tmp_path, "model.seq_len=2000000", steps=2, expect=2)
+    assert proc.stderr.strip().startswith("error: model.seq_len: 2000000: the default dataset cannot be prepared for "
+                                          "it: default: too little text for one training sample of seq_len + 1 = "
+                                          "2000001 tokens")
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("after_s", [1.0, 2.5])
+def test_ctrl_c_while_starting_is_one_line_and_130(tmp_path, after_s):
+    """Ctrl-C while JAX and the rest are imported or the step compiles: one line, exit 130, never a traceback
+    and never a run that goes on (a KeyboardInterrupt swallowed inside a callback is still seen)."""
+    proc = subprocess.Popen(runs.command(tmp_path, steps=200), env=runs.env(), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(after_s)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode in (130, 75), err[-2000:]  # 75: it had reached the loop, and saved
+    assert "Traceback" not in err, err[-3000:]
+    if proc.returncode == 130:
+        assert err.strip().splitlines()[-1] == ("zerolm: interrupted before the first step; nothing was saved; "
+                                                "exiting with code 130")
+
+
+def test_a_profile_range_past_the_run_says_what_it_traces():
+    from zerolm.train import _Profiler
+
+    said = []
+
+    class Bar:
+        def write(self, text, file=None):
+            said.append(text)
+
+    assert _Profiler((2, 100), 0, 5, None, Bar(), None).steps == (2, 5)
+    assert _Profiler((8, 9), 0, 5, None, Bar(), None).steps is None
+    assert said == ["profile: tracing steps 2-5 (steps 2-100 asked for; this run trains steps 1-5)",
+                    "profile: steps 8-9 asked for, but this run trains steps 1-5: nothing is traced"]
