@@ -349,3 +349,23 @@ def test_a_checkpoint_directory_where_no_lock_can_be_made_is_one_line(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'file' / 'ckpt'}: cannot take the run lock of this checkpoint directory (Not a directory: "
         f"{tmp_path / 'file' / 'ckpt'}); is it writable?"]
+
+
+def test_a_full_disk_stops_the_run_at_the_failed_save(tmp_path):
+    """The checkpoint directory on a 3 MiB tmpfs: the first save fits, the second does not. The run stops at
+    once with one line naming the directory and its free space (exit 74), and the first checkpoint stays the latest."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3000k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        proc = train(tmp_path, f"checkpoint.dir={disk / 'ckpt'}", "checkpoint.every=2", steps=40, expect=74)
+        last = proc.stderr.strip().splitlines()[-1]
+        assert re.fullmatch(rf"error: {disk / 'ckpt'}: saving the checkpoint of step 4 failed \(.+\); [\d.,]+ MiB free "
+                            r"there; the checkpoint of step 2 stays the latest; stopping the run", last), proc.stderr[-3000:]
+        assert max(losses(tmp_path)) <= 6  # stopped at once, not at the end of the run
+        ckpts = Checkpoints(disk / "ckpt", read_only=True)
+        assert ckpts.latest_step() == 2
+        ckpts.verify(2)
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)

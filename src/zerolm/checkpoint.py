@@ -69,6 +69,20 @@ def quiet_orbax():
         absl.logging.set_verbosity(verbosity)
 
 
+class SaveFailed(CheckpointError):
+    """A checkpoint could not be written (a full disk, a lost permission): the run must stop now, and the
+    checkpoint before stays the latest (orbax finalizes a save only once it is complete)."""
+
+
+def _free_space(directory: epath.Path) -> str:
+    import shutil
+
+    try:
+        return f"{shutil.disk_usage(str(directory)).free / 2**20:,.1f} MiB free there"
+    except OSError:
+        return "free space unknown"
+
+
 class Checkpoints:
     """The checkpoints of one run directory (local path or gs://)."""
 
@@ -92,15 +106,40 @@ class Checkpoints:
         step = int(meta["step"])
         if self._unrecorded:
             self.wait()  # orbax would wait for the previous save here anyway
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        meta=ocp.args.JsonSave(meta)), force=True)
+        with self._failure(step):
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                            meta=ocp.args.JsonSave(meta)), force=True)
         self._unrecorded.append(step)
         if wait:
             self.wait()
 
+    def check(self) -> None:
+        """Raise SaveFailed if a save in the background has failed (called every step: cheap)."""
+        if self._unrecorded:
+            with self._failure(self._unrecorded[-1]):
+                self.manager.check_for_errors()
+
+    @contextlib.contextmanager
+    def _failure(self, step: int):
+        try:
+            yield
+        except SaveFailed:
+            raise
+        except Exception as e:  # orbax and TensorStore raise many types for a failed write
+            self._unrecorded = []
+            self._failed = True
+            latest = [s for s in self.steps() if s != step]
+            raise SaveFailed(f"{self.directory}: saving the checkpoint of step {step} failed ({_first_line(e)}); "
+                             f"{_free_space(self.directory)}; "
+                             + (f"the checkpoint of step {latest[-1]} stays the latest" if latest else
+                                "there is no earlier checkpoint") + "; stopping the run") from None
+
     def wait(self) -> None:
         """Until the save in flight is durable; then record its files."""
-        self.manager.wait_until_finished()
+        if getattr(self, "_failed", False):
+            return
+        with self._failure(self._unrecorded[-1] if self._unrecorded else -1):
+            self.manager.wait_until_finished()
         for step in self._unrecorded:
             path = self.directory / str(step)
             if jax.process_index() == 0 and path.exists():
@@ -111,8 +150,11 @@ class Checkpoints:
         self._unrecorded = []
 
     def close(self) -> None:
-        self.wait()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            with contextlib.suppress(Exception) if getattr(self, "_failed", False) else contextlib.nullcontext():
+                self.manager.close()
 
     def verify(self, step: int) -> None:
         """Raise DamagedCheckpoint if a file recorded at save time is missing or changed size, or the

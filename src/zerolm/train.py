@@ -32,8 +32,8 @@ from tqdm import tqdm
 import zerolm
 from zerolm import comms, plot
 from zerolm import model as gpt_model
-from zerolm.checkpoint import (FORMAT, CheckpointError, Checkpoints, DamagedCheckpoint, move_aside, move_damaged,
-                               remove_unfinished)
+from zerolm.checkpoint import (FORMAT, CheckpointError, Checkpoints, DamagedCheckpoint, SaveFailed, move_aside,
+                               move_damaged, remove_unfinished)
 from zerolm.cli import OneLineParser
 from zerolm.config import Config, ConfigError, load_config
 from zerolm.data.loader import BatchLoader
@@ -52,6 +52,7 @@ from zerolm.sharding import abstract_views, shard_bytes, with_shardings
 from zerolm.zero import TrainState, Zero1, make_optimizer
 
 EXIT_NONFINITE = 3
+EXIT_SAVE_FAILED = 74  # EX_IOERR: a checkpoint could not be written (disk full); the one before stays the latest
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again later; `--resume auto` continues from the saved step
 
 
@@ -436,6 +437,7 @@ class _Loop:
                 batch, waited = next(batches)
                 profiler.before(step)
                 state, metrics = zero(state, batch)
+                self.ckpts.check()  # a save that failed in the background stops the run now
                 if cfg.data.skip_bad_samples:
                     metrics = {**metrics, "bad_samples": self.train_split.bad_samples}
                 emitter.push(step, metrics, waited)  # emits the previous step's metrics: one step behind
@@ -628,6 +630,8 @@ def _main(args) -> int:
     except (ConfigError, DataError, LockHeld, DistributedError, plot.PlotError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except SaveFailed as e:
+        _exit_after_restore_error(f"error: {e}", EXIT_SAVE_FAILED)
     except CheckpointError as e:
         _exit_after_restore_error(f"error: {e}", 2)
     except NonFiniteError as e:
