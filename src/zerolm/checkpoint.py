@@ -94,6 +94,7 @@ class Checkpoints:
             enable_async_checkpointing=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         self._unrecorded: list[int] = []  # saves whose file list is written once they are durable
+        self._failed = False  # a save failed (SaveFailed raised): nothing more to wait for
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -136,7 +137,7 @@ class Checkpoints:
 
     def wait(self) -> None:
         """Until the save in flight is durable; then record its files."""
-        if getattr(self, "_failed", False):
+        if self._failed:
             return
         with self._failure(self._unrecorded[-1] if self._unrecorded else -1):
             self.manager.wait_until_finished()
@@ -153,7 +154,7 @@ class Checkpoints:
         try:
             self.wait()
         finally:
-            with contextlib.suppress(Exception) if getattr(self, "_failed", False) else contextlib.nullcontext():
+            with contextlib.suppress(Exception) if self._failed else contextlib.nullcontext():
                 self.manager.close()
 
     def verify(self, step: int) -> None:
