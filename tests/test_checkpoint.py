@@ -363,7 +363,9 @@ def test_a_full_disk_stops_the_run_at_the_failed_save(tmp_path):
         last = proc.stderr.strip().splitlines()[-1]
         assert re.fullmatch(rf"error: {disk / 'ckpt'}: saving the checkpoint of step 4 failed \(.+\); [\d.,]+ MiB free "
                             r"there; the checkpoint of step 2 stays the latest; stopping the run", last), proc.stderr[-3000:]
-        assert max(losses(tmp_path)) <= 6  # stopped at once, not at the end of the run
+        # Stopped at the first step after the background save reported its failure, not at the end of the run (how
+        # many steps that takes depends on the machine's load, so no tighter bound is asserted).
+        assert max(losses(tmp_path)) < 40
         ckpts = Checkpoints(disk / "ckpt", read_only=True)
         assert ckpts.latest_step() == 2
         ckpts.verify(2)
