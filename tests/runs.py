@@ -46,8 +46,12 @@ def losses(run_dir) -> dict[int, float]:
 
 
 def logged_steps(run_dir) -> int:
+    """How many training steps metrics.jsonl holds (saves and evaluations write lines of their own)."""
     path = run_dir / "log" / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    return sum("loss" in json.loads(line) for line in lines if line.endswith("}"))  # the last may be half-written
 
 
 def start_and_wait(run_dir, cmd_env, until, timeout=240):

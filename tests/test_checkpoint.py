@@ -18,9 +18,9 @@ import runs
 from conftest import REPO
 from runs import STEPS, command, env, logged_steps, losses, snapshot, start_and_wait, train
 
-from zerolm.checkpoint import Checkpoints
+from zerolm.checkpoint import SIZES_ONLY, Checkpoints
 from zerolm.data.prepare import prepare
-from zerolm.train import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED
+from zerolm.exitcodes import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
@@ -251,8 +251,9 @@ def test_damaged_latest_checkpoint_resumes_from_the_one_before(straight, tmp_pat
                              capture_output=True, text=True, cwd=REPO)
     assert listing.returncode == 0 and listing.stderr == ""  # no library noise
     rows = listing.stdout.strip().splitlines()
-    assert rows[-2].startswith("16 ") and rows[-2].endswith(f"DAMAGED: {rel} has 1000 bytes, {saved_size} when it was saved")
-    assert rows[-1] == "`--resume auto` would take step 12 (the newer damaged ones are moved aside)"
+    assert rows[-3].startswith("16 ") and rows[-3].endswith(f"DAMAGED: {rel} has 1000 bytes, {saved_size} when it was saved")
+    assert rows[-2] == "`--resume auto` would take step 12 (the newer damaged ones are moved aside)"
+    assert rows[-1] == SIZES_ONLY
 
     proc = train(tmp_path)
     moved = next((tmp_path / "ckpt.damaged").iterdir())
@@ -267,8 +268,8 @@ def test_damaged_latest_checkpoint_resumes_from_the_one_before(straight, tmp_pat
                              capture_output=True, text=True, cwd=REPO)
     rows = listing.stdout.strip().splitlines()
     assert listing.returncode == 0 and listing.stderr == ""
-    assert [r.split()[0] for r in rows[1:-1]] == ["8", "12", "16"] and "DAMAGED: meta/metadata has" in rows[2]
-    assert rows[1].endswith(" ok") and rows[3].endswith(" ok") and rows[-1] == "`--resume auto` would take step 16"
+    assert [r.split()[0] for r in rows[1:-2]] == ["8", "12", "16"] and "DAMAGED: meta/metadata has" in rows[2]
+    assert rows[1].endswith(" ok") and rows[3].endswith(" ok") and rows[-2] == "`--resume auto` would take step 16"
 
 
 @pytest.mark.parametrize("sig, why", [(signal.SIGTERM, "preempted"), (signal.SIGINT, "interrupted")],
