@@ -18,11 +18,11 @@ import argparse
 import jax
 import numpy as np
 
-from zerolm import plan
+from zerolm.commands import plan as commands_plan
 from zerolm.config import load_config
 from zerolm.mesh import make_mesh
 from zerolm.sharding import with_shardings
-from zerolm.train import build_step
+from zerolm.step import build_step
 
 SHAPE = ["model.n_layer=4", "model.d_model=256", "model.n_head=4", "model.seq_len=256", "model.dtype=float32",
          "model.vocab_size=2048", "mesh.dp=1"]
@@ -46,8 +46,8 @@ def main() -> None:
         batch = jax.ShapeDtypeStruct((1, micro, cfg.model.seq_len + 1), np.int32, sharding=zero.batch_sharding)
         xla = zero.grad.lower(params, batch).compile().memory_analysis()
         parser = argparse.ArgumentParser()
-        plan.add_arguments(parser)
-        planned = plan.build(parser.parse_args(["--config", "configs/tiny.yaml", "--dp", "1", "--device", "v4",
+        commands_plan.add_arguments(parser)
+        planned = commands_plan.build(parser.parse_args(["--config", "configs/tiny.yaml", "--dp", "1", "--device", "v4",
                                                 *[a for s in sets for a in ("--set", s)]])).memory(1, micro)
         mib = lambda n: f"{n / 2**20:8.1f}Mi"  # noqa: E731
         print(f"{micro:5d} {mib(xla.argument_size_in_bytes)} {mib(planned['params_bytes'])} "

@@ -29,7 +29,7 @@ from zerolm import comms, hlo
 from zerolm import model as gpt_model
 from zerolm.config import load_config
 from zerolm.mesh import DP, make_mesh
-from zerolm.train import build_step
+from zerolm.step import build_step
 
 
 def collectives(text: str, mesh) -> str:

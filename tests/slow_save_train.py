@@ -25,7 +25,7 @@ async def _slow_finalize(self):
 
 atomicity.AtomicRenameTemporaryPath.finalize = _slow_finalize
 
-from zerolm.train import main  # noqa: E402
+from zerolm.commands import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["train", *sys.argv[1:]]))

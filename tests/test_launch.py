@@ -16,8 +16,7 @@ from conftest import REPO, TINY
 from runs import SMALL, STEPS, checkpoint_params, env, logged_steps, losses, train
 
 from zerolm.checkpoint import Checkpoints
-from zerolm.mesh import EXIT_PEER_LOST
-from zerolm.train import EXIT_PREEMPTED
+from zerolm.exitcodes import EXIT_PEER_LOST, EXIT_PREEMPTED
 
 
 def launch_command(run_dir, *extra_sets, steps=STEPS, processes=2, devices=4):

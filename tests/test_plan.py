@@ -12,19 +12,20 @@ from conftest import REPO, TINY, requires_devices
 from runs import zerolm
 
 from zerolm import plan
+from zerolm.commands import plan as commands_plan
 from zerolm.config import load_config
 from zerolm.hardware import PRESETS
 from zerolm.mesh import make_mesh
 from zerolm.sharding import bytes_per_device
-from zerolm.train import build_step
+from zerolm.step import build_step
 
 C125M = REPO / "configs" / "125m.yaml"
 
 
 def planner(*argv: str) -> plan.Planner:
     parser = argparse.ArgumentParser()
-    plan.add_arguments(parser)
-    return plan.build(parser.parse_args(list(argv)))
+    commands_plan.add_arguments(parser)
+    return commands_plan.build(parser.parse_args(list(argv)))
 
 
 @requires_devices(8)

@@ -58,7 +58,7 @@ def test_step_time_is_the_step_not_the_host_work_between_steps(monkeypatch):
     """A save (or an evaluation) between two steps is logged as save_s; the next step's time is its own."""
     import time
 
-    from zerolm import train
+    from zerolm.metrics import StepMetrics
     from zerolm.mfu import Accounting
 
     clock = [0.0]
@@ -73,7 +73,7 @@ def test_step_time_is_the_step_not_the_host_work_between_steps(monkeypatch):
         def update(self, n):
             pass
 
-    emitter = train._Emitter(Writer(), Bar(), {}, 100, Accounting(1.0, 1, "cpu"), every=1000, max_skips=None)
+    emitter = StepMetrics(Writer(), Bar(), {}, 100, Accounting(1.0, 1, "cpu"), every=1000, max_skips=None)
     metrics = {"loss": np.float32(2.0), "grad_norm": np.float32(1.0)}
     emitter.push(1, metrics, 0.0)
     clock[0] = 2.0  # step 1 (compiling) ends

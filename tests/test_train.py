@@ -87,7 +87,7 @@ def test_validation_loss_of_a_checkpoint_is_the_same_on_1_2_and_8_devices(tmp_pa
     from zerolm.data.shards import PreparedDataset
     from zerolm.mesh import make_mesh
     from zerolm.evaluate import make_evaluator
-    from zerolm.train import default_dataset_dir
+    from zerolm.data.dataset import default_dataset_dir
     from zerolm.zero import Zero1, make_optimizer
 
     sets = ["model.vocab_size=auto", "train.steps=4", "train.warmup_steps=1", "train.global_batch_size=16",
@@ -164,7 +164,7 @@ def test_ctrl_c_while_starting_is_one_line_and_130(tmp_path, after_s):
 
 
 def test_a_profile_range_past_the_run_says_what_it_traces():
-    from zerolm.train import _Profiler
+    from zerolm.profiling import Profiler
 
     said = []
 
@@ -172,7 +172,7 @@ def test_a_profile_range_past_the_run_says_what_it_traces():
         def write(self, text, file=None):
             said.append(text)
 
-    assert _Profiler((2, 100), 0, 5, None, Bar(), None).steps == (2, 5)
-    assert _Profiler((8, 9), 0, 5, None, Bar(), None).steps is None
+    assert Profiler((2, 100), 0, 5, None, Bar(), None).steps == (2, 5)
+    assert Profiler((8, 9), 0, 5, None, Bar(), None).steps is None
     assert said == ["profile: tracing steps 2-5 (steps 2-100 asked for; this run trains steps 1-5)",
                     "profile: steps 8-9 asked for, but this run trains steps 1-5: nothing is traced"]

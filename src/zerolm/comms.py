@@ -92,37 +92,6 @@ def _mib(n: int) -> str:
     return f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} B"
 
 
-
-def add_arguments(parser) -> None:
-    parser.add_argument("--config", required=True, help="a zerolm YAML config")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
-    parser.add_argument("--devices", type=int, default=None,
-                        help="devices to compile for (default: mesh.dp × mesh.tp; with mesh.dp auto, this machine's "
-                             "accelerators, or 8 fake CPU devices)")
-    parser.add_argument("--step", choices=("zerolm", "naive"), default="zerolm",
-                        help="zerolm: the ZeRO-1 step; naive: one plain jax.jit with the accumulation scan inside, "
-                             "the baseline the design avoids (default: %(default)s)")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-
-
-def _devices(wanted: int | None) -> list[jax.Device]:
-    """`wanted` devices (None: the accelerators, or 8 fake CPU devices): real ones when there are enough."""
-    from jax._src import xla_bridge
-
-    if not xla_bridge.backends_are_initialized():
-        jax.config.update("jax_num_cpu_devices", wanted or 8)
-    real = jax.devices()
-    if wanted is None:
-        wanted = len(real) if real[0].platform != "cpu" else len(jax.devices("cpu"))
-    if len(real) >= wanted:
-        return real[:wanted]
-    cpu = jax.devices("cpu")
-    if len(cpu) < wanted:
-        raise ValueError(f"--devices: {wanted} devices wanted, but only {len(cpu)} CPU devices can be made in this "
-                         "process (XLA_FLAGS or JAX_NUM_CPU_DEVICES set fewer)")
-    return cpu[:wanted]
-
-
 def naive_text(zero: Zero1, loss_fn, micro_batch: int, seq_len: int, accum_steps: int) -> str:
     """The optimized HLO of the naive single-jit baseline (zerolm.zero.naive_data_parallel_step) on
     zero's mesh: params and optimizer state replicated, the batch split over dp."""
@@ -142,11 +111,12 @@ def report(cfg, devices: list[jax.Device], step: str = "zerolm") -> dict:
     import jax.numpy as jnp
 
     from zerolm import model as gpt_model
-    from zerolm import plan, train
+    from zerolm import plan
     from zerolm.mesh import make_mesh
+    from zerolm.step import build_step
 
     mesh = make_mesh(cfg.dp, cfg.mesh.tp, devices)
-    model, zero, _ = train.build_step(cfg, mesh)
+    model, zero, _ = build_step(cfg, mesh)
     micro, seq, accum = cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps
     if step == "naive":
         if cfg.mesh.tp > 1:
@@ -216,30 +186,3 @@ def _verdict(p: dict) -> str:
         return "at least that: yes" if (p["found_bytes_per_step"] or 0) >= p["bytes_per_step"] else "LESS"
     same = p["found_bytes"] == p["bytes"] and p["found_bytes_per_step"] == p["bytes_per_step"]
     return "equal" if same else "DIFFERENT"
-
-
-def main_args(args) -> int:
-    import json
-    import sys
-
-    from zerolm import plan
-    from zerolm.config import ConfigError, load_config
-
-    try:
-        if args.devices is not None and args.devices <= 0:
-            raise ValueError(f"--devices: {args.devices} is not positive")
-        cfg = load_config(args.config, args.set)
-        wanted = args.devices or (cfg.dp * cfg.mesh.tp if cfg.mesh.dp != "auto" else None)
-        devices = _devices(wanted)
-        cfg = load_config(args.config, args.set, device_count=len(devices))
-        cfg = cfg.resolve(model__vocab_size=plan.planned_vocab(cfg))
-        result = report(cfg, devices, args.step)
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        result.pop("_rows")
-        print(json.dumps(result, indent=1))
-    else:
-        print("\n".join(describe_report(result)))
-    return 0

@@ -11,23 +11,15 @@ devices.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import math
-import sys
 
 import jax
 import numpy as np
 
 from zerolm import model as gpt_model
-from zerolm.checkpoint import CheckpointError
+from zerolm.metrics import perplexity
 from zerolm.data.shards import DataError, PreparedDataset
 from zerolm.sharding import rows as row_sharding
-
-
-def perplexity(loss: float) -> float:
-    return math.exp(loss) if loss < 700 else math.inf
 
 
 def make_evaluator(token_loss_fn, param_shardings, rows_sharding, rows_NxT1: np.ndarray, batch_rows: int):
@@ -53,40 +45,6 @@ def make_evaluator(token_loss_fn, param_shardings, rows_sharding, rows_NxT1: np.
         return sum(float(total(params, t, w)) for t, w in batches) / (n_rows * (T1 - 1))
 
     return evaluate
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--checkpoint", required=True, metavar="DIR",
-                        help="a run's checkpoint directory (its newest intact step) or one step's directory")
-    parser.add_argument("--data", default=None, metavar="DATASET",
-                        help="a prepared dataset (directory or URL) with the model's tokenizer and seq_len "
-                             "(default: the run's own dataset)")
-    parser.add_argument("--split", default="val", choices=["val", "train"], help="(default: %(default)s)")
-    parser.add_argument("--sequences", type=int, default=None, metavar="N",
-                        help="the split's first N sequences (default: the run's train.eval_sequences; fewer if "
-                             "the split has fewer)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a sentence")
-    return parser
-
-
-def main_args(args: argparse.Namespace, out=sys.stdout) -> int:
-    from zerolm import trained
-
-    try:
-        if args.sequences is not None and args.sequences <= 0:
-            raise ValueError(f"--sequences: {args.sequences} must be > 0")
-        model_run = trained.load(args.checkpoint)
-        result = evaluate_checkpoint(model_run, args.data, args.split, args.sequences)
-    except (CheckpointError, DataError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(result), file=out)
-    else:
-        print(f"step {result['step']} of {result['checkpoint']}: {args.split} loss {result['loss']:.4f}, perplexity "
-              f"{result['perplexity']:.2f} on {result['sequences']} sequences ({result['tokens']:,} tokens) of "
-              f"{result['dataset']}", file=out)
-    return 0
 
 
 def evaluate_checkpoint(model_run, data: str | None, split: str, sequences: int | None) -> dict:

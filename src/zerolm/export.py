@@ -18,11 +18,9 @@ is complete).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -146,35 +144,3 @@ def export(model_run, tokenizer: Tokenizer, out: Path, overwrite: bool = False) 
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return out
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--checkpoint", required=True, metavar="DIR",
-                        help="a run's checkpoint directory (its newest intact step) or one step's directory")
-    parser.add_argument("--out", required=True, metavar="OUT", help="the model directory to write")
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    parser.add_argument("--tokenizer", default=None, metavar="FILE",
-                        help="the run's tokenizer file, if its dataset is not where the checkpoint says")
-    return parser
-
-
-def main_args(args: argparse.Namespace) -> int:
-    import jax
-
-    from zerolm import trained
-
-    out = Path(args.out)
-    try:
-        if out.exists() and not args.overwrite:  # before reading the checkpoint
-            raise CheckpointError(f"--out: {out} already exists (pass --overwrite to replace it)")
-        if out.exists() and not out.is_dir():
-            raise CheckpointError(f"--out: {out} is a file, not a model directory")
-        model_run = trained.load(args.checkpoint, jax.local_devices()[:1])
-        tokenizer = model_run.tokenizer(args.tokenizer)
-        export(model_run, tokenizer, out, overwrite=args.overwrite)
-    except (CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"exported step {model_run.step} of {model_run.where.parent} to {out}: load it with "
-          f"transformers.GPT2LMHeadModel.from_pretrained({str(out)!r})")
-    return 0

@@ -13,7 +13,7 @@ import signal
 import sys
 from collections.abc import Callable
 
-EXIT_INTERRUPTED = 130  # 128 + SIGINT
+from zerolm.exitcodes import EXIT_INTERRUPTED
 
 _interrupted = False
 

@@ -37,20 +37,8 @@ import threading
 import time
 from pathlib import Path
 
-from zerolm.mesh import EXIT_PEER_LOST
-from zerolm.train import EXIT_PREEMPTED
+from zerolm.exitcodes import EXIT_PEER_LOST, EXIT_PREEMPTED
 
-
-def add_arguments(p) -> None:
-    p.add_argument("--processes", type=int, required=True, help="number of processes (P)")
-    p.add_argument("--devices-per-process", type=int, required=True, help="CPU devices per process (D)")
-    p.add_argument("--grace", type=float, default=3.0,
-                   help="when a process dies, seconds the others get to exit on their own before they are killed "
-                        "(default: %(default)s)")
-    p.add_argument("train_args", nargs="*", metavar="-- TRAIN_ARGS", help="arguments of `zerolm train`, after --")
-
-
-HINT = "put the train arguments after --: zerolm launch-local --processes P --devices-per-process D -- --config ..."
 
 # Signals that mean "killed from outside": the run can be restarted as it is.
 _EXTERNAL = {signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT}
@@ -70,31 +58,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _log_dir(train_args: list[str], devices: int) -> Path:
-    """The run's logging.dir, from the config and overrides the processes get, validated for the
-    launch's `devices` in all (so that a bad config fails here, once, before any process starts)."""
-    from zerolm.config import load_config
-    from zerolm.train import build_parser
-
-    args, _ = build_parser().parse_known_args(train_args)
-    return load_config(args.config, args.set, device_count=devices).log_dir
-
-
 def _describe(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
     return f"exited with code {code}"
 
 
-def launch(processes: int, devices: int, train_args: list[str], grace: float = 3.0, out=sys.stdout) -> int:
-    if processes < 1:
-        raise ValueError(f"--processes {processes}: must be at least 1")
-    if devices < 1:
-        raise ValueError(f"--devices-per-process {devices}: must be at least 1")
-    for flag in ("--coordinator", "--num-processes", "--process-id", "--distributed"):
-        if flag in train_args:
-            raise ValueError(f"{flag}: set by launch-local itself; leave it out of the train arguments")
-    log_dir = _log_dir(train_args, processes * devices)
+def launch(processes: int, devices: int, train_args: list[str], log_dir: Path, grace: float = 3.0,
+           out=sys.stdout) -> int:
+    """Run `zerolm train TRAIN_ARGS` as `processes` processes of `devices` CPU devices each; their logs
+    go to `log_dir` (the run's logging.dir). Returns the launch's exit code (module docstring)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "

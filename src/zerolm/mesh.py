@@ -11,6 +11,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 
+from zerolm.exitcodes import EXIT_PEER_LOST
+
 T = TypeVar("T")
 
 DP = "dp"  # data parallel: batch rows and the ZeRO-1 optimizer-state shards
@@ -78,7 +80,6 @@ class DistributedError(RuntimeError):
     """A multi-process run that cannot start: one line naming the flag or address at fault."""
 
 
-EXIT_PEER_LOST = 76  # a peer process of the run failed: restart the run; it resumes from the last checkpoint
 
 # What JAX reports, in a process that lives on, when a peer process is gone: gloo's broken connection on
 # CPU, the coordination service's heartbeat timeout or unavailable task, a NCCL communicator error.

@@ -16,11 +16,24 @@ uploaded later with `wandb sync <logging.dir>/wandb/offline-run-*`.
 from __future__ import annotations
 
 import json
+import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
+
+from zerolm.mfu import Accounting
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
 
 
 class MetricsWriter:
@@ -97,3 +110,64 @@ def _drop_after(path: Path, step: int) -> None:
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, path)
+
+
+class StepMetrics:
+    """Turns a step's device metrics into logged numbers one step late, so dispatch never waits.
+
+    `step_time_s` is the time from the end of the previous step (its metrics ready on the device) to the
+    end of this one: the step itself, its wait for data included, but not the saves, evaluations and
+    samples between steps (`save_s` and `eval_s` have those). tokens/s and MFU follow from it."""
+
+    def __init__(self, writer, bar, summary, tokens_per_step, accounting: Accounting, every, max_skips: int | None):
+        self.writer, self.bar, self.summary = writer, bar, summary
+        self.tokens_per_step, self.accounting = tokens_per_step, accounting
+        self.every, self.max_skips = every, max_skips
+        self.pending = None
+        self.last_time = time.perf_counter()
+
+    def push(self, step, metrics, waited):
+        self.flush()
+        self.pending = (step, metrics, waited)
+
+    def restart_clock(self):
+        """After host work between steps (a save, an evaluation): the next step is timed from now."""
+        self.last_time = time.perf_counter()
+
+    def flush(self):
+        if self.pending is None:
+            return
+        step, metrics, waited = self.pending
+        self.pending = None
+        values = {k: float(v) for k, v in metrics.items()}  # blocks until that step is done
+        now = time.perf_counter()
+        step_time = max(now - self.last_time, 1e-9)
+        self.last_time = now
+        values["perplexity"] = perplexity(values["loss"])
+        values["tokens_seen"] = step * self.tokens_per_step
+        values["step_time_s"] = step_time
+        values["tokens_per_s"] = self.tokens_per_step / step_time
+        values["data_wait_s"] = waited
+        values["data_wait_share"] = min(waited / step_time, 1.0)
+        values.update(self.accounting(values["tokens_per_s"]))
+        memory = jax.local_devices()[0].memory_stats()  # None where the backend keeps no count (CPU)
+        for key, name in (("bytes_in_use", "device_bytes_in_use"), ("peak_bytes_in_use", "device_peak_bytes")):
+            if memory and key in memory:
+                values[name] = memory[key]
+        self.writer.write(step, values)
+        finite = np.isfinite(values["loss"]) and np.isfinite(values["grad_norm"])
+        if not finite and self.max_skips is None:
+            raise NonFiniteError(f"step {step}: loss {values['loss']}, grad norm {values['grad_norm']} is not "
+                                 "finite; stopping without saving it (the last good checkpoint stays the latest; "
+                                 "train.skip_nonfinite: true skips such updates instead)")
+        if self.max_skips is not None and values["skipped_in_a_row"] >= self.max_skips:
+            raise NonFiniteError(f"step {step}: the last {int(values['skipped_in_a_row'])} updates were all skipped "
+                                 f"(non-finite gradients; train.max_consecutive_skips is {self.max_skips}); stopping "
+                                 "without saving: lower train.lr, or check the data")
+        self.summary.update(values)
+        self.bar.update(1)
+        if step % self.every == 0:
+            postfix = {"loss": f"{values['loss']:.3f}", "tok_s": f"{values['tokens_per_s']:,.0f}"}
+            if "mfu" in values:
+                postfix["mfu"] = f"{values['mfu']:.1%}"
+            self.bar.set_postfix(postfix, refresh=False)

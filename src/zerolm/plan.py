@@ -38,15 +38,12 @@ rest of the backward pass covers the communication, else the fastest.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
 import math
-import sys
 from typing import Any
 
-from zerolm.hardware import Device, UnknownDevice, preset
+from zerolm.hardware import Device
 from zerolm.mfu import flops_per_token
 
 STAGES = (0, 1, 2, 3)
@@ -539,103 +536,3 @@ def describe(r: dict) -> list[str]:
                      f"{row['tokens_per_s']:10.0f} {row['mfu']:6.1%}")
     lines += ["", f"device: {Device(**dev).describe()}"]
     return lines
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    what = parser.add_argument_group("the model (a config, or a parameter count)")
-    what.add_argument("--config", help="a zerolm YAML config: exact layouts of its model and optimizer")
-    what.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
-    what.add_argument("--params", type=float, help="or: the parameter count N (e.g. 7.5e9)")
-    what.add_argument("--layers", type=int, help="with --params: layers (default: GPT-3's shape nearest N)")
-    what.add_argument("--width", type=int, help="with --params: d_model")
-    what.add_argument("--heads", type=int, help="with --params: attention heads")
-    what.add_argument("--seq-len", type=int, default=2048, help="with --params (default: %(default)s)")
-    what.add_argument("--vocab", type=int, default=50257, help="with --params (default: %(default)s)")
-    where = parser.add_argument_group("where and how")
-    where.add_argument("--device", default="h100", help="device preset (default: %(default)s); one of: "
-                       "v3-core, v3-chip, v4, v5e, v5p, a100, h100, h200")
-    where.add_argument("--dp", type=int, help="data-parallel size (default: the config's mesh.dp, else one node)")
-    where.add_argument("--tp", type=int, help="tensor-parallel size (default: the config's mesh.tp, else 1)")
-    where.add_argument("--global-batch", type=int, help="sequences per step (default: the config's, else 256)")
-    where.add_argument("--micro-batch", type=int, help="sequences per device per micro-step for the memory table "
-                                                       "(default: the config's, else 1)")
-    where.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
-                       help="fp32: what zerolm trains with; mixed: the ZeRO paper's accounting (default: %(default)s)")
-    where.add_argument("--remat", choices=("none", "full"), help="default: the config's model.remat, else none")
-    where.add_argument("--efficiency", type=float, default=0.5,
-                       help="share of the peak FLOP/s the compute reaches (default: %(default)s)")
-    where.add_argument("--memory-fraction", type=float, default=0.9,
-                       help="share of device memory a plan may use (default: %(default)s; JAX preallocates 75%% of "
-                            "a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise)")
-    where.add_argument("--stage", type=int, choices=STAGES, default=1, help="stage for the step time (default: 1)")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-
-
-def build(args) -> Planner:
-    """The planner the command line asks for; PlanError / ConfigError for bad input."""
-    from zerolm.config import load_config
-
-    device = preset(args.device)
-    for flag in ("params", "dp", "tp", "global_batch", "micro_batch", "layers", "width", "heads", "seq_len", "vocab"):
-        value = getattr(args, flag)
-        if value is not None and not math.isfinite(value):
-            raise PlanError(f"--{flag.replace('_', '-')}: {value} is not a number of parameters, devices or sequences")
-        if value is not None and value <= 0:
-            raise PlanError(f"--{flag.replace('_', '-')}: {value:g} is not positive")
-    if not 0 < args.efficiency <= 1:
-        raise PlanError(f"--efficiency: {args.efficiency} is not in (0, 1]")
-    if not 0 < args.memory_fraction <= 1:
-        raise PlanError(f"--memory-fraction: {args.memory_fraction} is not in (0, 1]")
-    if (args.config is None) == (args.params is None):
-        raise PlanError("give the model as --config FILE or as --params N (one of them)")
-    if args.set and args.config is None:
-        raise PlanError("--set needs --config")
-    cfg = load_config(args.config, args.set) if args.config is not None else None
-    tp = args.tp or (cfg.mesh.tp if cfg else 1)
-    if cfg is not None and (cfg.model.n_head % tp or (4 * cfg.model.d_model) % tp):
-        raise PlanError(f"--tp: {tp} does not divide the {cfg.model.n_head} heads and the MLP width "
-                        f"{4 * cfg.model.d_model} of {args.config}")
-    dp = args.dp or (cfg.mesh.dp if cfg and cfg.mesh.dp != "auto" else max(1, device.per_node // tp))
-    global_batch = args.global_batch or (cfg.train.global_batch_size if cfg else 256)
-    if global_batch % dp:
-        raise PlanError(f"--dp: the global batch of {global_batch} sequences does not divide over dp = {dp}")
-    per_rank = global_batch // dp
-    if args.micro_batch:
-        micro = args.micro_batch
-        if per_rank % micro:
-            raise PlanError(f"--micro-batch: {micro} does not divide the {per_rank} sequences of each of the "
-                            f"dp = {dp} ranks (global batch {global_batch})")
-    else:  # the configured micro-batch, or the largest below it that divides a rank's share
-        wanted = cfg.train.micro_batch_size if cfg else 1
-        micro = max(b for b in range(1, min(wanted, per_rank) + 1) if per_rank % b == 0)
-    if cfg is not None:
-        sets = [f"mesh.dp={dp}", f"mesh.tp={tp}", f"train.global_batch_size={global_batch}",
-                f"train.micro_batch_size={micro}"] + ([f"model.remat={args.remat}"] if args.remat else [])
-        cfg = load_config(args.config, [*args.set, *sets])
-        cfg = cfg.resolve(model__vocab_size=planned_vocab(cfg))
-        model, factory = from_config(cfg, dp, tp)
-    else:
-        model = model_from_params(int(args.params), args.layers, args.width, args.heads, args.seq_len, args.vocab,
-                                  args.remat or "none")
-        if model.n_head % tp or (4 * model.d_model) % tp:
-            raise PlanError(f"--tp: {tp} does not divide the {model.n_head} heads and the MLP width "
-                            f"{4 * model.d_model}")
-        factory = functools.partial(AnalyticStates, model)
-    return Planner(model, factory, device, Layout(dp, tp, global_batch), args.precision, micro,
-                   efficiency=args.efficiency, memory_fraction=args.memory_fraction)
-
-
-def main_args(args) -> int:
-    from zerolm.config import ConfigError
-
-    try:
-        planner = build(args)
-    except (PlanError, UnknownDevice, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    report = planner.report(args.stage)
-    if args.json:
-        print(json.dumps(report, indent=1))
-    else:
-        print("\n".join(describe(report)))
-    return 0

@@ -12,9 +12,7 @@ legend counts them, and each is marked by a red x on the loss panel's bottom edg
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -108,30 +106,3 @@ def write(run_dirs: list[Path], out: Path, skip_steps: int = 1) -> Path:
 
     plt.close(fig)
     return out
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (logging.dir) to overlay")
-    parser.add_argument("--out", default=None, metavar="FILE.png",
-                        help="(default: RUN_DIR/metrics.png for one run, runs.png for several)")
-    parser.add_argument("--skip-steps", type=int, default=1, metavar="N",
-                        help="leave each run's first N steps out of the throughput and MFU panels (compiling) "
-                             "(default: %(default)s)")
-    return parser
-
-
-def main_args(args: argparse.Namespace) -> int:
-    run_dirs = [Path(r) for r in args.runs]
-    out = Path(args.out) if args.out else (run_dirs[0] / "metrics.png" if len(run_dirs) == 1 else Path("runs.png"))
-    if out.suffix.lower() != ".png":
-        print(f"error: --out: {out}: expected a .png file", file=sys.stderr)
-        return 2
-    if args.skip_steps < 0:
-        print(f"error: --skip-steps: {args.skip_steps} is negative", file=sys.stderr)
-        return 2
-    try:
-        print(write(run_dirs, out, args.skip_steps))
-    except PlotError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0

@@ -1,11 +1,5 @@
-"""The training loop: data, init or resume, the ZeRO-1 step, evaluation, checkpoints, metrics, a sample.
-
-Exit codes of `zerolm train`: 0 done; 2 bad config, data, checkpoint or launch flags, or the checkpoint
-directory is in use by another run; 3 a non-finite loss or gradient norm (or, with train.skip_nonfinite, too many
-skipped updates in a row); 75 stopped by SIGTERM (preemption) or Ctrl-C: a checkpoint of the step
-reached was saved, run again to resume; 76 a peer process of a multi-process run died: restart, the
-run resumes from the last complete checkpoint; 130 a second Ctrl-C abandoned that save, or Ctrl-C
-before the first step.
+"""The training loop of one run: its dataset, start (fresh or resumed), the ZeRO-1 step, evaluation,
+checkpoints, metrics, samples and preemption. `zerolm.commands.train` is its command line.
 
 Steps are counted from 1 everywhere: step s is the s-th optimizer update, its line in metrics.jsonl
 holds that update's loss, and the checkpoint named s holds the state after it.
@@ -13,16 +7,9 @@ holds that update's loss, and the checkpoint named s holds the state after it.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import hashlib
-import json
-import os
-import secrets
-import signal
 import sys
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -30,239 +17,25 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 import zerolm
-from zerolm import comms, plot
+from zerolm import comms
 from zerolm import model as gpt_model
-from zerolm.checkpoint import (FORMAT, CheckpointError, Checkpoints, DamagedCheckpoint, SaveFailed, move_aside,
-                               move_damaged, remove_unfinished)
-from zerolm.cli import OneLineParser
-from zerolm.config import Config, ConfigError, load_config
+from zerolm.checkpoint import FORMAT, Checkpoints, remove_unfinished
+from zerolm.config import Config
+from zerolm.data.dataset import dataset_identity, open_dataset, resolve_vocab
 from zerolm.data.loader import BatchLoader
-from zerolm.data.prepare import MANIFEST, PrepareError, prepare
-from zerolm.data.shards import DataError, PreparedDataset
-from zerolm.data.tokenizer import Tokenizer, cache_dir, from_file
-from zerolm.evaluate import make_evaluator, perplexity
-from zerolm.mesh import (DistributedError, bound_shutdown, exit_peer_lost, initialize_distributed, is_first_host, is_peer_failure,
-                         make_mesh, on_process_0)
-from zerolm.interrupts import EXIT_INTERRUPTED, interrupted_early
-from zerolm.metrics import MetricsWriter
+from zerolm.data.tokenizer import Tokenizer, cache_dir
+from zerolm.evaluate import make_evaluator
+from zerolm.mesh import exit_peer_lost, is_first_host, is_peer_failure, make_mesh, on_process_0
+from zerolm.metrics import MetricsWriter, StepMetrics, perplexity
 from zerolm.mfu import Accounting, flops_per_token
-from zerolm.runlock import LEASE_FILE, LOCK_FILE, LockHeld, RunLock
+from zerolm.preemption import Preempted, PreemptionWatch
+from zerolm.profiling import Profiler
+from zerolm.resume import start_state
+from zerolm.runlock import LockHeld, RunLock
 from zerolm.sample import Sampling, generate
 from zerolm.sharding import abstract_views, shard_bytes, with_shardings
-from zerolm.zero import TrainState, Zero1, make_optimizer
-
-EXIT_NONFINITE = 3
-EXIT_SAVE_FAILED = 74  # EX_IOERR: a checkpoint could not be written (disk full); the one before stays the latest
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again later; `--resume auto` continues from the saved step
-
-
-class NonFiniteError(RuntimeError):
-    pass
-
-
-class Preempted(Exception):
-    def __init__(self, step: int, why: str = "preempted"):
-        super().__init__(f"{why}: checkpoint saved at step {step}")
-        self.step = step
-
-
-def default_dataset_dir(cfg: Config) -> Path:
-    return cache_dir() / "datasets" / f"kjv-bpe{cfg.data.default_vocab_size}-seq{cfg.model.seq_len}"
-
-
-def open_dataset(cfg: Config) -> PreparedDataset:
-    """The run's prepared dataset; the default corpus is prepared on first use (by process 0)."""
-    location = cfg.data.dataset
-    if location == "default":
-        location = default_dataset_dir(cfg)
-        # Process 0 first; then any host whose disk still lacks it (hosts of a slice have their own disks).
-        for turn in ("first", "rest"):
-            if (turn == "first") == (jax.process_index() == 0) and not (location / MANIFEST).exists():
-                try:
-                    prepare("default", location, vocab_size=cfg.data.default_vocab_size, seq_len=cfg.model.seq_len,
-                            progress=False, catch_sigterm=jax.process_count() == 1)
-                except PrepareError as e:
-                    raise ConfigError(f"model.seq_len: {cfg.model.seq_len}: the default dataset cannot be prepared "
-                                      f"for it: {e}") from None
-            if jax.process_count() > 1:
-                multihost_utils.sync_global_devices(f"zerolm: default dataset prepared ({turn})")
-    try:
-        dataset = PreparedDataset(location)
-    except DataError as e:
-        raise ConfigError(f"data.dataset: {e}") from None
-    if dataset.seq_len != cfg.model.seq_len:
-        raise ConfigError(f"data.dataset: {location} was prepared with seq_len {dataset.seq_len}, "
-                          f"but model.seq_len is {cfg.model.seq_len}")
-    if cfg.data.tokenizer is not None:
-        wanted = from_file(Path(cfg.data.tokenizer))
-        have = dataset.manifest["tokenizer"]
-        if wanted.sha256 != have["sha256"]:
-            raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer} (sha256 {wanted.sha256[:12]}) is not the "
-                              f"tokenizer {location} was prepared with ({have['name']}, sha256 {have['sha256'][:12]})")
-    return dataset
-
-
-def resolve_vocab(cfg: Config, dataset: PreparedDataset) -> Config:
-    vocab = dataset.manifest["tokenizer"]["vocab_size"]
-    if cfg.model.vocab_size == "auto":
-        return cfg.resolve(model__vocab_size=vocab)
-    if cfg.model.vocab_size < vocab:
-        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the dataset's tokenizer "
-                          f"({dataset.manifest['tokenizer']['name']}, {vocab} tokens)")
-    return cfg
-
-
-def dataset_identity(cfg: Config, dataset: PreparedDataset) -> dict:
-    """What must not change across a resume for the data order to continue exactly: the tokens (by
-    tokenizer and shard layout, not by where the dataset lives, so a copied dataset still resumes),
-    the sequence length and the seed."""
-    shards = [(s["name"], s["samples"]) for s in dataset.manifest["splits"]["train"]["shards"]]
-    return {"tokenizer_sha256": dataset.manifest["tokenizer"]["sha256"],
-            "train_shards_sha256": hashlib.sha256(json.dumps(shards).encode()).hexdigest(),
-            "train_samples": int(dataset.manifest["splits"]["train"]["samples"]),
-            "seq_len": dataset.seq_len, "seed": cfg.train.seed}
-
-
-class PreemptionWatch:
-    """Has a SIGTERM or a Ctrl-C arrived? All processes agree on the step at which they stop.
-
-    Ctrl-C is taken as SIGTERM: the step reached is saved and the run exits 75. A second Ctrl-C
-    abandons that save and exits at once (130); the unfinished save is removed by the next run."""
-
-    def __init__(self):
-        if interrupted_early():  # a Ctrl-C during start-up that something swallowed
-            raise KeyboardInterrupt
-        self.flag = False
-        self.interrupted = False
-        self.multi = jax.process_count() > 1
-        if not self.multi:  # jax.distributed's preemption notifier handles SIGTERM across processes
-            self._previous_term = signal.signal(signal.SIGTERM, self._on_sigterm)
-        self._previous_int = signal.signal(signal.SIGINT, self._on_sigint)
-
-    def _on_sigterm(self, signum, frame):
-        self.flag = True
-
-    def _on_sigint(self, signum, frame):
-        if self.interrupted:
-            print("\nzerolm: interrupted again: abandoned the save; the latest complete checkpoint stays the "
-                  f"latest; exiting with code {EXIT_INTERRUPTED}", file=sys.stderr, flush=True)
-            os._exit(EXIT_INTERRUPTED)
-        self.interrupted = True
-        print("\nzerolm: interrupted: saving the step reached, then exiting (Ctrl-C again to abandon the save)",
-              file=sys.stderr, flush=True)
-        if self.multi:  # hand it to JAX's preemption notifier, which makes every process stop at one step
-            os.kill(os.getpid(), signal.SIGTERM)
-        else:
-            self.flag = True
-
-    def reached(self, step: int) -> bool:
-        return multihost_utils.reached_preemption_sync_point(step) if self.multi else self.flag
-
-    @property
-    def why(self) -> str:
-        return "interrupted" if self.interrupted else "preempted"
-
-    def close(self):
-        if not self.multi:
-            signal.signal(signal.SIGTERM, self._previous_term)
-        signal.signal(signal.SIGINT, self._previous_int)
-
-
-def start_state(cfg: Config, zero: Zero1, init_fn, data_id: dict, resume: str, overwrite: bool,
-                say) -> tuple[Checkpoints, TrainState, str]:
-    """The run's checkpoints, and a fresh sharded state or the newest intact checkpoint's.
-
-    Refuses to start over existing checkpoints without --overwrite. A damaged checkpoint is moved
-    aside and the one before it taken (`--resume auto`), or stops the run (`--resume strict`).
-    Needs the directory's run lock. Closes the checkpoints if it raises."""
-    directory = cfg.checkpoint_dir
-
-    def open_checkpoints() -> Checkpoints:
-        return Checkpoints(directory, keep=cfg.checkpoint.keep, keep_every=cfg.checkpoint.keep_every)
-
-    def on_every_process(what: str, fn):
-        result = on_process_0(fn, (CheckpointError, OSError))
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices(f"zerolm: {what}")
-        return result
-
-    ckpts = open_checkpoints()
-    try:
-        latest = ckpts.latest_step()
-        if latest is not None and resume == "never":
-            if not overwrite:
-                raise CheckpointError(f"{directory}: already holds checkpoints (latest step {latest}); "
-                                      "resume with --resume auto, or pass --overwrite to start over "
-                                      "(the old checkpoints are moved aside, not deleted)")
-            ckpts.close()
-            aside = on_every_process("old checkpoints moved aside",
-                                     lambda: move_aside(directory, keep=(LOCK_FILE, LEASE_FILE)))
-            logs_aside = on_every_process("old logs moved aside", lambda: _move_logs_aside(cfg.log_dir))
-            say(f"checkpoints: moved the old run aside to {aside}"
-                + (f"; its metrics and logs ({', '.join(logs_aside[1])}) to {logs_aside[0]}" if logs_aside else ""))
-            ckpts, latest = open_checkpoints(), None
-        state = meta = None
-        while latest is not None and resume != "never":
-            try:
-                ckpts.verify(latest)
-                state, meta = ckpts.restore(latest, zero, cfg.model.model_dump())
-                break
-            except DamagedCheckpoint as e:
-                if resume == "strict":
-                    raise CheckpointError(f"{e} (--resume strict; --resume auto moves it aside and takes the "
-                                          "newest intact checkpoint before it)") from None
-                ckpts.close()
-                target = on_every_process("damaged checkpoint moved aside", lambda: move_damaged(directory, latest))
-                ckpts = open_checkpoints()
-                before = ckpts.latest_step()
-                say(f"checkpoints: step {latest} is damaged ({e.reason}); moved it aside to {target}; "
-                    + (f"resuming from step {before}" if before is not None else "no intact checkpoint is left, "
-                       "starting from scratch"))
-                latest = before
-        if state is None:
-            return ckpts, zero.init(init_fn, jax.random.key(cfg.train.seed)), secrets.token_hex(4)
-        _check_resumable(cfg, meta, data_id, ckpts.directory / str(latest))
-    except BaseException:
-        ckpts.close()
-        raise
-    saved_tp = meta.get("tp", 1)
-    say(f"resumed from {ckpts.directory / str(latest)} (step {latest}, saved on dp={meta['dp']} tp={saved_tp})")
-    saved_train = meta["config"]["train"]
-    saved_schedule = saved_train["schedule_steps"] or saved_train["steps"]
-    if saved_schedule != cfg.train.schedule_length:
-        say(f"  note: the lr schedule changed length: {saved_schedule} -> {cfg.train.schedule_length} steps "
-            "(set train.schedule_steps to keep it)")
-    if meta["accum_steps"] != cfg.accum_steps or meta["dp"] != cfg.dp:
-        say(f"  device count changed: dp {meta['dp']} -> {cfg.dp}; accumulation steps recomputed "
-            f"{meta['accum_steps']} -> {cfg.accum_steps} (same global batch of {cfg.train.global_batch_size})")
-    if saved_tp != cfg.mesh.tp:
-        say(f"  tensor parallelism changed: tp {saved_tp} -> {cfg.mesh.tp}; parameters and optimizer state resharded")
-    return ckpts, state, meta["wandb_id"]
-
-
-def _move_logs_aside(log_dir: Path) -> tuple[Path, list[str]] | None:
-    """With the old checkpoints, the old run's logs (metrics.jsonl, wandb/, the profile, the plot) go
-    to `<logging.dir>.replaced-<time>/`. The lock and this launch's process logs stay."""
-    if not log_dir.is_dir():
-        return None
-    keep = (LOCK_FILE, LEASE_FILE, *(p.name for p in log_dir.glob("process-*.log")))
-    names = sorted(p.name for p in log_dir.iterdir() if p.name not in keep)
-    if not names:
-        return None
-    return Path(move_aside(log_dir, keep=keep)), names
-
-
-def _check_resumable(cfg: Config, meta: dict, data_id: dict, where) -> None:
-    """The data order can continue only on the same data and the same global batch."""
-    if meta["dataset"] != data_id:
-        diff = [f"{k}: checkpoint {meta['dataset'].get(k)!r}, now {v!r}" for k, v in data_id.items()
-                if meta["dataset"].get(k) != v]
-        raise CheckpointError(f"{where}: the data differs from the checkpoint's, so the "
-                              f"data order cannot continue: {'; '.join(diff)}")
-    saved_batch = meta["config"]["train"]["global_batch_size"]
-    if saved_batch != cfg.train.global_batch_size:
-        raise CheckpointError(f"{where}: train.global_batch_size was {saved_batch}; "
-                              f"resuming with {cfg.train.global_batch_size} would change the data order")
+from zerolm.step import build_step
+from zerolm.zero import TrainState, Zero1
 
 
 def use_compilation_cache(setting: str | None) -> None:
@@ -361,16 +134,6 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
     return summary
 
 
-def build_step(cfg: Config, mesh) -> tuple[gpt_model.GPT, Zero1, functools.partial]:
-    """The model, its ZeRO-1 step on `mesh` and its init function, as the config says (vocab resolved)."""
-    model = gpt_model.GPT(cfg.model)
-    init_fn = functools.partial(gpt_model.init_params, model)
-    tx, schedule = make_optimizer(cfg.train)
-    zero = Zero1(mesh, functools.partial(gpt_model.lm_loss, model), tx, jax.eval_shape(init_fn, jax.random.key(0)),
-                 logical_axes=gpt_model.logical_axes(model), grad_reduce=cfg.zero.grad_reduce, lr_schedule=schedule)
-    return model, zero, init_fn
-
-
 def _sample_text(model: gpt_model.GPT, tokenizer: Tokenizer, cfg: Config, params) -> str:
     """The config's prompt and its continuation (every process runs it: the params span them all)."""
     sampling = Sampling(cfg.sample.temperature, cfg.sample.top_k, cfg.sample.top_p, seed=cfg.train.seed)
@@ -428,10 +191,10 @@ class _Loop:
                    file=self.out, dynamic_ncols=True, mininterval=0.5)
         preemption = PreemptionWatch()
         summary: dict[str, float] = {}
-        emitter = _Emitter(writer, bar, summary, self.tokens_per_step, self.accounting, cfg.logging.every,
+        emitter = StepMetrics(writer, bar, summary, self.tokens_per_step, self.accounting, cfg.logging.every,
                            cfg.train.max_consecutive_skips if cfg.train.skip_nonfinite else None)
         batches = loader.batches(start_step=start, prefetch=cfg.data.prefetch)
-        profiler = _Profiler(cfg.logging.profile_steps, start, cfg.train.steps, cfg.log_dir / "profile", bar, self.out)
+        profiler = Profiler(cfg.logging.profile_steps, start, cfg.train.steps, cfg.log_dir / "profile", bar, self.out)
         try:
             for step in range(start + 1, cfg.train.steps + 1):
                 batch, waited = next(batches)
@@ -481,188 +244,3 @@ class _Loop:
             writer.close()
             preemption.close()
         return state, summary
-
-
-class _Profiler:
-    """A jax.profiler trace of steps FIRST..LAST (logging.profile), written under the run's log dir."""
-
-    def __init__(self, steps: tuple[int, int] | None, start: int, end: int, directory: Path, bar, out):
-        """Steps `start`+1 .. `end` will run; a range reaching past them is cut to them, and said so."""
-        self.directory, self.bar, self.out = directory, bar, out
-        self.active = False
-        self.steps = steps
-        if steps is not None:
-            first, last = max(steps[0], start + 1), min(steps[1], end)
-            if first > last:
-                bar.write(f"profile: steps {steps[0]}-{steps[1]} asked for, but this run trains steps {start + 1}-{end}: "
-                          "nothing is traced", file=out)
-                self.steps = None
-            elif (first, last) != steps:
-                bar.write(f"profile: tracing steps {first}-{last} (steps {steps[0]}-{steps[1]} asked for; this run "
-                          f"trains steps {start + 1}-{end})", file=out)
-                self.steps = (first, last)
-
-    def before(self, step: int) -> None:
-        if self.steps is not None and step == self.steps[0]:
-            jax.profiler.start_trace(str(self.directory))
-            self.active = True
-
-    def after(self, step: int, state) -> None:
-        if self.active and step == self.steps[1]:
-            jax.block_until_ready(state)  # the trace holds these steps' device work, whole
-            self.close()
-            self.bar.write(f"profile of steps {self.steps[0]}-{self.steps[1]} in {self.directory}", file=self.out)
-
-    def close(self) -> None:
-        if self.active:
-            jax.profiler.stop_trace()
-            self.active = False
-
-
-class _Emitter:
-    """Turns a step's device metrics into logged numbers one step late, so dispatch never waits.
-
-    `step_time_s` is the time from the end of the previous step (its metrics ready on the device) to the
-    end of this one: the step itself, its wait for data included, but not the saves, evaluations and
-    samples between steps (`save_s` and `eval_s` have those). tokens/s and MFU follow from it."""
-
-    def __init__(self, writer, bar, summary, tokens_per_step, accounting: Accounting, every, max_skips: int | None):
-        self.writer, self.bar, self.summary = writer, bar, summary
-        self.tokens_per_step, self.accounting = tokens_per_step, accounting
-        self.every, self.max_skips = every, max_skips
-        self.pending = None
-        self.last_time = time.perf_counter()
-
-    def push(self, step, metrics, waited):
-        self.flush()
-        self.pending = (step, metrics, waited)
-
-    def restart_clock(self):
-        """After host work between steps (a save, an evaluation): the next step is timed from now."""
-        self.last_time = time.perf_counter()
-
-    def flush(self):
-        if self.pending is None:
-            return
-        step, metrics, waited = self.pending
-        self.pending = None
-        values = {k: float(v) for k, v in metrics.items()}  # blocks until that step is done
-        now = time.perf_counter()
-        step_time = max(now - self.last_time, 1e-9)
-        self.last_time = now
-        values["perplexity"] = perplexity(values["loss"])
-        values["tokens_seen"] = step * self.tokens_per_step
-        values["step_time_s"] = step_time
-        values["tokens_per_s"] = self.tokens_per_step / step_time
-        values["data_wait_s"] = waited
-        values["data_wait_share"] = min(waited / step_time, 1.0)
-        values.update(self.accounting(values["tokens_per_s"]))
-        memory = jax.local_devices()[0].memory_stats()  # None where the backend keeps no count (CPU)
-        for key, name in (("bytes_in_use", "device_bytes_in_use"), ("peak_bytes_in_use", "device_peak_bytes")):
-            if memory and key in memory:
-                values[name] = memory[key]
-        self.writer.write(step, values)
-        finite = np.isfinite(values["loss"]) and np.isfinite(values["grad_norm"])
-        if not finite and self.max_skips is None:
-            raise NonFiniteError(f"step {step}: loss {values['loss']}, grad norm {values['grad_norm']} is not "
-                                 "finite; stopping without saving it (the last good checkpoint stays the latest; "
-                                 "train.skip_nonfinite: true skips such updates instead)")
-        if self.max_skips is not None and values["skipped_in_a_row"] >= self.max_skips:
-            raise NonFiniteError(f"step {step}: the last {int(values['skipped_in_a_row'])} updates were all skipped "
-                                 f"(non-finite gradients; train.max_consecutive_skips is {self.max_skips}); stopping "
-                                 "without saving: lower train.lr, or check the data")
-        self.summary.update(values)
-        self.bar.update(1)
-        if step % self.every == 0:
-            postfix = {"loss": f"{values['loss']:.3f}", "tok_s": f"{values['tokens_per_s']:,.0f}"}
-            if "mfu" in values:
-                postfix["mfu"] = f"{values['mfu']:.1%}"
-            self.bar.set_postfix(postfix, refresh=False)
-
-
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or OneLineParser(prog="zerolm train", description="Train a GPT model with ZeRO-1.")
-    parser.add_argument("--config", default="configs/tiny.yaml", help="YAML config file (default: %(default)s)")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override a config key; repeatable")
-    parser.add_argument("--resume", choices=["auto", "strict", "never"], default="auto",
-                        help="auto: continue from the newest intact checkpoint of the run if there is one (a damaged "
-                             "newer one is moved aside); strict: the same, but a damaged latest checkpoint stops the "
-                             "run; never: start fresh (refused over existing checkpoints without --overwrite) "
-                             "(default: %(default)s)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="with --resume never: move existing checkpoints aside and start over")
-    parser.add_argument("--plot", action="store_true",
-                        help="at the end, draw the run's curves into <logging.dir>/metrics.png (as `zerolm plot`)")
-    parser.add_argument("--profile", metavar="FIRST-LAST", default=None,
-                        help="capture a jax.profiler trace of these steps (the same as --set logging.profile=...)")
-    dist = parser.add_argument_group("multi-process (omit on one host; on a TPU VM slice use --distributed)")
-    dist.add_argument("--distributed", action="store_true", help="join a multi-process run (auto-detected cluster)")
-    dist.add_argument("--coordinator", default=None, help="host:port of process 0, e.g. 127.0.0.1:12355")
-    dist.add_argument("--num-processes", type=int, default=None)
-    dist.add_argument("--process-id", type=int, default=None)
-    dist.add_argument("--heartbeat-timeout", type=int, default=10, metavar="S",
-                      help="a process silent this long is declared dead and the others stop with exit code 76 "
-                           "(default: %(default)s)")
-    dist.add_argument("--init-timeout", type=int, default=120, metavar="S",
-                      help="how long to wait for the coordinator at start (default: %(default)s)")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return _main(args)
-    finally:
-        bound_shutdown()
-
-
-def _main(args) -> int:
-    try:
-        if args.distributed or args.coordinator or args.num_processes is not None or args.process_id is not None:
-            initialize_distributed(args.coordinator, args.num_processes, args.process_id,
-                                   heartbeat_timeout_s=args.heartbeat_timeout, init_timeout_s=args.init_timeout)
-        sets = args.set + ([f"logging.profile={args.profile}"] if args.profile else [])
-        cfg = load_config(args.config, sets, device_count=jax.device_count())
-        run(cfg, resume=args.resume, overwrite=args.overwrite)
-        if args.plot and jax.process_index() == 0:
-            print(f"plot: {plot.write([cfg.log_dir], cfg.log_dir / 'metrics.png')}", flush=True)
-    except (ConfigError, DataError, LockHeld, DistributedError, plot.PlotError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except SaveFailed as e:
-        _exit_after_restore_error(f"error: {e}", EXIT_SAVE_FAILED)
-    except CheckpointError as e:
-        _exit_after_restore_error(f"error: {e}", 2)
-    except NonFiniteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_NONFINITE
-    except Preempted as e:
-        print(f"zerolm: {e}; exiting with code {EXIT_PREEMPTED}", file=sys.stderr)
-        return EXIT_PREEMPTED
-    except KeyboardInterrupt:
-        print(f"zerolm: interrupted before the first step; nothing was saved; exiting with code {EXIT_INTERRUPTED}",
-              file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Exception as e:
-        if is_peer_failure(e):
-            exit_peer_lost(e)
-        raise
-    return 0
-
-
-def _exit_after_restore_error(message: str, code: int) -> None:
-    """Report a checkpoint error as the last line and exit.
-
-    After a failed restore, orbax has closed its event loop while TensorStore reads are still in
-    flight, and their callbacks print 'Event loop is closed' tracebacks (not through sys.excepthook).
-    They say nothing about the user's problem: let them drain into /dev/null, then report and leave.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    stderr = os.dup(2)
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
-    time.sleep(0.5)
-    os.dup2(stderr, 2)
-    print(message, file=sys.stderr, flush=True)
-    os._exit(code)

@@ -1,0 +1,47 @@
+"""`zerolm eval --checkpoint DIR`: the held-out loss and perplexity of a checkpoint (zerolm.evaluate)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from zerolm import trained
+from zerolm.checkpoint import CheckpointError
+from zerolm.data.shards import DataError
+from zerolm.evaluate import evaluate_checkpoint
+from zerolm.exitcodes import EXIT_USAGE
+
+HELP = "the held-out loss and perplexity of a checkpoint"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="a run's checkpoint directory (its newest intact step) or one step's directory")
+    parser.add_argument("--data", default=None, metavar="DATASET",
+                        help="a prepared dataset (directory or URL) with the model's tokenizer and seq_len "
+                             "(default: the run's own dataset)")
+    parser.add_argument("--split", default="val", choices=["val", "train"], help="(default: %(default)s)")
+    parser.add_argument("--sequences", type=int, default=None, metavar="N",
+                        help="the split's first N sequences (default: the run's train.eval_sequences; fewer if "
+                             "the split has fewer)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a sentence")
+    return parser
+
+
+def run(args: argparse.Namespace, out=sys.stdout) -> int:
+    try:
+        if args.sequences is not None and args.sequences <= 0:
+            raise ValueError(f"--sequences: {args.sequences} must be > 0")
+        model_run = trained.load(args.checkpoint)
+        result = evaluate_checkpoint(model_run, args.data, args.split, args.sequences)
+    except (CheckpointError, DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(json.dumps(result), file=out)
+    else:
+        print(f"step {result['step']} of {result['checkpoint']}: {args.split} loss {result['loss']:.4f}, perplexity "
+              f"{result['perplexity']:.2f} on {result['sequences']} sequences ({result['tokens']:,} tokens) of "
+              f"{result['dataset']}", file=out)
+    return 0

@@ -1,0 +1,49 @@
+"""`zerolm prepare --source SRC --out DIR`: tokenize raw text into training shards (zerolm.data.prepare)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from zerolm.data.prepare import PrepareError, prepare
+from zerolm.data.sources import SourceError
+from zerolm.exitcodes import EXIT_INTERRUPTED, EXIT_USAGE
+
+HELP = "tokenize raw text into training shards"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--source", required=True, help="text:GLOB, jsonl:GLOB, tfds:NAME[:SPLIT] or default")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--tokenizer", default="default",
+                   help="default (BPE trained on the source), a tokenizer.json, or a tiktoken BPE file (default: %(default)s)")
+    p.add_argument("--vocab-size", type=int, default=2048, help="size of the default BPE (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sample, plus one (default: %(default)s)")
+    p.add_argument("--text-field", default="text", help="JSON/TFDS field holding the text (default: %(default)s)")
+    p.add_argument("--tfds-data-dir", default=None, help="local TFDS data_dir (read offline)")
+    p.add_argument("--val-every", type=int, default=50, help="every Nth document is validation (default: %(default)s)")
+    p.add_argument("--samples-per-shard", type=int, default=4096, help="samples per tar shard (default: %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
+    p.add_argument("--skip-bad", action="store_true", help="count and skip bad records instead of stopping")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        manifest = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                           seq_len=args.seq_len, text_field=args.text_field, tfds_data_dir=args.tfds_data_dir,
+                           val_every=args.val_every, samples_per_shard=args.samples_per_shard,
+                           overwrite=args.overwrite, skip_bad=args.skip_bad)
+    except (PrepareError, SourceError, ValueError) as e:
+        print(f"error: {e}", flush=True, file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"prepare: interrupted; {args.out} is unchanged and the partial output was removed", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    t, v = manifest["splits"]["train"], manifest["splits"]["val"]
+    print(f"prepared {args.out}: train {t['samples']} samples in {len(t['shards'])} shard(s), "
+          f"val {v['samples']} samples; {t['tokens'] + v['tokens']:,} tokens of {manifest['dtype']}, "
+          f"tokenizer {manifest['tokenizer']['name']} ({manifest['tokenizer']['vocab_size']} tokens)"
+          + (f"; skipped {manifest['skipped']} bad record(s), first: {manifest['skipped_first']}"
+             if manifest["skipped"] else "")
+          + (f"; validation: {manifest['val_rule']}" if not manifest["val_rule"].startswith("every") else ""))
+    return 0

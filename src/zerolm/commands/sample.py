@@ -1,0 +1,55 @@
+"""`zerolm sample --checkpoint DIR --prompt TEXT`: continue a prompt with a checkpoint's model (zerolm.sample)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+
+from zerolm import trained
+from zerolm.checkpoint import CheckpointError
+from zerolm.exitcodes import EXIT_USAGE
+from zerolm.sample import Sampling, generate
+
+HELP = "continue a prompt with a checkpoint's model (KV cache)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="a run's checkpoint directory (its newest intact step) or one step's directory")
+    parser.add_argument("--prompt", default="", help="the text to continue (default: empty: start a new document)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="(default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default: %(default)s)")
+    parser.add_argument("--top-k", type=int, default=0, metavar="K",
+                        help="sample among the K most likely tokens; 0: all (default: %(default)s)")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                        help="sample among the fewest tokens whose probability reaches P, in (0, 1]; 1: all "
+                             "(default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    parser.add_argument("--tokenizer", default=None, metavar="FILE",
+                        help="the run's tokenizer file, if its dataset is not where the checkpoint says")
+    return parser
+
+
+def run(args: argparse.Namespace, out=None) -> int:
+    out = out or sys.stdout
+    try:
+        if args.max_new_tokens < 0:
+            raise ValueError(f"--max-new-tokens: {args.max_new_tokens} must be >= 0")
+        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+        model_run = trained.load(args.checkpoint, jax.local_devices()[:1])
+        tokenizer = model_run.tokenizer(args.tokenizer)
+        prompt = tokenizer.encode(args.prompt)
+        T = model_run.model.cfg.seq_len
+        if len(prompt) >= T:
+            raise ValueError(f"--prompt: {len(prompt)} tokens, but the model's context is {T} tokens "
+                             f"(model.seq_len), so a prompt may have at most {T - 1}")
+        if len(prompt) + args.max_new_tokens > T:
+            print(f"note: the context ends after {T - len(prompt)} new tokens (model.seq_len {T})", file=sys.stderr)
+        ids = generate(model_run.model, model_run.params, prompt, args.max_new_tokens, sampling, tokenizer.eot_id)
+    except (CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(tokenizer.decode(ids), file=out)
+    return 0

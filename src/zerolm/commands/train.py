@@ -1,0 +1,121 @@
+"""`zerolm train` (and `python main_zero.py`): train a model from a YAML config.
+
+Exit codes (zerolm.exitcodes): 0 done; 2 bad config, data, checkpoint or launch flags, or a checkpoint
+or logging directory held by another run; 3 a non-finite loss or gradient norm (or, with
+train.skip_nonfinite, too many skipped updates in a row); 74 a checkpoint could not be saved (a full
+disk); 75 stopped by SIGTERM (preemption) or Ctrl-C: a checkpoint of the step reached was saved, run
+again to resume; 76 a peer process of a multi-process run died: restart, the run resumes from the last
+complete checkpoint; 130 a second Ctrl-C abandoned that save, or Ctrl-C before the first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+
+from zerolm import plot, train
+from zerolm.checkpoint import CheckpointError, SaveFailed
+from zerolm.config import ConfigError, load_config
+from zerolm.data.shards import DataError
+from zerolm.exitcodes import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_USAGE
+from zerolm.mesh import DistributedError, bound_shutdown, exit_peer_lost, initialize_distributed, is_peer_failure
+from zerolm.metrics import NonFiniteError
+from zerolm.preemption import Preempted
+from zerolm.runlock import LockHeld
+
+HELP = "train a model (same as python main_zero.py)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--config", default="configs/tiny.yaml", help="YAML config file (default: %(default)s)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a config key; repeatable")
+    parser.add_argument("--resume", choices=["auto", "strict", "never"], default="auto",
+                        help="auto: continue from the newest intact checkpoint of the run if there is one (a damaged "
+                             "newer one is moved aside); strict: the same, but a damaged latest checkpoint stops the "
+                             "run; never: start fresh (refused over existing checkpoints without --overwrite) "
+                             "(default: %(default)s)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="with --resume never: move existing checkpoints aside and start over")
+    parser.add_argument("--plot", action="store_true",
+                        help="at the end, draw the run's curves into <logging.dir>/metrics.png (as `zerolm plot`)")
+    parser.add_argument("--profile", metavar="FIRST-LAST", default=None,
+                        help="capture a jax.profiler trace of these steps (the same as --set logging.profile=...)")
+    dist = parser.add_argument_group("multi-process (omit on one host; on a TPU VM slice use --distributed)")
+    dist.add_argument("--distributed", action="store_true", help="join a multi-process run (auto-detected cluster)")
+    dist.add_argument("--coordinator", default=None, help="host:port of process 0, e.g. 127.0.0.1:12355")
+    dist.add_argument("--num-processes", type=int, default=None)
+    dist.add_argument("--process-id", type=int, default=None)
+    dist.add_argument("--heartbeat-timeout", type=int, default=10, metavar="S",
+                      help="a process silent this long is declared dead and the others stop with exit code 76 "
+                           "(default: %(default)s)")
+    dist.add_argument("--init-timeout", type=int, default=120, metavar="S",
+                      help="how long to wait for the coordinator at start (default: %(default)s)")
+    return parser
+
+
+def config_of(args: argparse.Namespace, device_count: int):
+    """The run's config from these flags (ConfigError for a bad one)."""
+    sets = args.set + ([f"logging.profile={args.profile}"] if args.profile else [])
+    return load_config(args.config, sets, device_count=device_count)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    finally:
+        bound_shutdown()
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        if args.distributed or args.coordinator or args.num_processes is not None or args.process_id is not None:
+            initialize_distributed(args.coordinator, args.num_processes, args.process_id,
+                                   heartbeat_timeout_s=args.heartbeat_timeout, init_timeout_s=args.init_timeout)
+        cfg = config_of(args, jax.device_count())
+        train.run(cfg, resume=args.resume, overwrite=args.overwrite)
+        if args.plot and jax.process_index() == 0:
+            print(f"plot: {plot.write([cfg.log_dir], cfg.log_dir / 'metrics.png')}", flush=True)
+    except (ConfigError, DataError, LockHeld, DistributedError, plot.PlotError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except SaveFailed as e:
+        _exit_after_restore_error(f"error: {e}", EXIT_SAVE_FAILED)
+    except CheckpointError as e:
+        _exit_after_restore_error(f"error: {e}", EXIT_USAGE)
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_NONFINITE
+    except Preempted as e:
+        print(f"zerolm: {e}; exiting with code {EXIT_PREEMPTED}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except KeyboardInterrupt:
+        print(f"zerolm: interrupted before the first step; nothing was saved; exiting with code {EXIT_INTERRUPTED}",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        if is_peer_failure(e):
+            exit_peer_lost(e)
+        raise
+    return 0
+
+
+def _exit_after_restore_error(message: str, code: int) -> None:
+    """Report a checkpoint error as the last line and exit.
+
+    After a failed restore, orbax has closed its event loop while TensorStore reads are still in
+    flight, and their callbacks print 'Event loop is closed' tracebacks (not through sys.excepthook).
+    They say nothing about the user's problem: let them drain into /dev/null, then report and leave.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    stderr = os.dup(2)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    time.sleep(0.5)
+    os.dup2(stderr, 2)
+    print(message, file=sys.stderr, flush=True)
+    os._exit(code)
