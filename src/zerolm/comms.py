@@ -20,7 +20,6 @@ import jax
 import numpy as np
 
 from zerolm import hlo
-from zerolm.sharding import abstract_views, with_shardings
 from zerolm.zero import Zero1
 
 PROGRAMS = ("grad", "reshard", "update")
@@ -44,15 +43,8 @@ class Traffic:
 
 def compiled_texts(zero: Zero1, micro_batch: int, seq_len: int, accum_steps: int) -> dict[str, str]:
     """The optimized HLO of the step's programs, compiled for abstract inputs of the run's shapes."""
-    params = with_shardings(zero.abstract_params, zero.param_shardings)
-    batch = jax.ShapeDtypeStruct((accum_steps, zero.dp * micro_batch, seq_len + 1), np.int32,
-                                 sharding=zero.batch_sharding)
-    views = with_shardings(abstract_views(zero.layouts, zero.abstract_params), zero.view_shardings)
-    opt_state = with_shardings(jax.eval_shape(zero.tx.init, views), zero.opt_shardings)
-    step = jax.ShapeDtypeStruct((), np.int32, sharding=zero.replicated)
-    return {"grad": hlo.compiled_text(zero.grad, params, batch),
-            "reshard": hlo.compiled_text(zero.reshard, params),
-            "update": hlo.compiled_text(zero.update, views, views, opt_state, step)}
+    return {name: hlo.compiled_text(fn, *args)
+            for name, (fn, args) in zero.programs(micro_batch, seq_len, accum_steps).items()}
 
 
 def traffic(texts: dict[str, str], mesh_shape: dict[str, int]) -> list[Traffic]:

@@ -90,6 +90,19 @@ class Zero1:
             out_shardings=(self.param_shardings, self.opt_shardings, self.replicated, self.replicated),
             donate_argnums=(2,))  # the optimizer state; grads and the param view change shape
 
+    def programs(self, micro_batch: int, seq_len: int, accum_steps: int) -> dict[str, tuple[Callable, tuple]]:
+        """The step's three jitted programs, each with abstract inputs of a run's shapes and shardings
+        (to lower and compile ahead of time: `zerolm comms`, `zerolm compile`)."""
+        params = sharding.with_shardings(self.abstract_params, self.param_shardings)
+        batch = jax.ShapeDtypeStruct((accum_steps, self.dp * micro_batch, seq_len + 1), jnp.int32,
+                                     sharding=self.batch_sharding)
+        views = sharding.with_shardings(sharding.abstract_views(self.layouts, self.abstract_params),
+                                        self.view_shardings)
+        opt_state = sharding.with_shardings(jax.eval_shape(self.tx.init, views), self.opt_shardings)
+        step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
+        return {"grad": (self.grad, (params, batch)), "reshard": (self.reshard, (params,)),
+                "update": (self.update, (views, views, opt_state, step))}
+
     def init(self, init_fn: Callable[[jax.Array], PyTree], rng: jax.Array) -> TrainState:
         """Create the state already sharded: the optimizer state never exists in one piece."""
         params = jax.jit(init_fn, out_shardings=self.param_shardings)(rng)

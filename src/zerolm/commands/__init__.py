@@ -19,7 +19,7 @@ from zerolm.interrupts import guarded
 # `zerolm <name>`: the module of zerolm.commands that runs it, in the order --help lists them.
 COMMANDS = {"train": "train", "launch-local": "launch_local", "prepare": "prepare", "checkpoints": "checkpoints",
             "eval": "eval", "sample": "sample", "plot": "plot", "export-hf": "export_hf", "plan": "plan",
-            "comms": "comms"}
+            "comms": "comms", "compile": "compile"}
 
 
 class OneLineParser(argparse.ArgumentParser):

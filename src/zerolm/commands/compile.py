@@ -1,0 +1,52 @@
+"""`zerolm compile --config FILE --target TYPE`: the real step compiled for a TPU slice on this machine
+(no TPU needed); does it fit, and what does it send (zerolm.aot).
+
+Exit codes: 0 it fits; 4 (`EXIT_DOES_NOT_FIT`) it compiles but does not fit the slice's HBM, or the
+compiler refuses a program for its size; 2 bad input (an unknown target, a mesh that does not match
+the slice, a bad config) or no libtpu on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from zerolm import aot, plan
+from zerolm.config import ConfigError, load_config
+from zerolm.exitcodes import EXIT_DOES_NOT_FIT, EXIT_USAGE
+
+HELP = "compile the training step for a TPU slice (no TPU needed): fits or not, per-device memory, collectives"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="a zerolm YAML config")
+    parser.add_argument("--target", required=True, metavar="TYPE",
+                        help="a TPU accelerator type as gcloud names it: v2-8, v3-8, v3-32, v4-64, v5litepod-16 "
+                             "(or v5e-16), v5p-128, v6e-64, ...")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        target = aot.parse_target(args.target)
+        cfg = load_config(args.config, args.set)
+        if cfg.mesh.dp != "auto" and cfg.dp * cfg.mesh.tp != target.devices:
+            raise ConfigError(f"mesh: dp × tp = {cfg.dp} × {cfg.mesh.tp} = {cfg.dp * cfg.mesh.tp} devices, but "
+                              f"{target.name} has {target.devices} (set mesh.dp=auto, or match the slice)")
+        if target.devices % cfg.mesh.tp:
+            raise ConfigError(f"mesh.tp: {cfg.mesh.tp} does not divide the {target.devices} devices of {target.name}")
+        cfg = load_config(args.config, args.set, device_count=target.devices)
+        cfg = cfg.resolve(model__vocab_size=plan.planned_vocab(cfg))
+        devices = aot.target_devices(target)
+        report = aot.compile_for(cfg, target, devices)
+    except (aot.TargetError, ConfigError, aot.CompilerUnavailable) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        report.pop("_rows")
+        print(json.dumps(report, indent=1))
+    else:
+        print("\n".join(aot.describe(report)))
+    return 0 if report["fits"] else EXIT_DOES_NOT_FIT
