@@ -83,7 +83,7 @@ def test_create_launch_logs_stop_delete(fake):
     assert proc.returncode == 0 and calls == expected
 
     launch = ["--name", "slice-1", "--zone", "europe-west4-a", "--config", "configs/1_3b.yaml", "--checkpoint-dir",
-              "gs://bucket/run 1", "--set", "train.steps=100"]
+              "gs://bucket/run 1", "--set", "train.steps=100", "--skip-compile-check"]
     proc, calls = fake(REPO / "tpu_scripts" / "launch.sh", *launch)
     assert proc.returncode == 0 and calls == dry(REPO / "tpu_scripts" / "launch.sh", *launch)
     (call,) = calls
@@ -115,7 +115,7 @@ def test_setup_clones_and_installs_from_the_requirements_file(fake):
 
 def test_relaunch_recreates_a_preempted_slice_and_resumes(fake, tmp_path):
     args = ["--name", "s", "--accelerator-type", "v4-64", "--spot", "--repo", "https://example.org/z.git",
-            "--config", "configs/760m.yaml", "--checkpoint-dir", "gs://b/r"]
+            "--config", "configs/760m.yaml", "--checkpoint-dir", "gs://b/r", "--skip-compile-check"]
     proc, calls = fake(REPO / "tpu_scripts" / "relaunch.sh", *args, FAKE_STATE="PREEMPTED")
     assert proc.returncode == 0, proc.stderr
     verbs = [" ".join(c[3:5]) for c in calls]
@@ -167,3 +167,21 @@ def test_stop_command_stops_training_and_not_itself():
     proc = subprocess.run(["bash", "-c", remote], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc
     assert dummy.wait(timeout=10) == -15  # SIGTERM reached it
+
+
+ZEROLM = {"ZEROLM": f"{sys.executable} -m zerolm.cli"}
+
+
+def test_launch_compiles_for_the_slice_before_it_spends(fake):
+    """What fits is launched; what does not is refused before any gcloud ssh, with the compiler's line."""
+    base = ["--name", "s", "--checkpoint-dir", "gs://b/r", "--config", "configs/tiny.yaml", "--accelerator-type", "v3-8"]
+    proc, calls = fake(REPO / "tpu_scripts" / "launch.sh", *base, "--dry-run", **ZEROLM)
+    assert proc.returncode == 0, proc.stderr
+    assert "FITS: peak" in proc.stderr and len(proc.stdout.splitlines()) == 1 and "tpu-vm ssh" in proc.stdout
+    big = ["--set", "model.d_model=2048", "--set", "model.n_layer=24", "--set", "model.n_head=16"]
+    proc, calls = fake(REPO / "tpu_scripts" / "launch.sh", *base[:-1], "v2-8", *big, **ZEROLM)
+    assert proc.returncode == 4 and calls == [] and proc.stdout == ""
+    assert "DOES NOT FIT: peak" in proc.stderr and proc.stderr.strip().splitlines()[-1].startswith(
+        "error: launch.sh: not launched: the step does not compile and fit on v2-8")
+    proc, _ = fake(REPO / "tpu_scripts" / "launch.sh", *base[:-2], "--dry-run", **ZEROLM)
+    assert proc.returncode == 2 and "--dry-run needs --accelerator-type TYPE" in proc.stderr

@@ -12,7 +12,8 @@
 #   --runtime-version V       as create.sh (default: tpu-ubuntu2204-base)
 #   --spot                    as create.sh
 #   --repo URL, --ref REF     as setup.sh (default: this checkout's origin and commit)
-#   --config FILE, --checkpoint-dir URL, --set K=V, --run-name NAME: as launch.sh
+#   --config FILE, --checkpoint-dir URL, --set K=V, --run-name NAME, --skip-compile-check: as launch.sh
+#                             (which compiles for --accelerator-type before it launches; default: check)
 #   --dry-run                 print the gcloud commands instead of running them (the slice is taken as
 #                             not READY, so every step is shown)
 #   -h, --help                this help
@@ -26,7 +27,9 @@ setup=()
 launch=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --accelerator-type|--runtime-version) need "$@"; create+=("$1" "$2"); shift 2 ;;
+    --accelerator-type) need "$@"; create+=("$1" "$2"); launch+=("$1" "$2"); shift 2 ;;
+    --runtime-version) need "$@"; create+=("$1" "$2"); shift 2 ;;
+    --skip-compile-check) launch+=("$1"); shift ;;
     --spot) create+=("$1"); shift ;;
     --repo|--ref) need "$@"; setup+=("$1" "$2"); shift 2 ;;
     --config|--checkpoint-dir|--set|--run-name) need "$@"; launch+=("$1" "$2"); shift 2 ;;
