@@ -362,13 +362,15 @@ def test_a_full_disk_stops_the_run_at_the_failed_save(tmp_path):
     try:
         proc = train(tmp_path, f"checkpoint.dir={disk / 'ckpt'}", "checkpoint.every=2", steps=40, expect=74)
         last = proc.stderr.strip().splitlines()[-1]
-        assert re.fullmatch(rf"error: {disk / 'ckpt'}: saving the checkpoint of step 4 failed \(.+\); [\d.,]+ MiB free "
-                            r"there; the checkpoint of step 2 stays the latest; stopping the run", last), proc.stderr[-3000:]
+        # Which save finds the disk full depends on when orbax's background cleanup of older steps ran.
+        m = re.fullmatch(rf"error: {disk / 'ckpt'}: saving the checkpoint of step (\d+) failed \(.+\); [\d.,]+ MiB "
+                         r"free there; the checkpoint of step (\d+) stays the latest; stopping the run", last)
+        assert m and int(m[1]) == int(m[2]) + 2, proc.stderr[-3000:]
         # Stopped at the first step after the background save reported its failure, not at the end of the run (how
         # many steps that takes depends on the machine's load, so no tighter bound is asserted).
         assert max(losses(tmp_path)) < 40
         ckpts = Checkpoints(disk / "ckpt", read_only=True)
-        assert ckpts.latest_step() == 2
-        ckpts.verify(2)
+        assert ckpts.latest_step() == int(m[2])
+        ckpts.verify(int(m[2]))
     finally:
         subprocess.run(["umount", str(disk)], check=False)

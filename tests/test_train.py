@@ -176,3 +176,26 @@ def test_a_profile_range_past_the_run_says_what_it_traces():
     assert Profiler((8, 9), 0, 5, None, Bar(), None).steps is None
     assert said == ["profile: tracing steps 2-5 (steps 2-100 asked for; this run trains steps 1-5)",
                     "profile: steps 8-9 asked for, but this run trains steps 1-5: nothing is traced"]
+
+
+def test_ctrl_c_inside_a_gc_callback_is_delivered_again_outside_it():
+    """Raised inside JAX's gc callback, a KeyboardInterrupt is printed as "Exception ignored" and lost: the
+    handler instead records it and sends SIGINT again, which lands outside the callback."""
+    from zerolm import interrupts
+
+    delivered = []
+    previous = signal.signal(signal.SIGINT, lambda *a: delivered.append(True))
+    try:
+        def _xla_gc_callback():
+            return interrupts._on_sigint(signal.SIGINT, sys._getframe())
+
+        assert _xla_gc_callback() is None  # not raised in here
+        deadline = time.monotonic() + 5
+        while not delivered and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert delivered and interrupts.interrupted_early()
+        with pytest.raises(KeyboardInterrupt):  # anywhere else it raises at once
+            interrupts._on_sigint(signal.SIGINT, sys._getframe())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        interrupts._interrupted = False

@@ -4,13 +4,17 @@ Python's default handler raises KeyboardInterrupt wherever the main thread is; r
 callback that swallows exceptions (JAX's garbage-collection callback does), it is lost and the run
 goes on as if nothing happened. `guarded(main)` installs a handler first that also *records* the
 interrupt, so a lost one is still seen: the training loop asks `interrupted_early()` before its first
-step. A Ctrl-C that reaches `guarded` is one line and exit code 130, never a traceback.
+step. A Ctrl-C that lands inside such a callback is not raised there (Python would print an
+"Exception ignored" traceback and drop it) but delivered again a moment later, outside it. A Ctrl-C that
+reaches `guarded` is one line and exit code 130, never a traceback.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 
 from zerolm.exitcodes import EXIT_INTERRUPTED
@@ -21,7 +25,20 @@ _interrupted = False
 def _on_sigint(signum, frame):
     global _interrupted
     _interrupted = True
+    if _in_gc_callback(frame):  # raised here it would be printed and lost: deliver it again, outside
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+        return
     raise KeyboardInterrupt
+
+
+def _in_gc_callback(frame) -> bool:
+    """Is the main thread inside a garbage-collection callback (JAX registers one), whose exceptions
+    Python prints as "Exception ignored" and swallows?"""
+    while frame is not None:
+        if frame.f_code.co_name.endswith("gc_callback"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def interrupted_early() -> bool:
