@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
+from collections.abc import Callable
 
 from zerolm.exitcodes import EXIT_USAGE
 from zerolm.interrupts import guarded
@@ -27,6 +29,14 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(EXIT_USAGE, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def print_report(report: dict, as_json: bool, describe: Callable[[dict], list[str]]) -> None:
+    """A report as JSON (without its private `_` keys) or as the lines `describe` makes of it."""
+    if as_json:
+        print(json.dumps({k: v for k, v in report.items() if not k.startswith("_")}, indent=1))
+    else:
+        print("\n".join(describe(report)))
 
 
 def main(argv: list[str] | None = None) -> int:

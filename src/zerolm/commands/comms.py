@@ -4,12 +4,12 @@ prediction (zerolm.comms)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import jax
 
 from zerolm import comms, plan
+from zerolm.commands import print_report
 from zerolm.config import ConfigError, load_config
 from zerolm.exitcodes import EXIT_USAGE
 
@@ -59,9 +59,5 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    if args.json:
-        result.pop("_rows")
-        print(json.dumps(result, indent=1))
-    else:
-        print("\n".join(comms.describe_report(result)))
+    print_report(result, args.json, comms.describe_report)
     return 0

@@ -9,10 +9,10 @@ the slice, a bad config) or no libtpu on this machine.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from zerolm import aot, plan
+from zerolm.commands import print_report
 from zerolm.config import ConfigError, load_config
 from zerolm.exitcodes import EXIT_DOES_NOT_FIT, EXIT_USAGE
 
@@ -44,9 +44,5 @@ def run(args: argparse.Namespace) -> int:
     except (aot.TargetError, ConfigError, aot.CompilerUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    if args.json:
-        report.pop("_rows")
-        print(json.dumps(report, indent=1))
-    else:
-        print("\n".join(aot.describe(report)))
+    print_report(report, args.json, aot.describe)
     return 0 if report["fits"] else EXIT_DOES_NOT_FIT
