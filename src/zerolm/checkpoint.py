@@ -216,10 +216,17 @@ class Checkpoints:
         if differs:
             raise CheckpointError(f"{where}: the checkpoint's model differs from the config: " + "; ".join(differs))
 
+        saved_precision = meta["config"].get("zero", {}).get("precision", "fp32")
+        if saved_precision != zero.precision:
+            raise CheckpointError(
+                f"{where}: the checkpoint was trained with zero.precision={saved_precision}, the config says "
+                f"{zero.precision}; resume with --set zero.precision={saved_precision} (a change of precision "
+                "mid-run changes its numerics and the optimizer state's contents, so zerolm does not do it "
+                "silently: start a new run from the exported model instead)")
         saved_dp, saved_tp = meta["dp"], meta.get("tp", 1)
         opt_target, repack = zero.table.restore_target(saved_dp, saved_tp)
         target = TrainState(step=jax.ShapeDtypeStruct((), np.int32, sharding=zero.replicated),
-                            params=with_shardings(zero.abstract_params, zero.param_shardings),
+                            params=with_shardings(zero.working_params, zero.param_shardings),
                             opt_state=opt_target)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
@@ -237,7 +244,7 @@ def _first_line(error: Exception) -> str:
 
 
 # Keys that change how the model computes, not what its parameters are.
-_COMPUTE_ONLY = {"dtype", "attention", "remat", "loss_chunk"}
+_COMPUTE_ONLY = {"dtype", "attention", "attention_block", "remat", "loss_chunk"}
 
 
 def _walk(path: epath.Path):

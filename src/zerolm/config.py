@@ -47,8 +47,9 @@ class ModelConfig(_Section):
     d_model: int = PositiveInt
     n_head: int = PositiveInt
     seq_len: int = PositiveInt
-    dtype: Literal["auto", "float32", "bfloat16", "float16"]  # compute dtype; params stay float32
-    attention: Literal["auto", "xla", "cudnn"]
+    dtype: Literal["auto", "float32", "bfloat16", "float16"]  # compute dtype; params: zero.precision
+    attention: Literal["auto", "xla", "cudnn", "blockwise", "pallas"]  # see zerolm.attention
+    attention_block: int = PositiveInt  # positions per query/key block of the blockwise attention
     # What the backward pass recomputes instead of storing (see model.REMAT_POLICIES).
     remat: Literal["none", "full", "dots", "attention", "dots_attention"]
     loss_chunk: int = Field(ge=0)  # tokens per chunk of the output layer + loss; 0: the whole micro-batch at once
@@ -115,6 +116,10 @@ class ZeroConfig(_Section):
     # all_reduce: one pmean of the accumulated gradients (the seed design);
     # reduce_scatter: one psum_scatter straight into the optimizer-state layout (half the bytes).
     grad_reduce: Literal["all_reduce", "reduce_scatter"]
+    # fp32: float32 parameters, reduced and gathered in float32. mixed: bfloat16 working parameters,
+    # float32 master weights in the dp-sharded optimizer state, bfloat16 reduction and all-gather.
+    precision: Literal["fp32", "mixed"]
+    accumulate_dtype: Literal["float32", "bfloat16"]  # each device's gradient sum over its micro-batches
 
 
 class DataConfig(_Section):

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from zerolm.attention import causal_attention
 from zerolm.config import ModelConfig
 
 LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon
@@ -39,18 +40,35 @@ REMAT_POLICIES = {
 }
 
 
+def for_device(cfg: ModelConfig, device: jax.Device | None = None) -> ModelConfig:
+    """`dtype: auto` and `attention: auto` made concrete for the device the model will run on (default:
+    this process's first): a TPU slice compiled for ahead of time is not this machine's backend.
+
+    dtype: bfloat16 on GPU and TPU, float32 on CPU. attention: cuDNN flash attention on a GPU with 16-bit
+    compute; Pallas flash attention on TPU v4 and later; the blockwise attention on TPU v2/v3 (whose
+    Mosaic compiler refuses Pallas's kernel); XLA's on CPU."""
+    device = device or jax.devices()[0]
+    platform, kind = device.platform.lower(), device.device_kind.lower()
+    dtype = cfg.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if platform in ("gpu", "cuda", "rocm", "tpu") else "float32"
+    attention = cfg.attention
+    if attention == "auto":
+        if platform in ("gpu", "cuda", "rocm"):
+            attention = "cudnn" if dtype in ("bfloat16", "float16") else "xla"
+        elif platform == "tpu":
+            attention = "blockwise" if any(v in kind for v in ("v2", "v3")) else "pallas"
+        else:
+            attention = "xla"
+    return cfg.model_copy(update={"dtype": dtype, "attention": attention})
+
+
 def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
-    if cfg.dtype == "auto":
-        return jnp.bfloat16 if jax.default_backend() in ("gpu", "tpu") else jnp.float32
-    return jnp.dtype(cfg.dtype)
+    return jnp.dtype(for_device(cfg).dtype if cfg.dtype == "auto" else cfg.dtype)
 
 
-def attention_implementation(cfg: ModelConfig) -> str | None:
-    """cuDNN flash attention needs a GPU and 16-bit inputs; elsewhere XLA's attention."""
-    if cfg.attention == "auto":
-        use_cudnn = jax.default_backend() == "gpu" and compute_dtype(cfg) in (jnp.bfloat16, jnp.float16)
-        return "cudnn" if use_cudnn else "xla"
-    return cfg.attention
+def attention_implementation(cfg: ModelConfig) -> str:
+    return for_device(cfg).attention if cfg.attention == "auto" else cfg.attention
 
 
 def _named(init, *axes: str):
@@ -73,8 +91,7 @@ class Attention(nn.Module):
                                       bias_init=_named(nn.initializers.zeros, "qkv", "heads"))(x_BxTxD)
         q_BxTxHxK, k_BxTxHxK, v_BxTxHxK = (qkv_BxTx3xD[:, :, i].reshape(B, T, H, D // H) for i in range(3))
         if start is None:
-            y = jax.nn.dot_product_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, is_causal=True,
-                                             implementation=self.implementation)
+            y = causal_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, self.implementation, self.cfg.attention_block)
         else:
             y = self._cached_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, start)
         y = checkpoint_name(y, "attention_out")
@@ -250,7 +267,7 @@ def _fused_forward(x_BxTxD, wte_VxD, targets_BxT, vocab_size, chunk):
 def _fused_backward(vocab_size, chunk, residuals, g):
     dx_BxTxD, dwte_VxD, targets_BxT = residuals
     zero_targets = np.zeros(targets_BxT.shape, jax.dtypes.float0)  # integer input: no gradient
-    return (dx_BxTxD * g.astype(dx_BxTxD.dtype), dwte_VxD * g, zero_targets)
+    return (dx_BxTxD * g.astype(dx_BxTxD.dtype), dwte_VxD * g.astype(dwte_VxD.dtype), zero_targets)
 
 
 fused_mean_cross_entropy.defvjp(_fused_forward, _fused_backward)

@@ -17,10 +17,13 @@ from zerolm.zero import Zero1, make_optimizer
 
 
 def build_step(cfg: Config, mesh: Mesh) -> tuple[gpt_model.GPT, Zero1, functools.partial]:
-    """The model, its ZeRO-1 step on `mesh` and its init function, as the config says (vocab resolved)."""
-    model = gpt_model.GPT(cfg.model)
+    """The model, its ZeRO-1 step on `mesh` and its init function, as the config says (vocab resolved;
+    the model's `auto` dtype and attention for the mesh's devices, which may be a TPU slice compiled for
+    ahead of time)."""
+    model = gpt_model.GPT(gpt_model.for_device(cfg.model, mesh.devices.flat[0]))
     init_fn = functools.partial(gpt_model.init_params, model)
     tx, schedule = make_optimizer(cfg.train)
     zero = Zero1(mesh, functools.partial(gpt_model.lm_loss, model), tx, jax.eval_shape(init_fn, jax.random.key(0)),
-                 logical_axes=gpt_model.logical_axes(model), grad_reduce=cfg.zero.grad_reduce, lr_schedule=schedule)
+                 logical_axes=gpt_model.logical_axes(model), grad_reduce=cfg.zero.grad_reduce, lr_schedule=schedule,
+                 precision=cfg.zero.precision, accumulate_dtype=cfg.zero.accumulate_dtype)
     return model, zero, init_fn

@@ -143,19 +143,21 @@ def _sample_text(model: gpt_model.GPT, tokenizer: Tokenizer, cfg: Config, params
 
 def _startup_summary(cfg: Config, zero: Zero1, accounting: Accounting, n_params: int) -> list[str]:
     """What a run costs before it starts: sizes, per-device bytes, FLOPs and the compiled step's collectives."""
-    params = with_shardings(zero.abstract_params, zero.param_shardings)
+    params = with_shardings(zero.working_params, zero.param_shardings)
     opt = with_shardings(jax.eval_shape(zero.tx.init, abstract_views(zero.layouts, zero.abstract_params)),
                          zero.opt_shardings)
-    accumulator = shard_bytes(jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, np.float32, sharding=p.sharding),
-                                           params))
+    accumulator = shard_bytes(jax.tree.map(
+        lambda p: jax.ShapeDtypeStruct(p.shape, cfg.zero.accumulate_dtype, sharding=p.sharding), params))
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
     lines = [f"zerolm: {cfg.name}: {n_params / 1e6:.2f}M params, {jax.device_count()} {accounting.device_kind} "
              f"device(s) in {jax.process_count()} process(es), mesh dp={cfg.dp} tp={cfg.mesh.tp}, "
              f"{cfg.accum_steps} accumulation step(s) of {cfg.train.micro_batch_size} sequence(s) per device, "
-             f"{cfg.train.global_batch_size} sequences = {tokens:,} tokens per step, grad_reduce={cfg.zero.grad_reduce}",
+             f"{cfg.train.global_batch_size} sequences = {tokens:,} tokens per step, grad_reduce={cfg.zero.grad_reduce}, "
+             f"precision={cfg.zero.precision}",
              f"per device: params {mib(shard_bytes(params))}, gradient accumulator {mib(accumulator)}, optimizer state "
-             f"{mib(shard_bytes(opt))} (1/{cfg.dp * cfg.mesh.tp} of it, plus padding); activations not counted",
+             f"{mib(shard_bytes(opt))} (1/{cfg.dp * cfg.mesh.tp} of it, plus padding"
+             + (", master weights included" if zero.mixed else "") + "); activations not counted",
              accounting.describe()]
     texts = comms.compiled_texts(zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps)
     lines += ["collectives per step: " + line for line in comms.describe(comms.traffic(texts, dict(zero.mesh.shape)))]

@@ -116,7 +116,8 @@ def load(path: str, devices: list[jax.Device] | None = None) -> Trained:
     with quiet_orbax():
         try:
             meta = ckpts.readable_meta(step)
-            model = gpt_model.GPT(ModelConfig.model_validate(meta["config"]["model"]))
+            # Checkpoints from before model.attention_block (a compute-only key) did not record it.
+            model = gpt_model.GPT(ModelConfig.model_validate({"attention_block": 512, **meta["config"]["model"]}))
             mesh = make_mesh(len(devices or jax.local_devices()), 1, devices or jax.local_devices())
             abstract = jax.eval_shape(functools.partial(gpt_model.init_params, model), jax.random.key(0))
             replicated = jax.tree.map(lambda _: NamedSharding(mesh, P()), abstract)

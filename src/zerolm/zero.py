@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import flax.struct
 import jax
@@ -36,14 +36,43 @@ from zerolm.sharding import from_views, is_layout, to_views
 
 PyTree = Any
 GradReduce = Literal["all_reduce", "reduce_scatter"]
+Precision = Literal["fp32", "mixed"]
 LossFn = Callable[[PyTree, jax.Array], jax.Array]  # (params, tokens_BxT1) -> scalar loss
 
 
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array  # int32 scalar: optimizer steps taken
-    params: PyTree  # float32, replicated over dp, split over tp by the rule table
-    opt_state: PyTree  # split over dp and tp, in the Layout views
+    params: PyTree  # the working parameters (float32; bfloat16 in mixed precision), replicated over dp,
+    # split over tp by the rule table
+    opt_state: PyTree  # split over dp and tp, in the Layout views (with the float32 master weights in mixed)
+
+
+class MasterWeights(NamedTuple):
+    """The optimizer state of ZeRO's mixed precision: float32 master weights beside the inner optimizer's
+    state, both in the optimizer-state layout (so each device holds 1/(dp·tp) of them)."""
+
+    master: PyTree
+    inner: optax.OptState
+
+
+def with_master_weights(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` stepping float32 master weights kept in its state (ZeRO's stage-1 mixed-precision layout).
+
+    `init` takes the float32 parameters (they become the master weights). `update` casts the gradient to
+    float32, runs `tx` against the master weights (weight decay reads them, not the bfloat16 copy) and
+    applies the updates to them; the working parameters are the new master weights cast down
+    (`working_params`). The `params` argument is not read."""
+    def init(params):
+        return MasterWeights(params, tx.init(params))
+
+    def update(grads, state, params=None):
+        del params
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        updates, inner = tx.update(grads, state.inner, state.master)
+        return updates, MasterWeights(optax.apply_updates(state.master, updates), inner)
+
+    return optax.GradientTransformation(init, update)
 
 
 class Zero1:
@@ -51,16 +80,25 @@ class Zero1:
 
     `step(state, batch) -> (state, metrics)` is a pure function of its inputs; `batch` is the global
     array of shape (accum_steps, dp * micro_batch, seq_len + 1) sharded by `batch_sharding`.
+
+    `precision`: "fp32" keeps float32 parameters and reduces and gathers in float32. "mixed" is the ZeRO
+    paper's stage-1 layout: the working parameters are bfloat16 (replicated, 2 bytes per parameter), the
+    float32 master weights live in the dp-sharded optimizer state (`with_master_weights`), and the
+    gradient is reduced and the new parameters all-gathered in bfloat16 (half the bytes of each).
+    `accumulate_dtype`: the dtype of each device's gradient accumulator over its micro-batches.
     """
 
     def __init__(self, mesh: Mesh, loss_fn: LossFn, tx: optax.GradientTransformation,
                  abstract_params: PyTree, *, logical_axes: PyTree | None = None,
                  grad_reduce: GradReduce = "reduce_scatter", lr_schedule: optax.Schedule | None = None,
-                 rules=sharding.RULES):
+                 precision: Precision = "fp32", accumulate_dtype=jnp.float32, rules=sharding.RULES):
         self.mesh = mesh
         self.grad_reduce = grad_reduce
-        self.tx = tx
-        self.abstract_params = abstract_params
+        self.precision = precision
+        self.param_dtype = jnp.dtype(jnp.bfloat16 if precision == "mixed" else jnp.float32)
+        self.tx = tx = with_master_weights(tx) if precision == "mixed" else tx
+        self.abstract_params = abstract_params  # float32: the model's (and the master weights')
+        self.working_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, self.param_dtype), abstract_params)
         self.table = table = sharding.Table(mesh, abstract_params, logical_axes, tx, rules)
         self.dp, self.tp, self.layouts = table.dp, table.tp, table.layouts
         # What the three programs take and give (read these; zerolm.sharding derives them).
@@ -71,7 +109,8 @@ class Zero1:
 
         # (1) accumulate: manual over dp; per-device gradients come out stacked on a leading dp axis.
         stacked = jax.tree.map(lambda _: P(DP), table.param_specs, is_leaf=lambda x: isinstance(x, P))
-        accumulate = jax.shard_map(functools.partial(_accumulate, loss_fn=loss_fn), mesh=mesh,
+        accumulate = jax.shard_map(functools.partial(_accumulate, loss_fn=loss_fn, acc_dtype=jnp.dtype(accumulate_dtype),
+                                                     out_dtype=self.param_dtype), mesh=mesh,
                                    in_specs=(P(), self.batch_sharding.spec), out_specs=(stacked, P(DP)),
                                    axis_names=frozenset({DP}))
         # (2) reduce: manual over dp and tp, each device reducing its own tp block (sharding.Table.reduction).
@@ -90,18 +129,28 @@ class Zero1:
             out_shardings=(self.param_shardings, self.opt_shardings, self.replicated, self.replicated),
             donate_argnums=(2,))  # the optimizer state; grads and the param view change shape
 
+    @property
+    def mixed(self) -> bool:
+        return self.precision == "mixed"
+
     def programs(self, micro_batch: int, seq_len: int, accum_steps: int) -> dict[str, tuple[Callable, tuple]]:
-        """The step's three jitted programs, each with abstract inputs of a run's shapes and shardings
-        (to lower and compile ahead of time: `zerolm comms`, `zerolm compile`)."""
-        params = sharding.with_shardings(self.abstract_params, self.param_shardings)
+        """The jitted programs a step runs, each with abstract inputs of a run's shapes and shardings
+        (to lower and compile ahead of time: `zerolm comms`, `zerolm compile`). `reshard` is there when
+        the step runs it: on the parameters (fp32: the update reads their view) and on an all-reduced
+        gradient; mixed precision with reduce_scatter needs neither."""
+        params = sharding.with_shardings(self.working_params, self.param_shardings)
         batch = jax.ShapeDtypeStruct((accum_steps, self.dp * micro_batch, seq_len + 1), jnp.int32,
                                      sharding=self.batch_sharding)
-        views = sharding.with_shardings(sharding.abstract_views(self.layouts, self.abstract_params),
+        views = sharding.with_shardings(sharding.abstract_views(self.layouts, self.working_params),
                                         self.view_shardings)
-        opt_state = sharding.with_shardings(jax.eval_shape(self.tx.init, views), self.opt_shardings)
+        opt_state = sharding.with_shardings(
+            jax.eval_shape(self.tx.init, sharding.abstract_views(self.layouts, self.abstract_params)), self.opt_shardings)
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
-        return {"grad": (self.grad, (params, batch)), "reshard": (self.reshard, (params,)),
-                "update": (self.update, (views, views, opt_state, step))}
+        programs = {"grad": (self.grad, (params, batch))}
+        if not self.mixed or self.grad_reduce == "all_reduce":
+            programs["reshard"] = (self.reshard, (params,))
+        programs["update"] = (self.update, (views, None if self.mixed else views, opt_state, step))
+        return programs
 
     def init(self, init_fn: Callable[[jax.Array], PyTree], rng: jax.Array) -> TrainState:
         """Create the state already sharded: the optimizer state never exists in one piece."""
@@ -109,15 +158,19 @@ class Zero1:
         return self.init_from_params(params)
 
     def init_from_params(self, params: PyTree) -> TrainState:
+        """The state of float32 `params` (in mixed precision they become the master weights)."""
         params = jax.device_put(params, self.param_shardings)
         opt_state = jax.jit(lambda p: self.tx.init(to_views(self.layouts, p)),
                             out_shardings=self.opt_shardings)(params)
+        if self.mixed:
+            params = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.param_dtype), p),
+                             out_shardings=self.param_shardings)(params)
         return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), self.replicated),
                           params=params, opt_state=opt_state)
 
     def step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
         grads, metrics = self.grad(state.params, batch)
-        params_view = self.reshard(state.params)
+        params_view = None if self.mixed else self.reshard(state.params)
         if self.grad_reduce == "all_reduce":
             grads = self.reshard(grads)
         params, opt_state, step, update_metrics = self.update(grads, params_view, state.opt_state, state.step)
@@ -126,23 +179,24 @@ class Zero1:
     __call__ = step
 
 
-def _accumulate(params, batch_AxMxT1, *, loss_fn: LossFn):
-    """Per device: the mean gradient over its micro-batches, float32, with no cross-device reduction."""
+def _accumulate(params, batch_AxMxT1, *, loss_fn: LossFn, acc_dtype, out_dtype):
+    """Per device: the mean gradient over its micro-batches, summed in `acc_dtype` and handed to the
+    reduction in `out_dtype` (the parameters' dtype), with no cross-device reduction."""
     # Without the cast, the gradient of a replicated (unvarying) input picks up an implicit psum
     # on every micro-step, and the result comes out dp times too large.
     varying = functools.partial(lax.pcast, axis_name=DP, to="varying")
     params = jax.tree.map(varying, params)
-    zeros = jax.tree.map(lambda p: varying(jnp.zeros(p.shape, jnp.float32)), params)
+    zeros = jax.tree.map(lambda p: varying(jnp.zeros(p.shape, acc_dtype)), params)
 
     def micro_step(carry, tokens_MxT1):
         grad_acc, loss_acc = carry
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens_MxT1)
-        grad_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_acc, grads)
+        grad_acc = jax.tree.map(lambda a, g: a + g.astype(acc_dtype), grad_acc, grads)
         return (grad_acc, loss_acc + loss), None
 
     accum = batch_AxMxT1.shape[0]
     (grads, loss), _ = lax.scan(micro_step, (zeros, varying(jnp.zeros((), jnp.float32))), batch_AxMxT1)
-    return jax.tree.map(lambda g: (g / accum)[None], grads), (loss / accum)[None]
+    return jax.tree.map(lambda g: (g / accum).astype(out_dtype)[None], grads), (loss / accum)[None]
 
 
 def _reduce(grads, loss, *, layouts, tp_local, grad_reduce: GradReduce, dp: int, tp: int):
@@ -164,7 +218,10 @@ def _reduce(grads, loss, *, layouts, tp_local, grad_reduce: GradReduce, dp: int,
 
 
 def _update(grads_view, params_view, opt_state, step, *, tx, layouts, lr_schedule):
-    metrics = {"grad_norm": optax.tree.norm(grads_view)}  # over the whole, sharded gradient
+    """The optax update on the optimizer-state layout. `params_view` is None in mixed precision: the
+    master weights in `opt_state` are what is updated, and the new working parameters are them cast down."""
+    # Over the whole, sharded gradient, in float32 whatever it was reduced in.
+    metrics = {"grad_norm": optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads_view))}
     if lr_schedule is not None:
         metrics["lr"] = lr_schedule(step)
     updates, opt_state = tx.update(grads_view, opt_state, params_view)
@@ -172,8 +229,11 @@ def _update(grads_view, params_view, opt_state, step, *, tx, layouts, lr_schedul
     if skipped is not None:
         metrics["skipped_updates"] = skipped
         metrics["skipped_in_a_row"] = optax.tree_utils.tree_get(opt_state, "notfinite_count")
-    params = from_views(layouts, optax.apply_updates(params_view, updates))
-    return params, opt_state, step + 1, metrics
+    if isinstance(opt_state, MasterWeights):
+        new_view = jax.tree.map(lambda m, g: m.astype(g.dtype), opt_state.master, grads_view)
+    else:
+        new_view = optax.apply_updates(params_view, updates)
+    return from_views(layouts, new_view), opt_state, step + 1, metrics
 
 
 def make_optimizer(train_cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
