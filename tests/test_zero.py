@@ -280,3 +280,28 @@ def test_bfloat16_accumulation_is_one_rounding_per_micro_step():
         results[dtype] = _flat(zero.table, grads)
     f32, bf16 = results[jnp.float32], results[jnp.bfloat16]
     assert 0 < np.linalg.norm(bf16 - f32) / np.linalg.norm(f32) < 2e-2
+
+
+@pytest.mark.parametrize("precision", ["fp32", "mixed"])
+def test_ring_reduce_scatter_is_the_same_sum_in_neighbour_exchanges(precision):
+    """zero.scatter=ring (TPU v2/v3's reduce-scatter): the gradient of psum_scatter, as dp − 1 collective-
+    permutes per leaf that together send a reduce-scatter's bytes, none in a loop."""
+    cfg = small_config("train.global_batch_size=32", "train.micro_batch_size=1")
+    model, init_fn, loss_fn, abstract = small_model(cfg.model)
+    grads = {}
+    for scatter in ("collective", "ring"):
+        zero = Zero1(make_mesh(8), loss_fn, optax.sgd(0.1), abstract, precision=precision, scatter=scatter)
+        state = zero.init(init_fn, jax.random.key(0))
+        batch = _batch(zero, _rows(32, cfg), 4, 1)
+        grads[scatter] = _flat(zero.table, zero.grad(state.params, batch)[0])
+    assert zero.ring
+    tol = 1e-6 if precision == "fp32" else 1e-2
+    np.testing.assert_allclose(grads["ring"], grads["collective"], rtol=tol, atol=tol * np.abs(grads["collective"]).max())
+    ops = hlo.collectives(hlo.compiled_text(zero.grad, state.params, batch))
+    assert not [c for c in ops if c.in_loop]
+    permutes = [c for c in ops if c.op == "collective-permute"]
+    assert not [c for c in ops if c.elements > 1 and c not in permutes]  # no reduce-scatter, no all-reduce
+    assert len(permutes) == (zero.dp - 1) * len(jax.tree.leaves(state.params))
+    assert {hlo.axis_of(c, dict(zero.mesh.shape)) for c in permutes} == {("dp",)}
+    padded = sum(np.prod(lay.view_shape) for lay in jax.tree.leaves(zero.layouts, is_leaf=is_layout))
+    assert sum(c.elements for c in permutes) * zero.dp == padded * (zero.dp - 1)

@@ -136,7 +136,16 @@ def _runs(hlo_text: str, comps: dict[str, list[str]], callees: dict[str, set[str
     return runs
 
 
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
 def _groups(line: str) -> tuple[frozenset[int], ...]:
+    if m := _PAIRS.search(line):  # a collective-permute: the devices its pairs connect, as groups
+        groups: list[set[int]] = []
+        for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1)):
+            joined = [g for g in groups if int(a) in g or int(b) in g]
+            groups = [g for g in groups if g not in joined] + [set().union({int(a), int(b)}, *joined)]
+        return tuple(frozenset(g) for g in groups)
     if m := _GROUPS_IOTA.search(line):
         shape = [int(d) for d in m.group(1).split(",")]
         ids = np.arange(math.prod(int(d) for d in m.group(2).split(","))).reshape([int(d) for d in m.group(2).split(",")])

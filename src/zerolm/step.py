@@ -25,5 +25,6 @@ def build_step(cfg: Config, mesh: Mesh) -> tuple[gpt_model.GPT, Zero1, functools
     tx, schedule = make_optimizer(cfg.train)
     zero = Zero1(mesh, functools.partial(gpt_model.lm_loss, model), tx, jax.eval_shape(init_fn, jax.random.key(0)),
                  logical_axes=gpt_model.logical_axes(model), grad_reduce=cfg.zero.grad_reduce, lr_schedule=schedule,
-                 precision=cfg.zero.precision, accumulate_dtype=cfg.zero.accumulate_dtype)
+                 precision=cfg.zero.precision, accumulate_dtype=cfg.zero.accumulate_dtype,
+                 scatter=cfg.zero.scatter)
     return model, zero, init_fn

@@ -37,6 +37,15 @@ from zerolm.sharding import from_views, is_layout, to_views
 PyTree = Any
 GradReduce = Literal["all_reduce", "reduce_scatter"]
 Precision = Literal["fp32", "mixed"]
+Scatter = Literal["auto", "collective", "ring"]
+
+
+def ring_reduce_scatter_wanted(scatter: Scatter, mesh: Mesh) -> bool:
+    """auto: the ring on TPU v2/v3, whose compiler makes a reduce-scatter an all-reduce; the collective elsewhere."""
+    if scatter == "auto":
+        kind = mesh.devices.flat[0].device_kind.lower()
+        return "tpu" in kind and any(v in kind.split() for v in ("v2", "v3"))
+    return scatter == "ring"
 LossFn = Callable[[PyTree, jax.Array], jax.Array]  # (params, tokens_BxT1) -> scalar loss
 
 
@@ -86,12 +95,15 @@ class Zero1:
     float32 master weights live in the dp-sharded optimizer state (`with_master_weights`), and the
     gradient is reduced and the new parameters all-gathered in bfloat16 (half the bytes of each).
     `accumulate_dtype`: the dtype of each device's gradient accumulator over its micro-batches.
+    `scatter` (reduce_scatter): "collective" is `lax.psum_scatter`; "ring" the same sum as dp − 1
+    neighbour exchanges (`ring_reduce_scatter`); "auto" takes the ring on TPU v2/v3 only.
     """
 
     def __init__(self, mesh: Mesh, loss_fn: LossFn, tx: optax.GradientTransformation,
                  abstract_params: PyTree, *, logical_axes: PyTree | None = None,
                  grad_reduce: GradReduce = "reduce_scatter", lr_schedule: optax.Schedule | None = None,
-                 precision: Precision = "fp32", accumulate_dtype=jnp.float32, rules=sharding.RULES):
+                 precision: Precision = "fp32", accumulate_dtype=jnp.float32, scatter: Scatter = "auto",
+                 rules=sharding.RULES):
         self.mesh = mesh
         self.grad_reduce = grad_reduce
         self.precision = precision
@@ -115,8 +127,9 @@ class Zero1:
                                    axis_names=frozenset({DP}))
         # (2) reduce: manual over dp and tp, each device reducing its own tp block (sharding.Table.reduction).
         tp_local, in_specs, out_specs = table.reduction(grad_reduce)
+        self.ring = ring_reduce_scatter_wanted(scatter, mesh)
         reduce = jax.shard_map(functools.partial(_reduce, layouts=self.layouts, tp_local=tp_local,
-                                                 grad_reduce=grad_reduce, dp=self.dp, tp=self.tp),
+                                                 grad_reduce=grad_reduce, dp=self.dp, tp=self.tp, ring=self.ring),
                                mesh=mesh, in_specs=(in_specs, P(DP)), out_specs=(out_specs, P()))
 
         def grad_step(params, batch):
@@ -199,15 +212,19 @@ def _accumulate(params, batch_AxMxT1, *, loss_fn: LossFn, acc_dtype, out_dtype):
     return jax.tree.map(lambda g: (g / accum).astype(out_dtype)[None], grads), (loss / accum)[None]
 
 
-def _reduce(grads, loss, *, layouts, tp_local, grad_reduce: GradReduce, dp: int, tp: int):
-    """The one reduction over dp, on each device's own tp block: pmean, or psum_scatter into the layout."""
+def _reduce(grads, loss, *, layouts, tp_local, grad_reduce: GradReduce, dp: int, tp: int, ring: bool):
+    """The one reduction over dp, on each device's own tp block: pmean, or a reduce-scatter into the layout
+    (`psum_scatter`, or with `ring` the same sum as dp − 1 neighbour exchanges: `ring_reduce_scatter`)."""
     grads = jax.tree.map(lambda g: g[0], grads)
     loss = lax.pmean(loss[0], DP)
     if grad_reduce == "all_reduce":
         return lax.pmean(grads, DP), {"loss": loss}
 
     def scatter(lay, local, g):
-        view = lax.psum_scatter(lay.to_view(g), DP, scatter_dimension=lay.scatter_dim, tiled=True) / dp
+        if ring:
+            view = ring_reduce_scatter(lay.to_view(g), lay.scatter_dim, dp) / dp
+        else:
+            view = lax.psum_scatter(lay.to_view(g), DP, scatter_dimension=lay.scatter_dim, tiled=True) / dp
         if local or tp == 1:
             return view
         # Whole over tp here (tp-replicated or blockified): keep this tp device's share of the dp block.
@@ -215,6 +232,29 @@ def _reduce(grads, loss, *, layouts, tp_local, grad_reduce: GradReduce, dp: int,
         return lax.dynamic_slice_in_dim(view, lax.axis_index(TP) * n, n, axis=lay.scatter_dim)
 
     return jax.tree.map(scatter, layouts, tp_local, grads, is_leaf=is_layout), {"loss": loss}
+
+
+def ring_reduce_scatter(x: jax.Array, axis: int, dp: int) -> jax.Array:
+    """`psum_scatter(x, 'dp', scatter_dimension=axis, tiled=True)` as a ring of dp − 1 `ppermute`s.
+
+    Device i ends with block i of the sum: a partial sum of block b starts on device b + 1, travels
+    right, and each device it reaches adds its own block b. Every device sends (dp − 1)/dp of x, a
+    reduce-scatter's bytes. The TPU v2/v3 compiler turns a reduce-scatter into an all-reduce of the whole
+    (docs/performance-notes.md), twice the bytes and a whole-gradient output; collective-permutes it keeps.
+    Unrolled, so that no collective sits in a loop (and the compiler may overlap them)."""
+    if dp == 1:
+        return x
+    n = x.shape[axis] // dp
+    me = lax.axis_index(DP)
+    right = [(j, (j + 1) % dp) for j in range(dp)]
+
+    def block(b):
+        return lax.dynamic_slice_in_dim(x, (b % dp) * n, n, axis=axis)
+
+    partial = block(me + dp - 1)
+    for s in range(1, dp):
+        partial = lax.ppermute(partial, DP, right) + block(me + 2 * dp - s - 1)
+    return partial
 
 
 def _update(grads_view, params_view, opt_state, step, *, tx, layouts, lr_schedule):
