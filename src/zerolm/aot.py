@@ -162,7 +162,7 @@ def _memory(compiled) -> dict:
 def compile_for(cfg: Config, target: Target, devices: list) -> dict:
     """Compile `cfg`'s step (vocab resolved, mesh dp × tp = the slice's devices) for `target`."""
     mesh = make_mesh(cfg.dp, cfg.mesh.tp, devices)
-    _, zero, _ = build_step(cfg, mesh)
+    model, zero, _ = build_step(cfg, mesh)
     micro, seq, accum = cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps
     programs = zero.programs(micro, seq, accum)
     params, (views, _, opt_state, _) = programs["grad"][1][0], programs["update"][1]
@@ -189,6 +189,9 @@ def compile_for(cfg: Config, target: Target, devices: list) -> dict:
         row["compile_s"] = round(time.perf_counter() - t0, 2)
         report_programs[name] = row
     rows = comms.traffic(texts, dict(mesh.shape))
+    row_dicts = [r.as_dict() for r in rows]
+    predicted = comms.predicted_traffic(cfg, model, zero)
+    comms.attach_predictions(row_dicts, predicted)
     usable = usable_bytes(devices[0])
     peak_program = max(report_programs, key=lambda p: report_programs[p]["peak_bytes"])
     peak = report_programs[peak_program]["peak_bytes"]
@@ -196,9 +199,11 @@ def compile_for(cfg: Config, target: Target, devices: list) -> dict:
     return {"config": cfg.name, "target": target.name, "topology": target.topology,
             "device_kind": devices[0].device_kind, "devices": len(devices), "mesh": dict(mesh.shape),
             "micro_batch": micro, "accum_steps": accum, "remat": cfg.model.remat, "grad_reduce": cfg.zero.grad_reduce,
+            "precision": cfg.zero.precision, "attention": model.cfg.attention, "ring_reduce_scatter": zero.ring,
             "programs": report_programs, "peak_program": peak_program, "peak_bytes_per_device": peak,
             "usable_bytes_per_device": usable, "fits": fits,
-            "collectives": [r.as_dict() for r in rows], "_rows": rows,
+            "collectives": [{k: v for k, v in r.items() if k != "predicted"} for r in row_dicts],
+            "predicted": predicted, "_rows": rows,
             "compile_s": round(sum(r["compile_s"] for r in report_programs.values()), 2)}
 
 
@@ -209,7 +214,10 @@ def _gib(n: int | None) -> str:
 def describe(r: dict) -> list[str]:
     lines = [f"compile: {r['config']} for {r['target']} ({r['topology']}, {r['devices']} × {r['device_kind']}), "
              f"mesh {' × '.join(f'{k}={v}' for k, v in r['mesh'].items())}, micro-batch {r['micro_batch']} × "
-             f"{r['accum_steps']} accumulation step(s), remat {r['remat']}, grad_reduce={r['grad_reduce']}",
+             f"{r['accum_steps']} accumulation step(s), remat {r['remat']}, attention {r['attention']}, "
+             f"precision {r['precision']}, grad_reduce={r['grad_reduce']}"
+             + (" (as a ring of collective-permutes)" if r["ring_reduce_scatter"] and r["grad_reduce"] == "reduce_scatter"
+                else ""),
              "per device      arguments      outputs  temporaries      aliased  live outside         peak   compile"]
     for name, p in r["programs"].items():
         lines.append(f"  {name:8s} {_gib(p['argument_bytes']):>12s} {_gib(p['output_bytes']):>12s} "
@@ -219,7 +227,12 @@ def describe(r: dict) -> list[str]:
     lines.append("  (peak = arguments + outputs + temporaries - aliased + what lives outside the program: the "
                  "optimizer state during grad, it and the gradient during reshard, the old parameters during update)")
     lines.append("collectives per step (bytes per device, per HLO instruction):")
-    lines += ["  " + line for line in comms.describe(r["_rows"])]
+    lines += ["  " + line for line in comms.describe(r["_rows"], list(r["programs"]))]
+    for p in r["predicted"]:
+        if p["program"] == "grad" and p["bytes"] > 4:
+            found = "none" if p["found_bytes"] is None else f"{p['found_bytes']:,}"
+            lines.append(f"  gradient reduction ({p['op']} over dp): {found} bytes per device; zerolm plan predicts "
+                         f"{p['bytes']:,}" + ("" if p["found_bytes"] is None else f" ({p['found_bytes'] / p['bytes']:.1%})"))
     verdict = "FITS" if r["fits"] else "DOES NOT FIT"
     lines.append(f"{verdict}: peak {_gib(r['peak_bytes_per_device'])} per device ({r['peak_program']}) of "
                  f"{_gib(r['usable_bytes_per_device'])} usable on {r['device_kind']}; compiled in {r['compile_s']:.0f} s")

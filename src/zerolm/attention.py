@@ -1,5 +1,9 @@
-"""Causal self-attention, by implementation: XLA's, cuDNN's flash attention, Pallas's TPU flash attention,
-or a blockwise attention in plain JAX that never holds the T×T scores (any backend; TPU v2/v3's choice).
+"""Causal self-attention, by implementation: XLA's, cuDNN's flash attention, or a blockwise attention in
+plain JAX that never holds the T×T scores (any backend; the TPU's choice).
+
+Pallas's TPU flash attention (`jax.experimental.pallas.ops.tpu.flash_attention`, v4 and later) is not
+offered: inside the step's `shard_map` its `pallas_call` fails JAX's varying-axes check (its output
+shapes carry no `manual_axis_type`), and v3's Mosaic refuses its bfloat16 matmuls anyway.
 
 `blockwise` (Rabe & Staats 2021, "Self-attention does not need O(n²) memory"; the backward pass of
 Dao 2023, FlashAttention-2): queries and keys are cut into blocks of `block` positions. For each query
@@ -21,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-IMPLEMENTATIONS = ("xla", "cudnn", "blockwise", "pallas")
+IMPLEMENTATIONS = ("xla", "cudnn", "blockwise")
 BLOCK = 512  # positions per query/key block of the blockwise attention
 _MASKED = -1e30  # finite, so that a fully masked block's max minus itself is 0, not nan
 
@@ -33,25 +37,12 @@ def causal_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.
                                             implementation=implementation)
     if implementation == "blockwise":
         return blockwise_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, block_size(q_BxTxHxK.shape[1], block))
-    if implementation == "pallas":
-        return _pallas_tpu(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK)
     raise ValueError(f"unknown attention implementation {implementation!r}; one of {', '.join(IMPLEMENTATIONS)}")
 
 
 def block_size(seq_len: int, block: int = BLOCK) -> int:
     """The largest block ≤ `block` that divides the sequence."""
     return math.gcd(seq_len, block)
-
-
-def _pallas_tpu(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK):
-    """Pallas's TPU flash attention (Mosaic; TPU v4 and later: v3's Mosaic refuses its bfloat16 matmuls)."""
-    from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash
-
-    K = q_BxTxHxK.shape[-1]
-    to_bhtk = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
-    y = tpu_flash.flash_attention(to_bhtk(q_BxTxHxK), to_bhtk(k_BxTxHxK), to_bhtk(v_BxTxHxK), causal=True,
-                                  sm_scale=1.0 / math.sqrt(K))
-    return to_bhtk(y)
 
 
 def _blocks(x_BxTxHxK, block):

@@ -220,9 +220,8 @@ class Checkpoints:
         if saved_precision != zero.precision:
             raise CheckpointError(
                 f"{where}: the checkpoint was trained with zero.precision={saved_precision}, the config says "
-                f"{zero.precision}; resume with --set zero.precision={saved_precision} (a change of precision "
-                "mid-run changes its numerics and the optimizer state's contents, so zerolm does not do it "
-                "silently: start a new run from the exported model instead)")
+                f"{zero.precision}; resume with --set zero.precision={saved_precision} (the optimizer state differs: "
+                "mixed keeps float32 master weights in it; zerolm does not change a run's precision mid-way)")
         saved_dp, saved_tp = meta["dp"], meta.get("tp", 1)
         opt_target, repack = zero.table.restore_target(saved_dp, saved_tp)
         target = TrainState(step=jax.ShapeDtypeStruct((), np.int32, sharding=zero.replicated),

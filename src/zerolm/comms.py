@@ -64,10 +64,10 @@ def _order(program: str) -> int:
     return PROGRAMS.index(program) if program in PROGRAMS else len(PROGRAMS)  # e.g. the naive "step"
 
 
-def describe(rows: list[Traffic]) -> list[str]:
-    """One line per program: its collectives, grouped."""
+def describe(rows: list[Traffic], programs=PROGRAMS) -> list[str]:
+    """One line per program (those the step runs: mixed precision has no reshard): its collectives, grouped."""
     lines = []
-    for program in PROGRAMS:
+    for program in programs:
         mine = [r for r in rows if r.program == program]
         if not mine:
             lines.append(f"{program}: no collective")
@@ -100,8 +100,6 @@ def naive_text(zero: Zero1, loss_fn, micro_batch: int, seq_len: int, accum_steps
 
 def report(cfg, devices: list[jax.Device], step: str = "zerolm") -> dict:
     """Compile `cfg`'s step on `devices` and put every collective beside the planner's prediction."""
-    import jax.numpy as jnp
-
     from zerolm import model as gpt_model
     from zerolm import plan
     from zerolm.mesh import make_mesh
@@ -117,11 +115,32 @@ def report(cfg, devices: list[jax.Device], step: str = "zerolm") -> dict:
         predicted = plan.predicted_naive_traffic(zero.abstract_params, accum)
     else:
         texts = compiled_texts(zero, micro, seq, accum)
-        activation = micro * seq * cfg.model.d_model * jnp.dtype(gpt_model.compute_dtype(cfg.model)).itemsize
-        predicted = plan.predicted_traffic(zero.table, cfg.zero.grad_reduce, accum, activation, cfg.model.n_layer,
-                                           cfg.model.remat == "full")
+        predicted = predicted_traffic(cfg, model, zero)
     rows = [r.as_dict() for r in traffic(texts, dict(mesh.shape))]
-    for p in predicted:  # each prediction beside the rows it predicts (axes None: any rows over dp)
+    attach_predictions(rows, predicted)
+    return {"config": cfg.name, "step": step, "backend": devices[0].platform, "device_kind": devices[0].device_kind,
+            "devices": len(devices), "mesh": dict(mesh.shape), "grad_reduce": cfg.zero.grad_reduce,
+            "micro_batch": micro, "accum_steps": accum, "collectives": [{k: v for k, v in r.items() if k != "predicted"}
+                                                                         for r in rows],
+            "predicted": predicted, "_rows": rows}
+
+
+def predicted_traffic(cfg, model, zero) -> list[dict]:
+    """`zerolm plan`'s count of the collectives of `zero`'s step (`model` and `zero` built from `cfg` by
+    zerolm.step.build_step: the model's dtype is the one resolved for the mesh's devices)."""
+    import jax.numpy as jnp
+
+    from zerolm import plan
+
+    activation = (cfg.train.micro_batch_size * cfg.model.seq_len * cfg.model.d_model
+                  * jnp.dtype(model.cfg.dtype).itemsize)
+    return plan.predicted_traffic(zero.table, cfg.zero.grad_reduce, cfg.accum_steps, activation, cfg.model.n_layer,
+                                  cfg.model.remat == "full", param_bytes=zero.param_dtype.itemsize, ring=zero.ring)
+
+
+def attach_predictions(rows: list[dict], predicted: list[dict]) -> None:
+    """Each prediction beside the rows it predicts (axes None: any rows over dp): its found bytes."""
+    for p in predicted:
         mine = [r for r in rows if (r["program"], r["op"], r["in_loop"]) == (p["program"], p["op"], p["in_loop"])
                 and (r["axes"] == p["axes"] if p["axes"] is not None else "dp" in r["axes"])]
         p["found_bytes"] = sum(r["bytes"] for r in mine) if mine else None
@@ -129,11 +148,6 @@ def report(cfg, devices: list[jax.Device], step: str = "zerolm") -> dict:
             sum(r["bytes_per_run"] for r in mine)
         for r in mine:
             r["predicted"] = p
-    return {"config": cfg.name, "step": step, "backend": devices[0].platform, "device_kind": devices[0].device_kind,
-            "devices": len(devices), "mesh": dict(mesh.shape), "grad_reduce": cfg.zero.grad_reduce,
-            "micro_batch": micro, "accum_steps": accum, "collectives": [{k: v for k, v in r.items() if k != "predicted"}
-                                                                         for r in rows],
-            "predicted": predicted, "_rows": rows}
 
 
 def describe_report(r: dict) -> list[str]:

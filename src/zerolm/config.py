@@ -48,7 +48,7 @@ class ModelConfig(_Section):
     n_head: int = PositiveInt
     seq_len: int = PositiveInt
     dtype: Literal["auto", "float32", "bfloat16", "float16"]  # compute dtype; params: zero.precision
-    attention: Literal["auto", "xla", "cudnn", "blockwise", "pallas"]  # see zerolm.attention
+    attention: Literal["auto", "xla", "cudnn", "blockwise"]  # see zerolm.attention
     attention_block: int = PositiveInt  # positions per query/key block of the blockwise attention
     # What the backward pass recomputes instead of storing (see model.REMAT_POLICIES).
     remat: Literal["none", "full", "dots", "attention", "dots_attention"]

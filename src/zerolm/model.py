@@ -45,10 +45,9 @@ def for_device(cfg: ModelConfig, device: jax.Device | None = None) -> ModelConfi
     this process's first): a TPU slice compiled for ahead of time is not this machine's backend.
 
     dtype: bfloat16 on GPU and TPU, float32 on CPU. attention: cuDNN flash attention on a GPU with 16-bit
-    compute; Pallas flash attention on TPU v4 and later; the blockwise attention on TPU v2/v3 (whose
-    Mosaic compiler refuses Pallas's kernel); XLA's on CPU."""
+    compute; the blockwise attention on TPU (no T×T scores; zerolm.attention); XLA's on CPU."""
     device = device or jax.devices()[0]
-    platform, kind = device.platform.lower(), device.device_kind.lower()
+    platform = device.platform.lower()
     dtype = cfg.dtype
     if dtype == "auto":
         dtype = "bfloat16" if platform in ("gpu", "cuda", "rocm", "tpu") else "float32"
@@ -57,7 +56,7 @@ def for_device(cfg: ModelConfig, device: jax.Device | None = None) -> ModelConfi
         if platform in ("gpu", "cuda", "rocm"):
             attention = "cudnn" if dtype in ("bfloat16", "float16") else "xla"
         elif platform == "tpu":
-            attention = "blockwise" if any(v in kind for v in ("v2", "v3")) else "pallas"
+            attention = "blockwise"
         else:
             attention = "xla"
     return cfg.model_copy(update={"dtype": dtype, "attention": attention})

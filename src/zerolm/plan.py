@@ -348,13 +348,14 @@ class Planner:
 
 
 def predicted_traffic(table, grad_reduce: str, accum: int, activation: int = 0, n_layer: int = 0,
-                      remat: bool = False) -> list[dict]:
+                      remat: bool = False, param_bytes: int = 4, ring: bool = False) -> list[dict]:
     """zerolm's step on `table`'s mesh as the planner counts it: rows of (program, op, axes, in_loop,
     bytes per device summed over the instructions, bytes per step). `axes` None: over dp, whichever
     other axes the partitioner adds (it splits the update's all-gathers between dp and dp+tp freely).
 
-    grad: the one reduction after the loop, float32 (the accumulator's dtype): a reduce-scatter into
-    the optimizer layout (1/dp of each device's gradient block) or an all-reduce of the whole block,
+    grad: the one reduction after the loop, in the parameters' dtype (`param_bytes`: 4, or 2 in mixed
+    precision): a reduce-scatter into the optimizer layout (1/dp of each device's gradient block; with
+    `ring`, dp − 1 collective-permutes of such a block) or an all-reduce of the whole block,
     and the loss's 4-byte all-reduce; with tp, Megatron's all-reduces of the `activation` bytes of a
     micro-batch, 2 forward and 2 backward per layer (3 forward with full remat), every micro-step.
     update: the all-gather of the new parameters out of the optimizer layout."""
@@ -368,16 +369,20 @@ def predicted_traffic(table, grad_reduce: str, accum: int, activation: int = 0, 
     grads = scattered = gathered = 0
     for lay, local in zip(jax.tree.leaves(table.layouts, is_leaf=is_layout), jax.tree.leaves(tp_local)):
         split = tp if lay.tp_axis is not None else 1
-        grads += lay.size * 4 // split
-        scattered += math.prod(lay.view_shape) * 4 // dp // (tp if local else 1)
-        gathered += (math.prod(lay.view_shape) if lay.axis is None else lay.size // split) * 4
+        grads += lay.size * param_bytes // split
+        scattered += math.prod(lay.view_shape) * param_bytes // dp // (tp if local else 1)
+        gathered += (math.prod(lay.view_shape) if lay.axis is None else lay.size // split) * param_bytes
 
     def row(program, op, axes, nbytes, in_loop=False, runs=1):
         return {"program": program, "op": op, "axes": axes, "in_loop": in_loop, "bytes": nbytes,
                 "bytes_per_step": nbytes * runs}
 
-    rows = [row("grad", "reduce-scatter", [DP], scattered), row("grad", "all-reduce", [DP], 4)] \
-        if grad_reduce == "reduce_scatter" else [row("grad", "all-reduce", [DP], grads + 4)]
+    if grad_reduce == "all_reduce":
+        rows = [row("grad", "all-reduce", [DP], grads + 4)]
+    elif ring:
+        rows = [row("grad", "collective-permute", [DP], scattered * (dp - 1)), row("grad", "all-reduce", [DP], 4)]
+    else:
+        rows = [row("grad", "reduce-scatter", [DP], scattered), row("grad", "all-reduce", [DP], 4)]
     if tp > 1 and activation:
         per_layer = 6 if remat else 4
         rows.append(row("grad", "all-reduce", [TP], per_layer * activation, True, accum * n_layer))

@@ -160,7 +160,7 @@ def _startup_summary(cfg: Config, zero: Zero1, accounting: Accounting, n_params:
              + (", master weights included" if zero.mixed else "") + "); activations not counted",
              accounting.describe()]
     texts = comms.compiled_texts(zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps)
-    lines += ["collectives per step: " + line for line in comms.describe(comms.traffic(texts, dict(zero.mesh.shape)))]
+    lines += ["collectives per step: " + line for line in comms.describe(comms.traffic(texts, dict(zero.mesh.shape)), list(texts))]
     return lines
 
 
