@@ -33,7 +33,7 @@ def planner(*argv: str) -> plan.Planner:
 def test_stage1_fp32_bytes_are_the_real_sharded_train_state(config):
     planned = planner("--config", str(config), "--dp", "8", "--precision", "fp32").memory(1, 1)
 
-    cfg = load_config(config, ["mesh.dp=8"], device_count=8)
+    cfg = load_config(config, ["mesh.dp=8", "zero.precision=fp32"], device_count=8)
     cfg = cfg.resolve(model__vocab_size=plan.planned_vocab(cfg))
     _, zero, init_fn = build_step(cfg, make_mesh(8, 1))
     state = zero.init(init_fn, jax.random.key(0))

@@ -79,6 +79,9 @@ class Model:
     loss_chunk: int = 2048
     remat: str = "none"
     source: str = ""
+    param_bytes: int = 4  # of the working parameters (zero.precision: fp32 4, mixed 2)
+    acc_bytes: int = 4  # of the gradient accumulator (zero.accumulate_dtype)
+    attention: str = "auto"  # model.attention (auto: the device's choice, as zerolm.model.for_device)
 
     @property
     def flops_params(self) -> int:
@@ -252,6 +255,67 @@ class Planner:
         return {"params_bytes": st.params, "grads_bytes": st.grads, "optimizer_bytes": st.optimizer,
                 "activation_bytes": acts[remat], "activation_bytes_no_remat": acts["none"],
                 "activation_bytes_full_remat": acts["full"], "total_bytes": total, "fits": total <= self.usable}
+
+    @property
+    def attention(self) -> str:
+        """The attention zerolm runs on this device (zerolm.model.for_device): flash attention (cuDNN) on a
+        GPU, the blockwise attention on a TPU, XLA's elsewhere; or the config's."""
+        if self.model.attention != "auto":
+            return self.model.attention
+        if self.flash:
+            return "cudnn"
+        return "blockwise" if self.device.name.startswith("v") else "xla"
+
+    def step_peak(self, micro: int) -> dict[str, Any]:
+        """zerolm's own ZeRO-1 step (stage 1, at the config's precision), per device, by the rule `zerolm
+        compile` applies to the compiler's figures: each program's arguments + outputs + temporaries −
+        aliased, plus what lives outside it; the step's peak is the largest.
+
+        grad: the working params (arguments); the gradient in the optimizer layout (output); the
+        accumulator, the micro-step's gradient beside it, the activations (`step_activation_bytes`) and
+        the loss's float32 buffers (temporaries); the optimizer state (outside). update: the reduced
+        gradient and the optimizer state (aliased: donated) in, the new params out, a working copy of them
+        while they are gathered and cast, and the old params (outside). fp32 also reshards the params
+        into the optimizer layout: a 1/dp slice."""
+        m, p = self.model, self.model.param_bytes
+        st = self.states
+        params4 = st(0, PRECISIONS["fp32"]).params  # 4 bytes per parameter, whole over dp
+        params = params4 * p // 4
+        view = st(3, Precision(p, 0, 0, 0)).params  # one dp block of the params, padded
+        opt = st(1, PRECISIONS["mixed" if p == 2 else "fp32"]).optimizer  # master weights included in mixed
+        acc = params4 * m.acc_bytes // 4
+        acts = self.step_activation_bytes(micro)
+        programs = {"grad": params + view + acc + params + acts + opt,
+                    "update": view + opt + params + params + params + (0 if p == 2 else view)}
+        if p == 4:
+            programs["reshard"] = params + view + opt + view
+        program = max(programs, key=programs.get)
+        return {"program": program, "total_bytes": programs[program], "programs": programs,
+                "activation_bytes": acts, "fits": programs[program] <= self.usable}
+
+    def step_activation_bytes(self, micro: int) -> int:
+        """What the gradient program allocates for one micro-batch besides the model states: the
+        activations kept for the backward pass (module docstring), one layer's backward working set, and
+        the chunked loss's float32 buffers (the output layer's gradient as it is summed, its transpose and
+        the embedding's scatter-added gradient: 3·V·h·4; two chunks of logits)."""
+        m, b, t = self.model, micro, self.layout.tp
+        s, h, a, e, L = m.seq_len, m.d_model, m.n_head, m.act_bytes, m.n_layer
+        sbh = s * b * h
+        attention = self.attention
+        if attention == "xla":
+            kept = a * s * s * b * e // t
+        elif attention == "blockwise":
+            kept = sbh * e // t + 4 * a * s * b // t  # the output and the log-sum-exp
+        else:
+            kept = 4 * a * s * b // t
+        layer = 4 * sbh * e + 12 * sbh * e // t + kept
+        layers = L * layer if m.remat == "none" else L * sbh * e + layer
+        tokens = b * s
+        if m.loss_chunk and m.loss_chunk < tokens:
+            loss = 3 * m.vocab * h * 4 + 2 * m.loss_chunk * m.vocab * 4
+        else:
+            loss = 2 * tokens * m.vocab * 4
+        return layers + 2 * sbh * e + loss
 
     def micro_batches(self) -> list[int]:
         per_rank = self.layout.per_rank
@@ -462,7 +526,9 @@ def from_config(cfg, dp: int, tp: int) -> tuple[Model, Any]:
                 if TP in param_spec(logical))
     model = Model(gpt_model.count_params(abstract), split, cfg.model.n_layer, cfg.model.d_model, cfg.model.n_head,
                   cfg.model.seq_len, cfg.model.padded_vocab_size, 4 if cfg.model.dtype == "float32" else 2,
-                  cfg.model.loss_chunk, "full" if cfg.model.remat == "full" else "none", source=f"config {cfg.name}")
+                  cfg.model.loss_chunk, "full" if cfg.model.remat == "full" else "none", source=f"config {cfg.name}",
+                  param_bytes=2 if cfg.zero.precision == "mixed" else 4,
+                  acc_bytes=2 if cfg.zero.accumulate_dtype == "bfloat16" else 4, attention=cfg.model.attention)
     return model, states
 
 

@@ -1,0 +1,103 @@
+"""`zerolm plan`'s step peak per device against the TPU compiler's (`zerolm compile`), config by config.
+
+    python benchmarks/plan_vs_compile.py [--configs 125m 350m 760m 1_3b] [--targets v3-32 v5p-64]
+        [--settings 1:full 4:full 4:none ...] [--cache runs/plan_vs_compile.jsonl] [--write BENCHMARKS.md]
+
+For each config, target slice and setting (micro-batch:remat, the config's precision and attention as
+resolved for the target), compiles the step with libtpu ahead of time (aot.compile_for: the peak of its
+programs by the documented rule) and asks the planner for its prediction of the same step
+(plan.Planner.step_peak). Compiles are cached in --cache (keyed by every setting), so the table can be
+printed again without compiling. No TPU is needed; a 1_3b compile takes 1–2 minutes on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from zerolm import aot  # noqa: E402
+from zerolm.commands import plan as commands_plan  # noqa: E402
+from zerolm.config import load_config  # noqa: E402
+
+PRESET = {"v2": "v2-core", "v3": "v3-core", "v4": "v4", "v5p": "v5p", "v5e": "v5e", "v6e": "v6e"}
+BEGIN, END = "<!-- plan_vs_compile:begin -->", "<!-- plan_vs_compile:end -->"
+
+
+def compiled(cache: Path, config: str, target: str, micro: int, remat: str) -> dict:
+    key = {"config": config, "target": target, "micro": micro, "remat": remat}
+    if cache.exists():
+        for line in cache.read_text().splitlines():
+            row = json.loads(line)
+            if row["key"] == key:
+                return row
+    t = aot.parse_target(target)
+    devices = aot.target_devices(t)
+    cfg = load_config(f"configs/{config}.yaml", [f"train.micro_batch_size={micro}", f"model.remat={remat}",
+                                                 "mesh.dp=auto"], device_count=len(devices))
+    r = aot.compile_for(cfg, t, devices)
+    row = {"key": key, "peak": r["peak_bytes_per_device"], "peak_program": r["peak_program"], "fits": r["fits"],
+           "usable": r["usable_bytes_per_device"], "programs": r["programs"], "precision": r["precision"],
+           "attention": r["attention"], "accum": r["accum_steps"], "dp": r["mesh"]["dp"]}
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with cache.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    return row
+
+
+def planned(config: str, target: str, micro: int, remat: str, dp: int) -> dict:
+    parser = argparse.ArgumentParser()
+    commands_plan.add_arguments(parser)
+    generation = aot.parse_target(target).generation
+    args = parser.parse_args(["--config", f"configs/{config}.yaml", "--device", PRESET[generation], "--dp", str(dp),
+                              "--micro-batch", str(micro), "--remat", remat])
+    return commands_plan.build(args).step_peak(micro)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--configs", nargs="+", default=["125m", "350m", "760m", "1_3b"])
+    p.add_argument("--targets", nargs="+", default=["v3-32", "v5p-64"])
+    p.add_argument("--settings", nargs="+", default=["1:full", "4:full", "1:none"], help="micro-batch:remat")
+    p.add_argument("--cache", type=Path, default=Path("runs/plan_vs_compile.jsonl"))
+    p.add_argument("--write", type=Path, help="put the table into this markdown file between its markers")
+    p.add_argument("--compile-only", action="store_true", help="fill the cache, print nothing")
+    args = p.parse_args()
+    if args.compile_only:
+        for config in args.configs:
+            for target in args.targets:
+                for setting in args.settings:
+                    micro, remat = setting.split(":")
+                    c = compiled(args.cache, config, target, int(micro), remat)
+                    print(config, target, setting, f"{c['peak'] / 2**30:.2f} GiB", flush=True)
+        return
+    lines = ["| config | target | micro | remat | precision | compiled peak (program) | planned | planned/compiled |",
+             "|---|---|---:|---|---|---:|---:|---:|"]
+    worst = 0.0
+    for config in args.configs:
+        for target in args.targets:
+            for setting in args.settings:
+                micro, remat = setting.split(":")
+                c = compiled(args.cache, config, target, int(micro), remat)
+                plan = planned(config, target, int(micro), remat, c["dp"])
+                ratio = plan["total_bytes"] / c["peak"]
+                worst = max(worst, abs(ratio - 1))
+                lines.append(f"| {config} | {target} | {micro} | {remat} | {c['precision']} | "
+                             f"{c['peak'] / 2**30:.2f} GiB ({c['peak_program']}) | {plan['total_bytes'] / 2**30:.2f} GiB "
+                             f"({plan['program']}) | {ratio:.2f} |")
+                print(lines[-1], flush=True)
+    lines.append(f"\nLargest gap: {worst:.0%}.")
+    if args.write:
+        text = args.write.read_text()
+        block = f"{BEGIN}\n" + "\n".join(lines) + f"\n{END}"
+        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S) \
+            if BEGIN in text else text.rstrip("\n") + "\n\n" + block + "\n"
+        args.write.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
