@@ -1,8 +1,10 @@
 """Evidence for docs/zero-questions.md: seed note 000's four questions, asked of the compiler.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/zero_questions.py [--layers 2 8 32]
+    JAX_PLATFORMS=cpu python benchmarks/zero_questions.py --target v3-8     # the TPU compiler, no TPU
 
-Runs on whatever backend JAX has (8 fake CPU devices above; a GPU or TPU slice as it is) and prints:
+Runs on whatever backend JAX has (8 fake CPU devices above; a GPU or TPU slice as it is), or, with
+--target, compiles ahead of time for a TPU slice (libtpu, zerolm.aot; nothing runs), and prints:
 1. whether a sum over data-parallel gradients plus a sharding constraint becomes a reduce-scatter,
    next to an explicit `lax.psum_scatter` and a plain sum;
 2. whether the collectives are asynchronous (`-start`/`-done` pairs the scheduler can overlap) and
@@ -68,13 +70,37 @@ def question_2(mesh) -> None:
     cfg = _cfg(4, 2, mesh.shape[DP])
     _, zero, _ = build_step(cfg, mesh)
     text = comms.compiled_texts(zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps)["grad"]
-    asynchronous = sorted(set(re.findall(r"\b((?:all-reduce|reduce-scatter|all-gather)-start)\(", text)))
-    print(f"2. backend {jax.default_backend()}: asynchronous collectives in zerolm's gradient step: "
+    asynchronous = sorted(set(re.findall(r"\b((?:all-reduce|reduce-scatter|all-gather|collective-permute)-start)\(",
+                                         text)))
+    print(f"2. {mesh.devices.flat[0].device_kind}: asynchronous collectives in zerolm's gradient step: "
           f"{', '.join(asynchronous) or 'none (each collective blocks until done)'}")
-    scatters = [c for c in hlo.collectives(text) if c.op == "reduce-scatter"]
+    reductions = [c for c in hlo.collectives(text) if c.op in ("reduce-scatter", "collective-permute")]
     loops = len(re.findall(r"\bwhile\(", text))
-    print(f"   {loops} while loops; the dp reduction: {len(scatters)} "
-          f"reduce-scatters, {sum(c.in_loop for c in scatters)} of them inside a loop")
+    print(f"   {loops} while loops; the dp reduction: {len(reductions)} "
+          f"{'/'.join(sorted({c.op for c in reductions}))}s, {sum(c.in_loop for c in reductions)} of them inside a loop")
+    pairs, overlapped = _async_pairs(text)
+    if pairs:
+        print(f"   {pairs} start/done pairs in the scheduled HLO; {overlapped} of them with other work "
+              "(fusions, convolutions, other collectives) scheduled between start and done")
+
+
+def _async_pairs(text: str) -> tuple[int, int]:
+    """(async collective start/done pairs, those with any instruction but a parameter/constant/tuple between)."""
+    pairs = overlapped = 0
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        m = re.search(r"(%[\w.\-]+) = .*?-start\(", line)
+        if not m:
+            continue
+        pairs += 1
+        for later in lines[i + 1:]:
+            if re.search(r"-done\(.*" + re.escape(m.group(1)) + r"\b", later) or later.startswith("}"):
+                break
+            if re.search(r"= \S+ (fusion|convolution|custom-call|all-reduce|all-gather|reduce-scatter|"
+                         r"collective-permute)", later):
+                overlapped += 1
+                break
+    return pairs, overlapped
 
 
 def question_3(mesh, depths: list[int]) -> None:
@@ -105,9 +131,16 @@ def question_4(mesh) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
+    p.add_argument("--target", help="a TPU slice to compile for ahead of time (e.g. v3-8), instead of JAX's devices")
     args = p.parse_args()
-    mesh = make_mesh(jax.device_count(), 1)
-    print(f"{jax.device_count()} {jax.devices()[0].device_kind} device(s), jax {jax.__version__}")
+    if args.target:
+        from zerolm import aot
+
+        devices = aot.target_devices(aot.parse_target(args.target))
+    else:
+        devices = jax.devices()
+    mesh = make_mesh(len(devices), 1, devices)
+    print(f"{len(devices)} {devices[0].device_kind} device(s), jax {jax.__version__}")
     question_1(mesh)
     question_2(mesh)
     question_3(mesh, args.layers)

@@ -283,14 +283,17 @@ def token_losses(model: GPT, params, tokens_BxT1: jax.Array) -> jax.Array:
 
 
 def lm_loss(model: GPT, params, tokens_BxT1: jax.Array) -> jax.Array:
-    """Mean loss of a packed batch of seq_len + 1 tokens: the training loss (fused and chunked when
-    model.loss_chunk is set)."""
+    """Mean loss of a packed batch of seq_len + 1 tokens: the training loss (fused, and chunked when the
+    micro-batch has more tokens than model.loss_chunk; plain autodiff when it is 0)."""
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
     chunk = model.cfg.loss_chunk
-    if not chunk or chunk >= targets_BxT.size:
+    if not chunk:
         return jnp.mean(token_losses(model, params, tokens_BxT1))
+    # A micro-batch of at most one chunk is one chunk: still fused, so autodiff keeps no extra copy of
+    # the float32 logits (the TPU compiler's buffer assignment showed three).
     x_BxTxD = model.apply({"params": params}, inputs_BxT, hidden_only=True)
-    return fused_mean_cross_entropy(x_BxTxD, params["wte"], targets_BxT, model.cfg.vocab_size, chunk)
+    return fused_mean_cross_entropy(x_BxTxD, params["wte"], targets_BxT, model.cfg.vocab_size,
+                                    min(chunk, targets_BxT.size))
 
 
 def init_params(model: GPT, rng: jax.Array):

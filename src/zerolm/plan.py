@@ -58,6 +58,9 @@ class Precision:
 
 
 PRECISIONS = {"mixed": Precision(2, 2, 4, 8), "fp32": Precision(4, 4, 0, 8)}
+# Elements of the compute dtype per token and model width that a block keeps for its backward pass, as
+# XLA's TPU buffer assignment shows for zerolm's block (Planner.step_activation_bytes).
+KEPT_PER_LAYER = 70
 
 
 class PlanError(ValueError):
@@ -294,28 +297,27 @@ class Planner:
                 "activation_bytes": acts, "fits": programs[program] <= self.usable}
 
     def step_activation_bytes(self, micro: int) -> int:
-        """What the gradient program allocates for one micro-batch besides the model states: the
-        activations kept for the backward pass (module docstring), one layer's backward working set, and
-        the chunked loss's float32 buffers (the output layer's gradient as it is summed, its transpose and
-        the embedding's scatter-added gradient: 3·V·h·4; two chunks of logits)."""
+        """What the gradient program allocates for one micro-batch besides the model states, as counted in
+        the TPU compiler's buffer assignment of zerolm's step (125m, v3; docs/performance-notes.md):
+
+        - per layer, kept for the backward pass without remat, KEPT_PER_LAYER·s·b·h elements of the
+          compute dtype: the LayerNorms' float32 statistics and normalized inputs, q, k, v, the attention
+          output, the MLP's input, its 4h-wide pre-activation and the tanh-GELU's 4h-wide intermediates
+          (XLA keeps five of them); XLA's attention adds its T×T probabilities and float32 scores;
+        - with full remat, each layer's input, plus one layer's kept set while it is rebuilt;
+        - the loss: the output layer's float32 gradient as it is summed and the embedding's (2·V·h·4),
+          and a chunk's float32 logits with their gradient in the compute dtype (the micro-batch's, if
+          smaller; without chunking, loss_chunk 0, autodiff keeps three float32 copies)."""
         m, b, t = self.model, micro, self.layout.tp
         s, h, a, e, L = m.seq_len, m.d_model, m.n_head, m.act_bytes, m.n_layer
         sbh = s * b * h
-        attention = self.attention
-        if attention == "xla":
-            kept = a * s * s * b * e // t
-        elif attention == "blockwise":
-            kept = sbh * e // t + 4 * a * s * b // t  # the output and the log-sum-exp
-        else:
-            kept = 4 * a * s * b // t
-        layer = 4 * sbh * e + 12 * sbh * e // t + kept
+        layer = KEPT_PER_LAYER * sbh * e // t
+        if self.attention == "xla":
+            layer += a * s * s * b * (e + 4) // t
         layers = L * layer if m.remat == "none" else L * sbh * e + layer
         tokens = b * s
-        if m.loss_chunk and m.loss_chunk < tokens:
-            loss = 3 * m.vocab * h * 4 + 2 * m.loss_chunk * m.vocab * 4
-        else:
-            loss = 2 * tokens * m.vocab * 4
-        return layers + 2 * sbh * e + loss
+        logits = min(tokens, m.loss_chunk) * m.vocab * (4 + e) if m.loss_chunk else 3 * tokens * m.vocab * 4
+        return layers + 2 * m.vocab * h * 4 + logits
 
     def micro_batches(self) -> list[int]:
         per_rank = self.layout.per_rank
