@@ -2,6 +2,7 @@
 
     python benchmarks/plan_vs_compile.py [--configs 125m 350m 760m 1_3b] [--targets v3-32 v5p-64]
         [--settings 1:full 4:full 4:none ...] [--cache runs/plan_vs_compile.jsonl] [--write BENCHMARKS.md]
+    python benchmarks/plan_vs_compile.py --from-cache --write BENCHMARKS.md   # every cached compile
 
 For each config, target slice and setting (micro-batch:remat, the config's precision and attention as
 resolved for the target), compiles the step with libtpu ahead of time (aot.compile_for: the peak of its
@@ -66,6 +67,8 @@ def main() -> None:
     p.add_argument("--cache", type=Path, default=Path("runs/plan_vs_compile.jsonl"))
     p.add_argument("--write", type=Path, help="put the table into this markdown file between its markers")
     p.add_argument("--compile-only", action="store_true", help="fill the cache, print nothing")
+    p.add_argument("--from-cache", action="store_true", help="the table of every cached compile of --configs "
+                                                             "and --targets (none compiled)")
     args = p.parse_args()
     if args.compile_only:
         for config in args.configs:
@@ -78,18 +81,24 @@ def main() -> None:
     lines = ["| config | target | micro | remat | precision | compiled peak (program) | planned | planned/compiled |",
              "|---|---|---:|---|---|---:|---:|---:|"]
     worst = 0.0
-    for config in args.configs:
-        for target in args.targets:
-            for setting in args.settings:
-                micro, remat = setting.split(":")
-                c = compiled(args.cache, config, target, int(micro), remat)
-                plan = planned(config, target, int(micro), remat, c["dp"])
-                ratio = plan["total_bytes"] / c["peak"]
-                worst = max(worst, abs(ratio - 1))
-                lines.append(f"| {config} | {target} | {micro} | {remat} | {c['precision']} | "
-                             f"{c['peak'] / 2**30:.2f} GiB ({c['peak_program']}) | {plan['total_bytes'] / 2**30:.2f} GiB "
-                             f"({plan['program']}) | {ratio:.2f} |")
-                print(lines[-1], flush=True)
+    if args.from_cache:  # every cached compile of these configs and targets
+        keys = [json.loads(line)["key"] for line in args.cache.read_text().splitlines()]
+        runs = sorted({(k["config"], k["target"], k["remat"], k["micro"]) for k in keys
+                       if k["config"] in args.configs and k["target"] in args.targets},
+                      key=lambda r: (args.configs.index(r[0]), args.targets.index(r[1]), r[2], r[3]))
+        runs = [(c, t, f"{m}:{r}") for c, t, r, m in runs]
+    else:
+        runs = [(c, t, s) for c in args.configs for t in args.targets for s in args.settings]
+    for config, target, setting in runs:
+        micro, remat = setting.split(":")
+        c = compiled(args.cache, config, target, int(micro), remat)
+        plan = planned(config, target, int(micro), remat, c["dp"])
+        ratio = plan["total_bytes"] / c["peak"]
+        worst = max(worst, abs(ratio - 1))
+        lines.append(f"| {config} | {target} | {micro} | {remat} | {c['precision']} | "
+                     f"{c['peak'] / 2**30:.2f} GiB ({c['peak_program']}) | {plan['total_bytes'] / 2**30:.2f} GiB "
+                     f"({plan['program']}) | {ratio:.2f} |")
+        print(lines[-1], flush=True)
     lines.append(f"\nLargest gap: {worst:.0%}.")
     if args.write:
         text = args.write.read_text()

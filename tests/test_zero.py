@@ -282,7 +282,7 @@ def test_bfloat16_accumulation_is_one_rounding_per_micro_step():
     assert 0 < np.linalg.norm(bf16 - f32) / np.linalg.norm(f32) < 2e-2
 
 
-@pytest.mark.parametrize("precision", ["fp32", "mixed"])
+@pytest.mark.parametrize("precision", ["fp32"])  # mixed: on the TPU compiler (tests/test_compile.py)
 def test_ring_reduce_scatter_is_the_same_sum_in_neighbour_exchanges(precision):
     """zero.scatter=ring (TPU v2/v3's reduce-scatter): the gradient of psum_scatter, as dp − 1 collective-
     permutes per leaf that together send a reduce-scatter's bytes, none in a loop."""

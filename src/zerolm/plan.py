@@ -403,7 +403,11 @@ class Planner:
             row["accum_steps"] = self.layout.per_rank // b if b else None
         best = self.largest_micro(stage)
         step = self.step(best or micro, stage)
+        peak = self.step_peak(micro)
+        fitting = [b for b in self.micro_batches() if self.step_peak(b)["fits"]]
+        zerolm_step = {**peak, "largest_micro_batch": max(fitting) if fitting else None}
         return {"model": dataclasses.asdict(self.model), "device": dataclasses.asdict(self.device),
+                "zerolm_step": zerolm_step, "attention": self.attention,
                 "layout": {"dp": self.layout.dp, "tp": self.layout.tp, "devices": self.layout.devices,
                            "global_batch": self.layout.global_batch},
                 "precision": self.precision_name, "efficiency": self.efficiency,
@@ -571,11 +575,20 @@ def describe(r: dict) -> list[str]:
              f"{m['n_head']} heads, seq_len {m['seq_len']}, vocab {m['vocab']} (padded)",
              f"on {lay['devices']} × {dev['name']} (dp={lay['dp']} tp={lay['tp']}), global batch {lay['global_batch']} "
              f"sequences, precision {r['precision']}, micro-batch {r['micro_batch']}, "
-             f"{'flash' if r['flash_attention'] else 'XLA'} attention, remat {m['remat']}",
+             f"{r['attention']} attention, remat {m['remat']}",
              f"fits means at most {r['memory_fraction']:.0%} of {dev['memory'] / 2**30:.1f} GiB = "
-             f"{r['usable_bytes'] / 2**30:.2f} GiB per device. Activations are the minimal set the backward "
-             "pass needs (a lower bound: XLA's CPU backend allocated 1.2-2.1x, BENCHMARKS.md)",
-             "",
+             f"{r['usable_bytes'] / 2**30:.2f} GiB per device",
+             ""]
+    z = r["zerolm_step"]
+    b = z["largest_micro_batch"]
+    lines += [f"zerolm's step (ZeRO-1 at {m['param_bytes'] * 8}-bit params, {r['attention']} attention, remat "
+              f"{m['remat']}), per device by `zerolm compile`'s rule (within 15% of the TPU compiler: BENCHMARKS.md):",
+              "  " + "   ".join(f"{name} {_gib(v).strip()}" for name, v in z["programs"].items())
+              + f"   peak {_gib(z['total_bytes']).strip()} ({z['program']}){'' if z['fits'] else ' DOES NOT FIT'}; "
+              + (f"largest micro-batch that fits: {b}" if b else "no micro-batch fits"),
+              "",
+              "ZeRO stages (the paper's accounting; activations: the minimal set the backward pass needs, after "
+              "Korthikanti et al.)",
              "per-device memory    params        grads     optimizer   activations (no remat / full remat)      total"
              "   largest micro-batch"]
     for s, row in r["stages"].items():

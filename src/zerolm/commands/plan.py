@@ -36,8 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--global-batch", type=int, help="sequences per step (default: the config's, else 256)")
     where.add_argument("--micro-batch", type=int, help="sequences per device per micro-step for the memory table "
                                                        "(default: the config's, else 1)")
-    where.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
-                       help="fp32: what zerolm trains with; mixed: the ZeRO paper's accounting (default: %(default)s)")
+    where.add_argument("--precision", choices=sorted(PRECISIONS),
+                       help="the stage table's accounting: fp32 (4 + 4 + 8 bytes per parameter) or mixed (the ZeRO "
+                            "paper's 2 + 2 + 12); default: the config's zero.precision, else fp32")
     where.add_argument("--remat", choices=("none", "full"), help="default: the config's model.remat, else none")
     where.add_argument("--efficiency", type=float, default=0.5,
                        help="share of the peak FLOP/s the compute reaches (default: %(default)s)")
@@ -96,7 +97,8 @@ def build(args) -> Planner:
             raise PlanError(f"--tp: {tp} does not divide the {model.n_head} heads and the MLP width "
                             f"{4 * model.d_model}")
         factory = functools.partial(AnalyticStates, model)
-    return Planner(model, factory, device, Layout(dp, tp, global_batch), args.precision, micro,
+    precision = args.precision or (cfg.zero.precision if cfg is not None else "fp32")
+    return Planner(model, factory, device, Layout(dp, tp, global_batch), precision, micro,
                    efficiency=args.efficiency, memory_fraction=args.memory_fraction)
 
 
