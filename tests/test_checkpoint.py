@@ -142,6 +142,10 @@ def test_refusals_leave_checkpoints_untouched(straight, tmp_path):
     assert other_model.stderr.strip().splitlines()[-1] == (
         f"error: {tmp_path / 'ckpt' / '16'}: the checkpoint's model differs from the config: "
         "model.d_model: checkpoint 32, config 64")
+    other_precision = train(tmp_path, "zero.precision=mixed", "train.steps=20", expect=2)
+    assert other_precision.stderr.strip().splitlines()[-1].startswith(
+        f"error: {tmp_path / 'ckpt' / '16'}: the checkpoint was trained with zero.precision=fp32, the config says "
+        "mixed; resume with --set zero.precision=fp32")
     assert snapshot(tmp_path / "ckpt") == before
 
     # A damaged checkpoint, under --resume strict: the largest array-data file is gone.
@@ -374,3 +378,16 @@ def test_a_full_disk_stops_the_run_at_the_failed_save(tmp_path):
         ckpts.verify(int(m[2]))
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_mixed_precision_resumes_exactly_from_its_master_weights(tmp_path):
+    """zero.precision=mixed: the checkpoint holds the float32 master weights (in the optimizer state) and
+    the bfloat16 working params; 8 steps straight equal 4 steps, a restart, and 4 more, bit for bit."""
+    straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
+    train(straight_dir, "zero.precision=mixed", steps=8)
+    train(resumed_dir, "zero.precision=mixed", steps=4)
+    train(resumed_dir, "zero.precision=mixed", steps=8)
+    reference, resumed = losses(straight_dir), losses(resumed_dir)
+    assert [resumed[s] for s in range(5, 9)] == [reference[s] for s in range(5, 9)]
+    meta = Checkpoints(resumed_dir / "ckpt", read_only=True).meta(8)
+    assert meta["config"]["zero"]["precision"] == "mixed"

@@ -58,9 +58,13 @@ class Precision:
 
 
 PRECISIONS = {"mixed": Precision(2, 2, 4, 8), "fp32": Precision(4, 4, 0, 8)}
-# Elements of the compute dtype per token and model width that a block keeps for its backward pass, as
-# XLA's TPU buffer assignment shows for zerolm's block (Planner.step_activation_bytes).
-KEPT_PER_LAYER = 70
+# Elements of the compute dtype per token and model width (Planner.step_activation_bytes): what a block
+# keeps for its backward pass without remat, and what one block's rebuild and backward pass hold under
+# full remat. Read from the TPU compiler's figures for zerolm's step (125m–1_3b, v3 and v5p, micro-batch
+# 1–8; BENCHMARKS.md): the buffer assignment of the 125m block shows the kept set (LayerNorms' float32
+# statistics, q/k/v, the MLP's 4h pre-activation and the tanh-GELU's 4h-wide intermediates).
+KEPT_PER_LAYER = 60
+REBUILT_LAYER = 56
 
 
 class PlanError(ValueError):
@@ -275,7 +279,7 @@ class Planner:
         aliased, plus what lives outside it; the step's peak is the largest.
 
         grad: the working params (arguments); the gradient in the optimizer layout (output); the
-        accumulator, the micro-step's gradient beside it, the activations (`step_activation_bytes`) and
+        accumulator (none with one micro-step per step), the micro-step's gradient beside it, the activations (`step_activation_bytes`) and
         the loss's float32 buffers (temporaries); the optimizer state (outside). update: the reduced
         gradient and the optimizer state (aliased: donated) in, the new params out, a working copy of them
         while they are gathered and cast, and the old params (outside). fp32 also reshards the params
@@ -286,7 +290,8 @@ class Planner:
         params = params4 * p // 4
         view = st(3, Precision(p, 0, 0, 0)).params  # one dp block of the params, padded
         opt = st(1, PRECISIONS["mixed" if p == 2 else "fp32"]).optimizer  # master weights included in mixed
-        acc = params4 * m.acc_bytes // 4
+        # One micro-step per step: XLA folds the accumulator away (the gradient is the sum).
+        acc = 0 if self.layout.per_rank // micro == 1 else params4 * m.acc_bytes // 4
         acts = self.step_activation_bytes(micro)
         programs = {"grad": params + view + acc + params + acts + opt,
                     "update": view + opt + params + params + params + (0 if p == 2 else view)}
@@ -302,19 +307,21 @@ class Planner:
 
         - per layer, kept for the backward pass without remat, KEPT_PER_LAYER·s·b·h elements of the
           compute dtype: the LayerNorms' float32 statistics and normalized inputs, q, k, v, the attention
-          output, the MLP's input, its 4h-wide pre-activation and the tanh-GELU's 4h-wide intermediates
-          (XLA keeps five of them); XLA's attention adds its T×T probabilities and float32 scores;
-        - with full remat, each layer's input, plus one layer's kept set while it is rebuilt;
+          output, the MLP's input, its 4h-wide pre-activation and the tanh-GELU's 4h-wide intermediates;
+          XLA's attention adds its T×T probabilities and float32 scores;
+        - with full remat, each layer's input, plus REBUILT_LAYER·s·b·h for the one layer being rebuilt
+          and run backward;
         - the loss: the output layer's float32 gradient as it is summed and the embedding's (2·V·h·4),
           and a chunk's float32 logits with their gradient in the compute dtype (the micro-batch's, if
           smaller; without chunking, loss_chunk 0, autodiff keeps three float32 copies)."""
         m, b, t = self.model, micro, self.layout.tp
         s, h, a, e, L = m.seq_len, m.d_model, m.n_head, m.act_bytes, m.n_layer
         sbh = s * b * h
-        layer = KEPT_PER_LAYER * sbh * e // t
-        if self.attention == "xla":
-            layer += a * s * s * b * (e + 4) // t
-        layers = L * layer if m.remat == "none" else L * sbh * e + layer
+        scores = a * s * s * b * (e + 4) // t if self.attention == "xla" else 0  # probabilities and float32 scores
+        if m.remat == "none":
+            layers = L * (KEPT_PER_LAYER * sbh * e // t + scores)
+        else:
+            layers = L * sbh * e + REBUILT_LAYER * sbh * e // t + scores
         tokens = b * s
         logits = min(tokens, m.loss_chunk) * m.vocab * (4 + e) if m.loss_chunk else 3 * tokens * m.vocab * 4
         return layers + 2 * m.vocab * h * 4 + logits
