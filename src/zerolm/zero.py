@@ -7,14 +7,18 @@ One optimizer step is three compiled programs (seed note 003, on today's JAX):
    float32 gradients locally; the tp collectives of the forward and backward passes run inside this
    loop, over tp only. The second, manual over dp and tp, is the ONE cross-device reduction over dp,
    each device reducing only its own tp block: a `pmean` (all_reduce) or a `psum_scatter` straight
-   into the optimizer-state layout (reduce_scatter, half the bytes).
+   into the optimizer-state layout (reduce_scatter, half the bytes; on TPU v2/v3, whose compiler makes
+   a `psum_scatter` an all-reduce, the same sum as a ring of `ppermute`s: `ring_reduce_scatter`).
 2. `reshard`: an identity `jax.jit` that moves the parameters into the optimizer-state layout. Each
    device keeps its own slice, so it compiles to no collective (but for a small gather of each
    blockified tp-split leaf; `zerolm comms` shows them).
 3. `update`: a jitted optax update on the sharded view; the optimizer state stays sharded (and is
    donated) and the new parameters come back in their own (tp) sharding: the step's all-gather.
 
-Each device holds 1/(dp·tp) of the optimizer state, plus padding (zerolm.sharding.Layout).
+Each device holds 1/(dp·tp) of the optimizer state, plus padding (zerolm.sharding.Layout). In mixed
+precision (`precision="mixed"`) the parameters are bfloat16, the float32 master weights sit in the
+optimizer state (`MasterWeights`), the reduction and the all-gather run in bfloat16, and the update
+needs no reshard of the parameters: the master weights are its view.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ PyTree = Any
 GradReduce = Literal["all_reduce", "reduce_scatter"]
 Precision = Literal["fp32", "mixed"]
 Scatter = Literal["auto", "collective", "ring"]
+LossFn = Callable[[PyTree, jax.Array], jax.Array]  # (params, tokens_BxT1) -> scalar loss
 
 
 def ring_reduce_scatter_wanted(scatter: Scatter, mesh: Mesh) -> bool:
@@ -46,7 +51,6 @@ def ring_reduce_scatter_wanted(scatter: Scatter, mesh: Mesh) -> bool:
         kind = mesh.devices.flat[0].device_kind.lower()
         return "tpu" in kind and any(v in kind.split() for v in ("v2", "v3"))
     return scatter == "ring"
-LossFn = Callable[[PyTree, jax.Array], jax.Array]  # (params, tokens_BxT1) -> scalar loss
 
 
 @flax.struct.dataclass
@@ -70,8 +74,8 @@ def with_master_weights(tx: optax.GradientTransformation) -> optax.GradientTrans
 
     `init` takes the float32 parameters (they become the master weights). `update` casts the gradient to
     float32, runs `tx` against the master weights (weight decay reads them, not the bfloat16 copy) and
-    applies the updates to them; the working parameters are the new master weights cast down
-    (`working_params`). The `params` argument is not read."""
+    applies the updates to them; the working parameters are the new master weights cast down (by
+    `Zero1.update`). The `params` argument is not read."""
     def init(params):
         return MasterWeights(params, tx.init(params))
 
