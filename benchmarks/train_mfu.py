@@ -238,7 +238,7 @@ def main() -> None:
             if not args.no_structure:
                 best.update(structure_cost(args, best))
             best.update(fpt=fpt, tokens_per_s=tokens / best["step_s"],
-                        dtype=gpt_model.compute_dtype(cfg.model).__name__,
+                        dtype=gpt_model.compute_dtype(cfg.model).name,
                         attention=gpt_model.attention_implementation(cfg.model),
                         others=", ".join(f"{r['remat']}/{r['micro']}: {r['micro'] * args.accum * args.seq_len / r['step_s']:,.0f}"
                                          for r in ok if r is not best))

@@ -145,7 +145,7 @@ def main() -> None:
     print(f"\nconfig {args.config} {' '.join(args.set)}: {gpt_model.count_params(abstract) / 1e6:.2f}M params, "
           f"{jax.device_count()} × {jax.devices()[0].device_kind} ({platform.processor() or platform.machine()}), "
           f"dp={cfg.dp}, global batch {G} × {T} tokens, {cfg.accum_steps} accumulation step(s) of "
-          f"{cfg.train.micro_batch_size}, compute {gpt_model.compute_dtype(cfg.model).__name__}, jax {jax.__version__}")
+          f"{cfg.train.micro_batch_size}, compute {gpt_model.compute_dtype(cfg.model).name}, jax {jax.__version__}")
     print(f"MFU peak: {peak_note}; {fpt / 1e6:.2f} MFLOP/token\n")
     print("| variant | step time (s) | tokens/s | vs all_reduce | MFU | state held per device (MiB) "
           "| largest program per device (MiB) | collectives inside the loop |")
