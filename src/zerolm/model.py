@@ -46,20 +46,21 @@ def for_device(cfg: ModelConfig, device: jax.Device | None = None) -> ModelConfi
 
     dtype: bfloat16 on GPU and TPU, float32 on CPU. attention: cuDNN flash attention on a GPU with 16-bit
     compute; the blockwise attention on TPU (no T×T scores; zerolm.attention); XLA's on CPU."""
-    device = device or jax.devices()[0]
-    platform = device.platform.lower()
-    dtype = cfg.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if platform in ("gpu", "cuda", "rocm", "tpu") else "float32"
-    attention = cfg.attention
-    if attention == "auto":
-        if platform in ("gpu", "cuda", "rocm"):
-            attention = "cudnn" if dtype in ("bfloat16", "float16") else "xla"
-        elif platform == "tpu":
-            attention = "blockwise"
-        else:
-            attention = "xla"
+    dtype, attention = resolve_auto(cfg.dtype, cfg.attention, (device or jax.devices()[0]).platform)
     return cfg.model_copy(update={"dtype": dtype, "attention": attention})
+
+
+def resolve_auto(dtype: str, attention: str, platform: str) -> tuple[str, str]:
+    """The rule behind `for_device` (and the planner's device presets): (dtype, attention) on `platform`
+    (a JAX platform name: cpu, gpu/cuda/rocm, tpu)."""
+    platform = platform.lower()
+    gpu = platform in ("gpu", "cuda", "rocm")
+    if dtype == "auto":
+        dtype = "bfloat16" if gpu or platform == "tpu" else "float32"
+    if attention == "auto":
+        attention = ("cudnn" if dtype in ("bfloat16", "float16") else "xla") if gpu else \
+            "blockwise" if platform == "tpu" else "xla"
+    return dtype, attention
 
 
 def compute_dtype(cfg: ModelConfig) -> jnp.dtype:

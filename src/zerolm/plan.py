@@ -265,13 +265,13 @@ class Planner:
 
     @property
     def attention(self) -> str:
-        """The attention zerolm runs on this device (zerolm.model.for_device): flash attention (cuDNN) on a
-        GPU, the blockwise attention on a TPU, XLA's elsewhere; or the config's."""
-        if self.model.attention != "auto":
-            return self.model.attention
-        if self.flash:
-            return "cudnn"
-        return "blockwise" if self.device.name.startswith("v") else "xla"
+        """The attention zerolm runs on this device preset (zerolm.model.resolve_auto, the rule training
+        applies to its devices), or the config's."""
+        from zerolm.model import resolve_auto
+
+        platform = "gpu" if self.device.name in ("a100", "h100", "h200") else "tpu" if self.device.name.startswith("v") \
+            else "cpu"
+        return resolve_auto("bfloat16" if self.model.act_bytes == 2 else "float32", self.model.attention, platform)[1]
 
     def step_peak(self, micro: int) -> dict[str, Any]:
         """zerolm's own ZeRO-1 step (stage 1, at the config's precision), per device, by the rule `zerolm
