@@ -7,8 +7,8 @@
 For each config, target slice and setting (micro-batch:remat, the config's precision and attention as
 resolved for the target), compiles the step with libtpu ahead of time (aot.compile_for: the peak of its
 programs by the documented rule) and asks the planner for its prediction of the same step
-(plan.Planner.step_peak). Compiles are cached in --cache (keyed by every setting), so the table can be
-printed again without compiling. No TPU is needed; a 1_3b compile takes 1–2 minutes on 2 CPU cores.
+(plan.Planner.step_peak). Compiles are cached in --cache (keyed by every setting and the attention the
+target resolves), so the table can be printed again without compiling. No TPU is needed; a 1_3b compile takes 1–2 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -24,22 +24,24 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from zerolm import aot  # noqa: E402
 from zerolm.commands import plan as commands_plan  # noqa: E402
 from zerolm.config import load_config  # noqa: E402
+from zerolm.model import for_device  # noqa: E402
 
 PRESET = {"v2": "v2-core", "v3": "v3-core", "v4": "v4", "v5p": "v5p", "v5e": "v5e", "v6e": "v6e"}
 BEGIN, END = "<!-- plan_vs_compile:begin -->", "<!-- plan_vs_compile:end -->"
 
 
 def compiled(cache: Path, config: str, target: str, micro: int, remat: str) -> dict:
-    key = {"config": config, "target": target, "micro": micro, "remat": remat}
-    if cache.exists():
-        for line in cache.read_text().splitlines():
-            row = json.loads(line)
-            if row["key"] == key:
-                return row
     t = aot.parse_target(target)
     devices = aot.target_devices(t)
     cfg = load_config(f"configs/{config}.yaml", [f"train.micro_batch_size={micro}", f"model.remat={remat}",
                                                  "mesh.dp=auto"], device_count=len(devices))
+    attention = for_device(cfg.model, devices[0]).attention  # auto, as the slice resolves it
+    key = {"config": config, "target": target, "micro": micro, "remat": remat}
+    if cache.exists():
+        for line in cache.read_text().splitlines():
+            row = json.loads(line)
+            if row["key"] == key and row["attention"] == attention:
+                return row
     r = aot.compile_for(cfg, t, devices)
     row = {"key": key, "peak": r["peak_bytes_per_device"], "peak_program": r["peak_program"], "fits": r["fits"],
            "usable": r["usable_bytes_per_device"], "programs": r["programs"], "precision": r["precision"],
@@ -50,12 +52,12 @@ def compiled(cache: Path, config: str, target: str, micro: int, remat: str) -> d
     return row
 
 
-def planned(config: str, target: str, micro: int, remat: str, dp: int) -> dict:
+def planned(config: str, target: str, micro: int, remat: str, dp: int, attention: str) -> dict:
     parser = argparse.ArgumentParser()
     commands_plan.add_arguments(parser)
     generation = aot.parse_target(target).generation
     args = parser.parse_args(["--config", f"configs/{config}.yaml", "--device", PRESET[generation], "--dp", str(dp),
-                              "--micro-batch", str(micro), "--remat", remat])
+                              "--micro-batch", str(micro), "--remat", remat, "--set", f"model.attention={attention}"])
     return commands_plan.build(args).step_peak(micro)
 
 
@@ -78,24 +80,23 @@ def main() -> None:
                     c = compiled(args.cache, config, target, int(micro), remat)
                     print(config, target, setting, f"{c['peak'] / 2**30:.2f} GiB", flush=True)
         return
-    lines = ["| config | target | micro | remat | precision | compiled peak (program) | planned | planned/compiled |",
-             "|---|---|---:|---|---|---:|---:|---:|"]
+    lines = ["| config | target | micro | remat | precision | attention | compiled peak (program) | planned | "
+             "planned/compiled |", "|---|---|---:|---|---|---|---:|---:|---:|"]
     worst = 0.0
-    if args.from_cache:  # every cached compile of these configs and targets
-        keys = [json.loads(line)["key"] for line in args.cache.read_text().splitlines()]
-        runs = sorted({(k["config"], k["target"], k["remat"], k["micro"]) for k in keys
-                       if k["config"] in args.configs and k["target"] in args.targets},
-                      key=lambda r: (args.configs.index(r[0]), args.targets.index(r[1]), r[2], r[3]))
-        runs = [(c, t, f"{m}:{r}") for c, t, r, m in runs]
+    if args.from_cache:  # every cached compile of these configs and targets, with the attention it ran
+        rows = [json.loads(line) for line in args.cache.read_text().splitlines()]
+        rows = sorted((r for r in rows if r["key"]["config"] in args.configs and r["key"]["target"] in args.targets),
+                      key=lambda r: (args.configs.index(r["key"]["config"]), args.targets.index(r["key"]["target"]),
+                                     r["key"]["remat"], r["key"]["micro"], r["attention"]))
     else:
-        runs = [(c, t, s) for c in args.configs for t in args.targets for s in args.settings]
-    for config, target, setting in runs:
-        micro, remat = setting.split(":")
-        c = compiled(args.cache, config, target, int(micro), remat)
-        plan = planned(config, target, int(micro), remat, c["dp"])
+        rows = [compiled(args.cache, c, t, int(s.split(":")[0]), s.split(":")[1])
+                for c in args.configs for t in args.targets for s in args.settings]
+    for c in rows:
+        config, target, micro, remat = (c["key"][k] for k in ("config", "target", "micro", "remat"))
+        plan = planned(config, target, micro, remat, c["dp"], c["attention"])
         ratio = plan["total_bytes"] / c["peak"]
         worst = max(worst, abs(ratio - 1))
-        lines.append(f"| {config} | {target} | {micro} | {remat} | {c['precision']} | "
+        lines.append(f"| {config} | {target} | {micro} | {remat} | {c['precision']} | {c['attention']} | "
                      f"{c['peak'] / 2**30:.2f} GiB ({c['peak_program']}) | {plan['total_bytes'] / 2**30:.2f} GiB "
                      f"({plan['program']}) | {ratio:.2f} |")
         print(lines[-1], flush=True)

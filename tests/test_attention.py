@@ -1,4 +1,5 @@
-"""The blockwise attention against XLA's: the same outputs and gradients, and no T×T buffer on a TPU v3."""
+"""The blockwise and Pallas attentions against XLA's: the same outputs and gradients (the T×T buffers they
+avoid on TPU are checked on the TPU compiler's output in test_compile)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import numpy as np
 import pytest
 from conftest import small_config, small_model
 
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zerolm import model as gpt_model
 from zerolm.attention import block_size, blockwise_attention, causal_attention
+from zerolm.config import ConfigError
+from zerolm.mesh import make_mesh
+from zerolm.step import build_step
 
 
 def _qkv(B, T, H, K, dtype=jnp.float32, seed=0):
@@ -58,3 +65,45 @@ def test_unknown_implementation_is_refused():
     q, k, v = _qkv(1, 8, 1, 4)
     with pytest.raises(ValueError, match="unknown attention implementation 'flash'"):
         causal_attention(q, k, v, "flash")
+
+
+def test_pallas_equals_xla_attention_inside_the_steps_shard_map():
+    """Pallas's TPU flash attention, run by Pallas's TPU interpreter on this CPU, inside a dp `shard_map` with
+    JAX's varying-axes check on, as the step runs it: the same outputs and gradients as XLA's."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    q, k, v = _qkv(2, 256, 2, 64)
+    w = jax.random.normal(jax.random.key(7), q.shape)
+    mesh = jax.make_mesh((2,), ("dp",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:2])
+
+    def step(impl):
+        def body(q, k, v, w):
+            def f(q, k, v):
+                y = causal_attention(q, k, v, impl, block=128)
+                return jnp.sum(y * w), y
+            (_, y), g = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+            return y, g
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("dp"),) * 4, out_specs=(P("dp"), (P("dp"),) * 3)))
+        return fn(*(jax.device_put(x, NamedSharding(mesh, P("dp"))) for x in (q, k, v, w)))
+
+    with pltpu.force_tpu_interpret_mode():
+        y_p, g_p = step("pallas")
+    y_x, g_x = step("xla")
+    np.testing.assert_allclose(y_p, y_x, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g_p, g_x):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_pallas_is_asked_for_only_where_it_runs():
+    """auto picks Pallas on TPU v4+ (when the sequence cuts into 128-lane blocks), blockwise on v2/v3; asking
+    for it with blocks it cannot take, or on a CPU, is a one-line config error."""
+    assert gpt_model.resolve_auto("auto", "auto", "tpu", "TPU v4", 2048) == ("bfloat16", "pallas")
+    assert gpt_model.resolve_auto("auto", "auto", "tpu", "TPU v5 lite", 2048)[1] == "pallas"
+    assert gpt_model.resolve_auto("auto", "auto", "tpu", "TPU v3", 2048)[1] == "blockwise"
+    assert gpt_model.resolve_auto("auto", "auto", "tpu", "TPU v4", 200)[1] == "blockwise"
+    with pytest.raises(ConfigError, match=r"model.attention: pallas cuts the sequence into blocks of a multiple "
+                                          r"of 128 positions; seq_len 16 and attention_block 512 give 16"):
+        small_config("model.attention=pallas")
+    cfg = small_config("model.attention=pallas", "model.seq_len=256")
+    with pytest.raises(ConfigError, match=r"model.attention: pallas runs on TPU v4 and later, not on cpu"):
+        build_step(cfg, make_mesh(8, 1))

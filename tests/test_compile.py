@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, small_config, small_model
 
 from zerolm import aot
 from zerolm.exitcodes import EXIT_DOES_NOT_FIT, EXIT_USAGE
@@ -41,6 +41,31 @@ def test_an_unknown_target_is_refused(name):
 def test_megacore_targets_give_one_device_per_chip():
     devices = aot.target_devices(aot.parse_target("v4-16"))
     assert len(devices) == 8 and len({d.id for d in devices}) == 8
+
+
+@pytest.mark.parametrize("target, attention", [("v3-8", "blockwise"), ("v5e-8", "pallas")])
+def test_the_tpu_attentions_never_allocate_the_t_by_t_scores(target, attention):
+    """A layer's loss gradient at 1024 positions (blocks of 128) compiled for a TPU core: XLA's attention
+    allocates 1024 × 1024 scores; the blockwise (v3) and Pallas (v4+) attentions nothing of that size."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    device = aot.target_devices(aot.parse_target(target))[0]
+    on = jax.sharding.SingleDeviceSharding(device)
+    found = {}
+    for impl in ("xla", attention):
+        cfg = small_config("model.n_layer=1", "model.d_model=128", "model.n_head=1", "model.seq_len=1024",
+                           "model.attention_block=128", "model.dtype=bfloat16", "model.loss_chunk=256",
+                           f"model.attention={impl}")
+        _, _, loss_fn, abstract = small_model(cfg.model)
+        params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), abstract)
+        rows = jax.ShapeDtypeStruct((2, 1025), jnp.int32, sharding=on)
+        text = jax.jit(jax.grad(loss_fn)).lower(params, rows).compile().as_text()
+        found[impl] = (re.findall(r"\w+\[[\d,]*1024,1024\]", text), text.count('custom_call_target="tpu_custom_call"'))
+    assert found["xla"][0], "XLA's attention should hold the T×T scores: the check would be blind"
+    assert found[attention] == ([], 3 if attention == "pallas" else 0)  # Pallas: forward, dk/dv, dq kernels
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +115,7 @@ def test_mixed_precision_reduces_with_a_reduce_scatters_bytes_in_bfloat16(small_
     scales, a latency choice), once per step, outside any loop (8 accumulation steps), and the bytes the
     planner predicts for a bfloat16 reduction and all-gather."""
     r, _, reduction = small_125m
-    assert r["fits"] and r["precision"] == "mixed" and r["attention"] == "blockwise" and r["accum_steps"] == 8
+    assert r["fits"] and r["precision"] == "mixed" and r["accum_steps"] == 8
     assert "reshard" not in r["programs"]
     grad = [c for c in r["collectives"] if c["program"] == "grad"]
     assert not [c for c in r["collectives"] if c["in_loop"]]
@@ -106,6 +131,17 @@ def test_mixed_precision_reduces_with_a_reduce_scatters_bytes_in_bfloat16(small_
         assert 0.97 * reduced["bytes"] <= reduced["found_bytes"] <= 1.03 * reduced["bytes"]
     gathered = predicted[("update", "all-gather")]
     assert 0.99 * gathered["bytes"] <= gathered["found_bytes"] <= gathered["bytes"]  # bfloat16: 2 bytes per param
+
+
+def test_auto_attention_is_blockwise_on_v3_and_pallas_on_v5e_inside_the_step(small_125m):
+    """attention: auto, for the slice's devices: the step's grad program runs Pallas's kernels (inside the
+    step's shard_map: the forward, its rerun under full remat, and the two backward kernels, once each in
+    the layers' loop) on v5e, none on v3."""
+    r, preset, _ = small_125m
+    if preset == "v3-core":
+        assert r["attention"] == "blockwise" and r["pallas_kernels"]["grad"] == 0
+    else:
+        assert r["attention"] == "pallas" and r["pallas_kernels"]["grad"] == 4
 
 
 def test_the_planner_predicts_the_compiled_peak_within_15_percent(small_125m):

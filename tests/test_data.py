@@ -312,6 +312,7 @@ def test_train_stops_on_out_of_vocabulary_tokens_with_a_data_error(kjv, tmp_path
             _overwrite_token(out / shard_info["name"], probe._readers[0], sample, 3, 65535)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     args = ["--set", f"data.dataset={out}", "--set", "model.seq_len=64", "--set", "train.steps=3",
+            "--set", "model.n_layer=1", "--set", "model.d_model=32",  # the model does not matter here
             "--set", "train.warmup_steps=1", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}",
             "--set", f"logging.dir={tmp_path / 'log'}", "--set", "sample.tokens=0"]
     for extra in ([], ["--set", "train.skip_nonfinite=true"]):

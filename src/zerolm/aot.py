@@ -204,6 +204,8 @@ def compile_for(cfg: Config, target: Target, devices: list) -> dict:
             "usable_bytes_per_device": usable, "fits": fits,
             "collectives": [{k: v for k, v in r.items() if k != "predicted"} for r in row_dicts],
             "predicted": predicted, "_rows": rows,
+            # Pallas kernels (Mosaic custom calls) per program: the flash attention's forward and backward.
+            "pallas_kernels": {name: text.count('custom_call_target="tpu_custom_call"') for name, text in texts.items()},
             "compile_s": round(sum(r["compile_s"] for r in report_programs.values()), 2)}
 
 

@@ -1,9 +1,15 @@
-"""Causal self-attention, by implementation: XLA's, cuDNN's flash attention, or a blockwise attention in
-plain JAX that never holds the T×T scores (any backend; the TPU's choice).
+"""Causal self-attention, by implementation: XLA's, cuDNN's flash attention (GPU), Pallas's flash attention
+(TPU v4 and later), or a blockwise attention in plain JAX that never holds the T×T scores (any backend;
+TPU v2/v3's choice, whose Mosaic compiler refuses Pallas's bfloat16 kernels).
 
-Pallas's TPU flash attention (`jax.experimental.pallas.ops.tpu.flash_attention`, v4 and later) is not
-offered: inside the step's `shard_map` its `pallas_call` fails JAX's varying-axes check (its output
-shapes carry no `manual_axis_type`), and v3's Mosaic refuses its bfloat16 matmuls anyway.
+`pallas`: `jax.experimental.pallas.ops.tpu.flash_attention`, wrapped for zerolm's step. Inside the step's
+`shard_map` JAX checks how every value varies over the mesh axes, and the kernel's output shapes do not
+say (no `manual_axis_type`), so the kernel runs in a nested `shard_map` over no axes with that check off,
+and its outputs are declared as varying as its inputs (`_unchecked`). JAX's own backward of the kernel
+would be traced outside that region, so the forward and backward are wired here (`jax.custom_vjp`) to
+the module's forward-with-residuals and backward functions (`_flash_attention`,
+`_flash_attention_bwd`: private names of an example module; `pallas_available` says whether this JAX
+still has them, and `auto` falls back to `blockwise` when it does not).
 
 `blockwise` (Rabe & Staats 2021, "Self-attention does not need O(n²) memory"; the backward pass of
 Dao 2023, FlashAttention-2): queries and keys are cut into blocks of `block` positions. For each query
@@ -24,9 +30,11 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
-IMPLEMENTATIONS = ("xla", "cudnn", "blockwise")
-BLOCK = 512  # positions per query/key block of the blockwise attention
+IMPLEMENTATIONS = ("xla", "cudnn", "pallas", "blockwise")
+BLOCK = 512  # positions per query/key block of the blockwise and Pallas attentions
+PALLAS_LANES = 128  # the Pallas kernel's blocks are multiples of the TPU's 128 lanes
 _MASKED = -1e30  # finite, so that a fully masked block's max minus itself is 0, not nan
 
 
@@ -37,6 +45,9 @@ def causal_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.
                                             implementation=implementation)
     if implementation == "blockwise":
         return blockwise_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, block_size(q_BxTxHxK.shape[1], block))
+    if implementation == "pallas":
+        q, k, v = (x.transpose(0, 2, 1, 3) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK))  # the kernel's (B, H, T, K)
+        return pallas_attention(q, k, v, block_size(q_BxTxHxK.shape[1], block)).transpose(0, 2, 1, 3)
     raise ValueError(f"unknown attention implementation {implementation!r}; one of {', '.join(IMPLEMENTATIONS)}")
 
 
@@ -131,3 +142,74 @@ def _backward(block, residuals, dout_BxTxHxK):
 
 
 blockwise_attention.defvjp(_forward, _backward)
+
+
+# --- Pallas flash attention (TPU v4 and later) -------------------------------------------------------
+
+def _tpu_flash():
+    from jax.experimental.pallas.ops.tpu import flash_attention
+
+    return flash_attention
+
+
+def pallas_available() -> bool:
+    """Whether this JAX has the Pallas TPU flash attention functions `pallas` is wired to."""
+    try:
+        module = _tpu_flash()
+    except ImportError:
+        return False
+    return all(hasattr(module, name) for name in ("_flash_attention", "_flash_attention_bwd", "BlockSizes"))
+
+
+def pallas_fits(seq_len: int, block: int = BLOCK) -> bool:
+    """The kernel's blocks must be whole multiples of the TPU's lanes."""
+    return block_size(seq_len, block) % PALLAS_LANES == 0
+
+
+def _unchecked(f, *args):
+    """f(*args) with JAX's varying-axes check off (inside a `shard_map`; outside one, just f(*args)); the
+    outputs are declared to vary over the mesh axes `args[0]` varies over."""
+    if not jax.sharding.get_abstract_mesh().manual_axes:
+        return f(*args)
+    out = jax.shard_map(f, in_specs=P(), out_specs=P(), axis_names=frozenset(), check_vma=False)(*args)
+    axes = jax.typeof(args[0]).manual_axis_type.varying
+
+    def like_args(x):
+        missing = tuple(sorted(axes - jax.typeof(x).manual_axis_type.varying))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(like_args, out)
+
+
+def _pallas_settings(q_BxHxTxK, block):
+    flash = _tpu_flash()
+    B, H, T, K = q_BxHxTxK.shape
+    sizes = flash.BlockSizes(block_q=block, block_k_major=block, block_k=block, block_b=1,
+                             block_q_major_dkv=block, block_k_major_dkv=block, block_k_dkv=block,
+                             block_q_dkv=block, block_k_major_dq=block, block_k_dq=block, block_q_dq=block)
+    return flash, 1.0 / math.sqrt(K), sizes
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def pallas_attention(q_BxHxTxK, k_BxHxTxK, v_BxHxTxK, block: int):
+    """Causal softmax(q kᵀ/√K) v by Pallas's TPU flash attention; (B, H, T, K), `block` divides T."""
+    return _pallas_forward(q_BxHxTxK, k_BxHxTxK, v_BxHxTxK, block)[0]
+
+
+def _pallas_forward(q, k, v, block):
+    flash, scale, sizes = _pallas_settings(q, block)
+    # save_residuals=True: the output and the per-row softmax statistics the backward pass starts from.
+    o, l, m = _unchecked(lambda q, k, v: flash._flash_attention(q, k, v, None, None, True, True, scale, sizes,
+                                                                False), q, k, v)
+    return o, (q, k, v, o, l, m)
+
+
+def _pallas_backward(block, residuals, do):
+    q, k, v, o, l, m = residuals
+    flash, scale, sizes = _pallas_settings(q, block)
+    dq, dk, dv = _unchecked(lambda q, k, v, o, l, m, do: flash._flash_attention_bwd(
+        False, True, scale, sizes, False, (q, k, v, None, None, o, l, m), do)[:3], q, k, v, o, l, m, do)
+    return dq, dk, dv
+
+
+pallas_attention.defvjp(_pallas_forward, _pallas_backward)

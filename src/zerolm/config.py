@@ -48,8 +48,8 @@ class ModelConfig(_Section):
     n_head: int = PositiveInt
     seq_len: int = PositiveInt
     dtype: Literal["auto", "float32", "bfloat16", "float16"]  # compute dtype; params: zero.precision
-    attention: Literal["auto", "xla", "cudnn", "blockwise"]  # see zerolm.attention
-    attention_block: int = PositiveInt  # positions per query/key block of the blockwise attention
+    attention: Literal["auto", "xla", "cudnn", "pallas", "blockwise"]  # see zerolm.attention
+    attention_block: int = PositiveInt  # positions per query/key block of the blockwise and Pallas attentions
     # What the backward pass recomputes instead of storing (see model.REMAT_POLICIES).
     remat: Literal["none", "full", "dots", "attention", "dots_attention"]
     loss_chunk: int = Field(ge=0)  # tokens per chunk of the output layer + loss; 0: the whole micro-batch at once
@@ -63,6 +63,11 @@ class ModelConfig(_Section):
     def _heads_divide(self) -> ModelConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        block = math.gcd(self.seq_len, self.attention_block)
+        if self.attention == "pallas" and block % 128:
+            raise _KeyError("model.attention", f"pallas cuts the sequence into blocks of a multiple of 128 "
+                            f"positions; seq_len {self.seq_len} and attention_block {self.attention_block} give "
+                            f"{block}", related=("model.seq_len", "model.attention_block"))
         return self
 
     @property

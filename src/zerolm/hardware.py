@@ -15,11 +15,20 @@ one GPU).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from zerolm.mfu import PEAKS
 
 GB = 1e9
 GiB = 2**30
+
+
+def tpu_generation(device_kind: str) -> int | None:
+    """The TPU generation in a JAX device kind ("TPU v3" → 3, "TPU v5 lite" → 5, "TPU7x" → 7), or in a
+    preset's name ("v3-core" → 3); None for anything else. v2/v3 are the generations whose compiler turns a
+    reduce-scatter into an all-reduce and whose Mosaic refuses Pallas's bfloat16 kernels."""
+    m = re.match(r"tpu\s*v?(\d+)|v(\d+)", device_kind.strip().lower())
+    return int(m.group(1) or m.group(2)) if m else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,8 +21,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from zerolm.attention import causal_attention
-from zerolm.config import ModelConfig
+from zerolm.attention import BLOCK, causal_attention, pallas_available, pallas_fits
+from zerolm.config import ConfigError, ModelConfig
+from zerolm.hardware import tpu_generation
 
 LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon
 
@@ -45,21 +46,43 @@ def for_device(cfg: ModelConfig, device: jax.Device | None = None) -> ModelConfi
     this process's first): a TPU slice compiled for ahead of time is not this machine's backend.
 
     dtype: bfloat16 on GPU and TPU, float32 on CPU. attention: cuDNN flash attention on a GPU with 16-bit
-    compute; the blockwise attention on TPU (no T×T scores; zerolm.attention); XLA's on CPU."""
-    dtype, attention = resolve_auto(cfg.dtype, cfg.attention, (device or jax.devices()[0]).platform)
+    compute; Pallas's flash attention on TPU v4 and later, the blockwise attention on TPU v2/v3 (neither
+    holds T×T scores; zerolm.attention); XLA's on CPU."""
+    device = device or jax.devices()[0]
+    dtype, attention = resolve_auto(cfg.dtype, cfg.attention, device.platform, device.device_kind, cfg.seq_len,
+                                    cfg.attention_block)
     return cfg.model_copy(update={"dtype": dtype, "attention": attention})
 
 
-def resolve_auto(dtype: str, attention: str, platform: str) -> tuple[str, str]:
+def unrunnable_attention(cfg: ModelConfig, device: jax.Device) -> str | None:
+    """Why `cfg`'s attention cannot run on `device` (a one-line error naming the key), or None."""
+    if cfg.attention == "pallas" and (device.platform != "tpu" or (tpu_generation(device.device_kind) or 0) < 4):
+        return (f"model.attention: pallas runs on TPU v4 and later, not on {device.device_kind} ({device.platform}); "
+                "use auto or blockwise")
+    if cfg.attention == "cudnn" and device.platform not in ("gpu", "cuda"):
+        return f"model.attention: cudnn runs on NVIDIA GPUs, not on {device.device_kind} ({device.platform}); use auto"
+    return None
+
+
+def resolve_auto(dtype: str, attention: str, platform: str, device_kind: str = "", seq_len: int | None = None,
+                 block: int = BLOCK) -> tuple[str, str]:
     """The rule behind `for_device` (and the planner's device presets): (dtype, attention) on `platform`
-    (a JAX platform name: cpu, gpu/cuda/rocm, tpu)."""
+    (a JAX platform name: cpu, gpu/cuda/rocm, tpu) and `device_kind` (a TPU's generation; a preset name
+    will do). On TPU v4+ auto takes Pallas when this JAX has its kernel and the sequence cuts into blocks
+    of whole 128-lane multiples, the blockwise attention otherwise."""
     platform = platform.lower()
     gpu = platform in ("gpu", "cuda", "rocm")
     if dtype == "auto":
         dtype = "bfloat16" if gpu or platform == "tpu" else "float32"
     if attention == "auto":
-        attention = ("cudnn" if dtype in ("bfloat16", "float16") else "xla") if gpu else \
-            "blockwise" if platform == "tpu" else "xla"
+        if gpu:
+            attention = "cudnn" if dtype in ("bfloat16", "float16") else "xla"
+        elif platform == "tpu":
+            pallas = ((tpu_generation(device_kind) or 0) >= 4 and pallas_available()
+                      and (seq_len is None or pallas_fits(seq_len, block)))
+            attention = "pallas" if pallas else "blockwise"
+        else:
+            attention = "xla"
     return dtype, attention
 
 

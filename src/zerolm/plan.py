@@ -89,6 +89,7 @@ class Model:
     param_bytes: int = 4  # of the working parameters (zero.precision: fp32 4, mixed 2)
     acc_bytes: int = 4  # of the gradient accumulator (zero.accumulate_dtype)
     attention: str = "auto"  # model.attention (auto: the device's choice, as zerolm.model.for_device)
+    attention_block: int = 512  # model.attention_block
 
     @property
     def flops_params(self) -> int:
@@ -271,7 +272,9 @@ class Planner:
 
         platform = "gpu" if self.device.name in ("a100", "h100", "h200") else "tpu" if self.device.name.startswith("v") \
             else "cpu"
-        return resolve_auto("bfloat16" if self.model.act_bytes == 2 else "float32", self.model.attention, platform)[1]
+        m = self.model
+        return resolve_auto("bfloat16" if m.act_bytes == 2 else "float32", m.attention, platform, self.device.name,
+                            m.seq_len, m.attention_block)[1]
 
     def step_peak(self, micro: int) -> dict[str, Any]:
         """zerolm's own ZeRO-1 step (stage 1, at the config's precision), per device, by the rule `zerolm
@@ -308,7 +311,8 @@ class Planner:
         - per layer, kept for the backward pass without remat, KEPT_PER_LAYER·s·b·h elements of the
           compute dtype: the LayerNorms' float32 statistics and normalized inputs, q, k, v, the attention
           output, the MLP's input, its 4h-wide pre-activation and the tanh-GELU's 4h-wide intermediates;
-          XLA's attention adds its T×T probabilities and float32 scores;
+          XLA's attention adds its T×T probabilities and float32 scores, Pallas's its softmax statistics
+          (2·a·s·b·128 float32: the kernel pads a row's max and sum to the TPU's 128 lanes);
         - with full remat, each layer's input, plus REBUILT_LAYER·s·b·h for the one layer being rebuilt
           and run backward;
         - the loss: the output layer's float32 gradient as it is summed and the embedding's (2·V·h·4),
@@ -317,7 +321,13 @@ class Planner:
         m, b, t = self.model, micro, self.layout.tp
         s, h, a, e, L = m.seq_len, m.d_model, m.n_head, m.act_bytes, m.n_layer
         sbh = s * b * h
-        scores = a * s * s * b * (e + 4) // t if self.attention == "xla" else 0  # probabilities and float32 scores
+        from zerolm.attention import PALLAS_LANES
+
+        attention = self.attention
+        # XLA's: the T×T probabilities and float32 scores. Pallas's kernel keeps its softmax statistics
+        # (running max and sum) as two float32 rows of 128 lanes per query; the blockwise one a float32 each.
+        scores = a * s * s * b * (e + 4) // t if attention == "xla" else \
+            2 * a * s * b * PALLAS_LANES * 4 // t if attention == "pallas" else 0
         if m.remat == "none":
             layers = L * (KEPT_PER_LAYER * sbh * e // t + scores)
         else:
@@ -541,7 +551,8 @@ def from_config(cfg, dp: int, tp: int) -> tuple[Model, Any]:
                   cfg.model.seq_len, cfg.model.padded_vocab_size, 4 if cfg.model.dtype == "float32" else 2,
                   cfg.model.loss_chunk, "full" if cfg.model.remat == "full" else "none", source=f"config {cfg.name}",
                   param_bytes=2 if cfg.zero.precision == "mixed" else 4,
-                  acc_bytes=2 if cfg.zero.accumulate_dtype == "bfloat16" else 4, attention=cfg.model.attention)
+                  acc_bytes=2 if cfg.zero.accumulate_dtype == "bfloat16" else 4, attention=cfg.model.attention,
+                  attention_block=cfg.model.attention_block)
     return model, states
 
 

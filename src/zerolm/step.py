@@ -12,7 +12,7 @@ import jax
 from jax.sharding import Mesh
 
 from zerolm import model as gpt_model
-from zerolm.config import Config
+from zerolm.config import Config, ConfigError
 from zerolm.zero import Zero1, make_optimizer
 
 
@@ -20,7 +20,10 @@ def build_step(cfg: Config, mesh: Mesh) -> tuple[gpt_model.GPT, Zero1, functools
     """The model, its ZeRO-1 step on `mesh` and its init function, as the config says (vocab resolved;
     the model's `auto` dtype and attention for the mesh's devices, which may be a TPU slice compiled for
     ahead of time)."""
-    model = gpt_model.GPT(gpt_model.for_device(cfg.model, mesh.devices.flat[0]))
+    device = mesh.devices.flat[0]
+    if (why := gpt_model.unrunnable_attention(cfg.model, device)) is not None:
+        raise ConfigError(why)
+    model = gpt_model.GPT(gpt_model.for_device(cfg.model, device))
     init_fn = functools.partial(gpt_model.init_params, model)
     tx, schedule = make_optimizer(cfg.train)
     zero = Zero1(mesh, functools.partial(gpt_model.lm_loss, model), tx, jax.eval_shape(init_fn, jax.random.key(0)),

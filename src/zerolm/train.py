@@ -72,7 +72,9 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
              "processes": jax.process_count(), "mesh": {"dp": cfg.dp, "tp": cfg.mesh.tp},
              "accum_steps": cfg.accum_steps, "tokens_per_step": cfg.train.global_batch_size * cfg.model.seq_len,
              "flops_per_token": accounting.flops_per_token, "zerolm_version": zerolm.__version__}
-    for line in _startup_summary(cfg, zero, accounting, n_params):
+    # Compiled once, here: the step runs these executables, and the summary reads their collectives.
+    texts = zero.compile(cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps)
+    for line in _startup_summary(cfg, zero, accounting, n_params, texts):
         say(line)
     say(f"data: {dataset.location}: {len(train_split)} train / {len(val_split)} val samples of "
         f"{cfg.model.seq_len + 1} tokens, tokenizer {dataset.manifest['tokenizer']['name']} "
@@ -141,7 +143,8 @@ def _sample_text(model: gpt_model.GPT, tokenizer: Tokenizer, cfg: Config, params
     return tokenizer.decode(generate(model, params, prompt, cfg.sample.tokens, sampling, tokenizer.eot_id))
 
 
-def _startup_summary(cfg: Config, zero: Zero1, accounting: Accounting, n_params: int) -> list[str]:
+def _startup_summary(cfg: Config, zero: Zero1, accounting: Accounting, n_params: int,
+                     texts: dict[str, str]) -> list[str]:
     """What a run costs before it starts: sizes, per-device bytes, FLOPs and the compiled step's collectives."""
     params = with_shardings(zero.working_params, zero.param_shardings)
     opt = with_shardings(jax.eval_shape(zero.tx.init, abstract_views(zero.layouts, zero.abstract_params)),
@@ -159,7 +162,6 @@ def _startup_summary(cfg: Config, zero: Zero1, accounting: Accounting, n_params:
              f"{mib(shard_bytes(opt))} (1/{cfg.dp * cfg.mesh.tp} of it, plus padding"
              + (", master weights included" if zero.mixed else "") + "); activations not counted",
              accounting.describe()]
-    texts = comms.compiled_texts(zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps)
     lines += ["collectives per step: " + line for line in comms.describe(comms.traffic(texts, dict(zero.mesh.shape)), list(texts))]
     return lines
 

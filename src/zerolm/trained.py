@@ -117,8 +117,12 @@ def load(path: str, devices: list[jax.Device] | None = None) -> Trained:
         try:
             meta = ckpts.readable_meta(step)
             # Checkpoints from before model.attention_block (a compute-only key) did not record it.
-            model = gpt_model.GPT(ModelConfig.model_validate({"attention_block": 512, **meta["config"]["model"]}))
-            mesh = make_mesh(len(devices or jax.local_devices()), 1, devices or jax.local_devices())
+            cfg = ModelConfig.model_validate({"attention_block": 512, **meta["config"]["model"]})
+            devices = devices or jax.local_devices()
+            if gpt_model.unrunnable_attention(cfg, devices[0]):  # trained with a kernel this machine lacks
+                cfg = cfg.model_copy(update={"attention": "auto"})  # compute only: the parameters are the same
+            model = gpt_model.GPT(cfg)
+            mesh = make_mesh(len(devices), 1, devices)
             abstract = jax.eval_shape(functools.partial(gpt_model.init_params, model), jax.random.key(0))
             replicated = jax.tree.map(lambda _: NamedSharding(mesh, P()), abstract)
             params = ckpts.restore_params(step, with_shardings(abstract, replicated))

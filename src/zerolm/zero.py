@@ -35,6 +35,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerolm import sharding
+from zerolm.hardware import tpu_generation
 from zerolm.mesh import DP, TP
 from zerolm.sharding import from_views, is_layout, to_views
 
@@ -48,8 +49,7 @@ LossFn = Callable[[PyTree, jax.Array], jax.Array]  # (params, tokens_BxT1) -> sc
 def ring_reduce_scatter_wanted(scatter: Scatter, mesh: Mesh) -> bool:
     """auto: the ring on TPU v2/v3, whose compiler makes a reduce-scatter an all-reduce; the collective elsewhere."""
     if scatter == "auto":
-        kind = mesh.devices.flat[0].device_kind.lower()
-        return "tpu" in kind and any(v in kind.split() for v in ("v2", "v3"))
+        return tpu_generation(mesh.devices.flat[0].device_kind) in (2, 3)
     return scatter == "ring"
 
 
@@ -168,6 +168,17 @@ class Zero1:
             programs["reshard"] = (self.reshard, (params,))
         programs["update"] = (self.update, (views, None if self.mixed else views, opt_state, step))
         return programs
+
+    def compile(self, micro_batch: int, seq_len: int, accum_steps: int) -> dict[str, str]:
+        """Compile the step's programs ahead of time for a run's shapes, and run those executables from
+        now on: each program is compiled once, not once for this and again at its first call. Returns
+        their optimized HLO (what `zerolm comms` reads)."""
+        texts = {}
+        for name, (fn, args) in self.programs(micro_batch, seq_len, accum_steps).items():
+            compiled = fn.lower(*args).compile()
+            setattr(self, name, compiled)
+            texts[name] = compiled.as_text()
+        return texts
 
     def init(self, init_fn: Callable[[jax.Array], PyTree], rng: jax.Array) -> TrainState:
         """Create the state already sharded: the optimizer state never exists in one piece."""

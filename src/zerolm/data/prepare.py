@@ -32,11 +32,18 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
-import webdataset as wds
 from tqdm import tqdm
 
 from zerolm.data.sources import Skipped, iter_documents
 from zerolm.data.tokenizer import MIN_BPE_VOCAB, Tokenizer, load_tokenizer
+
+
+def webdataset():
+    """The webdataset module, imported on first use: importing it imports torch where torch is installed
+    (2.5 s of every process's start, training from local shards included, which never needs it)."""
+    import webdataset as wds
+
+    return wds
 
 FORMAT = "zerolm-tokens/1"
 MANIFEST = "manifest.json"
@@ -90,7 +97,7 @@ class _ShardWriter:
         if self._tar is None:
             name = f"{self.split}-{len(self.shards):06d}.tar"
             self.shards.append({"name": name, "samples": 0})
-            self._tar = wds.TarWriter(str(self.directory / name), mtime=0)  # mtime=0: reproducible bytes
+            self._tar = webdataset().TarWriter(str(self.directory / name), mtime=0)  # mtime=0: reproducible bytes
         self._tar.write({"__key__": f"{self._in_shard:09d}", "npy": row.astype(self.dtype)})
         self._in_shard += 1
         self.shards[-1]["samples"] += 1
@@ -117,7 +124,7 @@ class _ShardWriter:
         while len(rows) < n:
             last = self.shards[-1]
             path = self.directory / last["name"]
-            members = [sample["npy"] for sample in wds.WebDataset(str(path), shardshuffle=False).decode()]
+            members = [sample["npy"] for sample in webdataset().WebDataset(str(path), shardshuffle=False).decode()]
             keep = max(0, len(members) - (n - len(rows)))
             rows = members[keep:] + rows
             path.unlink()

@@ -19,9 +19,8 @@ import threading
 from pathlib import Path
 
 import numpy as np
-import webdataset as wds
 
-from zerolm.data.prepare import FORMAT, MANIFEST
+from zerolm.data.prepare import FORMAT, MANIFEST, webdataset
 from zerolm.data.tokenizer import Tokenizer, cache_dir, from_file
 
 
@@ -40,7 +39,7 @@ def _join(location: str, name: str) -> str:
 
 def _read_bytes(location: str) -> bytes:
     if is_url(location):
-        with wds.gopen(location, "rb") as f:
+        with webdataset().gopen(location, "rb") as f:
             return f.read()
     return Path(location).read_bytes()
 
@@ -150,7 +149,7 @@ class Split:
                 return self._remote[k]
         rows = []
         try:
-            for i, sample in enumerate(wds.WebDataset(url, shardshuffle=False, empty_check=False).decode()):
+            for i, sample in enumerate(webdataset().WebDataset(url, shardshuffle=False, empty_check=False).decode()):
                 rows.append(_check_row(sample.get("npy"), url, i, sample.get("__key__"), self.T1,
                                        self.dataset.vocab_size))
         except DataError:
