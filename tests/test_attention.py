@@ -107,3 +107,5 @@ def test_pallas_is_asked_for_only_where_it_runs():
     cfg = small_config("model.attention=pallas", "model.seq_len=256")
     with pytest.raises(ConfigError, match=r"model.attention: pallas runs on TPU v4 and later, not on cpu"):
         build_step(cfg, make_mesh(8, 1))
+    with pytest.raises(ConfigError, match=r"model.attention: cudnn runs on NVIDIA GPUs, not on cpu"):
+        build_step(small_config("model.attention=cudnn"), make_mesh(8, 1))

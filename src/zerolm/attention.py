@@ -183,11 +183,10 @@ def _unchecked(f, *args):
 
 def _pallas_settings(q_BxHxTxK, block):
     flash = _tpu_flash()
-    B, H, T, K = q_BxHxTxK.shape
     sizes = flash.BlockSizes(block_q=block, block_k_major=block, block_k=block, block_b=1,
                              block_q_major_dkv=block, block_k_major_dkv=block, block_k_dkv=block,
                              block_q_dkv=block, block_k_major_dq=block, block_k_dq=block, block_q_dq=block)
-    return flash, 1.0 / math.sqrt(K), sizes
+    return flash, 1.0 / math.sqrt(q_BxHxTxK.shape[-1]), sizes
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

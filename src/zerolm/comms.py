@@ -43,8 +43,7 @@ class Traffic:
 
 def compiled_texts(zero: Zero1, micro_batch: int, seq_len: int, accum_steps: int) -> dict[str, str]:
     """The optimized HLO of the step's programs, compiled for abstract inputs of the run's shapes."""
-    return {name: hlo.compiled_text(fn, *args)
-            for name, (fn, args) in zero.programs(micro_batch, seq_len, accum_steps).items()}
+    return {name: executable.as_text() for name, executable in zero.compiled(micro_batch, seq_len, accum_steps).items()}
 
 
 def traffic(texts: dict[str, str], mesh_shape: dict[str, int]) -> list[Traffic]:

@@ -63,11 +63,14 @@ class ModelConfig(_Section):
     def _heads_divide(self) -> ModelConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
-        block = math.gcd(self.seq_len, self.attention_block)
-        if self.attention == "pallas" and block % 128:
-            raise _KeyError("model.attention", f"pallas cuts the sequence into blocks of a multiple of 128 "
-                            f"positions; seq_len {self.seq_len} and attention_block {self.attention_block} give "
-                            f"{block}", related=("model.seq_len", "model.attention_block"))
+        if self.attention == "pallas":
+            from zerolm.attention import PALLAS_LANES, block_size, pallas_fits
+
+            if not pallas_fits(self.seq_len, self.attention_block):
+                raise _KeyError("model.attention", f"pallas cuts the sequence into blocks of a multiple of "
+                                f"{PALLAS_LANES} positions; seq_len {self.seq_len} and attention_block "
+                                f"{self.attention_block} give {block_size(self.seq_len, self.attention_block)}",
+                                related=("model.seq_len", "model.attention_block"))
         return self
 
     @property

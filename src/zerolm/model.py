@@ -22,7 +22,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from zerolm.attention import BLOCK, causal_attention, pallas_available, pallas_fits
-from zerolm.config import ConfigError, ModelConfig
+from zerolm.config import ModelConfig
 from zerolm.hardware import tpu_generation
 
 LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon

@@ -169,16 +169,18 @@ class Zero1:
         programs["update"] = (self.update, (views, None if self.mixed else views, opt_state, step))
         return programs
 
+    def compiled(self, micro_batch: int, seq_len: int, accum_steps: int) -> dict[str, jax.stages.Compiled]:
+        """The step's programs compiled ahead of time for a run's shapes (`programs`)."""
+        return {name: fn.lower(*args).compile()
+                for name, (fn, args) in self.programs(micro_batch, seq_len, accum_steps).items()}
+
     def compile(self, micro_batch: int, seq_len: int, accum_steps: int) -> dict[str, str]:
-        """Compile the step's programs ahead of time for a run's shapes, and run those executables from
-        now on: each program is compiled once, not once for this and again at its first call. Returns
-        their optimized HLO (what `zerolm comms` reads)."""
-        texts = {}
-        for name, (fn, args) in self.programs(micro_batch, seq_len, accum_steps).items():
-            compiled = fn.lower(*args).compile()
-            setattr(self, name, compiled)
-            texts[name] = compiled.as_text()
-        return texts
+        """`compiled`, and the step runs those executables from now on: each program is compiled once,
+        not once ahead of time and again at its first call. Returns their optimized HLO."""
+        programs = self.compiled(micro_batch, seq_len, accum_steps)
+        for name, executable in programs.items():
+            setattr(self, name, executable)
+        return {name: executable.as_text() for name, executable in programs.items()}
 
     def init(self, init_fn: Callable[[jax.Array], PyTree], rng: jax.Array) -> TrainState:
         """Create the state already sharded: the optimizer state never exists in one piece."""
