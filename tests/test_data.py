@@ -276,11 +276,13 @@ def test_prepare_cli(tmp_path):
     assert again.stderr.strip() == f"error: {tmp_path / 'o'}: already holds a prepared dataset; pass --overwrite to replace it"
 
 
-def _overwrite_token(shard, reader, sample, position, value):
-    """Set one token of one sample in a shard file, as a disk fault or a bad writer would."""
+def _overwrite_token(shard, reader, samples, position, value):
+    """Set one token of each of `samples` (an int or a range) in a shard file, as a disk fault or a bad
+    writer would."""
     data = bytearray(shard.read_bytes())
-    at = sample * reader.stride + 512 + reader.npy_header + position * reader.dtype.itemsize
-    data[at: at + reader.dtype.itemsize] = np.array([value], reader.dtype).tobytes()
+    for sample in [samples] if isinstance(samples, int) else samples:
+        at = sample * reader.stride + 512 + reader.npy_header + position * reader.dtype.itemsize
+        data[at: at + reader.dtype.itemsize] = np.array([value], reader.dtype).tobytes()
     shard.write_bytes(bytes(data))
 
 
@@ -289,7 +291,7 @@ def test_token_ids_outside_the_vocabulary_are_named_or_skipped(kjv, tmp_path):
     shard = out / m["splits"]["train"]["shards"][0]["name"]
     probe = PreparedDataset(out).split("train")
     probe.read(np.array([0]))
-    _overwrite_token(shard, probe._readers[0], sample=5, position=10, value=60000)
+    _overwrite_token(shard, probe._readers[0], samples=5, position=10, value=60000)
     with pytest.raises(DataError, match=rf"^{shard}: sample 5 has token id 60000, outside the tokenizer's vocabulary "
                                         r"of 2048 \(corrupted data; data.skip_bad_samples: true replaces such samples\)$"):
         PreparedDataset(out).split("train").read(np.array([4, 5]))
@@ -308,8 +310,7 @@ def test_train_stops_on_out_of_vocabulary_tokens_with_a_data_error(kjv, tmp_path
     probe = PreparedDataset(out).split("train")
     probe.read(np.array([0]))
     for shard_info in m["splits"]["train"]["shards"]:  # every sample of every shard: the first batch must hit one
-        for sample in range(shard_info["samples"]):
-            _overwrite_token(out / shard_info["name"], probe._readers[0], sample, 3, 65535)
+        _overwrite_token(out / shard_info["name"], probe._readers[0], range(shard_info["samples"]), 3, 65535)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     args = ["--set", f"data.dataset={out}", "--set", "model.seq_len=64", "--set", "train.steps=3",
             "--set", "model.n_layer=1", "--set", "model.d_model=32",  # the model does not matter here
