@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 
 import pytest
 from runs import snapshot, zerolm
@@ -25,6 +26,23 @@ def test_eval_of_a_run_and_of_a_step_equals_the_logged_validation_loss(trained_r
     on_train = json.loads(zerolm("eval", "--checkpoint", trained_run / "ckpt", "--split", "train", "--sequences", "16",
                                  "--json").stdout)
     assert on_train["split"] == "train" and on_train["sequences"] == 16 and on_train["loss"] != latest["loss"]
+
+
+def test_a_run_trained_with_a_kernel_this_machine_lacks_is_evaluated_with_auto(trained_run, tmp_path):
+    """A checkpoint written on a GPU with model.attention: cudnn (or on a TPU v4+ with pallas): on CPU eval
+    switches to auto (the attention is compute only, the parameters are the same) and gets the same loss."""
+    step = tmp_path / "ckpt" / "16"
+    shutil.copytree(trained_run / "ckpt" / "16", step)
+    meta_file, record_file = step / "meta" / "metadata", step / "zerolm_files.json"
+    meta = json.loads(meta_file.read_text())
+    meta["config"]["model"].update(attention="cudnn")
+    meta_file.write_text(json.dumps(meta))
+    record = json.loads(record_file.read_text())
+    record["files"]["meta/metadata"] = meta_file.stat().st_size  # as the GPU run recorded it
+    record_file.write_text(json.dumps(record))
+    got = json.loads(zerolm("eval", "--checkpoint", tmp_path / "ckpt", "--json", "--sequences", "16").stdout)
+    want = json.loads(zerolm("eval", "--checkpoint", trained_run / "ckpt", "--json", "--sequences", "16").stdout)
+    assert got["step"] == 16 and got["loss"] == pytest.approx(want["loss"], rel=1e-6)
 
 
 @pytest.mark.parametrize("args, message", [
