@@ -40,6 +40,7 @@ def test_main_zero_trains_logs_and_samples(tmp_path):
     sample = [line for line in proc.stdout.splitlines() if line.startswith("sample: ")]
     assert sample and sample[0].startswith("sample: And God said,") and len(sample[0]) > len("sample: And God said,") + 10
     assert "tok_s" in proc.stderr + proc.stdout  # the live progress bar
+    assert "WARNING" not in proc.stderr  # no library's log lines (orbax's handler override was one)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["40", "zerolm.lock"]  # the final checkpoint
     # The start-up summary: sizes, per-device bytes, FLOPs, and the compiled step's collectives.
     assert "32 sequences = 4,096 tokens per step" in proc.stdout

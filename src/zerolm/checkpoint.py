@@ -85,15 +85,18 @@ def _free_space(directory: epath.Path) -> str:
 
 
 @functools.cache
+@functools.cache  # once per process
 def _replica_parallel_for_large_arrays_only(min_bytes: int = 2**20) -> None:
     """orbax writes a replicated array (ZeRO-1's parameters) as one slice per replica, in parallel. Each
     slice is an op JAX compiles on first use, about 50 ms each: 4 s of a small model's first save spent
     on arrays that are written as fast whole. Slices of at least `min_bytes` only; orbax's own handler
-    otherwise (its array metadata store, which restores PRNG keys, is kept)."""
+    otherwise (its array metadata store, which restores PRNG keys, is kept). Quietly: orbax's "overriding
+    jax.Array" warning says nothing to a user."""
     current = ocp.type_handlers.get_type_handler(jax.Array)
-    ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
-        min_slice_bytes_for_replica_parallel=min_bytes,
-        array_metadata_store=getattr(current, "_array_metadata_store", None)), override=True)
+    with quiet_orbax():
+        ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+            min_slice_bytes_for_replica_parallel=min_bytes,
+            array_metadata_store=getattr(current, "_array_metadata_store", None)), override=True)
 
 
 class Checkpoints:
