@@ -78,10 +78,14 @@ def test_activations_by_hand():
     outside = 2 * s * h * 2 + 2 * s * V * 4
     assert p.memory(1, 1)["activation_bytes_no_remat"] == L * per_layer + outside
     assert p.memory(1, 1)["activation_bytes_full_remat"] == L * s * h * 2 + per_layer + outside
-    # On a TPU (XLA attention) the softmax probabilities are kept: a·s² elements per layer.
-    tpu = planner("--config", str(C125M), "--dp", "8", "--device", "v4")
+    # With XLA's attention the softmax probabilities are kept: a·s² elements per layer.
+    tpu = planner("--config", str(C125M), "--dp", "8", "--device", "v4", "--set", "model.attention=xla")
     xla_layer = 4 * s * h * 2 + 12 * s * h * 2 + a * s * s * 2
     assert tpu.memory(1, 1)["activation_bytes_no_remat"] == L * xla_layer + outside
+    # What auto runs on TPUs (blockwise on v3, Pallas on v4) keeps none, as cuDNN's on the h100.
+    for device, attention in (("v3-core", "blockwise"), ("v4", "pallas")):
+        auto = planner("--config", str(C125M), "--dp", "8", "--device", device)
+        assert auto.attention == attention and auto.memory(1, 1)["activation_bytes_no_remat"] == L * per_layer + outside
     # Two sequences: 4096 tokens in chunks of 2048; the embedding's float32 gradient and two chunks of logits.
     chunked = 2 * (2 * s) * h * 2 + V * h * 4 + 2 * 2048 * V * 4
     assert p.memory(1, 2)["activation_bytes_no_remat"] == L * 2 * per_layer + chunked

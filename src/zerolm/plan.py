@@ -243,13 +243,11 @@ class Planner:
     (ExactStates from a config, AnalyticStates from a parameter count)."""
 
     def __init__(self, model: Model, states, device: Device, layout: Layout, precision: str, micro_batch: int = 1,
-                 *, efficiency: float = 0.5, memory_fraction: float = 0.9, flash: bool | None = None):
+                 *, efficiency: float = 0.5, memory_fraction: float = 0.9):
         self.model, self.device, self.layout, self.micro_batch = model, device, layout, micro_batch
         self._factory, self.states = states, states(layout.dp, layout.tp)
         self.precision_name, self.precision = precision, PRECISIONS[precision]
         self.efficiency, self.memory_fraction = efficiency, memory_fraction
-        # zerolm's model.attention auto: cuDNN flash attention on GPUs, XLA's elsewhere.
-        self.flash = device.name in ("a100", "h100", "h200") if flash is None else flash
 
     @property
     def usable(self) -> float:
@@ -263,6 +261,11 @@ class Planner:
         return {"params_bytes": st.params, "grads_bytes": st.grads, "optimizer_bytes": st.optimizer,
                 "activation_bytes": acts[remat], "activation_bytes_no_remat": acts["none"],
                 "activation_bytes_full_remat": acts["full"], "total_bytes": total, "fits": total <= self.usable}
+
+    @property
+    def flash(self) -> bool:
+        """Whether the attention zerolm runs here never holds the T×T scores (cuDNN, Pallas, blockwise)."""
+        return self.attention != "xla"
 
     @property
     def attention(self) -> str:
@@ -390,7 +393,7 @@ class Planner:
 
     def with_layout(self, layout: Layout) -> Planner:
         return Planner(self.model, self._factory, self.device, layout, self.precision_name, efficiency=self.efficiency,
-                       memory_fraction=self.memory_fraction, flash=self.flash)
+                       memory_fraction=self.memory_fraction)
 
     def scaling(self, stage: int = 1) -> list[dict]:
         """Step time and MFU as dp doubles (tp fixed), up to one sequence per rank."""
