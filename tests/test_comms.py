@@ -81,3 +81,22 @@ def test_comms_cli_makes_the_fake_devices_it_needs():
 def test_comms_bad_input_is_one_line_and_exit_2(args, message):
     proc = zerolm("comms", "--config", TINY, *args, expect=2)
     assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, proc.stderr
+
+
+def test_replica_groups_are_read_in_each_printed_form_and_an_unknown_one_is_refused():
+    from zerolm import hlo
+
+    def module(groups):
+        return ("HloModule m\n\nENTRY %main (x: f32[8]) -> f32[8] {\n  %x = f32[8]{0} parameter(0)\n"
+                f"  ROOT %ar = f32[8]{{0}} all-reduce(f32[8]{{0}} %x), channel_id=1, replica_groups={groups}, "
+                "to_apply=%sum\n}\n")
+
+    mesh = {"dp": 4, "tp": 2}
+    for groups, axes in (("{{0,2,4,6},{1,3,5,7}}", ("dp",)), ("[4,2]<=[8]", ("tp",)), ("[2,4]<=[4,2]T(1,0)", ("dp",)),
+                         ("{}", ("dp", "tp")), ("mesh['axis_0'=4,'axis_1'=2] {'axis_0'}", ("dp",)),
+                         ("mesh['axis_0'=4,'axis_1'=2] {'axis_1'}", ("tp",)),
+                         ("mesh['axis_0'=4,'axis_1'=2] {'axis_0','axis_1'}", ("dp", "tp"))):
+        (collective,) = hlo.collectives(module(groups))
+        assert hlo.axis_of(collective, mesh) == axes, groups
+    with pytest.raises(ValueError, match=r"^unknown replica-group format in the compiled HLO: replica_groups=mesh"):
+        hlo.collectives(module("mesh['axis_0'=4,'axis_1'=2] {'axis_0':(1)2}"))  # a sub-axis

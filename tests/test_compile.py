@@ -11,6 +11,7 @@ from conftest import REPO, small_config, small_model
 
 from zerolm import aot
 from zerolm.exitcodes import EXIT_DOES_NOT_FIT, EXIT_USAGE
+from zerolm.hardware import preset
 
 TINY = REPO / "configs" / "tiny.yaml"
 C125M = REPO / "configs" / "125m.yaml"
@@ -77,6 +78,7 @@ def test_tiny_fits_a_v3_8_and_the_peak_follows_the_documented_rule(v3_report):
     r = v3_report
     assert r["fits"] is True and r["target"] == "v3-8" and r["devices"] == 8 and r["device_kind"] == "TPU v3"
     assert r["usable_bytes_per_device"] == int(15.48 * 2**30)  # the compiler's own figure for a v3 core
+    assert preset("v3-core").usable == r["usable_bytes_per_device"]  # what `zerolm plan` checks against
     for name, p in r["programs"].items():
         assert p["error"] is None
         assert p["peak_bytes"] == (p["argument_bytes"] + p["output_bytes"] + p["temp_bytes"] - p["alias_bytes"]

@@ -209,3 +209,14 @@ def test_planned_mfu_is_the_mfu_training_would_log(remat):
 def test_plan_shows_small_states_in_small_units():
     text = zerolm("plan", "--config", TINY, "--device", "h100", "--dp", "1").stdout
     assert "0.00 GiB" not in text and " MiB" in text
+
+
+def test_fits_means_the_tpu_compilers_limit_on_a_tpu_and_90_percent_of_a_gpu():
+    v3 = planner("--config", str(C125M), "--dp", "32", "--device", "v3-core")
+    assert v3.usable == int(15.48 * 2**30)  # zerolm compile's figure (test_compile holds the preset to it)
+    assert planner("--config", str(C125M), "--dp", "32", "--device", "v3-core", "--memory-fraction", "0.5").usable \
+        == 8 * 2**30
+    assert planner("--config", str(C125M), "--dp", "8", "--device", "h100").usable == 0.9 * 80e9
+    with pytest.raises(plan.PlanError, match=r"does not divide over dp = 2048 \(dp defaults to one v3-core node of "
+                                             r"2048 devices; give --dp\)$"):
+        planner("--config", str(C125M), "--device", "v3-core", "--global-batch", "96")

@@ -43,6 +43,9 @@ class Device:
     intra_latency: float  # s per ring hop inside a node; an assumption
     inter_latency: float  # s per ring hop between nodes; an assumption
     source: str
+    # Bytes one program may use, as the TPU compiler states it (zerolm.aot.usable_bytes, libtpu 0.0.42.1):
+    # what `zerolm compile` checks against. None (GPUs): memory × the planner's --memory-fraction.
+    usable: float | None = None
 
     def describe(self) -> str:
         return (f"{self.name}: {self.memory / GiB:.1f} GiB, {self.flops / 1e12:.1f} TFLOP/s bf16, links "
@@ -60,18 +63,21 @@ PRESETS: dict[str, Device] = {d.name: d for d in [
     # chip has 4 ICI links of 656 Gbit/s (Jouppi et al., CACM 63(7) 2020, "A Domain-Specific Supercomputer
     # for Training Deep Neural Networks"), shared by its two cores.
     Device("v3-core", 16 * GiB, PEAKS["TPU v3"].flops, 4 * 82e9 / 2 / 2, 4 * 82e9 / 2 / 2, 2048, **_TPU_LAT,
-           source=_TPU_DOCS + "v3 (32 GiB, 123 TFLOP/s per chip); ICI per Jouppi et al. 2020"),
+           source=_TPU_DOCS + "v3 (32 GiB, 123 TFLOP/s per chip); ICI per Jouppi et al. 2020", usable=16621523435),
     Device("v3-chip", 32 * GiB, 2 * PEAKS["TPU v3"].flops, 4 * 82e9 / 2, 4 * 82e9 / 2, 1024, **_TPU_LAT,
-           source=_TPU_DOCS + "v3 (32 GiB, 123 TFLOP/s per chip); ICI per Jouppi et al. 2020"),
+           source=_TPU_DOCS + "v3 (32 GiB, 123 TFLOP/s per chip); ICI per Jouppi et al. 2020",
+           usable=2 * 16621523435),
     # v4: one megacore JAX device per chip; ICI 2400 Gbit/s per chip (6 links of the 3D torus; Jouppi et al.,
     # ISCA 2023, "TPU v4: An Optically Reconfigurable Supercomputer"), the convention in which the v5e and
     # v5p docs' 1600 and 4800 Gbit/s are half their bidirectional GB/s: so 300 GB/s one direction.
     Device("v4", 32 * GiB, PEAKS["TPU v4"].flops, 300e9, 300e9, 4096, **_TPU_LAT,
-           source=_TPU_DOCS + "v4 (32 GiB, 275 TFLOP/s per chip); ICI per Jouppi et al. 2023"),
-    Device("v5e", 16 * GB, PEAKS["TPU v5 lite"].flops, 400e9 / 2, 400e9 / 2, 256, **_TPU_LAT,
-           source=_TPU_DOCS + "v5e (16 GB, 197 TFLOP/s, ICI 400 GB/s bidirectional per chip, 256-chip pod)"),
+           source=_TPU_DOCS + "v4 (32 GiB, 275 TFLOP/s per chip); ICI per Jouppi et al. 2023", usable=33017561088),
+    Device("v5e", 16 * GiB, PEAKS["TPU v5 lite"].flops, 400e9 / 2, 400e9 / 2, 256, **_TPU_LAT,
+           source=_TPU_DOCS + "v5e (16 GiB, 197 TFLOP/s, ICI 400 GB/s bidirectional per chip, 256-chip pod)",
+           usable=16911433728),
     Device("v5p", 95 * GiB, PEAKS["TPU v5p"].flops, 1200e9 / 2, 1200e9 / 2, 8960, **_TPU_LAT,
-           source=_TPU_DOCS + "v5p (95 GiB, 459 TFLOP/s, ICI 1200 GB/s bidirectional per chip, 8960-chip pod)"),
+           source=_TPU_DOCS + "v5p (95 GiB, 459 TFLOP/s, ICI 1200 GB/s bidirectional per chip, 8960-chip pod)",
+           usable=102800042229),
     Device("a100", 80 * GB, PEAKS["A100"].flops, 600e9 / 2, 200e9 / 8, 8, **_GPU_LAT,
            source="NVIDIA A100 datasheet (80 GB SXM, 312 TFLOP/s bf16, NVLink 600 GB/s bidirectional); "
                   "DGX A100: one 200 Gbit/s HDR InfiniBand NIC per GPU"),

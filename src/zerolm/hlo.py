@@ -1,8 +1,9 @@
 """What collectives a compiled program runs, over which mesh axis, and whether any sits inside a loop.
 
 Reads the optimized HLO text of `jitted.lower(...).compile()`: the ground truth for "one gradient
-reduction per optimizer step". A collective's replica groups (listed, or XLA's iota form
-`[4,2]<=[8]` / `[2,4]<=[4,2]T(1,0)`) are positions in the mesh's device order, so `axis_of` names the
+reduction per optimizer step". A collective's replica groups (listed, XLA's iota form
+`[4,2]<=[8]` / `[2,4]<=[4,2]T(1,0)`, or its mesh-axes form `mesh['axis_0'=4,'axis_1'=2] {'axis_0'}`; any
+other form is refused, not guessed) are positions in the mesh's device order, so `axis_of` names the
 mesh axes a collective runs over. Used by the tests and the benchmarks.
 
 The TPU compiler writes a reduce-scatter on v4 and v5p as a fusion named `all-reduce-scatter`: an
@@ -29,6 +30,9 @@ _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _ARRAY = re.compile(r"(pred|[a-z]+\d+)\[([\d,]*)\]")
 _GROUPS_LISTED = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+# XLA's mesh-axes form: mesh['axis_0'=4,'axis_1'=2] {'axis_0'}: the devices in mesh order, grouped over the
+# named axes (whole axes only; a sub-axis such as 'axis_0':(1)2 is not read)
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[((?:'[^']+'=\d+,?)+)\] \{((?:'[^']+',?)*)\}[,\s]")
 _ROOT = re.compile(r"^\s*ROOT \S+ = (\S+) ")
 _REDUCE_SCATTER_FUSION = "all-reduce-scatter"  # the TPU compiler's reduce-scatter (v4, v5p)
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
@@ -154,6 +158,15 @@ def _groups(line: str) -> tuple[frozenset[int], ...]:
         return tuple(frozenset(int(i) for i in row) for row in ids.reshape(shape[0], -1))
     if m := _GROUPS_LISTED.search(line):
         return tuple(frozenset(int(i) for i in g.split(",") if i) for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
+    if m := _GROUPS_MESH.search(line):
+        sizes = {name: int(n) for name, n in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+        grouped = [list(sizes).index(name) for name in re.findall(r"'([^']+)'", m.group(2))]
+        kept = [i for i in range(len(sizes)) if i not in grouped]
+        ids = np.arange(math.prod(sizes.values())).reshape(list(sizes.values())).transpose(kept + grouped)
+        return tuple(frozenset(int(i) for i in row) for row in ids.reshape(-1, math.prod(ids.shape[len(kept):])))
+    if m := re.search(r"replica_groups=\S+", line):  # a form this reader does not know (e.g. XLA's mesh-axes
+        # list): refuse rather than count the collective as spanning every device
+        raise ValueError(f"unknown replica-group format in the compiled HLO: {m.group(0)[:120]}")
     return ()
 
 

@@ -243,7 +243,7 @@ class Planner:
     (ExactStates from a config, AnalyticStates from a parameter count)."""
 
     def __init__(self, model: Model, states, device: Device, layout: Layout, precision: str, micro_batch: int = 1,
-                 *, efficiency: float = 0.5, memory_fraction: float = 0.9):
+                 *, efficiency: float = 0.5, memory_fraction: float | None = None):
         self.model, self.device, self.layout, self.micro_batch = model, device, layout, micro_batch
         self._factory, self.states = states, states(layout.dp, layout.tp)
         self.precision_name, self.precision = precision, PRECISIONS[precision]
@@ -251,7 +251,11 @@ class Planner:
 
     @property
     def usable(self) -> float:
-        return self.device.memory * self.memory_fraction
+        """Bytes a device may hold: memory × memory_fraction if given; else what the TPU compiler allows
+        (the TPU presets), or 90% of a GPU's memory."""
+        if self.memory_fraction is None and self.device.usable is not None:
+            return self.device.usable
+        return self.device.memory * (self.memory_fraction or 0.9)
 
     def memory(self, stage: int, micro: int) -> dict[str, Any]:
         st = self.states(stage, self.precision)
@@ -597,8 +601,10 @@ def describe(r: dict) -> list[str]:
              f"on {lay['devices']} × {dev['name']} (dp={lay['dp']} tp={lay['tp']}), global batch {lay['global_batch']} "
              f"sequences, precision {r['precision']}, micro-batch {r['micro_batch']}, "
              f"{r['attention']} attention, remat {m['remat']}",
-             f"fits means at most {r['memory_fraction']:.0%} of {dev['memory'] / 2**30:.1f} GiB = "
-             f"{r['usable_bytes'] / 2**30:.2f} GiB per device",
+             f"fits means at most {r['usable_bytes'] / 2**30:.2f} GiB per device ("
+             + (f"{r['memory_fraction']:.0%} of {dev['memory'] / 2**30:.1f} GiB)" if r["memory_fraction"] is not None
+                else "what the TPU compiler allows, as `zerolm compile` checks)" if dev["usable"] is not None
+                else f"90% of {dev['memory'] / 2**30:.1f} GiB)"),
              ""]
     z = r["zerolm_step"]
     b = z["largest_micro_batch"]

@@ -42,9 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--remat", choices=("none", "full"), help="default: the config's model.remat, else none")
     where.add_argument("--efficiency", type=float, default=0.5,
                        help="share of the peak FLOP/s the compute reaches (default: %(default)s)")
-    where.add_argument("--memory-fraction", type=float, default=0.9,
-                       help="share of device memory a plan may use (default: %(default)s; JAX preallocates 75%% of "
-                            "a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise)")
+    where.add_argument("--memory-fraction", type=float,
+                       help="share of device memory a plan may use (default: on a TPU preset what the TPU compiler "
+                            "allows, as `zerolm compile` checks; else 0.9. JAX preallocates 75%% of a GPU unless "
+                            "XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise)")
     where.add_argument("--stage", type=int, choices=STAGES, default=1, help="stage for the step time (default: 1)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -60,7 +61,7 @@ def build(args) -> Planner:
             raise PlanError(f"--{flag.replace('_', '-')}: {value:g} is not positive")
     if not 0 < args.efficiency <= 1:
         raise PlanError(f"--efficiency: {args.efficiency} is not in (0, 1]")
-    if not 0 < args.memory_fraction <= 1:
+    if args.memory_fraction is not None and not 0 < args.memory_fraction <= 1:
         raise PlanError(f"--memory-fraction: {args.memory_fraction} is not in (0, 1]")
     if (args.config is None) == (args.params is None):
         raise PlanError("give the model as --config FILE or as --params N (one of them)")
@@ -74,7 +75,8 @@ def build(args) -> Planner:
     dp = args.dp or (cfg.mesh.dp if cfg and cfg.mesh.dp != "auto" else max(1, device.per_node // tp))
     global_batch = args.global_batch or (cfg.train.global_batch_size if cfg else 256)
     if global_batch % dp:
-        raise PlanError(f"--dp: the global batch of {global_batch} sequences does not divide over dp = {dp}")
+        why = "" if args.dp else f" (dp defaults to one {device.name} node of {device.per_node} devices; give --dp)"
+        raise PlanError(f"--dp: the global batch of {global_batch} sequences does not divide over dp = {dp}{why}")
     per_rank = global_batch // dp
     if args.micro_batch:
         micro = args.micro_batch
