@@ -95,7 +95,11 @@ def test_replica_groups_are_read_in_each_printed_form_and_an_unknown_one_is_refu
     for groups, axes in (("{{0,2,4,6},{1,3,5,7}}", ("dp",)), ("[4,2]<=[8]", ("tp",)), ("[2,4]<=[4,2]T(1,0)", ("dp",)),
                          ("{}", ("dp", "tp")), ("mesh['axis_0'=4,'axis_1'=2] {'axis_0'}", ("dp",)),
                          ("mesh['axis_0'=4,'axis_1'=2] {'axis_1'}", ("tp",)),
-                         ("mesh['axis_0'=4,'axis_1'=2] {'axis_0','axis_1'}", ("dp", "tp"))):
+                         ("mesh['axis_0'=4,'axis_1'=2] {'axis_0','axis_1'}", ("dp", "tp")),
+                         # devices in another order (as two processes' step prints it): mesh axis 2 is dp
+                         ("mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], device_ids=([4,2]T(1,0)) {'axis_1'}", ("tp",)),
+                         ("mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], device_ids=([4,2]T(1,0)) {'axis_2'}", ("dp",)),
+                         ("mesh['axis_0'=4,'axis_1'=2], device_ids=([8]) {'axis_1'}", ("tp",))):
         (collective,) = hlo.collectives(module(groups))
         assert hlo.axis_of(collective, mesh) == axes, groups
     with pytest.raises(ValueError, match=r"^unknown replica-group format in the compiled HLO: replica_groups=mesh"):

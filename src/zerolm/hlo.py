@@ -2,7 +2,8 @@
 
 Reads the optimized HLO text of `jitted.lower(...).compile()`: the ground truth for "one gradient
 reduction per optimizer step". A collective's replica groups (listed, XLA's iota form
-`[4,2]<=[8]` / `[2,4]<=[4,2]T(1,0)`, or its mesh-axes form `mesh['axis_0'=4,'axis_1'=2] {'axis_0'}`; any
+`[4,2]<=[8]` / `[2,4]<=[4,2]T(1,0)`, or its mesh-axes form `mesh['axis_0'=4,'axis_1'=2] {'axis_0'}`,
+with `device_ids=([4,2]T(1,0))` where the mesh's devices are not in order; any
 other form is refused, not guessed) are positions in the mesh's device order, so `axis_of` names the
 mesh axes a collective runs over. Used by the tests and the benchmarks.
 
@@ -30,9 +31,12 @@ _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _ARRAY = re.compile(r"(pred|[a-z]+\d+)\[([\d,]*)\]")
 _GROUPS_LISTED = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-# XLA's mesh-axes form: mesh['axis_0'=4,'axis_1'=2] {'axis_0'}: the devices in mesh order, grouped over the
-# named axes (whole axes only; a sub-axis such as 'axis_0':(1)2 is not read)
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[((?:'[^']+'=\d+,?)+)\] \{((?:'[^']+',?)*)\}[,\s]")
+# XLA's mesh-axes form: mesh['axis_0'=4,'axis_1'=2] {'axis_0'}: the devices in mesh order (or as an iota
+# `device_ids=([4,2]T(1,0))` orders them), grouped over the named axes (whole axes only: a sub-axis such
+# as 'axis_0':(1)2 is not read)
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[((?:'[^']+'=\d+,?)+)\]"
+                          r"(?:, device_ids=\(\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?\))? "
+                          r"\{((?:'[^']+',?)*)\}[,\s]")
 _ROOT = re.compile(r"^\s*ROOT \S+ = (\S+) ")
 _REDUCE_SCATTER_FUSION = "all-reduce-scatter"  # the TPU compiler's reduce-scatter (v4, v5p)
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
@@ -160,9 +164,15 @@ def _groups(line: str) -> tuple[frozenset[int], ...]:
         return tuple(frozenset(int(i) for i in g.split(",") if i) for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
     if m := _GROUPS_MESH.search(line):
         sizes = {name: int(n) for name, n in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
-        grouped = [list(sizes).index(name) for name in re.findall(r"'([^']+)'", m.group(2))]
+        grouped = [list(sizes).index(name) for name in re.findall(r"'([^']+)'", m.group(5))]
         kept = [i for i in range(len(sizes)) if i not in grouped]
-        ids = np.arange(math.prod(sizes.values())).reshape(list(sizes.values())).transpose(kept + grouped)
+        ids = np.arange(math.prod(sizes.values()))
+        if m.group(2):  # the iota device order: [dims], or [dims]<=[reshape]; then T(perm)
+            reshape = [int(d) for d in (m.group(3) or m.group(2)).split(",")]
+            ids = ids.reshape(reshape)
+            if m.group(4):
+                ids = ids.transpose([int(d) for d in m.group(4).split(",")])
+        ids = ids.reshape(list(sizes.values())).transpose(kept + grouped)
         return tuple(frozenset(int(i) for i in row) for row in ids.reshape(-1, math.prod(ids.shape[len(kept):])))
     if m := re.search(r"replica_groups=\S+", line):  # a form this reader does not know (e.g. XLA's mesh-axes
         # list): refuse rather than count the collective as spanning every device
