@@ -2,7 +2,7 @@
 time, no TPU needed): a reduce-scatter, the v4/v5p `all-reduce-scatter` fusion, or an all-reduce
 followed by a slice (each device receiving the whole reduced array).
 
-    python benchmarks/tpu_reduce_scatter.py [--rows 8192] [--cols 1024] [--flag xla_tpu_...=true ...]
+    python benchmarks/tpu_reduce_scatter.py [--rows 8192] [--cols 1024] [--flag xla_tpu_...=true ...] [--targets ...]
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--cols", type=int, default=1024)
     parser.add_argument("--flag", action="append", default=[], metavar="NAME=VALUE", help="a compiler option")
+    parser.add_argument("--targets", nargs="+", default=list(TARGETS), help="default: %(default)s")
     args = parser.parse_args()
     options = {k: v.lower() == "true" if v.lower() in ("true", "false") else v
                for k, v in (f.split("=", 1) for f in args.flag)} or None
     print(f"psum_scatter of f32[{args.rows},{args.cols}] per device over dp (its whole: "
           f"{args.rows * args.cols * 4 / 2**20:.0f} MiB); bytes are each collective's result per device")
-    for name in TARGETS:
+    for name in args.targets:
         target = aot.parse_target(name)
         devices = aot.target_devices(target)
         os.environ["TPU_ACCELERATOR_TYPE"] = name
