@@ -84,7 +84,6 @@ def _free_space(directory: epath.Path) -> str:
         return "free space unknown"
 
 
-@functools.cache
 @functools.cache  # once per process
 def _replica_parallel_for_large_arrays_only(min_bytes: int = 2**20) -> None:
     """orbax writes a replicated array (ZeRO-1's parameters) as one slice per replica, in parallel. Each

@@ -147,6 +147,12 @@ def _runs(hlo_text: str, comps: dict[str, list[str]], callees: dict[str, set[str
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
+def _iota(reshape: str, perm: str | None) -> np.ndarray:
+    """XLA's iota device list: 0..n-1 laid out as `reshape` ("4,2"), transposed by `perm` ("1,0") if given."""
+    ids = np.arange(math.prod(int(d) for d in reshape.split(","))).reshape([int(d) for d in reshape.split(",")])
+    return ids.transpose([int(d) for d in perm.split(",")]) if perm else ids
+
+
 def _groups(line: str) -> tuple[frozenset[int], ...]:
     if m := _PAIRS.search(line):  # a collective-permute: the devices its pairs connect, as groups
         groups: list[set[int]] = []
@@ -155,27 +161,20 @@ def _groups(line: str) -> tuple[frozenset[int], ...]:
             groups = [g for g in groups if g not in joined] + [set().union({int(a), int(b)}, *joined)]
         return tuple(frozenset(g) for g in groups)
     if m := _GROUPS_IOTA.search(line):
-        shape = [int(d) for d in m.group(1).split(",")]
-        ids = np.arange(math.prod(int(d) for d in m.group(2).split(","))).reshape([int(d) for d in m.group(2).split(",")])
-        if m.group(3):
-            ids = ids.transpose([int(d) for d in m.group(3).split(",")])
-        return tuple(frozenset(int(i) for i in row) for row in ids.reshape(shape[0], -1))
+        groups = _iota(m.group(2), m.group(3)).reshape(int(m.group(1).split(",")[0]), -1)
+        return tuple(frozenset(int(i) for i in row) for row in groups)
     if m := _GROUPS_LISTED.search(line):
         return tuple(frozenset(int(i) for i in g.split(",") if i) for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
     if m := _GROUPS_MESH.search(line):
         sizes = {name: int(n) for name, n in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
         grouped = [list(sizes).index(name) for name in re.findall(r"'([^']+)'", m.group(5))]
         kept = [i for i in range(len(sizes)) if i not in grouped]
-        ids = np.arange(math.prod(sizes.values()))
-        if m.group(2):  # the iota device order: [dims], or [dims]<=[reshape]; then T(perm)
-            reshape = [int(d) for d in (m.group(3) or m.group(2)).split(",")]
-            ids = ids.reshape(reshape)
-            if m.group(4):
-                ids = ids.transpose([int(d) for d in m.group(4).split(",")])
+        # the device order: as listed by an iota ([dims], or [dims]<=[reshape]; then T(perm)), else in order
+        ids = _iota(m.group(3) or m.group(2), m.group(4)) if m.group(2) else np.arange(math.prod(sizes.values()))
         ids = ids.reshape(list(sizes.values())).transpose(kept + grouped)
         return tuple(frozenset(int(i) for i in row) for row in ids.reshape(-1, math.prod(ids.shape[len(kept):])))
-    if m := re.search(r"replica_groups=\S+", line):  # a form this reader does not know (e.g. XLA's mesh-axes
-        # list): refuse rather than count the collective as spanning every device
+    if m := re.search(r"replica_groups=\S+", line):  # a form this reader does not know (e.g. a sub-axis of the
+        # mesh-axes form): refuse rather than count the collective as spanning every device
         raise ValueError(f"unknown replica-group format in the compiled HLO: {m.group(0)[:120]}")
     return ()
 

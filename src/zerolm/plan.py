@@ -47,6 +47,7 @@ from zerolm.hardware import Device
 from zerolm.mfu import flops_per_token
 
 STAGES = (0, 1, 2, 3)
+GPU_MEMORY_FRACTION = 0.9  # of a device without a compiler-stated limit (Device.usable), unless told otherwise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,7 +256,7 @@ class Planner:
         (the TPU presets), or 90% of a GPU's memory."""
         if self.memory_fraction is None and self.device.usable is not None:
             return self.device.usable
-        return self.device.memory * (self.memory_fraction or 0.9)
+        return self.device.memory * (self.memory_fraction or GPU_MEMORY_FRACTION)
 
     def memory(self, stage: int, micro: int) -> dict[str, Any]:
         st = self.states(stage, self.precision)
@@ -604,7 +605,7 @@ def describe(r: dict) -> list[str]:
              f"fits means at most {r['usable_bytes'] / 2**30:.2f} GiB per device ("
              + (f"{r['memory_fraction']:.0%} of {dev['memory'] / 2**30:.1f} GiB)" if r["memory_fraction"] is not None
                 else "what the TPU compiler allows, as `zerolm compile` checks)" if dev["usable"] is not None
-                else f"90% of {dev['memory'] / 2**30:.1f} GiB)"),
+                else f"{GPU_MEMORY_FRACTION:.0%} of {dev['memory'] / 2**30:.1f} GiB)"),
              ""]
     z = r["zerolm_step"]
     b = z["largest_micro_batch"]

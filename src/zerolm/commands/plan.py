@@ -12,8 +12,8 @@ import sys
 from zerolm.config import ConfigError, load_config
 from zerolm.exitcodes import EXIT_USAGE
 from zerolm.hardware import UnknownDevice, preset
-from zerolm.plan import (PRECISIONS, STAGES, AnalyticStates, Layout, PlanError, Planner, describe, from_config,
-                         model_from_params, planned_vocab)
+from zerolm.plan import (GPU_MEMORY_FRACTION, PRECISIONS, STAGES, AnalyticStates, Layout, PlanError, Planner,
+                         describe, from_config, model_from_params, planned_vocab)
 
 HELP = "per-device memory of ZeRO stages 0-3, the micro-batch that fits, and the step time, before launching"
 
@@ -44,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="share of the peak FLOP/s the compute reaches (default: %(default)s)")
     where.add_argument("--memory-fraction", type=float,
                        help="share of device memory a plan may use (default: on a TPU preset what the TPU compiler "
-                            "allows, as `zerolm compile` checks; else 0.9. JAX preallocates 75%% of a GPU unless "
-                            "XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise)")
+                            f"allows, as `zerolm compile` checks; else {GPU_MEMORY_FRACTION}. JAX preallocates 75%% "
+                            "of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise)")
     where.add_argument("--stage", type=int, choices=STAGES, default=1, help="stage for the step time (default: 1)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
