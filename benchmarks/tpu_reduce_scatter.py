@@ -3,11 +3,12 @@ time, no TPU needed): a reduce-scatter, the v4/v5p `all-reduce-scatter` fusion, 
 followed by a slice (each device receiving the whole reduced array).
 
     python benchmarks/tpu_reduce_scatter.py [--rows 8192] [--cols 1024] [--flag xla_tpu_...=true ...] [--targets ...]
-        [--two-stage INNER]
+        [--two-stage [INNER]]
 
---two-stage INNER writes the same reduce-scatter as two, on dp factored into (outer, INNER) mesh axes:
-a psum_scatter over `outer`, then one over `inner` (each device still ends with its own block, in dp
-order). That is how a reduce-scatter survives on slices where the one-stage form becomes an all-reduce.
+--two-stage INNER runs zerolm's `two_stage_reduce_scatter` instead (zero.scatter=two_stage): the same
+reduce-scatter as two over dp sub-groups, the second over INNER consecutive dp positions (0: the
+inner `zerolm.zero.two_stage_inner` picks for the slice). That is how a reduce-scatter survives where
+the one-stage form becomes an all-reduce. The mesh is zerolm's (`zerolm.mesh.make_mesh`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerolm import aot, hlo
+from zerolm.mesh import DP, make_mesh
+from zerolm.zero import two_stage_inner, two_stage_reduce_scatter
 
 TARGETS = ("v2-8", "v3-8", "v4-8", "v5e-8", "v5p-8", "v6e-8")
 
@@ -32,11 +34,13 @@ def main() -> None:
     parser.add_argument("--cols", type=int, default=1024)
     parser.add_argument("--flag", action="append", default=[], metavar="NAME=VALUE", help="a compiler option")
     parser.add_argument("--targets", nargs="+", default=list(TARGETS), help="default: %(default)s")
-    parser.add_argument("--two-stage", type=int, metavar="INNER", help="scatter over dp = outer × INNER in two steps")
+    parser.add_argument("--two-stage", type=int, metavar="INNER", nargs="?", const=0,
+                        help="zerolm's two-stage reduce-scatter, the second stage over INNER dp positions "
+                             "(none or 0: zerolm's choice for the slice)")
     args = parser.parse_args()
     options = {k: v.lower() == "true" if v.lower() in ("true", "false") else v
                for k, v in (f.split("=", 1) for f in args.flag)} or None
-    print(f"psum_scatter{' in two stages (inner ' + str(args.two_stage) + ')' if args.two_stage else ''} of "
+    print(f"psum_scatter{' in two stages' if args.two_stage is not None else ''} of "
           f"f32[{args.rows},{args.cols}] per device over dp (its whole: "
           f"{args.rows * args.cols * 4 / 2**20:.0f} MiB); bytes are each collective's result per device")
     for name in args.targets:
@@ -44,24 +48,18 @@ def main() -> None:
         devices = aot.target_devices(target)
         os.environ["TPU_ACCELERATOR_TYPE"] = name
         n = len(devices)
-        if args.two_stage:
-            mesh = Mesh(np.array(devices).reshape(n // args.two_stage, args.two_stage), ("outer", "inner"),
-                        axis_types=(AxisType.Auto,) * 2)
-            dp = ("outer", "inner")
+        mesh = make_mesh(n, 1, devices)
+        inner = (args.two_stage or two_stage_inner(mesh)) if args.two_stage is not None else None
 
-            def body(x):
-                outer = lax.psum_scatter(x[0], "outer", scatter_dimension=0, tiled=True)
-                return lax.psum_scatter(outer, "inner", scatter_dimension=0, tiled=True)
-        else:
-            mesh, dp = Mesh(np.array(devices).reshape(n), ("dp",), axis_types=(AxisType.Auto,)), "dp"
-
-            def body(x):
-                return lax.psum_scatter(x[0], "dp", scatter_dimension=0, tiled=True)
-        scatter = jax.shard_map(body, mesh=mesh, in_specs=P(dp), out_specs=P(dp))
-        x = jax.ShapeDtypeStruct((n, args.rows, args.cols), jnp.float32, sharding=NamedSharding(mesh, P(dp)))
+        def body(x, inner=inner):
+            if inner is None:
+                return lax.psum_scatter(x[0], DP, scatter_dimension=0, tiled=True)
+            return two_stage_reduce_scatter(x[0], 0, n, inner)
+        scatter = jax.shard_map(body, mesh=mesh, in_specs=P(DP), out_specs=P(DP, None))
+        x = jax.ShapeDtypeStruct((n, args.rows, args.cols), jnp.float32, sharding=NamedSharding(mesh, P(DP)))
         text = jax.jit(scatter).lower(x).compile(options).as_text()
         found = ", ".join(f"{c.op} {c.bytes / 2**20:.2f} MiB" for c in hlo.collectives(text))
-        print(f"  {name:6s} ({n} devices, {devices[0].device_kind}): {found}")
+        print(f"  {name:6s} ({n} devices, {devices[0].device_kind}{', inner ' + str(inner) if inner else ''}): {found}")
 
 
 if __name__ == "__main__":

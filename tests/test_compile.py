@@ -44,6 +44,21 @@ def test_megacore_targets_give_one_device_per_chip():
     assert len(devices) == 8 and len({d.id for d in devices}) == 8
 
 
+@pytest.mark.parametrize("target, scatter, inner", [
+    ("v3-32", "ring", None), ("v4-8", "collective", None), ("v5p-8", "collective", None), ("v5e-8", "collective", None),
+    ("v4-16", "two_stage", 4), ("v5p-64", "two_stage", 4), ("v5e-16", "two_stage", 4), ("v6e-64", "two_stage", 4)])
+def test_auto_scatter_takes_two_stages_on_slices_beyond_one_host(target, scatter, inner):
+    """zero.scatter=auto where the one-stage psum_scatter is an all-reduce of the whole (v2/v3: the ring;
+    v4+ beyond one host's 4 or 8 chips: two stages, the second over a host's worth of dp positions)."""
+    from zerolm.mesh import make_mesh
+    from zerolm.zero import resolve_scatter, two_stage_inner
+
+    devices = aot.target_devices(aot.parse_target(target))
+    mesh = make_mesh(len(devices), 1, devices)
+    assert resolve_scatter("auto", mesh) == scatter
+    assert inner is None or two_stage_inner(mesh) == inner
+
+
 @pytest.mark.parametrize("target, attention", [("v3-8", "blockwise"), ("v5e-8", "pallas")])
 def test_the_tpu_attentions_never_allocate_the_t_by_t_scores(target, attention):
     """A layer's loss gradient at 1024 positions (blocks of 128) compiled for a TPU core: XLA's attention
@@ -101,44 +116,48 @@ def test_one_dp_reduction_per_step_outside_the_loop_on_tpu(v3_report):
 SMALL_125M = ["model.n_layer=2", "model.seq_len=512", "train.micro_batch_size=4", "model.remat=full"]
 
 
-@pytest.fixture(scope="module", params=[("v3-8", "v3-core", "collective-permute"), ("v5e-8", "v5e", "reduce-scatter")],
-                ids=["v3-8", "v5e-8"])
+@pytest.fixture(scope="module", params=[("v3-8", "v3-core", "ring"), ("v5e-8", "v5e", "collective"),
+                                        ("v4-16", "v4", "two_stage")], ids=["v3-8", "v5e-8", "v4-16"])
 def small_125m(request):
-    target, preset, reduction = request.param
+    target, preset, scatter = request.param
     sets = [a for s in SMALL_125M for a in ("--set", s)]
     report = json.loads(compile_cmd("--config", C125M, "--target", target, *sets, "--json").stdout)
-    return report, preset, reduction
+    return report, preset, scatter
 
 
 def test_mixed_precision_reduces_with_a_reduce_scatters_bytes_in_bfloat16(small_125m):
-    """grad_reduce=reduce_scatter on the TPU compiler: v3 makes a psum_scatter an all-reduce, so zerolm runs a
-    ring of collective-permutes there (zero.scatter=auto); v5e keeps the reduce-scatter. Either way no
-    all-reduce of gradient size (the compiler all-reduces only the smallest leaves, biases and LayerNorm
-    scales, a latency choice), once per step, outside any loop (8 accumulation steps), and the bytes the
-    planner predicts for a bfloat16 reduction and all-gather."""
-    r, _, reduction = small_125m
-    assert r["fits"] and r["precision"] == "mixed" and r["accum_steps"] == 8
+    """grad_reduce=reduce_scatter on the TPU compiler, as zero.scatter=auto runs it: v3 makes a psum_scatter an
+    all-reduce, so a ring of collective-permutes there; one v5e host keeps the reduce-scatter; a v4 slice
+    beyond one host (v4-16) makes it an all-reduce, so two stages of reduce-scatters over dp sub-groups.
+    Each way no all-reduce of gradient size (the compiler all-reduces only the smallest leaves, biases and
+    LayerNorm scales, a latency choice), once per step, outside any loop (8 accumulation steps), and the
+    bytes the planner predicts for a bfloat16 reduction and all-gather."""
+    r, _, scatter = small_125m
+    assert r["fits"] and r["precision"] == "mixed" and r["accum_steps"] == 8 and r["scatter"] == scatter
     assert "reshard" not in r["programs"]
     grad = [c for c in r["collectives"] if c["program"] == "grad"]
     assert not [c for c in r["collectives"] if c["in_loop"]]
-    predicted = {(p["program"], p["op"]): p for p in r["predicted"]}
-    reduced = predicted[("grad", reduction)]
-    assert reduced["found_bytes"] is not None, grad
-    gradient = predicted[("update", "all-gather")]["bytes"]  # the whole bfloat16 gradient, as gathered
+    reduction = "collective-permute" if scatter == "ring" else "reduce-scatter"
+    reduced = [p for p in r["predicted"] if p["program"] == "grad" and p["op"] == reduction]
+    assert [p["axes"] for p in reduced] == {"ring": [["dp"]], "collective": [["dp"]],
+                                             "two_stage": [["dp(2/8)"], ["dp(4/8)"]]}[scatter]
+    gradient = next(p for p in r["predicted"] if p["op"] == "all-gather")["bytes"]  # the whole bf16 gradient
     all_reduced = sum(c["bytes"] for c in grad if c["op"] == "all-reduce")
     assert all_reduced < 0.01 * gradient
-    if reduction == "collective-permute":
-        assert reduced["found_bytes"] == reduced["bytes"]
-    else:  # v5e pads some leaves' blocks and sends a part of one as a collective-permute
-        assert 0.97 * reduced["bytes"] <= reduced["found_bytes"] <= 1.03 * reduced["bytes"]
-    gathered = predicted[("update", "all-gather")]
+    for p in reduced:
+        assert p["found_bytes"] is not None, grad
+        if scatter == "ring":
+            assert p["found_bytes"] == p["bytes"]
+        else:  # the TPU pads some leaves' blocks and sends a part of one as a collective-permute
+            assert 0.97 * p["bytes"] <= p["found_bytes"] <= 1.03 * p["bytes"]
+    gathered = next(p for p in r["predicted"] if p["op"] == "all-gather")
     assert 0.99 * gathered["bytes"] <= gathered["found_bytes"] <= gathered["bytes"]  # bfloat16: 2 bytes per param
 
 
-def test_auto_attention_is_blockwise_on_v3_and_pallas_on_v5e_inside_the_step(small_125m):
+def test_auto_attention_is_blockwise_on_v3_and_pallas_on_v4_and_later_inside_the_step(small_125m):
     """attention: auto, for the slice's devices: the step's grad program runs Pallas's kernels (inside the
     step's shard_map: the forward, its rerun under full remat, and the two backward kernels, once each in
-    the layers' loop) on v5e, none on v3."""
+    the layers' loop) on v4 and v5e, none on v3."""
     r, preset, _ = small_125m
     if preset == "v3-core":
         assert r["attention"] == "blockwise" and r["pallas_kernels"]["grad"] == 0

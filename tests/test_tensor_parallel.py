@@ -21,13 +21,13 @@ pytestmark = requires_devices(8)
 LAYOUTS = [(8, 1), (4, 2), (2, 4)]
 
 
-def _setup(cfg, dp, tp, devices=None, mode="reduce_scatter", rules=sharding.RULES):
+def _setup(cfg, dp, tp, devices=None, mode="reduce_scatter", rules=sharding.RULES, scatter="auto"):
     model = gpt_model.GPT(cfg.model)
     init_fn = functools.partial(gpt_model.init_params, model)
     abstract = jax.eval_shape(init_fn, jax.random.key(0))
     mesh = make_mesh(dp, tp, devices if devices is not None else jax.devices()[:dp * tp])
     zero = Zero1(mesh, functools.partial(gpt_model.lm_loss, model), make_optimizer(cfg.train)[0], abstract,
-                 logical_axes=gpt_model.logical_axes(model), grad_reduce=mode, rules=rules)
+                 logical_axes=gpt_model.logical_axes(model), grad_reduce=mode, rules=rules, scatter=scatter)
     return zero, zero.init(init_fn, jax.random.key(0))
 
 
@@ -86,6 +86,27 @@ def test_one_dp_reduction_after_the_loop_and_tp_collectives_inside_it(dp, tp):
     assert {c.op for c in tp_after} <= {"all-gather"}
     assert sum(c.elements for c in tp_after) == sum(lay.size for lay in blockified)
     assert bool(blockified) == (dp == 4)  # the case is covered, and (2, 4) has none
+
+
+def test_two_stage_reduce_scatter_over_dp_with_tp():
+    """zero.scatter=two_stage on dp 4 × tp 2: the same gradient as one psum_scatter; both stages over dp
+    pairs only (inner 2), each device's own tp block, after the loop."""
+    cfg = small_config("train.global_batch_size=16", "train.micro_batch_size=1")
+    rows = np.random.default_rng(0).integers(0, 100, (16, 17)).astype(np.int32)
+    grads = {}
+    for scatter in ("collective", "two_stage"):
+        zero, state = _setup(cfg, 4, 2, scatter=scatter)
+        batch = jax.device_put(to_accum_layout(rows, 4, 4, 1), zero.batch_sharding)
+        grads[scatter] = _flat(zero.grad(state.params, batch)[0])
+    assert zero.scatter_inner == 2
+    np.testing.assert_allclose(grads["two_stage"], grads["collective"], rtol=1e-6,
+                               atol=1e-6 * np.abs(grads["collective"]).max())
+    ops = hlo.collectives(hlo.compiled_text(zero.grad, state.params, batch))
+    mesh_shape = dict(zero.mesh.shape)
+    dp_reductions = [c for c in ops if c.op == "reduce-scatter"]
+    assert {hlo.axes_label(c, mesh_shape) for c in dp_reductions} == {("dp(2/4)",)}
+    assert not [c for c in dp_reductions if c.in_loop]
+    assert len(dp_reductions) == 2 * len(jax.tree.leaves(state.params))
 
 
 def _opt_bytes_per_device(zero) -> int:

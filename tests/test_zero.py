@@ -8,13 +8,16 @@ import numpy as np
 import optax
 import pytest
 from conftest import REPO, requires_devices, small_config, small_model
+from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from zerolm import hlo, model as gpt_model
 from zerolm.config import load_config
 from zerolm.data.loader import to_accum_layout
 from zerolm.mesh import make_mesh
 from zerolm.sharding import bytes_per_device, is_layout, plan_layout
-from zerolm.zero import Zero1, make_optimizer, naive_data_parallel_step
+from zerolm.zero import (Zero1, make_optimizer, naive_data_parallel_step, resolve_scatter,
+                         two_stage_reduce_scatter)
 
 
 def plan(abstract, dp):
@@ -294,7 +297,7 @@ def test_ring_reduce_scatter_is_the_same_sum_in_neighbour_exchanges(precision):
         state = zero.init(init_fn, jax.random.key(0))
         batch = _batch(zero, _rows(32, cfg), 4, 1)
         grads[scatter] = _flat(zero.table, zero.grad(state.params, batch)[0])
-    assert zero.ring
+    assert zero.scatter == "ring"
     tol = 1e-6 if precision == "fp32" else 1e-2
     np.testing.assert_allclose(grads["ring"], grads["collective"], rtol=tol, atol=tol * np.abs(grads["collective"]).max())
     ops = hlo.collectives(hlo.compiled_text(zero.grad, state.params, batch))
@@ -305,3 +308,58 @@ def test_ring_reduce_scatter_is_the_same_sum_in_neighbour_exchanges(precision):
     assert {hlo.axis_of(c, dict(zero.mesh.shape)) for c in permutes} == {("dp",)}
     padded = sum(np.prod(lay.view_shape) for lay in jax.tree.leaves(zero.layouts, is_leaf=is_layout))
     assert sum(c.elements for c in permutes) * zero.dp == padded * (zero.dp - 1)
+
+
+@pytest.mark.parametrize("inner", [1, 2, 4, 8])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_two_stage_reduce_scatter_is_psum_scatter(inner, axis):
+    """Each device ends with its own block of the sum, in dp order, for every factorization of dp = 8."""
+    mesh = make_mesh(8)
+    x = jnp.asarray(np.random.default_rng(inner).normal(size=(8, 16, 24)).astype(np.float32))
+    on = jax.sharding.NamedSharding(mesh, P("dp"))
+
+    def run(fn):
+        return np.asarray(jax.jit(jax.shard_map(lambda v: fn(v[0], axis)[None], mesh=mesh, in_specs=P("dp"),
+                                                out_specs=P("dp")))(jax.device_put(x, on)))
+
+    want = run(lambda v, a: lax.psum_scatter(v, "dp", scatter_dimension=a, tiled=True))
+    got = run(functools.partial(two_stage_reduce_scatter, dp=8, inner=inner))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(np.roll(got, 1, axis=0), want)  # the blocks land on their own devices
+
+
+def test_two_stage_reduce_scatter_in_the_step():
+    """zero.scatter=two_stage (the TPU's reduce-scatter, zerolm.zero.resolve_scatter): the same gradient as
+    one psum_scatter, as two reduce-scatters per leaf over dp sub-groups (stride 4 pairs, then the 4
+    consecutive positions: inner 4 on one host of dp 8), a reduce-scatter's bytes in all, none in a loop."""
+    cfg = small_config("train.global_batch_size=32", "train.micro_batch_size=1")
+    model, init_fn, loss_fn, abstract = small_model(cfg.model)
+    grads = {}
+    for scatter in ("collective", "two_stage"):
+        zero = Zero1(make_mesh(8), loss_fn, optax.sgd(0.1), abstract, scatter=scatter)
+        state = zero.init(init_fn, jax.random.key(0))
+        batch = _batch(zero, _rows(32, cfg), 4, 1)
+        grads[scatter] = _flat(zero.table, zero.grad(state.params, batch)[0])
+    assert (zero.scatter, zero.scatter_inner) == ("two_stage", 4)
+    assert resolve_scatter("auto", zero.mesh) == "collective"  # on CPU (and GPU): the one-stage collective
+    np.testing.assert_allclose(grads["two_stage"], grads["collective"], rtol=1e-6,
+                               atol=1e-6 * np.abs(grads["collective"]).max())
+    ops = hlo.collectives(hlo.compiled_text(zero.grad, state.params, batch))
+    assert not [c for c in ops if c.in_loop]
+    mesh_shape = dict(zero.mesh.shape)
+    stages = {label: [c for c in ops if c.op == "reduce-scatter" and hlo.axes_label(c, mesh_shape) == (label,)]
+              for label in ("dp(2/8)", "dp(4/8)")}
+    leaves = len(jax.tree.leaves(state.params))
+    assert [len(s) for s in stages.values()] == [leaves, leaves]
+    assert not [c for c in ops if c.elements > 1 and c.op != "reduce-scatter"]  # no all-reduce of the gradient
+    padded = sum(np.prod(lay.view_shape) for lay in jax.tree.leaves(zero.layouts, is_leaf=is_layout))
+    assert sum(c.elements for c in stages["dp(2/8)"]) == padded // 2
+    assert sum(c.elements for c in stages["dp(4/8)"]) == padded // 8
+    predicted = plan_predicted(zero)
+    assert [(p["axes"], p["bytes"]) for p in predicted if p["op"] == "reduce-scatter"] == [
+        (["dp(2/8)"], padded // 2 * 4), (["dp(4/8)"], padded // 8 * 4)]
+
+
+def plan_predicted(zero):
+    from zerolm.plan import predicted_traffic
+    return predicted_traffic(zero.table, "reduce_scatter", 4, scatter=zero.scatter, inner=zero.scatter_inner)

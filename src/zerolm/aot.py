@@ -199,7 +199,8 @@ def compile_for(cfg: Config, target: Target, devices: list) -> dict:
     return {"config": cfg.name, "target": target.name, "topology": target.topology,
             "device_kind": devices[0].device_kind, "devices": len(devices), "mesh": dict(mesh.shape),
             "micro_batch": micro, "accum_steps": accum, "remat": cfg.model.remat, "grad_reduce": cfg.zero.grad_reduce,
-            "precision": cfg.zero.precision, "attention": model.cfg.attention, "ring_reduce_scatter": zero.ring,
+            "precision": cfg.zero.precision, "attention": model.cfg.attention, "scatter": zero.scatter,
+            "scatter_inner": zero.scatter_inner,
             "programs": report_programs, "peak_program": peak_program, "peak_bytes_per_device": peak,
             "usable_bytes_per_device": usable, "fits": fits,
             "collectives": [{k: v for k, v in r.items() if k != "predicted"} for r in row_dicts],
@@ -213,13 +214,16 @@ def _gib(n: int | None) -> str:
     return "?" if n is None else f"{n / 2**30:.2f} GiB"
 
 
+_SCATTER = {"collective": "", "ring": " (as a ring of collective-permutes)",
+            "two_stage": " (in two stages, the second over {scatter_inner} dp positions)"}
+
+
 def describe(r: dict) -> list[str]:
     lines = [f"compile: {r['config']} for {r['target']} ({r['topology']}, {r['devices']} × {r['device_kind']}), "
              f"mesh {' × '.join(f'{k}={v}' for k, v in r['mesh'].items())}, micro-batch {r['micro_batch']} × "
              f"{r['accum_steps']} accumulation step(s), remat {r['remat']}, attention {r['attention']}, "
              f"precision {r['precision']}, grad_reduce={r['grad_reduce']}"
-             + (" (as a ring of collective-permutes)" if r["ring_reduce_scatter"] and r["grad_reduce"] == "reduce_scatter"
-                else ""),
+             + (_SCATTER[r["scatter"]].format(**r) if r["grad_reduce"] == "reduce_scatter" else ""),
              "per device      arguments      outputs  temporaries      aliased  live outside         peak   compile"]
     for name, p in r["programs"].items():
         lines.append(f"  {name:8s} {_gib(p['argument_bytes']):>12s} {_gib(p['output_bytes']):>12s} "
@@ -233,7 +237,7 @@ def describe(r: dict) -> list[str]:
     for p in r["predicted"]:
         if p["program"] == "grad" and p["bytes"] > 4:
             found = "none" if p["found_bytes"] is None else f"{p['found_bytes']:,}"
-            lines.append(f"  gradient reduction ({p['op']} over dp): {found} bytes per device; zerolm plan predicts "
+            lines.append(f"  gradient reduction ({p['op']} over {'+'.join(p['axes'])}): {found} bytes per device; zerolm plan predicts "
                          f"{p['bytes']:,}" + ("" if p["found_bytes"] is None else f" ({p['found_bytes'] / p['bytes']:.1%})"))
     verdict = "FITS" if r["fits"] else "DOES NOT FIT"
     lines.append(f"{verdict}: peak {_gib(r['peak_bytes_per_device'])} per device ({r['peak_program']}) of "

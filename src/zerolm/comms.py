@@ -134,14 +134,15 @@ def predicted_traffic(cfg, model, zero) -> list[dict]:
     activation = (cfg.train.micro_batch_size * cfg.model.seq_len * cfg.model.d_model
                   * jnp.dtype(model.cfg.dtype).itemsize)
     return plan.predicted_traffic(zero.table, cfg.zero.grad_reduce, cfg.accum_steps, activation, cfg.model.n_layer,
-                                  cfg.model.remat == "full", param_bytes=zero.param_dtype.itemsize, ring=zero.ring)
+                                  cfg.model.remat == "full", param_bytes=zero.param_dtype.itemsize,
+                                  scatter=zero.scatter, inner=zero.scatter_inner)
 
 
 def attach_predictions(rows: list[dict], predicted: list[dict]) -> None:
     """Each prediction beside the rows it predicts (axes None: any rows over dp): its found bytes."""
     for p in predicted:
         mine = [r for r in rows if (r["program"], r["op"], r["in_loop"]) == (p["program"], p["op"], p["in_loop"])
-                and (r["axes"] == p["axes"] if p["axes"] is not None else "dp" in r["axes"])]
+                and (r["axes"] == p["axes"] if p["axes"] is not None else hlo.over(r["axes"], "dp"))]
         p["found_bytes"] = sum(r["bytes"] for r in mine) if mine else None
         p["found_bytes_per_step"] = None if not mine or any(r["bytes_per_run"] is None for r in mine) else \
             sum(r["bytes_per_run"] for r in mine)
@@ -176,7 +177,7 @@ def describe_report(r: dict) -> list[str]:
             lines.append(f"  predicted but NOT in the compiled step: {p['program']} {p['op']} over "
                          f"{'+'.join(p['axes'] or ['dp'])}{' in a loop' if p['in_loop'] else ''}, {p['bytes']:,} bytes")
     lines.append("  (-: not predicted: the update's norms and counters, a few scalars)")
-    reductions = [c for c in r["_rows"] if "dp" in c["axes"] and c["op"] in ("all-reduce", "reduce-scatter")
+    reductions = [c for c in r["_rows"] if hlo.over(c["axes"], "dp") and c["op"] in ("all-reduce", "reduce-scatter")
                   and c["program"] in ("grad", "step") and c["bytes"] > 4]
     if reductions:
         inside = [c for c in reductions if c["in_loop"]]

@@ -128,7 +128,7 @@ class ZeroConfig(_Section):
     # float32 master weights in the dp-sharded optimizer state, bfloat16 reduction and all-gather.
     precision: Literal["fp32", "mixed"]
     accumulate_dtype: Literal["float32", "bfloat16"]  # each device's gradient sum over its micro-batches
-    scatter: Literal["auto", "collective", "ring"]  # how reduce_scatter is done (zerolm.zero.Zero1)
+    scatter: Literal["auto", "collective", "two_stage", "ring"]  # how reduce_scatter runs (zerolm.zero.Zero1)
 
 
 class DataConfig(_Section):

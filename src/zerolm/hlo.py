@@ -207,8 +207,18 @@ def axes_label(collective: Collective, mesh_shape: dict[str, int]) -> tuple[str,
     for a, (name, size) in enumerate(mesh_shape.items()):
         spread = len({coords[d][a] for d in group})
         if spread > 1:
-            labels.append(name if spread == size else f"{name}({spread}/{size})")
+            labels.append(axis_share(name, spread, size))
     return tuple(labels)
+
+
+def axis_share(name: str, spread: int, size: int) -> str:
+    """A mesh axis, or the share of it one replica group covers: `dp`, `dp(4/32)`."""
+    return name if spread == size else f"{name}({spread}/{size})"
+
+
+def over(axes, name: str) -> bool:
+    """Do a collective's `axes_label` axes include mesh axis `name`, whole or a share of it?"""
+    return any(a == name or a.startswith(name + "(") for a in axes)
 
 
 def compiled_text(jitted, *args) -> str:

@@ -443,19 +443,23 @@ class Planner:
 
 
 def predicted_traffic(table, grad_reduce: str, accum: int, activation: int = 0, n_layer: int = 0,
-                      remat: bool = False, param_bytes: int = 4, ring: bool = False) -> list[dict]:
+                      remat: bool = False, param_bytes: int = 4, scatter: str = "collective",
+                      inner: int | None = None) -> list[dict]:
     """zerolm's step on `table`'s mesh as the planner counts it: rows of (program, op, axes, in_loop,
     bytes per device summed over the instructions, bytes per step). `axes` None: over dp, whichever
     other axes the partitioner adds (it splits the update's all-gathers between dp and dp+tp freely).
 
     grad: the one reduction after the loop, in the parameters' dtype (`param_bytes`: 4, or 2 in mixed
     precision): a reduce-scatter into the optimizer layout (1/dp of each device's gradient block; with
-    `ring`, dp − 1 collective-permutes of such a block) or an all-reduce of the whole block,
+    `scatter` "two_stage", one over dp // inner positions of dp, `dp(outer/dp)`, giving `inner` such blocks,
+    then one over `inner`, `dp(inner/dp)` (one row when the two are of a size); with "ring", dp − 1 collective-permutes of such a block) or an
+    all-reduce of the whole block,
     and the loss's 4-byte all-reduce; with tp, Megatron's all-reduces of the `activation` bytes of a
     micro-batch, 2 forward and 2 backward per layer (3 forward with full remat), every micro-step.
     update: the all-gather of the new parameters out of the optimizer layout."""
     import jax
 
+    from zerolm import hlo
     from zerolm.mesh import DP, TP
     from zerolm.sharding import is_layout
 
@@ -474,8 +478,16 @@ def predicted_traffic(table, grad_reduce: str, accum: int, activation: int = 0, 
 
     if grad_reduce == "all_reduce":
         rows = [row("grad", "all-reduce", [DP], grads + 4)]
-    elif ring:
+    elif scatter == "ring":
         rows = [row("grad", "collective-permute", [DP], scattered * (dp - 1)), row("grad", "all-reduce", [DP], 4)]
+    elif scatter == "two_stage":
+        stages: dict[str, int] = {}  # by the HLO's label; stages of one size (outer = inner) share a row
+        for n, nbytes in ((dp // inner, scattered * inner), (inner, scattered)):
+            if n > 1:
+                label = hlo.axis_share(DP, n, dp)
+                stages[label] = stages.get(label, 0) + nbytes
+        rows = [row("grad", "reduce-scatter", [label], nbytes) for label, nbytes in stages.items()]
+        rows.append(row("grad", "all-reduce", [DP], 4))
     else:
         rows = [row("grad", "reduce-scatter", [DP], scattered), row("grad", "all-reduce", [DP], 4)]
     if tp > 1 and activation:

@@ -7,8 +7,10 @@ One optimizer step is three compiled programs (seed note 003, on today's JAX):
    float32 gradients locally; the tp collectives of the forward and backward passes run inside this
    loop, over tp only. The second, manual over dp and tp, is the ONE cross-device reduction over dp,
    each device reducing only its own tp block: a `pmean` (all_reduce) or a `psum_scatter` straight
-   into the optimizer-state layout (reduce_scatter, half the bytes; on TPU v2/v3, whose compiler makes
-   a `psum_scatter` an all-reduce, the same sum as a ring of `ppermute`s: `ring_reduce_scatter`).
+   into the optimizer-state layout (reduce_scatter, half the bytes). Where the TPU compiler makes a
+   `psum_scatter` over the whole dp axis an all-reduce of the whole, the same sum runs as dp − 1
+   `ppermute`s (v2/v3: `ring_reduce_scatter`) or as two `psum_scatter`s over dp sub-groups (v4/v5e/v5p
+   slices beyond one host: `two_stage_reduce_scatter`), which it keeps (`resolve_scatter`).
 2. `reshard`: an identity `jax.jit` that moves the parameters into the optimizer-state layout. Each
    device keeps its own slice, so it compiles to no collective (but for a small gather of each
    blockified tp-split leaf; `zerolm comms` shows them).
@@ -30,6 +32,7 @@ from typing import Any, Literal, NamedTuple
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -42,15 +45,45 @@ from zerolm.sharding import from_views, is_layout, to_views
 PyTree = Any
 GradReduce = Literal["all_reduce", "reduce_scatter"]
 Precision = Literal["fp32", "mixed"]
-Scatter = Literal["auto", "collective", "ring"]
+Scatter = Literal["auto", "collective", "ring", "two_stage"]
 LossFn = Callable[[PyTree, jax.Array], jax.Array]  # (params, tokens_BxT1) -> scalar loss
 
 
-def ring_reduce_scatter_wanted(scatter: Scatter, mesh: Mesh) -> bool:
-    """auto: the ring on TPU v2/v3, whose compiler makes a reduce-scatter an all-reduce; the collective elsewhere."""
-    if scatter == "auto":
-        return tpu_generation(mesh.devices.flat[0].device_kind) in (2, 3)
-    return scatter == "ring"
+def resolve_scatter(scatter: Scatter, mesh: Mesh) -> Scatter:
+    """How `reduce_scatter` runs on `mesh`; auto follows what the TPU compiler makes of a psum_scatter over
+    the whole dp axis (docs/performance-notes.md): an all-reduce of the whole on v2/v3, so the ring
+    there (exact bytes); on v4 and later a reduce-scatter on one host's chips, an all-reduce of the whole
+    on a slice beyond one host, so there two stages (`two_stage_reduce_scatter`, where dp factors). The
+    collective everywhere else (CPU, GPU, one v4+ host)."""
+    if scatter != "auto":
+        return scatter
+    kind = mesh.devices.flat[0].device_kind
+    generation = tpu_generation(kind)
+    if generation is None:
+        return "collective"
+    if generation in (2, 3):
+        return "ring"
+    beyond_one_host = mesh.devices.size > (8 if "lite" in kind.lower() else 4)  # v5e/v6e hosts: 8 chips
+    return "two_stage" if beyond_one_host and two_stage_inner(mesh) > 1 else "collective"
+
+
+def _dp_per_host(mesh: Mesh) -> int:
+    """The dp positions the first device's host holds."""
+    axis, host = mesh.axis_names.index(DP), mesh.devices.flat[0].process_index
+    return len({c[axis] for c, d in np.ndenumerate(mesh.devices) if d.process_index == host})
+
+
+def two_stage_inner(mesh: Mesh) -> int:
+    """The second stage's group size for `two_stage_reduce_scatter` on `mesh`'s dp axis: as many dp
+    positions as one host holds (the first device's host; 4 on multi-host v4/v5e/v5p slices, where it is
+    measured to compile to reduce-scatters, docs/performance-notes.md), where that is a proper divisor of
+    dp; else dp's largest proper divisor. 1 when dp is prime (one stage). The positions need not be one
+    host's: the mesh orders devices along the torus, not by host."""
+    dp, per_host = mesh.shape[DP], _dp_per_host(mesh)
+    if 1 < per_host < dp and dp % per_host == 0:
+        return per_host
+    smallest_factor = next((f for f in range(2, dp) if dp % f == 0), dp)
+    return dp // smallest_factor
 
 
 @flax.struct.dataclass
@@ -99,8 +132,9 @@ class Zero1:
     float32 master weights live in the dp-sharded optimizer state (`with_master_weights`), and the
     gradient is reduced and the new parameters all-gathered in bfloat16 (half the bytes of each).
     `accumulate_dtype`: the dtype of each device's gradient accumulator over its micro-batches.
-    `scatter` (reduce_scatter): "collective" is `lax.psum_scatter`; "ring" the same sum as dp − 1
-    neighbour exchanges (`ring_reduce_scatter`); "auto" takes the ring on TPU v2/v3 only.
+    `scatter` (reduce_scatter): "collective" is `lax.psum_scatter`; "two_stage" the same sum as two, over
+    dp sub-groups (`two_stage_reduce_scatter`, second-stage groups of `two_stage_inner(mesh)`); "ring"
+    as dp − 1 neighbour exchanges (`ring_reduce_scatter`); "auto" is `resolve_scatter`'s choice.
     """
 
     def __init__(self, mesh: Mesh, loss_fn: LossFn, tx: optax.GradientTransformation,
@@ -131,9 +165,11 @@ class Zero1:
                                    axis_names=frozenset({DP}))
         # (2) reduce: manual over dp and tp, each device reducing its own tp block (sharding.Table.reduction).
         tp_local, in_specs, out_specs = table.reduction(grad_reduce)
-        self.ring = ring_reduce_scatter_wanted(scatter, mesh)
+        self.scatter = resolve_scatter(scatter, mesh)  # "collective", "two_stage" or "ring"
+        self.scatter_inner = two_stage_inner(mesh) if self.scatter == "two_stage" else None
         reduce = jax.shard_map(functools.partial(_reduce, layouts=self.layouts, tp_local=tp_local,
-                                                 grad_reduce=grad_reduce, dp=self.dp, tp=self.tp, ring=self.ring),
+                                                 grad_reduce=grad_reduce, dp=self.dp, tp=self.tp,
+                                                 scatter=self.scatter, inner=self.scatter_inner),
                                mesh=mesh, in_specs=(in_specs, P(DP)), out_specs=(out_specs, P()))
 
         def grad_step(params, batch):
@@ -229,26 +265,53 @@ def _accumulate(params, batch_AxMxT1, *, loss_fn: LossFn, acc_dtype, out_dtype):
     return jax.tree.map(lambda g: (g / accum).astype(out_dtype)[None], grads), (loss / accum)[None]
 
 
-def _reduce(grads, loss, *, layouts, tp_local, grad_reduce: GradReduce, dp: int, tp: int, ring: bool):
+def _reduce(grads, loss, *, layouts, tp_local, grad_reduce: GradReduce, dp: int, tp: int, scatter: Scatter,
+            inner: int | None):
     """The one reduction over dp, on each device's own tp block: pmean, or a reduce-scatter into the layout
-    (`psum_scatter`, or with `ring` the same sum as dp − 1 neighbour exchanges: `ring_reduce_scatter`)."""
+    (`scatter`: one `psum_scatter`, two over dp sub-groups, or dp − 1 neighbour exchanges)."""
     grads = jax.tree.map(lambda g: g[0], grads)
     loss = lax.pmean(loss[0], DP)
     if grad_reduce == "all_reduce":
         return lax.pmean(grads, DP), {"loss": loss}
+    reduce_scatter = {
+        "collective": lambda x, axis: lax.psum_scatter(x, DP, scatter_dimension=axis, tiled=True),
+        "two_stage": functools.partial(two_stage_reduce_scatter, dp=dp, inner=inner),
+        "ring": functools.partial(ring_reduce_scatter, dp=dp)}[scatter]
 
-    def scatter(lay, local, g):
-        if ring:
-            view = ring_reduce_scatter(lay.to_view(g), lay.scatter_dim, dp) / dp
-        else:
-            view = lax.psum_scatter(lay.to_view(g), DP, scatter_dimension=lay.scatter_dim, tiled=True) / dp
+    def scatter_leaf(lay, local, g):
+        view = reduce_scatter(lay.to_view(g), lay.scatter_dim) / dp
         if local or tp == 1:
             return view
         # Whole over tp here (tp-replicated or blockified): keep this tp device's share of the dp block.
         n = view.shape[lay.scatter_dim] // tp
         return lax.dynamic_slice_in_dim(view, lax.axis_index(TP) * n, n, axis=lay.scatter_dim)
 
-    return jax.tree.map(scatter, layouts, tp_local, grads, is_leaf=is_layout), {"loss": loss}
+    return jax.tree.map(scatter_leaf, layouts, tp_local, grads, is_leaf=is_layout), {"loss": loss}
+
+
+def two_stage_groups(dp: int, inner: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The dp positions of `two_stage_reduce_scatter`'s two stages: first the dp // inner positions `inner`
+    apart, then the `inner` consecutive ones."""
+    outer = dp // inner
+    return ([[i + k * inner for k in range(outer)] for i in range(inner)],
+            [[o * inner + i for i in range(inner)] for o in range(outer)])
+
+
+def two_stage_reduce_scatter(x: jax.Array, axis: int, dp: int, inner: int) -> jax.Array:
+    """`psum_scatter(x, 'dp', scatter_dimension=axis, tiled=True)` as two psum_scatters over dp sub-groups.
+
+    dp = outer × inner. Device o·inner + i first sums, with the `outer` devices i, i + inner, ... (a
+    stride of inner), the o-th of x's `outer` chunks (its own block and the inner − 1 blocks after it),
+    then, with the `inner` devices o·inner, ..., o·inner + inner − 1, the i-th block of that chunk: block
+    o·inner + i of the whole sum, its own, in dp order. Each device sends x·(outer − 1)/outer then
+    x/outer·(inner − 1)/inner: (dp − 1)/dp of x, a reduce-scatter's bytes. The TPU compiler keeps both
+    as reduce-scatters where it makes the one-stage form an all-reduce of the whole (the measurements:
+    docs/performance-notes.md). A stage over groups of one is skipped (inner 1 or dp: one stage)."""
+    across, within = two_stage_groups(dp, inner)
+    for groups in (across, within):
+        if len(groups[0]) > 1:
+            x = lax.psum_scatter(x, DP, scatter_dimension=axis, axis_index_groups=groups, tiled=True)
+    return x
 
 
 def ring_reduce_scatter(x: jax.Array, axis: int, dp: int) -> jax.Array:
@@ -256,8 +319,8 @@ def ring_reduce_scatter(x: jax.Array, axis: int, dp: int) -> jax.Array:
 
     Device i ends with block i of the sum: a partial sum of block b starts on device b + 1, travels
     right, and each device it reaches adds its own block b. Every device sends (dp − 1)/dp of x, a
-    reduce-scatter's bytes. The TPU v2/v3 compiler turns a reduce-scatter into an all-reduce of the whole
-    (docs/performance-notes.md), twice the bytes and a whole-gradient output; collective-permutes it keeps.
+    reduce-scatter's bytes, in dp − 1 hops (`two_stage_reduce_scatter` takes 2 collectives). The TPU
+    compiler keeps collective-permutes where it makes a one-stage reduce-scatter an all-reduce.
     Unrolled, so that no collective sits in a loop (and the compiler may overlap them)."""
     if dp == 1:
         return x
