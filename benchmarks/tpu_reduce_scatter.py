@@ -2,7 +2,7 @@
 time, no TPU needed): a reduce-scatter, the v4/v5p `all-reduce-scatter` fusion, or an all-reduce
 followed by a slice (each device receiving the whole reduced array).
 
-    python benchmarks/tpu_reduce_scatter.py [--rows 8192] [--cols 1024] [--flag xla_tpu_...=true ...] [--targets ...]
+    python benchmarks/tpu_reduce_scatter.py [--rows 8192] [--cols 1024] [--dtype float32] [--layers L] [--flag xla_tpu_...=true ...] [--targets ...]
         [--two-stage [INNER]]
 
 --two-stage INNER runs zerolm's `two_stage_reduce_scatter` instead (zero.scatter=two_stage): the same
@@ -14,6 +14,7 @@ the one-stage form becomes an all-reduce. The mesh is zerolm's (`zerolm.mesh.mak
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 import jax
@@ -32,6 +33,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--cols", type=int, default=1024)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--layers", type=int, default=0, help="scatter (LAYERS, rows, cols) on its rows, as a "
+                                                              "stacked layer kernel (default: (rows, cols))")
     parser.add_argument("--flag", action="append", default=[], metavar="NAME=VALUE", help="a compiler option")
     parser.add_argument("--targets", nargs="+", default=list(TARGETS), help="default: %(default)s")
     parser.add_argument("--two-stage", type=int, metavar="INNER", nargs="?", const=0,
@@ -40,9 +44,12 @@ def main() -> None:
     args = parser.parse_args()
     options = {k: v.lower() == "true" if v.lower() in ("true", "false") else v
                for k, v in (f.split("=", 1) for f in args.flag)} or None
+    shape = (args.layers,) * bool(args.layers) + (args.rows, args.cols)
+    axis = len(shape) - 2
     print(f"psum_scatter{' in two stages' if args.two_stage is not None else ''} of "
-          f"f32[{args.rows},{args.cols}] per device over dp (its whole: "
-          f"{args.rows * args.cols * 4 / 2**20:.0f} MiB); bytes are each collective's result per device")
+          f"{args.dtype}[{','.join(map(str, shape))}] per device over dp, on its rows (its whole: "
+          f"{math.prod(shape) * jnp.dtype(args.dtype).itemsize / 2**20:.2f} MiB); bytes are each collective's "
+          "result per device")
     for name in args.targets:
         target = aot.parse_target(name)
         devices = aot.target_devices(target)
@@ -53,10 +60,10 @@ def main() -> None:
 
         def body(x, inner=inner):
             if inner is None:
-                return lax.psum_scatter(x[0], DP, scatter_dimension=0, tiled=True)
-            return two_stage_reduce_scatter(x[0], 0, n, inner)
+                return lax.psum_scatter(x[0], DP, scatter_dimension=axis, tiled=True)
+            return two_stage_reduce_scatter(x[0], axis, n, inner)
         scatter = jax.shard_map(body, mesh=mesh, in_specs=P(DP), out_specs=P(DP, None))
-        x = jax.ShapeDtypeStruct((n, args.rows, args.cols), jnp.float32, sharding=NamedSharding(mesh, P(DP)))
+        x = jax.ShapeDtypeStruct((n, *shape), args.dtype, sharding=NamedSharding(mesh, P(DP)))
         text = jax.jit(scatter).lower(x).compile(options).as_text()
         found = ", ".join(f"{c.op} {c.bytes / 2**20:.2f} MiB" for c in hlo.collectives(text))
         print(f"  {name:6s} ({n} devices, {devices[0].device_kind}{', inner ' + str(inner) if inner else ''}): {found}")

@@ -311,11 +311,14 @@ def test_ring_reduce_scatter_is_the_same_sum_in_neighbour_exchanges(precision):
 
 
 @pytest.mark.parametrize("inner", [1, 2, 4, 8])
-@pytest.mark.parametrize("axis", [0, 1])
-def test_two_stage_reduce_scatter_is_psum_scatter(inner, axis):
-    """Each device ends with its own block of the sum, in dp order, for every factorization of dp = 8."""
+@pytest.mark.parametrize("shape, axis", [((16, 24), 0), ((16, 24), 1), ((3, 24, 16), 1), ((24, 3, 10), 0)],
+                         ids=["rows", "columns", "3-axes-rows-cut", "3-axes-2d"])
+def test_two_stage_reduce_scatter_is_psum_scatter(inner, shape, axis):
+    """Each device ends with its own block of the sum, in dp order, for every factorization of dp = 8; the
+    3-axis float32 arrays have blocks of 3 rows, not whole TPU tiles (8), so they take the 2-D form (rows
+    cut in 8; rows of 30 that 8 does not cut)."""
     mesh = make_mesh(8)
-    x = jnp.asarray(np.random.default_rng(inner).normal(size=(8, 16, 24)).astype(np.float32))
+    x = jnp.asarray(np.random.default_rng(inner).normal(size=(8, *shape)).astype(np.float32))
     on = jax.sharding.NamedSharding(mesh, P("dp"))
 
     def run(fn):
