@@ -99,6 +99,20 @@ def test_tensor_parallel_in_two_processes_trains_as_dp8(one_by_eight, tmp_path, 
     np.testing.assert_allclose([got[s] for s in sorted(got)], [reference[s] for s in sorted(reference)], rtol=2e-5)
 
 
+def test_two_stage_reduce_scatter_across_processes_trains_as_dp8(one_by_eight, tmp_path):
+    """zero.scatter=two_stage (the TPU's reduce-scatter beyond one host) over 2 processes × 4 devices: the
+    second stage over a host's worth of dp positions (4), the first across the processes; the same losses
+    as 1 process × dp 8, to float32 summation order."""
+    _, reference = one_by_eight
+    out, _ = launched(tmp_path, "zero.scatter=two_stage")
+    assert "grad_reduce=reduce_scatter (two_stage)" in out
+    grad_line = next(line for line in out.splitlines() if line.startswith("collectives per step: grad: "))
+    assert "reduce-scatter over dp(2/8)" in grad_line and "reduce-scatter over dp(4/8)" in grad_line, grad_line
+    assert "INSIDE" not in grad_line
+    got = losses(tmp_path)
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [reference[s] for s in sorted(reference)], rtol=2e-5)
+
+
 @pytest.mark.parametrize("processes, tp", [(2, 2), (4, 2)])
 def test_tensor_parallel_across_processes_trains_as_dp8(one_by_eight, tmp_path, processes, tp):
     """tp groups that span processes (one device each, as tp pairs spanning GPU hosts): the loader's hand-over

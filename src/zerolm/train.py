@@ -156,8 +156,9 @@ def _startup_summary(cfg: Config, zero: Zero1, accounting: Accounting, n_params:
     lines = [f"zerolm: {cfg.name}: {n_params / 1e6:.2f}M params, {jax.device_count()} {accounting.device_kind} "
              f"device(s) in {jax.process_count()} process(es), mesh dp={cfg.dp} tp={cfg.mesh.tp}, "
              f"{cfg.accum_steps} accumulation step(s) of {cfg.train.micro_batch_size} sequence(s) per device, "
-             f"{cfg.train.global_batch_size} sequences = {tokens:,} tokens per step, grad_reduce={cfg.zero.grad_reduce}, "
-             f"precision={cfg.zero.precision}",
+             f"{cfg.train.global_batch_size} sequences = {tokens:,} tokens per step, grad_reduce={cfg.zero.grad_reduce}"
+             + (f" ({zero.scatter})" if cfg.zero.grad_reduce == "reduce_scatter" and zero.scatter != "collective" else "")
+             + f", precision={cfg.zero.precision}",
              f"per device: params {mib(shard_bytes(params))}, gradient accumulator {mib(accumulator)}, optimizer state "
              f"{mib(shard_bytes(opt))} (1/{cfg.dp * cfg.mesh.tp} of it, plus padding"
              + (", master weights included" if zero.mixed else "") + "); activations not counted",

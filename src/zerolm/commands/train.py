@@ -84,9 +84,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except SaveFailed as e:
-        _exit_after_restore_error(f"error: {e}", EXIT_SAVE_FAILED)
+        _exit_after_checkpoint_error(f"error: {e}", EXIT_SAVE_FAILED)
     except CheckpointError as e:
-        _exit_after_restore_error(f"error: {e}", EXIT_USAGE)
+        _exit_after_checkpoint_error(f"error: {e}", EXIT_USAGE)
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_NONFINITE
@@ -104,18 +104,19 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _exit_after_restore_error(message: str, code: int) -> None:
+def _exit_after_checkpoint_error(message: str, code: int) -> None:
     """Report a checkpoint error as the last line and exit.
 
     After a failed restore, orbax has closed its event loop while TensorStore reads are still in
     flight, and their callbacks print 'Event loop is closed' tracebacks (not through sys.excepthook).
-    They say nothing about the user's problem: let them drain into /dev/null, then report and leave.
+    The same after a failed save, from its background threads. They say nothing about the user's problem:
+    from here on the process's stderr goes to /dev/null (however late a thread writes, and under load they
+    are late), and the message is written to the real one, the last line, after a moment to drain.
     """
     sys.stdout.flush()
     sys.stderr.flush()
     stderr = os.dup(2)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
     time.sleep(0.5)
-    os.dup2(stderr, 2)
-    print(message, file=sys.stderr, flush=True)
+    os.write(stderr, (message + "\n").encode())
     os._exit(code)
