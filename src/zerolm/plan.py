@@ -320,7 +320,8 @@ class Planner:
           compute dtype: the LayerNorms' float32 statistics and normalized inputs, q, k, v, the attention
           output, the MLP's input, its 4h-wide pre-activation and the tanh-GELU's 4h-wide intermediates;
           XLA's attention adds its T×T probabilities and float32 scores, Pallas's its softmax statistics
-          (2·a·s·b·128 float32: the kernel pads a row's max and sum to the TPU's 128 lanes);
+          (2·a·s·b·128 float32: the kernel pads a row's max and sum to the TPU's 128 lanes), and once
+          a relayouted copy of the stacked c_attn kernel (L·3h²);
         - with full remat, each layer's input, plus REBUILT_LAYER·s·b·h for the one layer being rebuilt
           and run backward;
         - the loss: the output layer's float32 gradient as it is summed and the embedding's (2·V·h·4),
@@ -334,12 +335,16 @@ class Planner:
         attention = self.attention
         # XLA's: the T×T probabilities and float32 scores. Pallas's kernel keeps its softmax statistics
         # (running max and sum) as two float32 rows of 128 lanes per query; the blockwise one a float32 each.
-        scores = a * s * s * b * (e + 4) // t if attention == "xla" else \
-            2 * a * s * b * PALLAS_LANES * 4 // t if attention == "pallas" else 0
+        lane_row = a * s * b * PALLAS_LANES * 4 // t
+        scores = a * s * s * b * (e + 4) // t if attention == "xla" else 2 * lane_row if attention == "pallas" else 0
+        # Around the Pallas kernels XLA adds, once, a copy of the stacked c_attn kernel in the layout the
+        # kernels' (B, H, T, K) operands want, hoisted out of the loops (the buffer assignment of 1_3b on
+        # v5p-64: docs/performance-notes.md).
+        pallas_once = L * h * 3 * h * e // t if attention == "pallas" else 0
         if m.remat == "none":
-            layers = L * (KEPT_PER_LAYER * sbh * e // t + scores)
+            layers = L * (KEPT_PER_LAYER * sbh * e // t + scores) + pallas_once
         else:
-            layers = L * sbh * e + REBUILT_LAYER * sbh * e // t + scores
+            layers = L * sbh * e + REBUILT_LAYER * sbh * e // t + scores + pallas_once
         tokens = b * s
         logits = min(tokens, m.loss_chunk) * m.vocab * (4 + e) if m.loss_chunk else 3 * tokens * m.vocab * 4
         return layers + 2 * m.vocab * h * 4 + logits
