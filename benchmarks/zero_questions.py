@@ -32,6 +32,7 @@ from zerolm import model as gpt_model
 from zerolm.config import load_config
 from zerolm.mesh import DP, make_mesh
 from zerolm.step import build_step
+from zerolm.zero import two_stage_inner, two_stage_reduce_scatter
 
 
 def collectives(text: str, mesh) -> str:
@@ -42,7 +43,7 @@ def collectives(text: str, mesh) -> str:
 
 def question_1(mesh) -> None:
     n = mesh.shape[DP]
-    stacked = jax.ShapeDtypeStruct((n, 1024 * n), np.float32, sharding=NamedSharding(mesh, P(DP)))
+    stacked = jax.ShapeDtypeStruct((n, 512 * n, 128), np.float32, sharding=NamedSharding(mesh, P(DP)))  # 2 MiB a device
     out = NamedSharding(mesh, P(DP))
 
     def summed(x):
@@ -53,10 +54,14 @@ def question_1(mesh) -> None:
 
     scatter = jax.shard_map(lambda x: lax.psum_scatter(x[0], DP, tiled=True), mesh=mesh, in_specs=P(DP),
                             out_specs=P(DP))
+    inner = two_stage_inner(mesh)
+    two_stages = jax.shard_map(lambda x: two_stage_reduce_scatter(x[0], 0, n, inner), mesh=mesh, in_specs=P(DP),
+                               out_specs=P(DP))
     print("1. per-device gradients (stacked on dp) summed over dp:")
     for name, fn, kw in [("jnp.sum", summed, {}), ("jnp.sum + with_sharding_constraint(P('dp'))", constrained, {}),
                          ("jnp.sum, out_shardings=P('dp')", summed, {"out_shardings": out}),
-                         ("shard_map + lax.psum_scatter (zerolm)", scatter, {})]:
+                         ("shard_map + lax.psum_scatter (zerolm)", scatter, {}),
+                         (f"... as two, over dp sub-groups (inner {inner})", two_stages, {})]:
         print(f"   {name:45s} -> {collectives(hlo.compiled_text(jax.jit(fn, **kw), stacked), mesh)}")
 
 

@@ -8,9 +8,10 @@ One optimizer step is three compiled programs (seed note 003, on today's JAX):
    loop, over tp only. The second, manual over dp and tp, is the ONE cross-device reduction over dp,
    each device reducing only its own tp block: a `pmean` (all_reduce) or a `psum_scatter` straight
    into the optimizer-state layout (reduce_scatter, half the bytes). Where the TPU compiler makes a
-   `psum_scatter` over the whole dp axis an all-reduce of the whole, the same sum runs as dp − 1
-   `ppermute`s (v2/v3: `ring_reduce_scatter`) or as two `psum_scatter`s over dp sub-groups (v4/v5e/v5p
-   slices beyond one host: `two_stage_reduce_scatter`), which it keeps (`resolve_scatter`).
+   `psum_scatter` over the whole dp axis an all-reduce of the whole (v2/v3; v4/v5e/v5p slices beyond
+   one host), the same sum runs as two `psum_scatter`s over dp sub-groups, which it keeps as
+   reduce-scatters (`two_stage_reduce_scatter`; or by choice as dp − 1 `ppermute`s,
+   `ring_reduce_scatter`; `resolve_scatter`).
 2. `reshard`: an identity `jax.jit` that moves the parameters into the optimizer-state layout. Each
    device keeps its own slice, so it compiles to no collective (but for a small gather of each
    blockified tp-split leaf; `zerolm comms` shows them).
@@ -52,20 +53,22 @@ LossFn = Callable[[PyTree, jax.Array], jax.Array]  # (params, tokens_BxT1) -> sc
 
 def resolve_scatter(scatter: Scatter, mesh: Mesh) -> Scatter:
     """How `reduce_scatter` runs on `mesh`; auto follows what the TPU compiler makes of a psum_scatter over
-    the whole dp axis (docs/performance-notes.md): an all-reduce of the whole on v2/v3, so the ring
-    there (exact bytes); on v4 and later a reduce-scatter on one host's chips, an all-reduce of the whole
-    on a slice beyond one host, so there two stages (`two_stage_reduce_scatter`, where dp factors). The
-    collective everywhere else (CPU, GPU, one v4+ host)."""
+    the whole dp axis (docs/performance-notes.md): an all-reduce of the whole on v2/v3, and on v4 and
+    later once the slice is beyond one host (more than 4 chips; 8 of the "lite" kinds, v5e/v6e). There it
+    takes two stages (`two_stage_reduce_scatter`), which the compiler keeps as reduce-scatters; the ring
+    where dp is prime on v2/v3. The collective everywhere else (CPU, GPU, one v4+ host)."""
     if scatter != "auto":
         return scatter
     kind = mesh.devices.flat[0].device_kind
     generation = tpu_generation(kind)
     if generation is None:
         return "collective"
-    if generation in (2, 3):
-        return "ring"
-    beyond_one_host = mesh.devices.size > (8 if "lite" in kind.lower() else 4)  # v5e/v6e hosts: 8 chips
-    return "two_stage" if beyond_one_host and two_stage_inner(mesh) > 1 else "collective"
+    old = generation in (2, 3)
+    if not old and mesh.devices.size <= (8 if "lite" in kind.lower() else 4):
+        return "collective"
+    if two_stage_inner(mesh) > 1:
+        return "two_stage"
+    return "ring" if old else "collective"
 
 
 def _dp_per_host(mesh: Mesh) -> int:
@@ -76,8 +79,8 @@ def _dp_per_host(mesh: Mesh) -> int:
 
 def two_stage_inner(mesh: Mesh) -> int:
     """The second stage's group size for `two_stage_reduce_scatter` on `mesh`'s dp axis: as many dp
-    positions as one host holds (the first device's host; 4 on multi-host v4/v5e/v5p slices, where it is
-    measured to compile to reduce-scatters, docs/performance-notes.md), where that is a proper divisor of
+    positions as one host holds (the first device's host: 4 on multi-host v4/v5e/v5p slices, 8 on v3-32,
+    where it is measured to compile to reduce-scatters, docs/performance-notes.md), where that is a proper divisor of
     dp; else dp's largest proper divisor. 1 when dp is prime (one stage). The positions need not be one
     host's: the mesh orders devices along the torus, not by host."""
     dp, per_host = mesh.shape[DP], _dp_per_host(mesh)
