@@ -37,7 +37,7 @@ from zerolm.zero import two_stage_inner, two_stage_reduce_scatter
 
 def collectives(text: str, mesh) -> str:
     rows = comms.traffic({"program": text}, dict(mesh.shape))
-    return ", ".join(f"{r.count} {r.op} over {'+'.join(r.axes)}{' IN a loop' if r.in_loop else ''}" for r in rows) \
+    return ", ".join(f"{r.count} {r.op} over {'+'.join(r.span)}{' IN a loop' if r.in_loop else ''}" for r in rows) \
         or "no collective"
 
 

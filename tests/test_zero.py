@@ -359,8 +359,8 @@ def test_two_stage_reduce_scatter_in_the_step():
     assert sum(c.elements for c in stages["dp(2/8)"]) == padded // 2
     assert sum(c.elements for c in stages["dp(4/8)"]) == padded // 8
     predicted = plan_predicted(zero)
-    assert [(p["axes"], p["bytes"]) for p in predicted if p["op"] == "reduce-scatter"] == [
-        (["dp(2/8)"], padded // 2 * 4), (["dp(4/8)"], padded // 8 * 4)]
+    assert [(p["axes"], p["span"], p["bytes"]) for p in predicted if p["op"] == "reduce-scatter"] == [
+        (["dp"], ["dp(2/8)"], padded // 2 * 4), (["dp"], ["dp(4/8)"], padded // 8 * 4)]
 
 
 def plan_predicted(zero):

@@ -237,7 +237,7 @@ def describe(r: dict) -> list[str]:
     for p in r["predicted"]:
         if p["program"] == "grad" and p["bytes"] > 4:
             found = "none" if p["found_bytes"] is None else f"{p['found_bytes']:,}"
-            lines.append(f"  gradient reduction ({p['op']} over {'+'.join(p['axes'])}): {found} bytes per device; zerolm plan predicts "
+            lines.append(f"  gradient reduction ({p['op']} over {'+'.join(p['span'])}): {found} bytes per device; zerolm plan predicts "
                          f"{p['bytes']:,}" + ("" if p["found_bytes"] is None else f" ({p['found_bytes'] / p['bytes']:.1%})"))
     verdict = "FITS" if r["fits"] else "DOES NOT FIT"
     lines.append(f"{verdict}: peak {_gib(r['peak_bytes_per_device'])} per device ({r['peak_program']}) of "

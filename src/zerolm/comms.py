@@ -31,14 +31,19 @@ class Traffic:
 
     program: str  # grad | reshard | update
     op: str  # all-reduce, reduce-scatter, all-gather, ...
-    axes: tuple[str, ...]  # mesh axes the replica groups span, e.g. ("dp",)
+    span: tuple[str, ...]  # what one replica group spans: whole mesh axes ("dp",), or a share ("dp(8/32)",)
     in_loop: bool
     count: int
     bytes: int  # result bytes per device, summed over the `count` collectives
     bytes_per_run: int | None  # ... each times it runs per program execution (loops' trip counts); None: unknown
 
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The mesh axes the replica groups run along, whole or in part, e.g. ("dp",)."""
+        return hlo.axis_names(self.span)
+
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "axes": list(self.axes)}
+        return {**dataclasses.asdict(self), "axes": list(self.axes), "span": list(self.span)}
 
 
 def compiled_texts(zero: Zero1, micro_batch: int, seq_len: int, accum_steps: int) -> dict[str, str]:
@@ -54,8 +59,8 @@ def traffic(texts: dict[str, str], mesh_shape: dict[str, int]) -> list[Traffic]:
             rows[key][0] += 1
             rows[key][1] += c.bytes
             rows[key][2] = None if rows[key][2] is None or c.runs is None else rows[key][2] + c.bytes * c.runs
-    return [Traffic(p, op, axes, in_loop, count, nbytes, per_run)
-            for (p, op, axes, in_loop), (count, nbytes, per_run) in sorted(rows.items(), key=lambda kv: (
+    return [Traffic(p, op, span, in_loop, count, nbytes, per_run)
+            for (p, op, span, in_loop), (count, nbytes, per_run) in sorted(rows.items(), key=lambda kv: (
                 _order(kv[0][0]), kv[0][3], kv[0][1], kv[0][2]))]
 
 
@@ -71,7 +76,7 @@ def describe(rows: list[Traffic], programs=PROGRAMS) -> list[str]:
         if not mine:
             lines.append(f"{program}: no collective")
             continue
-        parts = [f"{r.count} {r.op} over {'+'.join(r.axes) or 'no axis'} ({_mib(r.bytes)}) "
+        parts = [f"{r.count} {r.op} over {'+'.join(r.span) or 'no axis'} ({_mib(r.bytes)}) "
                  + ("INSIDE a loop: every micro-step" if r.in_loop else "once per step") for r in mine]
         lines.append(f"{program}: " + "; ".join(parts))
     return lines
@@ -139,10 +144,11 @@ def predicted_traffic(cfg, model, zero) -> list[dict]:
 
 
 def attach_predictions(rows: list[dict], predicted: list[dict]) -> None:
-    """Each prediction beside the rows it predicts (axes None: any rows over dp): its found bytes."""
+    """Each prediction beside the rows it predicts (by what a replica group spans; span None: any rows over
+    dp): its found bytes."""
     for p in predicted:
         mine = [r for r in rows if (r["program"], r["op"], r["in_loop"]) == (p["program"], p["op"], p["in_loop"])
-                and (r["axes"] == p["axes"] if p["axes"] is not None else hlo.over(r["axes"], "dp"))]
+                and (r["span"] == p["span"] if p["span"] is not None else "dp" in r["axes"])]
         p["found_bytes"] = sum(r["bytes"] for r in mine) if mine else None
         p["found_bytes_per_step"] = None if not mine or any(r["bytes_per_run"] is None for r in mine) else \
             sum(r["bytes_per_run"] for r in mine)
@@ -166,18 +172,18 @@ def describe_report(r: dict) -> list[str]:
             verdict = "(in the row above)"
         else:
             shown.add(id(p))
-            summed = "" if p["axes"] is not None else " summed over the dp rows"
+            summed = "" if p["span"] is not None else " summed over the dp rows"
             verdict = f"{p['bytes']:,}, {p['bytes_per_step']:,}{summed}: " + _verdict(p)
         per_step = "?" if c["bytes_per_run"] is None else f"{c['bytes_per_run']:,}"
-        lines.append(f"  {c['program']:8s} {c['op']:18s} {'+'.join(c['axes']) or '-':8s} "
+        lines.append(f"  {c['program']:8s} {c['op']:18s} {'+'.join(c['span']) or '-':8s} "
                      f"{'IN a loop' if c['in_loop'] else 'once':14s} {c['count']:5d} {c['bytes']:12,} {per_step:>13s}   "
                      f"{verdict}")
     for p in r["predicted"]:
         if p["found_bytes"] is None:
             lines.append(f"  predicted but NOT in the compiled step: {p['program']} {p['op']} over "
-                         f"{'+'.join(p['axes'] or ['dp'])}{' in a loop' if p['in_loop'] else ''}, {p['bytes']:,} bytes")
+                         f"{'+'.join(p['span'] or ['dp'])}{' in a loop' if p['in_loop'] else ''}, {p['bytes']:,} bytes")
     lines.append("  (-: not predicted: the update's norms and counters, a few scalars)")
-    reductions = [c for c in r["_rows"] if hlo.over(c["axes"], "dp") and c["op"] in ("all-reduce", "reduce-scatter")
+    reductions = [c for c in r["_rows"] if "dp" in c["axes"] and c["op"] in ("all-reduce", "reduce-scatter")
                   and c["program"] in ("grad", "step") and c["bytes"] > 4]
     if reductions:
         inside = [c for c in reductions if c["in_loop"]]

@@ -216,9 +216,9 @@ def axis_share(name: str, spread: int, size: int) -> str:
     return name if spread == size else f"{name}({spread}/{size})"
 
 
-def over(axes, name: str) -> bool:
-    """Do a collective's `axes_label` axes include mesh axis `name`, whole or a share of it?"""
-    return any(a == name or a.startswith(name + "(") for a in axes)
+def axis_names(labels) -> tuple[str, ...]:
+    """The mesh axes of `axes_label`'s labels, whole or a share: ("dp(8/32)",) -> ("dp",)."""
+    return tuple(label.split("(")[0] for label in labels)
 
 
 def compiled_text(jitted, *args) -> str:

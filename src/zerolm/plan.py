@@ -450,15 +450,17 @@ class Planner:
 def predicted_traffic(table, grad_reduce: str, accum: int, activation: int = 0, n_layer: int = 0,
                       remat: bool = False, param_bytes: int = 4, scatter: str = "collective",
                       inner: int | None = None) -> list[dict]:
-    """zerolm's step on `table`'s mesh as the planner counts it: rows of (program, op, axes, in_loop,
-    bytes per device summed over the instructions, bytes per step). `axes` None: over dp, whichever
-    other axes the partitioner adds (it splits the update's all-gathers between dp and dp+tp freely).
+    """zerolm's step on `table`'s mesh as the planner counts it: rows of (program, op, axes, span,
+    in_loop, bytes per device summed over the instructions, bytes per step). `span`: what one replica
+    group spans, as `zerolm.hlo.axes_label` reads it (`dp`, or a share such as `dp(8/32)`), `axes` its
+    mesh axes; both None: over dp, whichever other axes the partitioner adds (it splits the update's
+    all-gathers between dp and dp+tp freely).
 
     grad: the one reduction after the loop, in the parameters' dtype (`param_bytes`: 4, or 2 in mixed
-    precision): a reduce-scatter into the optimizer layout (1/dp of each device's gradient block; with
-    `scatter` "two_stage", one over dp // inner positions of dp, `dp(outer/dp)`, giving `inner` such blocks,
-    then one over `inner`, `dp(inner/dp)` (one row when the two are of a size); with "ring", dp − 1 collective-permutes of such a block) or an
-    all-reduce of the whole block,
+    precision): a reduce-scatter into the optimizer layout (1/dp of each device's gradient block), or,
+    with `scatter` "two_stage", one over dp // inner positions of dp (span `dp(outer/dp)`), giving
+    `inner` such blocks, then one over `inner` (`dp(inner/dp)`; one row when the two are of a size);
+    with "ring", dp − 1 collective-permutes of such a block; or an all-reduce of the whole block;
     and the loss's 4-byte all-reduce; with tp, Megatron's all-reduces of the `activation` bytes of a
     micro-batch, 2 forward and 2 backward per layer (3 forward with full remat), every micro-step.
     update: the all-gather of the new parameters out of the optimizer layout."""
@@ -477,8 +479,9 @@ def predicted_traffic(table, grad_reduce: str, accum: int, activation: int = 0, 
         scattered += math.prod(lay.view_shape) * param_bytes // dp // (tp if local else 1)
         gathered += (math.prod(lay.view_shape) if lay.axis is None else lay.size // split) * param_bytes
 
-    def row(program, op, axes, nbytes, in_loop=False, runs=1):
-        return {"program": program, "op": op, "axes": axes, "in_loop": in_loop, "bytes": nbytes,
+    def row(program, op, span, nbytes, in_loop=False, runs=1):
+        return {"program": program, "op": op, "axes": None if span is None else list(hlo.axis_names(span)),
+                "span": span, "in_loop": in_loop, "bytes": nbytes,
                 "bytes_per_step": nbytes * runs}
 
     if grad_reduce == "all_reduce":
@@ -511,7 +514,7 @@ def predicted_naive_traffic(abstract_params, accum: int) -> list[dict]:
     from zerolm.mesh import DP
 
     grads = sum(a.size * 4 for a in jax.tree.leaves(abstract_params))
-    return [{"program": "step", "op": "all-reduce", "axes": [DP], "in_loop": True, "bytes": grads,
+    return [{"program": "step", "op": "all-reduce", "axes": [DP], "span": [DP], "in_loop": True, "bytes": grads,
              "bytes_per_step": grads * accum, "at_least": True}]
 
 
