@@ -60,6 +60,41 @@ def test_auto_scatter_takes_two_stages_on_slices_beyond_one_host(target, scatter
     assert inner is None or two_stage_inner(mesh) == inner
 
 
+def test_two_stages_keep_blocks_of_part_tiles_a_reduce_scatter_beyond_one_host():
+    """A stacked bfloat16 kernel whose dp blocks are 24 rows (125m's 768 over dp 32), compiled for v5p-64:
+    the plain two stages make the second an all-reduce (the control: the check can see it), zerolm's
+    `two_stage_reduce_scatter` (its 2-D form of whole-tile blocks) keeps both reduce-scatters."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from zerolm import hlo
+    from zerolm.mesh import make_mesh
+    from zerolm.zero import two_stage_groups, two_stage_inner, two_stage_reduce_scatter
+
+    devices = aot.target_devices(aot.parse_target("v5p-64"))
+    dp = len(devices)
+    mesh = make_mesh(dp, 1, devices)
+    inner = two_stage_inner(mesh)
+
+    def plain(x):
+        for groups in two_stage_groups(dp, inner):
+            x = lax.psum_scatter(x, "dp", scatter_dimension=1, axis_index_groups=groups, tiled=True)
+        return x
+
+    x = jax.ShapeDtypeStruct((dp, 12, 24 * dp, 768), jnp.bfloat16, sharding=NamedSharding(mesh, P("dp")))
+    ops = {}
+    for name, fn in (("plain", plain), ("zerolm", functools.partial(two_stage_reduce_scatter, axis=1, dp=dp,
+                                                                    inner=inner))):
+        step = jax.shard_map(lambda v, fn=fn: fn(v[0])[None], mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+        ops[name] = [c.op for c in hlo.collectives(hlo.compiled_text(jax.jit(step), x))]
+    assert "all-reduce" in ops["plain"], ops
+    assert ops["zerolm"].count("reduce-scatter") == 2 and "all-reduce" not in ops["zerolm"], ops
+
+
 @pytest.mark.parametrize("target, attention", [("v3-8", "blockwise"), ("v5e-8", "pallas")])
 def test_the_tpu_attentions_never_allocate_the_t_by_t_scores(target, attention):
     """A layer's loss gradient at 1024 positions (blocks of 128) compiled for a TPU core: XLA's attention

@@ -313,20 +313,18 @@ def two_stage_reduce_scatter(x: jax.Array, axis: int, dp: int, inner: int) -> ja
     docs/performance-notes.md). A stage over groups of one is skipped (inner 1 or dp: one stage). An
     array of 3 or more axes whose blocks are not whole TPU tiles of rows runs in a 2-D form that makes
     them so (`_tile_rows_reduce_scatter`)."""
-    across, within = two_stage_groups(dp, inner)
     block = x.shape[axis] // dp
     tile = 32 // x.dtype.itemsize  # rows of a TPU tile: 8 of float32, 16 of bfloat16
     if x.ndim >= 3 and block % tile:
-        return _tile_rows_reduce_scatter(x, axis, dp, tile, functools.partial(
-            two_stage_reduce_scatter, axis=0, dp=dp, inner=inner))
-    for groups in (across, within):
+        return _tile_rows_reduce_scatter(x, axis, dp, inner, tile)
+    for groups in two_stage_groups(dp, inner):
         if len(groups[0]) > 1:
             x = lax.psum_scatter(x, DP, scatter_dimension=axis, axis_index_groups=groups, tiled=True)
     return x
 
 
-def _tile_rows_reduce_scatter(x: jax.Array, axis: int, dp: int, tile: int, reduce_scatter) -> jax.Array:
-    """`reduce_scatter` of x on `axis`, run on a 2-D form whose blocks are whole TPU tiles of rows.
+def _tile_rows_reduce_scatter(x: jax.Array, axis: int, dp: int, inner: int, tile: int) -> jax.Array:
+    """`two_stage_reduce_scatter` of x on `axis`, run on a 2-D form whose blocks are whole TPU tiles of rows.
 
     The TPU compiler (beyond one host) makes the second stage an all-reduce of its whole input when a
     block of an array of 3 or more axes is not a whole number of tiles along the scatter axis (125m's
@@ -340,7 +338,7 @@ def _tile_rows_reduce_scatter(x: jax.Array, axis: int, dp: int, tile: int, reduc
     rest = math.prod(moved.shape[1:])
     if rest % s:
         s = 1  # rows that do not cut evenly: the 2-D form alone
-    out = reduce_scatter(moved.reshape(moved.shape[0] * s, rest // s))
+    out = two_stage_reduce_scatter(moved.reshape(moved.shape[0] * s, rest // s), 0, dp, inner)
     return jnp.moveaxis(out.reshape((block,) + moved.shape[1:]), 0, axis)
 
 
