@@ -77,10 +77,15 @@ def test_help_names_every_parameter_with_its_default(script):
 def test_create_launch_logs_stop_delete(fake):
     create = ["--name", "slice-1", "--zone", "europe-west4-a", "--accelerator-type", "v3-32", "--spot"]
     expected = [["gcloud", "compute", "tpus", "queued-resources", "create", "slice-1", "--zone=europe-west4-a",
-                 "--node-id=slice-1", "--accelerator-type=v3-32", "--runtime-version=tpu-ubuntu2204-base", "--spot"]]
+                 "--node-id=slice-1", "--accelerator-type=v3-32", "--runtime-version=tpu-ubuntu2204-base", "--spot"],
+                # ... and it returns once the slice is READY, so that setup.sh can follow at once
+                ["gcloud", "compute", "tpus", "tpu-vm", "describe", "slice-1", "--zone=europe-west4-a",
+                 "--format=value(state)"]]
     assert dry(REPO / "tpu_scripts" / "create.sh", *create) == expected
     proc, calls = fake(REPO / "tpu_scripts" / "create.sh", *create)
     assert proc.returncode == 0 and calls == expected
+    proc, calls = fake(REPO / "tpu_scripts" / "create.sh", *create, "--wait-timeout", "0")
+    assert proc.returncode == 0 and calls == expected[:1]
 
     launch = ["--name", "slice-1", "--zone", "europe-west4-a", "--config", "configs/1_3b.yaml", "--checkpoint-dir",
               "gs://bucket/run 1", "--set", "train.steps=100", "--skip-compile-check"]
@@ -108,9 +113,42 @@ def test_setup_clones_and_installs_from_the_requirements_file(fake):
     args = ["--name", "s", "--repo", "https://example.org/zerolm.git", "--ref", "v1.2"]
     proc, calls = fake(REPO / "tpu_scripts" / "setup.sh", *args)
     assert proc.returncode == 0 and calls == dry(REPO / "tpu_scripts" / "setup.sh", *args)
-    remote = calls[0][-1]
-    assert "git clone -q https://example.org/zerolm.git zerolm" in remote and "git checkout -q v1.2" in remote
-    assert ".venv/bin/pip install -q -r requirements.txt -e . 'jax[tpu]'" in remote
+    remote = calls[0][-1].removeprefix("--command=")
+    assert "git clone -q https://example.org/zerolm.git zerolm" in remote
+    assert "git fetch -q origin v1.2 2>/dev/null && git checkout -q --detach FETCH_HEAD" in remote
+    # The image's python3 is 3.10: uv (from PyPI) installs the Python the venv is built on.
+    assert "uv venv -q --seed --python 3.11 .venv" in remote
+    assert "uv pip install -q --python .venv/bin/python -r requirements.txt -e . 'jax[tpu]'" in remote
+
+
+def test_setup_on_a_worker_fails_in_one_line_when_the_commit_cannot_be_fetched(tmp_path):
+    """The remote script, run by a shell as a worker would, against a repository that lacks the ref."""
+    origin = tmp_path / "origin"
+    subprocess.run(["git", "init", "-q", str(origin)], check=True)
+    subprocess.run(["git", "-C", str(origin), "-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q",
+                    "--allow-empty", "-m", "one"], check=True)
+    dry_run = subprocess.run(["bash", str(REPO / "tpu_scripts" / "setup.sh"), "--name", "s", "--repo", str(origin),
+                              "--ref", "0123456789abcdef0123456789abcdef01234567", "--dir", str(tmp_path / "w"),
+                              "--dry-run"], capture_output=True, text=True, check=True)
+    (line,) = dry_run.stdout.splitlines()
+    remote = subprocess.run(["bash", "-c", f"printf '%s\\0' {line}"], capture_output=True, text=True).stdout.split(
+        "\0")[-2].removeprefix("--command=")
+    proc = subprocess.run(["bash", "-c", remote], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith(f"cannot fetch 0123456789abcdef0123456789abcdef01234567 from {origin}: "
+                                        "push it, or pass --ref")
+
+
+def test_setup_refuses_a_commit_that_was_never_pushed(fake, tmp_path):
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+    shutil.copytree(REPO / "tpu_scripts", clone / "tpu_scripts", dirs_exist_ok=True)  # these scripts, as they are
+    subprocess.run(["git", "-C", str(clone), "-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "-a",
+                    "--allow-empty", "-m", "local only"], check=True)
+    proc, calls = fake(clone / "tpu_scripts" / "setup.sh", "--name", "s")
+    assert proc.returncode == 2 and calls == []
+    assert "is on no branch of origin, so the workers cannot fetch it: push it (git push), or pass --ref" in \
+        proc.stderr
 
 
 def test_relaunch_recreates_a_preempted_slice_and_resumes(fake, tmp_path):
@@ -120,7 +158,7 @@ def test_relaunch_recreates_a_preempted_slice_and_resumes(fake, tmp_path):
     assert proc.returncode == 0, proc.stderr
     verbs = [" ".join(c[3:5]) for c in calls]
     assert verbs == ["tpu-vm describe", "queued-resources delete", "queued-resources create", "tpu-vm describe",
-                     "tpu-vm ssh", "tpu-vm ssh"]  # the state, delete, create, wait for READY, setup, launch
+                     "tpu-vm ssh", "tpu-vm ssh"]  # the state, delete, create (waits for READY), setup, launch
     assert "--spot" in calls[2] and "--accelerator-type=v4-64" in calls[2]
     assert "zerolm train --distributed --config configs/760m.yaml --set checkpoint.dir=gs://b/r" in calls[5][-1]
     assert "relaunch: s is PREEMPTED; creating it again" in proc.stderr
@@ -170,6 +208,15 @@ def test_stop_command_stops_training_and_not_itself():
 
 
 ZEROLM = {"ZEROLM": f"{sys.executable} -m zerolm.cli"}
+
+
+def test_launch_forwards_the_wandb_key_and_masks_it_in_a_dry_run(fake):
+    launch = ["--name", "s", "--checkpoint-dir", "gs://b/r", "--skip-compile-check"]
+    proc, calls = fake(REPO / "tpu_scripts" / "launch.sh", *launch, WANDB_API_KEY="k3y")
+    assert proc.returncode == 0 and calls[0][-1].startswith("--command=cd zerolm && WANDB_API_KEY=k3y nohup setsid ")
+    shown = subprocess.run(["bash", str(REPO / "tpu_scripts" / "launch.sh"), *launch, "--dry-run"], capture_output=True,
+                           text=True, env={**os.environ, "WANDB_API_KEY": "k3y"})
+    assert "k3y" not in shown.stdout and "WANDB_API_KEY=\\*\\*\\*\\ nohup" in shown.stdout, shown.stdout
 
 
 def test_launch_compiles_for_the_slice_before_it_spends(fake):

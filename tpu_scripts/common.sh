@@ -73,3 +73,24 @@ on_workers() {
   location
   run gcloud compute tpus tpu-vm ssh "$NAME" "${LOCATION[@]}" --worker="$1" --command="$2"
 }
+
+# wait_until_ready TIMEOUT_S: poll the slice until its TPU VM is READY (a queued resource is provisioned
+# asynchronously, spot capacity can take a while). With --dry-run, print the poll once.
+wait_until_ready() {
+  location
+  if [[ "$DRY_RUN" == 1 ]]; then
+    run gcloud compute tpus tpu-vm describe "$NAME" "${LOCATION[@]}" --format='value(state)'
+    return
+  fi
+  local deadline=$((SECONDS + $1)) state=""
+  while true; do
+    state="$(gcloud compute tpus tpu-vm describe "$NAME" "${LOCATION[@]}" --format='value(state)' 2>/dev/null || true)"
+    [[ "$state" == READY ]] && return
+    if (( SECONDS >= deadline )); then
+      echo "error: $(basename "$0"): $NAME is not READY after $1 s (state: ${state:-not created yet}); see: gcloud compute tpus queued-resources describe $NAME ${LOCATION[*]}" >&2
+      exit 1
+    fi
+    echo "$(basename "$0"): waiting for $NAME to be READY (state: ${state:-not created yet})" >&2
+    sleep 30
+  done
+}

@@ -22,6 +22,9 @@
 #                            slice with gcloud describe; required with --dry-run)
 #   --skip-compile-check     launch without compiling first (default: compile, and refuse what does not fit)
 #   ZEROLM=CMD (environment) the local zerolm that compiles (default: zerolm, i.e. the active venv's)
+#   WANDB_API_KEY (environment) forwarded to the workers' training processes when set (shown as *** by
+#                            --dry-run); without it, logging.wandb=online logs offline, and the run says how
+#                            to upload it later (wandb sync)
 #   --dry-run                print the gcloud commands instead of running them
 #   -h, --help               this help
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -69,7 +72,15 @@ fi
 
 train=(.venv/bin/zerolm train --distributed --config "$CONFIG" --set "checkpoint.dir=$CHECKPOINT_DIR" "${SETS[@]}")
 log="\$HOME/zerolm-$(printf '%q' "$RUN_NAME").log"
-remote="cd $(printf '%q' "$DIR") && nohup setsid $(printf '%q ' "${train[@]}")> $log 2>&1 < /dev/null &"
+credentials=""
+if [[ -n "${WANDB_API_KEY:-}" ]]; then
+  if [[ "$DRY_RUN" == 1 ]]; then
+    credentials="WANDB_API_KEY=*** "
+  else
+    credentials="WANDB_API_KEY=$(printf '%q' "$WANDB_API_KEY") "
+  fi
+fi
+remote="cd $(printf '%q' "$DIR") && ${credentials}nohup setsid $(printf '%q ' "${train[@]}")> $log 2>&1 < /dev/null &"
 on_workers all "$remote"
 if [[ "$DRY_RUN" != 1 ]]; then
   echo "started on every worker of $NAME; follow it with: tpu_scripts/logs.sh --name $NAME --zone $ZONE --run-name $RUN_NAME"

@@ -8,10 +8,11 @@
 #   --name NAME               the queued resource / TPU VM (required)
 #   --zone ZONE               default: $ZEROLM_TPU_ZONE or us-central2-b
 #   --project PROJECT         default: $ZEROLM_TPU_PROJECT or gcloud's configured project
-#   --accelerator-type TYPE   as create.sh (default: v4-32)
+#   --accelerator-type TYPE   as create.sh (default: v3-32)
 #   --runtime-version V       as create.sh (default: tpu-ubuntu2204-base)
 #   --spot                    as create.sh
 #   --repo URL, --ref REF     as setup.sh (default: this checkout's origin and commit)
+#   --python VERSION          as setup.sh (default: 3.11)
 #   --config FILE, --checkpoint-dir URL, --set K=V, --run-name NAME, --skip-compile-check: as launch.sh
 #                             (which compiles for --accelerator-type before it launches; default: check)
 #   --dry-run                 print the gcloud commands instead of running them (the slice is taken as
@@ -31,7 +32,7 @@ while [[ $# -gt 0 ]]; do
     --runtime-version) need "$@"; create+=("$1" "$2"); shift 2 ;;
     --skip-compile-check) launch+=("$1"); shift ;;
     --spot) create+=("$1"); shift ;;
-    --repo|--ref) need "$@"; setup+=("$1" "$2"); shift 2 ;;
+    --repo|--ref|--python) need "$@"; setup+=("$1" "$2"); shift 2 ;;
     --config|--checkpoint-dir|--set|--run-name) need "$@"; launch+=("$1" "$2"); shift 2 ;;
     --name|--zone|--project) need "$@"; common+=("$1" "$2"); common_arg "$@" || shift $? ;;
     --dry-run) common+=("$1"); common_arg "$@" || shift $? ;;
@@ -51,13 +52,7 @@ if [[ "$state" != READY ]]; then
   if [[ -n "$state" || "$DRY_RUN" == 1 ]]; then
     "$here/delete.sh" "${common[@]}"
   fi
-  "$here/create.sh" "${common[@]}" "${create[@]}"
-  if [[ "$DRY_RUN" != 1 ]]; then
-    # The queued resource is provisioned asynchronously: wait until its TPU VM is READY.
-    until [[ "$(gcloud compute tpus tpu-vm describe "$NAME" "${LOCATION[@]}" --format='value(state)' 2>/dev/null || true)" == READY ]]; do
-      sleep 30
-    done
-  fi
+  "$here/create.sh" "${common[@]}" "${create[@]}"  # returns once the slice is READY
   "$here/setup.sh" "${common[@]}" "${setup[@]}"
 fi
 "$here/launch.sh" "${common[@]}" "${launch[@]}"
