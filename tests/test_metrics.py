@@ -53,18 +53,22 @@ def _files(root):
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
 
-@pytest.mark.parametrize("mode", ["offline", "disabled"])
+@pytest.mark.parametrize("mode", ["offline", "disabled", "online"])
 def test_wandb_writes_only_inside_the_run_directory(tmp_path, mode):
+    """online without credentials (a fresh host, no WANDB_API_KEY, no `wandb login`): offline, said once."""
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir(), work.mkdir()
     run_env = {k: v for k, v in env(2, HOME=str(home), WANDB_MODE=mode, TMPDIR=str(tmp_path / "tmp")).items()
-               if not k.startswith("WANDB_") or k == "WANDB_MODE"}
+               if not k.startswith("WANDB_") and k != "NETRC" or k == "WANDB_MODE"}
     (tmp_path / "tmp").mkdir()
     proc = subprocess.run(command(tmp_path / "run", steps=2), env=run_env, cwd=work, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _files(home) == [] and _files(work) == []
     wandb_files = [f for f in _files(tmp_path / "run") if "wandb" in f]
+    notice = (f"wandb: no credentials on this host (WANDB_API_KEY, or `wandb login`): logging offline to "
+              f"{tmp_path / 'run' / 'log' / 'wandb'}; upload it later with `wandb sync ")
+    assert (notice in proc.stdout) == (mode == "online"), proc.stdout[-2000:]
     if mode == "disabled":
         assert wandb_files == []
     else:

@@ -10,7 +10,9 @@ wandb is imported only when a run asks for it (`offline` or `online`); the WANDB
 variable, when set, wins over the config, as wandb documents. Everything wandb writes (the run, its
 cache, config and staging areas) goes under `<logging.dir>/wandb/`, not into the home directory or
 the working directory, unless the user's own WANDB_*_DIR variables say otherwise. An offline run is
-uploaded later with `wandb sync <logging.dir>/wandb/offline-run-*`.
+uploaded later with `wandb sync <logging.dir>/wandb/offline-run-*`. `online` without wandb credentials
+(WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, or a `wandb login` entry in ~/.netrc) logs offline instead
+and says so in one line: a run on a remote host has no one to answer wandb's login prompt.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ def perplexity(loss: float) -> float:
 
 class MetricsWriter:
     def __init__(self, log_dir: Path, config: dict[str, Any], run_name: str, wandb_mode: str, project: str,
-                 wandb_id: str, resume_step: int = 0, enabled: bool | None = None):
-        """`config` goes to wandb's run config (the resolved config plus facts of the run)."""
+                 wandb_id: str, resume_step: int = 0, enabled: bool | None = None, say=print):
+        """`config` goes to wandb's run config (the resolved config plus facts of the run); `say` prints a
+        notice (wandb logging offline for want of credentials)."""
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self._wandb = None
         if not self.enabled:
@@ -49,6 +52,10 @@ class MetricsWriter:
         _drop_after(self.path, resume_step)
         self._file = self.path.open("a")
         mode = os.environ.get("WANDB_MODE", wandb_mode)
+        if mode == "online" and not wandb_credentials():
+            mode = "offline"
+            say(f"wandb: no credentials on this host (WANDB_API_KEY, or `wandb login`): logging offline to "
+                f"{log_dir / 'wandb'}; upload it later with `wandb sync {log_dir / 'wandb'}/offline-run-*`")
         if mode != "disabled":
             home = (log_dir / "wandb").absolute()
             self._env_before = {v: os.environ.get(v) for v in _WANDB_DIRS}
@@ -86,6 +93,21 @@ class MetricsWriter:
                 for variable, value in self._env_before.items():
                     if value is None:
                         os.environ.pop(variable, None)
+
+
+def wandb_credentials() -> bool:
+    """Whether wandb has credentials here without asking: its key or identity token in the environment,
+    or a `wandb login` entry for its host in the netrc file."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 # wandb's environment variables for where it writes -> the place under <logging.dir>/wandb ("": the
