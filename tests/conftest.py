@@ -54,6 +54,47 @@ def small_model(cfg_model):
 
 
 @pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """One real GCS server (tests/gcs.py) for the session (each xdist worker starts its own)."""
+    from gcs import GCSServer
+
+    server = GCSServer(tmp_path_factory.mktemp("gcs") / "root").start()
+    yield server
+    server.stop()
+
+
+class Bucket:
+    """A bucket of its own on the session's GCS server: `url` is gs://NAME."""
+
+    def __init__(self, server, name: str):
+        self.server, self.name, self.url = server, name, server.make_bucket(name)
+
+    def objects(self, prefix: str = "") -> dict[str, int]:
+        return self.server.objects(self.name, prefix)
+
+
+def _bucket(server, monkeypatch) -> Bucket:
+    import uuid
+
+    for key, value in server.env().items():  # this process's clients and its children find the server here
+        monkeypatch.setenv(key, value)
+    return Bucket(server, f"zerolm-{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def gcs(gcs_server, monkeypatch):
+    """A fresh bucket on the session's GCS server, found by every client through its standard variables."""
+    return _bucket(gcs_server, monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def gcs_module(gcs_server):
+    """As `gcs`, for a module's fixtures."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield _bucket(gcs_server, monkeypatch)
+
+
+@pytest.fixture(scope="session")
 def trained_run(tmp_path_factory):
     """A small model trained for 16 steps (tests/runs.py's SMALL), evaluated at steps 8 and 16; the run's
     directory holds ckpt/ (steps 8 and 16 kept of every 4) and log/."""

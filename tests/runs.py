@@ -27,9 +27,9 @@ def env(devices=8, **extra):
             **extra}
 
 
-def train(run_dir, *extra_sets, devices=8, expect=0, **kw):
-    proc = subprocess.run(command(run_dir, *extra_sets, **kw), env=env(devices), capture_output=True, text=True,
-                          timeout=300, cwd=REPO)
+def train(run_dir, *extra_sets, devices=8, expect=0, extra_env=None, **kw):
+    proc = subprocess.run(command(run_dir, *extra_sets, **kw), env=env(devices, **(extra_env or {})),
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == expect, proc.stderr[-3000:]
     return proc
 

@@ -4,9 +4,10 @@ A checkpoint is a step directory written by an orbax CheckpointManager, holding 
   state  params, the dp-sharded optimizer state (each process writes its own shards) and the step
   meta   JSON: the resolved config, the dp it was saved on, the dataset/tokenizer identity, tokens
          seen, the last loss, the wandb run id, the time
-Orbax writes into a temporary directory and renames it when complete. A save cut short by a crash
-is never listed; its temporary directory is removed by the next run that locks the directory
-(`remove_unfinished`).
+Locally, orbax writes into a temporary directory and renames it when complete; on gs://, which has no
+rename, it writes the step's directory in place and marks it complete with a last object,
+`commit_success.txt`. Either way a save cut short by a crash is never listed, and what it left is
+removed by the next run that locks the directory (`remove_unfinished`).
 
 Damage after the fact (a truncated or deleted file, a disk that lost a block) is caught by
 `verify`: once a save is durable, process 0 records the size of every file in it
@@ -29,6 +30,7 @@ import contextlib
 import functools
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import absl.logging
@@ -37,6 +39,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from zerolm import storage
 from zerolm.sharding import with_shardings
 from zerolm.zero import TrainState, Zero1
 
@@ -56,7 +59,8 @@ class DamagedCheckpoint(CheckpointError):
 # 2: c_attn's kernel is (layers, d, 3, d) (1: (layers, d, 3·d)), and the meta records tp.
 FORMAT = 2
 FILE_LIST = "zerolm_files.json"  # relative path -> bytes of every file of a durable checkpoint
-TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's marker of a save not yet finalized
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's marker of a local save not yet finalized
+COMMIT_FILE = "commit_success.txt"  # orbax's marker of a finalized save on gs://
 
 
 @contextlib.contextmanager
@@ -70,14 +74,17 @@ def quiet_orbax():
         absl.logging.set_verbosity(verbosity)
 
 
-class SaveFailed(CheckpointError):
-    """A checkpoint could not be written (a full disk, a lost permission): the run must stop now, and the
-    checkpoint before stays the latest (orbax finalizes a save only once it is complete)."""
+class SaveFailed(storage.StorageFault):
+    """A checkpoint could not be written (a full disk, a lost permission, storage that stopped answering):
+    the run must stop now, and the checkpoint before stays the latest (orbax finalizes a save only once it
+    is complete)."""
 
 
 def _free_space(directory: epath.Path) -> str:
     import shutil
 
+    if storage.is_remote(directory):
+        return f"the storage endpoint is {storage.endpoint()}"
     try:
         return f"{shutil.disk_usage(str(directory)).free / 2**20:,.1f} MiB free there"
     except OSError:
@@ -111,6 +118,9 @@ class Checkpoints:
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         self._unrecorded: list[int] = []  # saves whose file list is written once they are durable
         self._failed = False  # a save failed (SaveFailed raised): nothing more to wait for
+        # Raises StorageFault once the storage is known to have failed (the run lock's lease could not be
+        # renewed): a wait for a save in flight stops then, instead of for as long as the clients retry.
+        self.health: Callable[[], None] = lambda: None
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -137,7 +147,9 @@ class Checkpoints:
                 self.manager.check_for_errors()
 
     @contextlib.contextmanager
-    def _failure(self, step: int):
+    def _failure(self, step: int, *, complete: bool = False):
+        """A failed write becomes SaveFailed, naming the checkpoint that stays the latest. `complete`: the
+        save of `step` was already durable (what failed was recording its files)."""
         try:
             yield
         except SaveFailed:
@@ -145,32 +157,44 @@ class Checkpoints:
         except Exception as e:  # orbax and TensorStore raise many types for a failed write
             self._unrecorded = []
             self._failed = True
-            latest = [s for s in self.steps() if s != step]
-            raise SaveFailed(f"{self.directory}: saving the checkpoint of step {step} failed ({_first_line(e)}); "
-                             f"{_free_space(self.directory)}; "
-                             + (f"the checkpoint of step {latest[-1]} stays the latest" if latest else
-                                "there is no earlier checkpoint") + "; stopping the run") from None
+            try:
+                latest = [s for s in self.steps() if s != step or complete]
+            except Exception:  # the storage that failed the save may not answer this either
+                latest = [step] if complete else []
+            kept = (f"the checkpoint of step {latest[-1]} stays the latest" if latest else
+                    "there is no earlier checkpoint")
+            if isinstance(e, storage.StorageFault):  # the storage is known to have failed (the lease)
+                raise SaveFailed(f"{e}; the save of step {step} is abandoned and {kept}") from None
+            what = (f"recording the files of the checkpoint of step {step} (complete)" if complete else
+                    f"saving the checkpoint of step {step}")
+            raise SaveFailed(f"{self.directory}: {what} failed ({_first_line(e)}); "
+                             f"{_free_space(self.directory)}; {kept}; stopping the run") from None
 
     def wait(self) -> None:
         """Until the save in flight is durable; then record its files."""
         if self._failed:
             return
         with self._failure(self._unrecorded[-1] if self._unrecorded else -1):
+            while self.manager.is_saving_in_progress():
+                self.health()
+                time.sleep(0.05)
             self.manager.wait_until_finished()
         for step in self._unrecorded:
             path = self.directory / str(step)
-            if jax.process_index() == 0 and path.exists():
-                files = {str(p.relative_to(path)): p.stat().length for p in _walk(path)}
-                tmp = path / f".{FILE_LIST}.tmp"
-                tmp.write_text(json.dumps({"files": files}))
-                tmp.rename(path / FILE_LIST)
+            if jax.process_index() == 0:
+                with self._failure(step, complete=True):
+                    files = storage.sizes(path)
+                    if files:
+                        storage.write_atomic(path / FILE_LIST, json.dumps({"files": files}))
         self._unrecorded = []
 
     def close(self) -> None:
+        """Wait for the save in flight, then close. After a failed save nothing is waited for: orbax's
+        threads may still be retrying a storage that is gone, and the process is about to exit."""
         try:
             self.wait()
         finally:
-            with contextlib.suppress(Exception) if self._failed else contextlib.nullcontext():
+            if not self._failed:
                 self.manager.close()
 
     def verify(self, step: int) -> None:
@@ -184,11 +208,11 @@ class Checkpoints:
                 files = json.loads(record.read_text())["files"]
             except (ValueError, KeyError, OSError) as e:
                 raise DamagedCheckpoint(step, where, f"{FILE_LIST} is unreadable ({e})") from None
+            present = storage.sizes(where)  # one listing (on gs://, a call per file would be slow)
             for name, size in sorted(files.items()):
-                path = where / name
-                if not path.exists():
+                if name not in present:
                     raise DamagedCheckpoint(step, where, f"{name} is missing")
-                if (actual := path.stat().length) != size:
+                if (actual := present[name]) != size:
                     raise DamagedCheckpoint(step, where, f"{name} has {actual} bytes, {size} when it was saved")
         self.meta(step)
 
@@ -262,23 +286,11 @@ def _first_line(error: Exception) -> str:
 _COMPUTE_ONLY = {"dtype", "attention", "attention_block", "remat", "loss_chunk"}
 
 
-def _walk(path: epath.Path):
-    """Files under a directory (walked level by level: epath refuses `**` globs on GCS)."""
-    for p in path.iterdir():
-        if p.is_dir():
-            yield from _walk(p)
-        else:
-            yield p
-
-
 def directory_size(path: epath.Path) -> int:
-    return sum(p.stat().length for p in _walk(path))
+    return sum(storage.sizes(path).values())
 
 
-def _path(directory: str | epath.Path) -> epath.Path:
-    """orbax needs absolute paths; a relative local one is taken from the working directory."""
-    directory = str(directory)
-    return epath.Path(directory if "://" in directory else epath.Path(directory).absolute())
+_path = storage.path
 
 
 def _stamp() -> str:
@@ -286,15 +298,25 @@ def _stamp() -> str:
 
 
 def remove_unfinished(directory: str | epath.Path) -> list[str]:
-    """Delete the temporary directories of saves that never finished (their run died mid-save).
+    """Delete what saves that never finished left (their run died mid-save): orbax's temporary
+    directories locally; on gs://, step directories without orbax's `commit_success.txt`.
 
     Only safe while holding the directory's run lock: a live run's save in flight looks the same."""
     directory = _path(directory)
-    if not directory.exists():
+    if storage.is_remote(directory):
+        steps: dict[str, set[str]] = {}
+        for name in storage.sizes(directory):
+            top, _, rest = name.partition("/")
+            if top.isdigit() and rest:
+                steps.setdefault(top, set()).add(rest)
+        unfinished = sorted((directory / top for top, files in steps.items() if COMMIT_FILE not in files),
+                            key=lambda p: int(p.name))
+    elif directory.exists():
+        unfinished = sorted(p for p in directory.iterdir() if TMP_SUFFIX in p.name)
+    else:
         return []
-    unfinished = sorted(p for p in directory.iterdir() if TMP_SUFFIX in p.name)
     for p in unfinished:
-        p.rmtree()
+        storage.remove_tree(p)
     return [p.name for p in unfinished]
 
 
@@ -307,7 +329,7 @@ def move_aside(directory: str | epath.Path, keep: tuple[str, ...] = ()) -> epath
     aside.mkdir(parents=True)
     for p in directory.iterdir():
         if p.name not in keep:
-            p.rename(aside / p.name)
+            storage.move(p, aside / p.name)
     return aside
 
 
@@ -316,7 +338,7 @@ def move_damaged(directory: str | epath.Path, step: int) -> epath.Path:
     directory = _path(directory)
     target = directory.parent / f"{directory.name}.damaged" / f"{step}-{_stamp()}"
     target.parent.mkdir(parents=True, exist_ok=True)
-    (directory / str(step)).rename(target)
+    storage.move(directory / str(step), target)
     return target
 
 

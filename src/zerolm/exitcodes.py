@@ -9,7 +9,8 @@ EXIT_OK = 0
 EXIT_USAGE = 2  # bad input: a flag, config key, file, dataset or checkpoint; or a directory another run holds
 EXIT_NONFINITE = 3  # a non-finite loss or gradient norm (or too many skipped updates in a row)
 EXIT_DOES_NOT_FIT = 4  # `zerolm compile`: the step compiles but its peak exceeds the target's usable memory
-EXIT_SAVE_FAILED = 74  # EX_IOERR: a checkpoint could not be written (disk full); the one before stays the latest
+EXIT_STORAGE = 74  # EX_IOERR: storage failed mid-run: a checkpoint could not be written (a full disk, a refused
+#                   write) or gs:// stopped answering; the last complete checkpoint stays the latest
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM or Ctrl-C; the step reached was saved; run again to resume
 EXIT_PEER_LOST = 76  # a peer process of a multi-process run died: restart; it resumes from the last checkpoint
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C before the first step, or a second Ctrl-C that abandoned the save

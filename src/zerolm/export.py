@@ -13,7 +13,9 @@ parameters carry HF's names already; the layer axis of the stacked blocks become
 the vocabulary's padding rows are dropped. A tiktoken tokenizer is converted to an equivalent
 byte-level BPE `tokenizer.json` (GPT-2's split regex). The directory is written beside OUT and
 renamed into place: an existing OUT is refused (or, with --overwrite, replaced only once the new one
-is complete).
+is complete). OUT may be a gs:// URL: the directory is written locally, then uploaded with
+`config.json` last (and, over an older export, first deleted), so that a half-uploaded directory
+never loads as a model.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
+from zerolm import storage
 from zerolm.checkpoint import CheckpointError
 from zerolm.data.tokenizer import EOT, GPT2_PATTERN, Tokenizer
 from zerolm.model import LN_EPS
@@ -113,13 +117,15 @@ def _from_tiktoken(ranks: dict[bytes, int]) -> tokenizers.Tokenizer:
     return tok
 
 
-def export(model_run, tokenizer: Tokenizer, out: Path, overwrite: bool = False) -> Path:
+def export(model_run, tokenizer: Tokenizer, out, overwrite: bool = False):
+    """Write the model directory `out` (a local Path or a gs:// epath)."""
     from safetensors.numpy import save_file
 
     if out.exists() and not overwrite:
         raise CheckpointError(f"--out: {out} already exists (pass --overwrite to replace it)")
     cfg = model_run.model.cfg
-    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    remote = storage.is_remote(out)
+    partial = Path(tempfile.mkdtemp(prefix="zerolm-export-")) if remote else out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
@@ -133,7 +139,9 @@ def export(model_run, tokenizer: Tokenizer, out: Path, overwrite: bool = False) 
             "clean_up_tokenization_spaces": False}, indent=2) + "\n")
         (partial / "generation_config.json").write_text(json.dumps({
             "bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id}, indent=2) + "\n")
-        if out.exists():  # --overwrite: the old directory goes only once the new one is complete
+        if remote:
+            _upload(partial, out)
+        elif out.exists():  # --overwrite: the old directory goes only once the new one is complete
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             out.rename(old)
             partial.rename(out)
@@ -143,4 +151,19 @@ def export(model_run, tokenizer: Tokenizer, out: Path, overwrite: bool = False) 
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    if remote:
+        shutil.rmtree(partial, ignore_errors=True)
     return out
+
+
+def _upload(local: Path, out) -> None:
+    """Upload an export to gs://, `config.json` (what makes it loadable) last; an older export there loses
+    its config.json first and the files the new one lacks last."""
+    old = set(storage.sizes(out)) if out.exists() else set()
+    if "config.json" in old:
+        (out / "config.json").unlink()
+    names = sorted(p.name for p in local.iterdir())
+    for name in [n for n in names if n != "config.json"] + ["config.json"]:
+        (out / name).write_bytes((local / name).read_bytes())
+    for name in sorted(old - set(names)):
+        (out / name).unlink()

@@ -94,10 +94,11 @@ def start_state(cfg: Config, zero: Zero1, init_fn, data_id: dict, resume: str, o
 
 def _move_logs_aside(log_dir: Path) -> tuple[Path, list[str]] | None:
     """With the old checkpoints, the old run's logs (metrics.jsonl, wandb/, the profile, the plot) go
-    to `<logging.dir>.replaced-<time>/`. The lock and this launch's process logs stay."""
+    to `<logging.dir>.replaced-<time>/`. The lock and this launch's process and library logs stay."""
     if not log_dir.is_dir():
         return None
-    keep = (LOCK_FILE, LEASE_FILE, *(p.name for p in log_dir.glob("process-*.log")))
+    keep = (LOCK_FILE, LEASE_FILE, *(p.name for p in log_dir.glob("process-*.log")),
+            *(p.name for p in log_dir.glob("library-*.log")))
     names = sorted(p.name for p in log_dir.iterdir() if p.name not in keep)
     if not names:
         return None

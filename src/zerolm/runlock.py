@@ -4,18 +4,22 @@ Local directories get an OS lock (`flock`) on `<dir>/zerolm.lock`. The kernel re
 process ends, however it ends (`kill -9` included), so a local lock is never stale; the file's
 content only names the holder for the message a second run prints.
 
-Object stores (`gs://...`) have no OS lock, and orbax offers none, so there the lock is a lease:
-`<dir>/zerolm.lease` holds the holder and a heartbeat that a background thread renews every
-`heartbeat_s`. A lease whose heartbeat is older than `stale_after_s` belongs to a dead run and is
-taken over (and the new holder says so). Object stores give no atomic create here, so two runs
-starting within a second of each other are told apart by writing, waiting, and reading back. The
-lease is written beside itself and renamed into place, so a reader never sees a half-written one
-(which it would take for no lease at all).
+On gs:// there is no OS lock and no rename, so the lock is a lease: the object `<dir>/zerolm.lease`
+names the holder and carries a heartbeat that a background thread renews every `heartbeat_s`. Every
+write of it is conditional on the object's generation (`storage.Versioned`): it is created only if
+absent, and renewed or taken over only if it is still the version this run last saw. Of several runs
+that start at once, or that find the same stale lease, exactly one wins; the others are refused with
+one line naming the winner. A lease whose heartbeat is older than `stale_after_s` belongs to a dead
+run and is taken over (the new holder says so), as is at once one whose holder ran on this host and
+is gone; a live holder's lease is never older than that. A
+holder that can no longer renew its lease (storage unreachable past its clients' retries, or the
+lease taken over after all) records why, and `check()` raises it as a StorageFault: the run stops
+rather than write a directory it may no longer own. Heartbeats compare the holder's clock with the
+reader's: the hosts' clocks must agree to well within `stale_after_s` (NTP; a TPU VM's are).
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import os
@@ -26,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from etils import epath
+from zerolm.storage import StorageFault, Versioned, is_remote
 
 LOCK_FILE = "zerolm.lock"
 LEASE_FILE = "zerolm.lease"
@@ -56,25 +60,28 @@ class RunLock:
         self.directory = directory
         self._release = release_fn
         self.taken_over = taken_over  # a remote lease of a dead run that this run took over
+        self.failure: str | None = None  # set by a lease that could not be renewed
 
     @staticmethod
     def acquire(directory: str, *, stale_after_s: float = 120.0, heartbeat_s: float = 20.0,
-                lease: bool | None = None, what: str = "checkpoint directory") -> RunLock:
-        """Lock `directory` (created if missing); raises LockHeld when a live run holds it, or when
-        the lock cannot be made there (its message names the directory and the reason).
-
-        `lease` picks the mechanism; by default the OS lock for local paths and the lease for URLs.
-        `what` names the directory's role in the messages (checkpoint directory, logging directory).
-        """
-        remote = "://" in directory
+                what: str = "checkpoint directory") -> RunLock:
+        """Lock `directory` (created if missing; a gs:// URL gets a lease); raises LockHeld when a live
+        run holds it, or when the lock cannot be made there (its message names the directory and the
+        reason). `what` names the directory's role in the messages (checkpoint directory, logging
+        directory)."""
         try:
-            if lease if lease is not None else remote:
-                return _acquire_lease(epath.Path(directory), stale_after_s, heartbeat_s, what)
+            if is_remote(directory):
+                return _acquire_lease(directory.rstrip("/"), stale_after_s, heartbeat_s, what)
             return _acquire_local(Path(directory), what)
         except OSError as e:
             raise LockHeld(f"{directory}: cannot take the run lock of this {what} "
                            f"({e.strerror or e}{': ' + e.filename if getattr(e, 'filename', None) else ''}); "
                            "is it writable?") from None
+
+    def check(self) -> None:
+        """Raise StorageFault if the lease could not be kept (called every step: cheap)."""
+        if self.failure is not None:
+            raise StorageFault(self.failure)
 
     def release(self) -> None:
         if self._release is not None:
@@ -112,44 +119,71 @@ def _acquire_local(directory: Path, what: str) -> RunLock:
     return RunLock(str(directory), release)
 
 
-def _acquire_lease(directory: epath.Path, stale_after_s: float, heartbeat_s: float, what: str) -> RunLock:
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / LEASE_FILE
+def _dead_here(holder: dict) -> bool:
+    """A holder on this host whose process is gone (a run killed here, restarted here): no need to wait
+    for its lease to go stale."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
-    def read() -> dict | None:
-        with contextlib.suppress(FileNotFoundError, ValueError, OSError):
-            return json.loads(path.read_text())
-        return None
 
-    current = read()
-    taken_over = None
-    if current is not None:
-        age = time.time() - float(current.get("heartbeat", 0))
-        if age < stale_after_s:
-            raise LockHeld(f"{directory}: in use by {_describe(current)}, lease renewed {age:.0f} s ago; wait "
-                           f"for it to end or stop it (a lease older than {stale_after_s:.0f} s is taken over)")
-        taken_over = current
+def _acquire_lease(directory: str, stale_after_s: float, heartbeat_s: float, what: str) -> RunLock:
+    url = f"{directory}/{LEASE_FILE}"
+    lease = Versioned(url)
     token = secrets.token_hex(8)
-    record = {**_holder_record(), "token": token}
+    holder = {**_holder_record(), "token": token}
 
-    def write() -> None:
-        staged = directory / f".{LEASE_FILE}.{token}"
-        staged.write_text(json.dumps({**record, "heartbeat": time.time()}))
-        staged.replace(path)
+    def record() -> bytes:
+        return json.dumps({**holder, "heartbeat": time.time()}).encode()
 
-    write()
-    time.sleep(min(1.0, heartbeat_s))  # a run that wrote at the same moment: the last writer wins
-    if (read() or {}).get("token") != token:
-        raise LockHeld(f"{directory}: in use by {_describe(read() or {})}, which started at the same moment")
+    def holder_of(found: tuple[bytes, int] | None) -> dict:
+        try:
+            return json.loads(found[0]) if found is not None else {}
+        except ValueError:
+            return {}
+
+    current = lease.read()
+    taken_over = None
+    if current is None:
+        generation = lease.write(record(), 0)
+        if generation is None:
+            raise LockHeld(f"{directory}: in use by {_describe(holder_of(lease.read()))}, which started at the "
+                           f"same moment (one run per {what})")
+    else:
+        taken_over = holder_of(current)
+        age = time.time() - float(taken_over.get("heartbeat", 0))
+        if age < stale_after_s and not _dead_here(taken_over):
+            raise LockHeld(f"{directory}: in use by {_describe(taken_over)}, lease renewed {max(age, 0):.0f} s ago; "
+                           f"wait for it to end or stop it (a lease older than {stale_after_s:.0f} s is taken over)")
+        generation = lease.write(record(), current[1])
+        if generation is None:
+            raise LockHeld(f"{directory}: in use by {_describe(holder_of(lease.read()))}, which took over the "
+                           "stale lease at the same moment")
 
     stop = threading.Event()
+    held = {"generation": generation, "renewed": time.time()}
+    lock = RunLock(directory, None, taken_over)
 
     def heartbeat() -> None:
         while not stop.wait(heartbeat_s):
-            if (read() or {}).get("token") != token:
-                print(f"warning: {path}: the lease was taken over by {_describe(read() or {})}", file=sys.stderr)
+            try:
+                renewed = lease.write(record(), held["generation"])
+            except StorageFault as e:
+                lock.failure = (f"{e}; the run's lease went {time.time() - held['renewed']:.0f} s without renewal, so the "
+                                f"run stops (another run may take {directory} over once it is {stale_after_s:.0f} s "
+                                "old)")
                 return
-            write()
+            if renewed is None:
+                lock.failure = (f"{url}: the lease was taken over by {_describe(holder_of(lease.read()))}; this run "
+                                "stops so that two runs never write one directory")
+                return
+            held.update(generation=renewed, renewed=time.time())
 
     thread = threading.Thread(target=heartbeat, name="zerolm-lease", daemon=True)
     thread.start()
@@ -157,7 +191,11 @@ def _acquire_lease(directory: epath.Path, stale_after_s: float, heartbeat_s: flo
     def release():
         stop.set()
         thread.join()
-        if (read() or {}).get("token") == token:
-            path.unlink(missing_ok=True)
+        if lock.failure is None:
+            try:
+                lease.delete(held["generation"])
+            except StorageFault as e:  # the lease goes stale and is taken over; nothing else is lost
+                print(f"warning: {e}; the lease will be taken over once stale", file=sys.stderr)
 
-    return RunLock(str(directory), release, taken_over)
+    lock._release = release
+    return lock

@@ -17,13 +17,13 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 import zerolm
-from zerolm import comms
+from zerolm import comms, compilation_cache, library_log, storage
 from zerolm import model as gpt_model
 from zerolm.checkpoint import FORMAT, Checkpoints, remove_unfinished
 from zerolm.config import Config
 from zerolm.data.dataset import dataset_identity, open_dataset, resolve_vocab
 from zerolm.data.loader import BatchLoader
-from zerolm.data.tokenizer import Tokenizer, cache_dir
+from zerolm.data.tokenizer import Tokenizer
 from zerolm.evaluate import make_evaluator
 from zerolm.mesh import exit_peer_lost, is_first_host, is_peer_failure, make_mesh, on_process_0
 from zerolm.metrics import MetricsWriter, StepMetrics, perplexity
@@ -38,21 +38,36 @@ from zerolm.step import build_step
 from zerolm.zero import TrainState, Zero1
 
 
-def use_compilation_cache(setting: str | None) -> None:
-    """Point JAX's persistent compilation cache at train.compilation_cache, so a restarted run (after a
-    preemption, say) loads its compiled programs instead of compiling them again."""
-    if setting is None:
-        return
-    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla") if setting == "default" else setting)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # the train step, not every tiny jit
+# Settings that name a place; logging.dir must be local (see check_storage).
+LOCAL_LOGS = ("metrics.jsonl is appended every step and wandb keeps its files there, and a gs:// object cannot be "
+              "appended to; keep it local (wandb, or copying the directory to the bucket, keeps the logs)")
+
+
+def check_storage(cfg: Config) -> str | None:
+    """Before any device work: every place the run reads or writes can be used (StorageError, one line,
+    otherwise). Returns the line that says which credentials gs:// is reached with, if that needs saying."""
+    places = {"checkpoint.dir": cfg.checkpoint_dir, "data.dataset": cfg.data.dataset,
+              "train.compilation_cache": compilation_cache.directory(cfg.train.compilation_cache) or ""}
+    storage.check(cfg.logging.dir or "", "logging.dir", local_only=LOCAL_LOGS)  # (cfg.log_dir is a local Path)
+    for what, location in places.items():
+        storage.check(location, what, read_only=what == "data.dataset")
+    return storage.credentials_note() if any(map(storage.is_remote, places.values())) else None
 
 
 def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = False) -> dict[str, float]:
     """Train `cfg` (resuming per `resume`); returns the last train loss, val loss and unigram entropy."""
+    credentials = check_storage(cfg)
+    with library_log.capture(cfg.log_dir / library_log.NAME.format(process=jax.process_index())):
+        return _train(cfg, out, resume, overwrite, credentials)
+
+
+def _train(cfg: Config, out, resume: str, overwrite: bool, credentials: str | None) -> dict[str, float]:
     mesh = make_mesh(cfg.dp, cfg.mesh.tp)
     is_main = is_first_host(mesh)
     say = (lambda *a: print(*a, file=out, flush=True)) if is_main else (lambda *a: None)
-    use_compilation_cache(cfg.train.compilation_cache)
+    if credentials:
+        say(credentials)
+    compilation_cache.use(cfg.train.compilation_cache)
     dataset = open_dataset(cfg)
     cfg = resolve_vocab(cfg, dataset)
     train_split = dataset.split("train", cfg.data.skip_bad_samples)
@@ -73,9 +88,15 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
              "accum_steps": cfg.accum_steps, "tokens_per_step": cfg.train.global_batch_size * cfg.model.seq_len,
              "flops_per_token": accounting.flops_per_token, "zerolm_version": zerolm.__version__}
     # Compiled once, here: the step runs these executables, and the summary reads their collectives.
+    hits, t0 = compilation_cache.Hits.listen().hits, time.perf_counter()
     texts = zero.compile(cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps)
     for line in _startup_summary(cfg, zero, accounting, n_params, texts):
         say(line)
+    if cache := compilation_cache.directory(cfg.train.compilation_cache):
+        loaded = compilation_cache.Hits.hits - hits
+        say(f"compiled the step in {time.perf_counter() - t0:.1f} s; "
+            + (f"{loaded} program(s) loaded from the compilation cache {cache}" if loaded else
+               f"compilation cache: {cache}"))
     say(f"data: {dataset.location}: {len(train_split)} train / {len(val_split)} val samples of "
         f"{cfg.model.seq_len + 1} tokens, tokenizer {dataset.manifest['tokenizer']['name']} "
         f"({dataset.manifest['tokenizer']['vocab_size']} tokens), unigram entropy {entropy:.3f} nats/token")
@@ -94,7 +115,7 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
     sample = functools.partial(_sample_text, model, tokenizer, cfg) if tokenizer is not None else None
 
     data_id = dataset_identity(cfg, dataset)
-    lock = on_process_0(lambda: RunLock.acquire(cfg.checkpoint_dir), (LockHeld,))
+    lock = on_process_0(lambda: RunLock.acquire(cfg.checkpoint_dir), (LockHeld, storage.StorageFault))
     try:
         # Two runs writing one logging.dir would each rewrite the other's metrics.jsonl.
         log_lock = (on_process_0(lambda: RunLock.acquire(str(cfg.log_dir), what="logging directory"), (LockHeld,))
@@ -104,13 +125,16 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
             lock.release()
         raise
     try:
-        removed = on_process_0(lambda: remove_unfinished(cfg.checkpoint_dir), (OSError,))
+        with storage.faults(cfg.checkpoint_dir, "removing unfinished saves"):
+            removed = on_process_0(lambda: remove_unfinished(cfg.checkpoint_dir), (OSError,))
         if removed:
             say(f"checkpoints: removed {len(removed)} unfinished save(s) of an earlier run that died while saving: "
                 + ", ".join(removed))
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("zerolm: checkpoint directory locked")
         ckpts, state, wandb_id = start_state(cfg, zero, init_fn, data_id, resume, overwrite, say)
+        if lock is not None:
+            ckpts.health = lock.check
         try:
             start = int(state.step)
             if start >= cfg.train.steps:
@@ -118,7 +142,7 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
                     "(raise train.steps to go on, or start over with --resume never --overwrite)")
                 return {"unigram_entropy": entropy}
             loop = _Loop(cfg, zero, ckpts, train_split, data_id, wandb_id, out, evaluate=evaluate, sample=sample,
-                         accounting=accounting, facts=facts)
+                         accounting=accounting, facts=facts, lock=lock)
             state, summary = loop.run(state, start)
             summary["unigram_entropy"] = entropy
         finally:
@@ -174,8 +198,8 @@ class _Loop:
     """Steps start + 1 .. train.steps of one run, with evaluation, samples, checkpoints and preemption."""
 
     def __init__(self, cfg: Config, zero: Zero1, ckpts: Checkpoints, train_split, data_id: dict, wandb_id: str,
-                 out, *, evaluate, sample, accounting: Accounting, facts: dict):
-        self.cfg, self.zero, self.ckpts, self.train_split = cfg, zero, ckpts, train_split
+                 out, *, evaluate, sample, accounting: Accounting, facts: dict, lock: RunLock | None):
+        self.cfg, self.zero, self.ckpts, self.train_split, self.lock = cfg, zero, ckpts, train_split, lock
         self.data_id, self.wandb_id, self.out = data_id, wandb_id, out
         self.evaluate, self.sample, self.accounting, self.facts = evaluate, sample, accounting, facts
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
@@ -194,7 +218,8 @@ class _Loop:
         loader = BatchLoader(self.train_split, zero.mesh, cfg.train.global_batch_size, cfg.train.micro_batch_size,
                              cfg.train.seed)
         writer = MetricsWriter(cfg.log_dir, {**cfg.model_dump(), "run": self.facts}, cfg.name, cfg.logging.wandb,
-                               cfg.logging.wandb_project, self.wandb_id, resume_step=start, enabled=is_main)
+                               cfg.logging.wandb_project, self.wandb_id, resume_step=start, enabled=is_main,
+                               say=lambda line: print(line, file=self.out, flush=True))
         bar = tqdm(total=cfg.train.steps, initial=start, desc=cfg.name, unit="step", disable=not is_main,
                    file=self.out, dynamic_ncols=True, mininterval=0.5)
         preemption = PreemptionWatch()
@@ -209,6 +234,8 @@ class _Loop:
                 profiler.before(step)
                 state, metrics = zero(state, batch)
                 self.ckpts.check()  # a save that failed in the background stops the run now
+                if self.lock is not None:
+                    self.lock.check()  # so does a gs:// lease that could not be renewed
                 if cfg.data.skip_bad_samples:
                     metrics = {**metrics, "bad_samples": self.train_split.bad_samples}
                 emitter.push(step, metrics, waited)  # emits the previous step's metrics: one step behind

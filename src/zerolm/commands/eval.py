@@ -11,6 +11,7 @@ from zerolm.checkpoint import CheckpointError
 from zerolm.data.shards import DataError
 from zerolm.evaluate import evaluate_checkpoint
 from zerolm.exitcodes import EXIT_USAGE
+from zerolm.storage import StorageError, StorageFault, check
 
 HELP = "the held-out loss and perplexity of a checkpoint"
 
@@ -33,9 +34,12 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     try:
         if args.sequences is not None and args.sequences <= 0:
             raise ValueError(f"--sequences: {args.sequences} must be > 0")
+        check(args.checkpoint, "--checkpoint")
+        if args.data:
+            check(args.data, "--data", read_only=True)
         model_run = trained.load(args.checkpoint)
         result = evaluate_checkpoint(model_run, args.data, args.split, args.sequences)
-    except (CheckpointError, DataError, ValueError) as e:
+    except (CheckpointError, DataError, StorageError, StorageFault, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     if args.json:

@@ -13,6 +13,7 @@ from zerolm import trained
 from zerolm.checkpoint import CheckpointError
 from zerolm.exitcodes import EXIT_USAGE
 from zerolm.export import export
+from zerolm.storage import StorageError, StorageFault, check, is_remote, path
 
 HELP = "a checkpoint as a Hugging Face GPT-2 model directory"
 
@@ -20,7 +21,7 @@ HELP = "a checkpoint as a Hugging Face GPT-2 model directory"
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", required=True, metavar="DIR",
                         help="a run's checkpoint directory (its newest intact step) or one step's directory")
-    parser.add_argument("--out", required=True, metavar="OUT", help="the model directory to write")
+    parser.add_argument("--out", required=True, metavar="OUT", help="the model directory to write (a local path or gs://)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     parser.add_argument("--tokenizer", default=None, metavar="FILE",
                         help="the run's tokenizer file, if its dataset is not where the checkpoint says")
@@ -28,8 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = Path(args.out)
+    out = path(args.out) if is_remote(args.out) else Path(args.out)
     try:
+        check(args.out, "--out")
+        check(args.checkpoint, "--checkpoint")
         if out.exists() and not args.overwrite:  # before reading the checkpoint
             raise CheckpointError(f"--out: {out} already exists (pass --overwrite to replace it)")
         if out.exists() and not out.is_dir():
@@ -37,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         model_run = trained.load(args.checkpoint, jax.local_devices()[:1])
         tokenizer = model_run.tokenizer(args.tokenizer)
         export(model_run, tokenizer, out, overwrite=args.overwrite)
-    except (CheckpointError, ValueError) as e:
+    except (CheckpointError, StorageError, StorageFault, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     print(f"exported step {model_run.step} of {model_run.where.parent} to {out}: load it with "

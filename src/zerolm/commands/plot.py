@@ -8,6 +8,7 @@ from pathlib import Path
 
 from zerolm.exitcodes import EXIT_USAGE
 from zerolm.plot import PlotError, write
+from zerolm.storage import StorageError, check
 
 HELP = "loss, throughput, MFU and lr of runs, as a PNG"
 
@@ -23,6 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        for where, what in [*((r, "RUN_DIR") for r in args.runs), (args.out or "", "--out")]:
+            check(where, what, local_only="a run's logs are local: logging.dir")
+    except StorageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     run_dirs = [Path(r) for r in args.runs]
     out = Path(args.out) if args.out else (run_dirs[0] / "metrics.png" if len(run_dirs) == 1 else Path("runs.png"))
     if out.suffix.lower() != ".png":

@@ -10,6 +10,7 @@ import jax
 from zerolm import trained
 from zerolm.checkpoint import CheckpointError
 from zerolm.exitcodes import EXIT_USAGE
+from zerolm.storage import StorageError, StorageFault, check
 from zerolm.sample import Sampling, generate
 
 HELP = "continue a prompt with a checkpoint's model (KV cache)"
@@ -38,6 +39,7 @@ def run(args: argparse.Namespace, out=None) -> int:
         if args.max_new_tokens < 0:
             raise ValueError(f"--max-new-tokens: {args.max_new_tokens} must be >= 0")
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+        check(args.checkpoint, "--checkpoint")
         model_run = trained.load(args.checkpoint, jax.local_devices()[:1])
         tokenizer = model_run.tokenizer(args.tokenizer)
         prompt = tokenizer.encode(args.prompt)
@@ -48,7 +50,7 @@ def run(args: argparse.Namespace, out=None) -> int:
         if len(prompt) + args.max_new_tokens > T:
             print(f"note: the context ends after {T - len(prompt)} new tokens (model.seq_len {T})", file=sys.stderr)
         ids = generate(model_run.model, model_run.params, prompt, args.max_new_tokens, sampling, tokenizer.eot_id)
-    except (CheckpointError, ValueError) as e:
+    except (CheckpointError, StorageError, StorageFault, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     print(tokenizer.decode(ids), file=out)

@@ -3,7 +3,7 @@
 Exit codes (zerolm.exitcodes): 0 done; 2 bad config, data, checkpoint or launch flags, or a checkpoint
 or logging directory held by another run; 3 a non-finite loss or gradient norm (or, with
 train.skip_nonfinite, too many skipped updates in a row); 74 a checkpoint could not be saved (a full
-disk); 75 stopped by SIGTERM (preemption) or Ctrl-C: a checkpoint of the step reached was saved, run
+disk) or storage stopped answering; 75 stopped by SIGTERM (preemption) or Ctrl-C: a checkpoint of the step reached was saved, run
 again to resume; 76 a peer process of a multi-process run died: restart, the run resumes from the last
 complete checkpoint; 130 a second Ctrl-C abandoned that save, or Ctrl-C before the first step.
 """
@@ -18,14 +18,15 @@ import time
 import jax
 
 from zerolm import plot, train
-from zerolm.checkpoint import CheckpointError, SaveFailed
+from zerolm.checkpoint import CheckpointError
 from zerolm.config import ConfigError, load_config
 from zerolm.data.shards import DataError
-from zerolm.exitcodes import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_USAGE
+from zerolm.exitcodes import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USAGE
 from zerolm.mesh import DistributedError, bound_shutdown, exit_peer_lost, initialize_distributed, is_peer_failure
 from zerolm.metrics import NonFiniteError
 from zerolm.preemption import Preempted
 from zerolm.runlock import LockHeld
+from zerolm.storage import StorageError, StorageFault
 
 HELP = "train a model (same as python main_zero.py)"
 
@@ -80,11 +81,11 @@ def _run(args: argparse.Namespace) -> int:
         train.run(cfg, resume=args.resume, overwrite=args.overwrite)
         if args.plot and jax.process_index() == 0:
             print(f"plot: {plot.write([cfg.log_dir], cfg.log_dir / 'metrics.png')}", flush=True)
-    except (ConfigError, DataError, LockHeld, DistributedError, plot.PlotError) as e:
+    except (ConfigError, DataError, LockHeld, DistributedError, StorageError, plot.PlotError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except SaveFailed as e:
-        _exit_after_checkpoint_error(f"error: {e}", EXIT_SAVE_FAILED)
+    except StorageFault as e:
+        _exit_after_checkpoint_error(f"error: {e}", EXIT_STORAGE)
     except CheckpointError as e:
         _exit_after_checkpoint_error(f"error: {e}", EXIT_USAGE)
     except NonFiniteError as e:
@@ -105,7 +106,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _exit_after_checkpoint_error(message: str, code: int) -> None:
-    """Report a checkpoint error as the last line and exit.
+    """Report a checkpoint or storage error as the last line and exit.
 
     After a failed restore, orbax has closed its event loop while TensorStore reads are still in
     flight, and their callbacks print 'Event loop is closed' tracebacks (not through sys.excepthook).

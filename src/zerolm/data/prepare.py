@@ -12,28 +12,38 @@ the validation split. A source of fewer than `val_every` documents (one big text
 leave that split empty: then the last 1/`val_every` of the training samples (at least one, at most
 one shard's worth) are held out as validation instead, and the manifest says so (`val_rule`).
 
-The new dataset is built in a sibling temporary directory `.<name>.partial-<host>-<pid>` and moved
-into place at the end, so a killed prepare never leaves a manifest pointing at missing shards, and
---overwrite never destroys the old dataset before the new one is complete. A prepare that fails or
-is interrupted (Ctrl-C, SIGTERM) removes its partial directory; one left by a `kill -9` is removed
-by the next prepare of the same output on the same host, once its process is gone.
+A dataset appears whole or not at all, so a killed prepare never leaves a manifest pointing at missing
+shards, and --overwrite never destroys the old dataset before the new one is complete:
+  - locally, it is built in a sibling temporary directory `.<name>.partial-<host>-<pid>` and renamed
+    into place at the end;
+  - on gs://, which has no rename, its shards and tokenizer are written under a prefix of their own,
+    `OUT/build-<time>-<host>-<pid>/` (the manifest's file names include it), and the dataset is
+    published by writing `OUT/manifest.json`, one object write that GCS makes atomic, last; with
+    --overwrite the old dataset's files are deleted after that.
+A prepare that fails or is interrupted (Ctrl-C, SIGTERM) removes what it wrote; what a `kill -9` left
+is removed by the next prepare of the same output on the same host, once that process is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
+import tarfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
+from etils import epath
 from tqdm import tqdm
 
+from zerolm import storage
 from zerolm.data.sources import Skipped, iter_documents
 from zerolm.data.tokenizer import MIN_BPE_VOCAB, Tokenizer, load_tokenizer
 
@@ -68,13 +78,14 @@ def token_dtype(vocab_size: int) -> np.dtype:
 class _ShardWriter:
     """Packs a token stream into samples and writes them into tar shards of `per_shard` samples."""
 
-    def __init__(self, directory: Path, split: str, seq_len: int, dtype: np.dtype, per_shard: int, vocab_size: int):
+    def __init__(self, directory: epath.Path, split: str, seq_len: int, dtype: np.dtype, per_shard: int,
+                 vocab_size: int):
         self.directory, self.split, self.T1, self.dtype, self.per_shard = directory, split, seq_len + 1, dtype, per_shard
         self.counts = np.zeros(vocab_size, np.int64)  # unigram counts, for the entropy baseline
         self.pending: list[np.ndarray] = []
         self.pending_len = 0
         self.shards: list[dict] = []
-        self._tar = None
+        self._tar = self._file = None
         self._in_shard = 0
 
     def add(self, tokens: np.ndarray) -> int:
@@ -97,7 +108,8 @@ class _ShardWriter:
         if self._tar is None:
             name = f"{self.split}-{len(self.shards):06d}.tar"
             self.shards.append({"name": name, "samples": 0})
-            self._tar = webdataset().TarWriter(str(self.directory / name), mtime=0)  # mtime=0: reproducible bytes
+            self._file = (self.directory / name).open("wb")
+            self._tar = webdataset().TarWriter(self._file, mtime=0)  # mtime=0: reproducible bytes
         self._tar.write({"__key__": f"{self._in_shard:09d}", "npy": row.astype(self.dtype)})
         self._in_shard += 1
         self.shards[-1]["samples"] += 1
@@ -106,8 +118,10 @@ class _ShardWriter:
 
     def _close_shard(self) -> None:
         self._tar.close()
-        self.shards[-1]["bytes"] = (self.directory / self.shards[-1]["name"]).stat().st_size
-        self._tar, self._in_shard = None, 0
+        self.shards[-1]["bytes"] = self._file.tell()
+        self._file.close()  # TarWriter leaves a stream it was given open
+        self._tar = self._file = None
+        self._in_shard = 0
 
     def close(self) -> dict:
         """The split's manifest entry. The last partial sample (fewer than seq_len + 1 tokens) is dropped."""
@@ -124,7 +138,8 @@ class _ShardWriter:
         while len(rows) < n:
             last = self.shards[-1]
             path = self.directory / last["name"]
-            members = [sample["npy"] for sample in webdataset().WebDataset(str(path), shardshuffle=False).decode()]
+            with tarfile.open(fileobj=io.BytesIO(path.read_bytes())) as tar:
+                members = [np.load(io.BytesIO(tar.extractfile(m).read())) for m in tar.getmembers()]
             keep = max(0, len(members) - (n - len(rows)))
             rows = members[keep:] + rows
             path.unlink()
@@ -150,7 +165,7 @@ def _batched(it: Iterable[str], n: int) -> Iterator[list[str]]:
         yield batch
 
 
-def prepare(source: str, out: str | Path, *, tokenizer: str = "default", vocab_size: int = 2048,
+def prepare(source: str, out: str | os.PathLike, *, tokenizer: str = "default", vocab_size: int = 2048,
             seq_len: int = 2048, text_field: str = "text", tfds_data_dir: str | None = None,
             val_every: int = 50, samples_per_shard: int = 4096, overwrite: bool = False,
             skip_bad: bool = False, progress: bool = True, catch_sigterm: bool = True) -> dict:
@@ -160,7 +175,9 @@ def prepare(source: str, out: str | Path, *, tokenizer: str = "default", vocab_s
     preemption notifier holds it from C++, where Python could neither see nor put it back."""
     _check_numbers(seq_len=seq_len, val_every=val_every, samples_per_shard=samples_per_shard,
                    vocab_size=vocab_size if tokenizer == "default" else None)
-    out = Path(out)
+    if storage.is_remote(out):
+        storage.check(out, "--out")
+    out = storage.path(out) if storage.is_remote(out) else Path(out)
     _check_out(out, overwrite)
     skipped = Skipped() if skip_bad else None
 
@@ -187,17 +204,15 @@ def prepare(source: str, out: str | Path, *, tokenizer: str = "default", vocab_s
                              progress, stop)
 
 
-def _prepare_into(out: Path, source: str, documents, tok: Tokenizer, seq_len: int, val_every: int,
+def _prepare_into(out: Path | epath.Path, source: str, documents, tok: Tokenizer, seq_len: int, val_every: int,
                   samples_per_shard: int, skipped: Skipped | None, progress: bool, stop: _StopSignals) -> dict:
     dtype = token_dtype(tok.vocab_size)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    removed = remove_dead_partials(out)
-    if removed and progress:
-        print(f"prepare: removed {', '.join(removed)}, left by a prepare that was killed", flush=True)
-    tmp = out.parent / f".{out.name}.partial-{socket.gethostname()}-{os.getpid()}"
-    tmp.mkdir()
+    build = (_BucketBuild if storage.is_remote(out) else _LocalBuild)(out)
+    if build.removed and progress:
+        print(f"prepare: removed {', '.join(build.removed)}, left by a prepare that was killed", flush=True)
     try:
-        manifest = _write_splits(tmp, documents, tok, seq_len, dtype, val_every, samples_per_shard, progress)
+        manifest = _write_splits(build.directory, documents, tok, seq_len, dtype, val_every, samples_per_shard,
+                                 progress)
         stop.check()
         if manifest["splits"]["train"]["samples"] == 0:
             raise PrepareError(f"{source}: too little text for one training sample of seq_len + 1 = {seq_len + 1} "
@@ -205,13 +220,81 @@ def _prepare_into(out: Path, source: str, documents, tok: Tokenizer, seq_len: in
                                "seq_len or more text")
         manifest.update(source=source, skipped=skipped.count if skipped else 0,
                         skipped_first=skipped.first if skipped else "")
-        tok.save(tmp)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        _move_into_place(tmp, out)
+        tok.save(build.directory)
+        for split in manifest["splits"].values():
+            for shard in split["shards"]:
+                shard["name"] = build.prefix + shard["name"]
+        manifest["tokenizer"]["file"] = build.prefix + manifest["tokenizer"]["file"]
+        build.publish(json.dumps(manifest, indent=1))
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        build.abandon()
         raise
     return manifest
+
+
+class _LocalBuild:
+    """A local dataset is built in a sibling directory and renamed into place."""
+
+    prefix = ""  # shard names are relative to the dataset directory
+
+    def __init__(self, out: Path):
+        self.out = out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        self.removed = remove_dead_partials(out)
+        self.directory = out.parent / f".{out.name}.partial-{socket.gethostname()}-{os.getpid()}"
+        self.directory.mkdir()
+
+    def publish(self, manifest: str) -> None:
+        (self.directory / MANIFEST).write_text(manifest)
+        _move_into_place(self.directory, self.out)
+
+    def abandon(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+# gs:// builds: OUT/build-<time>-<host>-<pid>/
+_BUILD = re.compile(r"^build-\d{8}T\d{6}-(?P<host>.+)-(?P<pid>\d+)$")
+
+
+class _BucketBuild:
+    """A gs:// dataset is built under a prefix of its own inside OUT and published by writing the
+    manifest last (GCS has no rename; a single object write is atomic)."""
+
+    def __init__(self, out: epath.Path):
+        self.out = out
+        host = socket.gethostname()
+        self.removed = []
+        for p in out.iterdir() if out.exists() else ():
+            match = _BUILD.match(p.name)
+            if match and match["host"] == host and not _alive(int(match["pid"])) and not _published(out, p.name):
+                storage.remove_tree(p)
+                self.removed.append(p.name)
+        name = f"build-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{host}-{os.getpid()}"
+        self.directory, self.prefix = out / name, f"{name}/"
+
+    def publish(self, manifest: str) -> None:
+        old = _dataset_files(self.out) if (self.out / MANIFEST).exists() else set()
+        storage.write_atomic(self.out / MANIFEST, manifest)  # the moment the new dataset appears
+        for name in sorted(old - {MANIFEST, self.prefix.rstrip("/")}):  # --overwrite: the old one goes now
+            storage.remove_tree(self.out / name)
+
+    def abandon(self) -> None:
+        storage.remove_tree(self.directory)
+
+
+def _dataset_files(out) -> set[str]:
+    """The top-level names of a prepared dataset's files (a gs:// build is one name)."""
+    manifest = json.loads((out / MANIFEST).read_text())
+    names = [manifest["tokenizer"]["file"], *(shard["name"] for split in manifest["splits"].values()
+                                              for shard in split["shards"])]
+    return {MANIFEST, *(name.split("/", 1)[0] for name in names)}
+
+
+def _published(out, name: str) -> bool:
+    try:
+        return name in _dataset_files(out)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _files_of(source: str) -> str:
@@ -225,26 +308,27 @@ def _files_of(source: str) -> str:
     return ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "") if files else pattern
 
 
-def _check_out(out: Path, overwrite: bool) -> None:
+def _check_out(out: Path | epath.Path, overwrite: bool) -> None:
     """prepare writes only into a missing or empty directory, or (--overwrite) over an earlier prepared
-    dataset that holds nothing else: never over files of the user's."""
+    dataset that holds nothing else: never over files of the user's. (Builds that a prepare into gs://
+    left unfinished are its own files.)"""
     if out.exists() and not out.is_dir():
         raise PrepareError(f"{out}: exists and is not a directory")
-    if not out.exists() or not any(out.iterdir()):
+    names = {p.name for p in out.iterdir()} if out.exists() else set()
+    names = {n for n in names if not (storage.is_remote(out) and _BUILD.match(n))}
+    if not names:
         return
-    if not (out / MANIFEST).exists():
+    if MANIFEST not in names:
         raise PrepareError(f"{out}: is not empty and holds no prepared dataset ({MANIFEST}); prepare writes only "
                            "into a missing or empty directory: choose another --out")
     if not overwrite:
         raise PrepareError(f"{out}: already holds a prepared dataset; pass --overwrite to replace it")
     try:
-        manifest = json.loads((out / MANIFEST).read_text())
-        ours = {MANIFEST, manifest["tokenizer"]["file"],
-                *(shard["name"] for split in manifest["splits"].values() for shard in split["shards"])}
+        ours = _dataset_files(out)
     except (ValueError, KeyError, TypeError, OSError) as e:
         raise PrepareError(f"{out}/{MANIFEST}: unreadable ({e}); --overwrite replaces only a prepared dataset, "
                            "so nothing was touched") from None
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
+    foreign = sorted(names - ours)
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
         raise PrepareError(f"{out}: holds {foreign[0]}{more}, which no prepare wrote; --overwrite replaces only a "
@@ -314,7 +398,7 @@ class _StopSignals:
             signal.signal(sig, handler)
 
 
-def _write_splits(directory: Path, documents, tok: Tokenizer, seq_len: int, dtype, val_every: int,
+def _write_splits(directory: Path | epath.Path, documents, tok: Tokenizer, seq_len: int, dtype, val_every: int,
                   per_shard: int, progress: bool) -> dict:
     writers = {s: _ShardWriter(directory, s, seq_len, dtype, per_shard, tok.vocab_size) for s in SPLITS}
     bar = tqdm(desc="prepare", unit="tok", unit_scale=True, disable=not progress, mininterval=0.5)

@@ -1,16 +1,16 @@
 """Reading a prepared dataset: the manifest, and samples by id from its webdataset tar shards.
 
-Local shards are memory-mapped and read row by row. Every member has the same size, so sample i of a
-shard sits at i × stride. URLs (https://, gs://, pipe:...) are streamed whole through webdataset and
-kept in a small cache. Anything that does not match the manifest stops with one line naming the file
-and sample: a member of the wrong size, and a token id outside the tokenizer's vocabulary (checked
-on the host as rows are read: a max over each row). With `skip_bad`, such a row is replaced by the
-next readable one in its shard and counted instead.
+Every member of a shard has the same size, so sample i of a shard sits at i × stride, and a row is
+read by itself: from a memory map locally, and as byte ranges (several at once) from a URL (gs://,
+or any other location fsspec reads: https://, file://), so that each host reads only its own rows
+wherever the dataset lives. Anything that does not match the manifest stops with one line naming
+the file and sample: a member of the wrong size, and a token id outside the tokenizer's vocabulary
+(checked on the host as rows are read: a max over each row). With `skip_bad`, such a row is replaced
+by the next readable one in its shard and counted instead.
 """
 
 from __future__ import annotations
 
-import collections
 import io
 import json
 import os
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from zerolm.data.prepare import FORMAT, MANIFEST, webdataset
+from zerolm import storage
+from zerolm.data.prepare import FORMAT, MANIFEST
 from zerolm.data.tokenizer import Tokenizer, cache_dir, from_file
 
 
@@ -28,19 +29,14 @@ class DataError(ValueError):
     """A prepared dataset that does not match its manifest; one line naming the file and sample."""
 
 
-def is_url(location: str) -> bool:
-    return "://" in location or location.startswith("pipe:")
-
-
 def _join(location: str, name: str) -> str:
-    """A file of the dataset; for pipe: locations ("pipe:gsutil cat gs://b/ds") the command's argument."""
     return f"{location.rstrip('/')}/{name}"
 
 
 def _read_bytes(location: str) -> bytes:
-    if is_url(location):
-        with webdataset().gopen(location, "rb") as f:
-            return f.read()
+    if storage.is_remote(location):
+        with storage.faults(location, "reading"):
+            return storage.read_bytes(location)
     return Path(location).read_bytes()
 
 
@@ -48,6 +44,9 @@ class PreparedDataset:
     def __init__(self, location: str | Path):
         self.location = str(location)
         where = _join(self.location, MANIFEST)
+        if self.location.startswith("pipe:"):
+            raise DataError(f"{self.location}: pipe: datasets are not read any more; name the dataset by its URL "
+                            "(gs://BUCKET/PATH, https://...) and it is read directly")
         try:
             self.manifest = json.loads(_read_bytes(where))
         except FileNotFoundError:
@@ -67,7 +66,7 @@ class PreparedDataset:
         """The tokenizer the dataset was prepared with; a remote one is fetched into the cache first."""
         info = self.manifest["tokenizer"]
         where = _join(self.location, info["file"])
-        if is_url(where):
+        if storage.is_remote(where):
             local = cache_dir() / "tokenizers" / info["sha256"][:16] / info["file"]
             if not local.exists():
                 local.parent.mkdir(parents=True, exist_ok=True)
@@ -94,27 +93,33 @@ class Split:
         self.T1 = dataset.seq_len + 1
         self.rows_read = 0  # rows this process has read from storage (tests count them)
         self.bad_samples = 0  # with skip_bad: rows replaced by a neighbour because they were unreadable
-        self._readers: dict[int, _LocalShard] = {}
-        self._remote: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+        self._readers: dict[int, _Shard] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return int(self.starts[-1])
 
     def verify(self) -> None:
-        """Every local shard of the manifest is present with its recorded size: a stat per shard, so a
-        missing or truncated shard stops a run before its first step, not when first read. (URL
-        datasets are checked as they stream.)"""
-        if is_url(self.dataset.location):
-            return
+        """Every shard of the manifest is present with its recorded size, so that a missing or
+        truncated shard stops a run before its first step, not when first read: a stat per shard
+        locally, one listing of the dataset on gs://."""
+        location = self.dataset.location
+        if storage.is_remote(location):
+            with storage.faults(location, "listing the dataset"):
+                present = storage.sizes(storage.path(location))
         for shard in self.shards:
-            path = Path(self.dataset.location) / shard["name"]
-            try:
-                size = path.stat().st_size
-            except OSError as e:
-                raise DataError(f"{path}: missing or unreadable shard ({e.strerror})") from None
+            where = _join(location, shard["name"])
+            if storage.is_remote(location):
+                size = present.get(shard["name"])
+                if size is None:
+                    raise DataError(f"{where}: missing shard")
+            else:
+                try:
+                    size = Path(where).stat().st_size
+                except OSError as e:
+                    raise DataError(f"{where}: missing or unreadable shard ({e.strerror})") from None
             if "bytes" in shard and size != shard["bytes"]:
-                raise DataError(f"{path}: {size} bytes, the manifest says {shard['bytes']} "
+                raise DataError(f"{where}: {size} bytes, the manifest says {shard['bytes']} "
                                 "(truncated or replaced shard)")
 
     def read(self, ids: np.ndarray) -> np.ndarray:
@@ -130,49 +135,14 @@ class Split:
         return out
 
     def _read_shard(self, k: int, offsets: np.ndarray) -> np.ndarray:
-        where = _join(self.dataset.location, self.shards[k]["name"])
-        if is_url(where):
-            return self._remote_shard(k, where)[offsets]
         with self._lock:
             if k not in self._readers:
-                self._readers[k] = _LocalShard(Path(where), self.shards[k], self.T1, self.dataset.dtype,
-                                               self.dataset.vocab_size)
+                where = _join(self.dataset.location, self.shards[k]["name"])
+                self._readers[k] = _Shard(where, self.shards[k], self.T1, self.dataset.dtype, self.dataset.vocab_size)
             reader = self._readers[k]
         rows, bad = reader.rows(offsets, self.skip_bad)
         self.bad_samples += bad
         return rows
-
-    def _remote_shard(self, k: int, url: str) -> np.ndarray:
-        with self._lock:
-            if k in self._remote:
-                self._remote.move_to_end(k)
-                return self._remote[k]
-        rows = []
-        try:
-            for i, sample in enumerate(webdataset().WebDataset(url, shardshuffle=False, empty_check=False).decode()):
-                rows.append(_check_row(sample.get("npy"), url, i, sample.get("__key__"), self.T1,
-                                       self.dataset.vocab_size))
-        except DataError:
-            raise
-        except Exception as e:
-            raise DataError(f"{url}: cannot stream shard ({type(e).__name__}: {e})".splitlines()[0]) from None
-        if len(rows) != self.shards[k]["samples"]:
-            raise DataError(f"{url}: {len(rows)} samples, the manifest says {self.shards[k]['samples']}")
-        array = np.stack(rows).astype(np.int32)
-        with self._lock:
-            self._remote[k] = array
-            while len(self._remote) > 2:
-                self._remote.popitem(last=False)
-        return array
-
-
-def _check_row(row, where: str, index: int, key, T1: int, vocab_size: int) -> np.ndarray:
-    if not isinstance(row, np.ndarray) or row.shape != (T1,):
-        shape = getattr(row, "shape", type(row).__name__)
-        raise DataError(f"{where}: sample {index} ({key}) has shape {shape}, expected ({T1},)")
-    if (top := int(row.max())) >= vocab_size:
-        raise DataError(_out_of_vocab(where, index, top, vocab_size))
-    return row
 
 
 def _out_of_vocab(where, index: int, token: int, vocab_size: int) -> str:
@@ -180,61 +150,99 @@ def _out_of_vocab(where, index: int, token: int, vocab_size: int) -> str:
             "(corrupted data; data.skip_bad_samples: true replaces such samples)")
 
 
-class _LocalShard:
-    """A tar of equal-size .npy members, memory-mapped; checked against the manifest on open."""
+class _LocalBytes:
+    """A local file's bytes, memory-mapped."""
 
-    def __init__(self, path: Path, info: dict, T1: int, dtype: np.dtype, vocab_size: int):
-        self.path, self.n, self.T1, self.vocab_size = path, info["samples"], T1, vocab_size
+    def __init__(self, where: str):
         try:
-            size = path.stat().st_size
-            self.map = np.memmap(path, np.uint8, mode="r")
+            self.size = os.stat(where).st_size
+            self.map = np.memmap(where, np.uint8, mode="r")
         except OSError as e:
-            raise DataError(f"{path}: missing or unreadable shard ({e.strerror})") from None
+            raise DataError(f"{where}: missing or unreadable shard ({e.strerror})") from None
+
+    def read(self, ranges: list[tuple[int, int]]) -> list[bytes]:
+        return [self.map[a:b].tobytes() for a, b in ranges]
+
+
+class _RemoteBytes:
+    """A remote file's bytes, read as ranges (concurrent requests; nothing cached)."""
+
+    def __init__(self, where: str, size: int | None):
+        self.where = where
+        with storage.faults(where, "reading the shard"):
+            try:
+                self.size = size if size is not None else storage.size(where)
+            except FileNotFoundError:
+                raise DataError(f"{where}: missing shard") from None
+
+    def read(self, ranges: list[tuple[int, int]]) -> list[bytes]:
+        with storage.faults(self.where, "reading the shard"):
+            try:
+                return storage.read_ranges(self.where, ranges)
+            except FileNotFoundError:
+                raise DataError(f"{self.where}: missing shard") from None
+
+
+class _Shard:
+    """A tar of equal-size .npy members, read member by member; checked against the manifest on open."""
+
+    def __init__(self, where: str, info: dict, T1: int, dtype: np.dtype, vocab_size: int):
+        self.path, self.n, self.T1, self.vocab_size = where, info["samples"], T1, vocab_size
+        self.bytes = (_RemoteBytes(where, info.get("bytes")) if storage.is_remote(where) else _LocalBytes(where))
+        size = self.bytes.size
         if "bytes" in info and size != info["bytes"]:
-            raise DataError(f"{path}: {size} bytes, the manifest says {info['bytes']} (truncated or replaced shard)")
-        first = self._header(0, stride=0)
-        npy = io.BytesIO(self.map[512: 512 + first.size].tobytes())
-        version = np.lib.format.read_magic(npy)
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, _, npy_dtype = read_header(npy)
-        self.npy_header = npy.tell()
-        self.npy_header_bytes = self.map[512: 512 + self.npy_header].tobytes()
-        if shape != (T1,) or npy_dtype != dtype:
-            raise DataError(f"{path}: sample 0 is {npy_dtype}{list(shape)}, the manifest says {dtype}[{T1}]")
-        self.stride = 512 + -(-first.size // 512) * 512
-        if size < self.n * self.stride + 1024:
-            raise DataError(f"{path}: {size} bytes cannot hold the manifest's {self.n} samples (truncated shard)")
+            raise DataError(f"{where}: {size} bytes, the manifest says {info['bytes']} (truncated or replaced shard)")
+        head = self.bytes.read([(0, min(size, 1024))])[0]
+        first = self._header(0, head)
+        npy = io.BytesIO(head[512: 512 + first.size])
         try:
-            self._header(self.n - 1, self.stride)
+            version = np.lib.format.read_magic(npy)
+            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0) else
+                           np.lib.format.read_array_header_2_0)
+            shape, _, npy_dtype = read_header(npy)
+        except ValueError as e:
+            raise DataError(f"{where}: sample 0 is not a .npy member ({e})") from None
+        self.npy_header = npy.tell()
+        self.npy_header_bytes = head[512: 512 + self.npy_header]
+        if shape != (T1,) or npy_dtype != dtype:
+            raise DataError(f"{where}: sample 0 is {npy_dtype}{list(shape)}, the manifest says {dtype}[{T1}]")
+        self.stride = 512 + -(-first.size // 512) * 512
+        self.member = 512 + self.npy_header + T1 * dtype.itemsize  # the bytes of a member that are read
+        if size < self.n * self.stride + 1024:
+            raise DataError(f"{where}: {size} bytes cannot hold the manifest's {self.n} samples (truncated shard)")
+        last = (self.n - 1) * self.stride
+        try:
+            self._header(self.n - 1, self.bytes.read([(last, last + 512)])[0])
         except DataError as e:
-            reason = str(e).removeprefix(f"{path}: ")
-            raise DataError(f"{path}: does not match the manifest's {self.n} samples ({reason})") from None
+            reason = str(e).removeprefix(f"{where}: ")
+            raise DataError(f"{where}: does not match the manifest's {self.n} samples ({reason})") from None
         self.dtype = dtype
 
-    def _header(self, i: int, stride: int) -> tarfile.TarInfo:
+    def _header(self, i: int, block: bytes) -> tarfile.TarInfo:
         try:
-            info = tarfile.TarInfo.frombuf(self.map[i * stride: i * stride + 512].tobytes(), "utf-8",
-                                           "surrogateescape")
+            info = tarfile.TarInfo.frombuf(block[:512], "utf-8", "surrogateescape")
         except tarfile.TarError as e:
             raise DataError(f"{self.path}: sample {i}: bad tar header ({e})") from None
         if info.name != f"{i:09d}.npy":
             raise DataError(f"{self.path}: sample {i}: found member {info.name!r}, expected {i:09d}.npy")
         return info
 
+    def _fetch(self, members: list[int]) -> list[bytes]:
+        return self.bytes.read([(k * self.stride, k * self.stride + self.member) for k in members])
+
     def rows(self, offsets: np.ndarray, skip_bad: bool) -> tuple[np.ndarray, int]:
         out = np.empty((len(offsets), self.T1), np.int32)
         bad = 0
-        itemsize = self.dtype.itemsize
-        for j, i in enumerate(offsets):
+        name_end, body = 13, 512 + self.npy_header
+        for j, (i, member) in enumerate(zip(offsets, self._fetch([int(i) for i in offsets]))):
             i = int(i)
             for attempt in range(self.n if skip_bad else 1):
                 k = (i + attempt) % self.n
-                start = k * self.stride + 512
-                name = self.map[k * self.stride: k * self.stride + 13].tobytes()
-                header = self.map[start: start + self.npy_header].tobytes()
-                if name == f"{k:09d}.npy".encode() and header == self.npy_header_bytes:
-                    body = self.map[start + self.npy_header: start + self.npy_header + self.T1 * itemsize]
-                    out[j] = np.frombuffer(body.tobytes(), self.dtype)
+                if attempt:
+                    member = self._fetch([k])[0]
+                if (len(member) == self.member and member[:name_end] == f"{k:09d}.npy".encode()
+                        and member[512:body] == self.npy_header_bytes):
+                    out[j] = np.frombuffer(member[body:], self.dtype, count=self.T1)
                     if (top := int(out[j].max())) < self.vocab_size:
                         break
                     problem = _out_of_vocab(self.path, k, top, self.vocab_size)
