@@ -7,7 +7,7 @@ TRAIN_ARGS ?=
 # 8 fake CPU devices so the data-parallel and ZeRO paths run on any laptop.
 TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 WANDB_MODE=disabled JAX_PLATFORMS=cpu
 
-.PHONY: install install-test train test bench clean
+.PHONY: install install-test train lint test test-fast bench clean
 
 install: $(VENV)/.installed
 
@@ -17,7 +17,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install -q -r requirements.txt -e .
 	touch $@
 
-# The test extra: pytest, shellcheck, and PyTorch (CPU) + transformers to check the Hugging Face export.
+# The test extra: pytest, shellcheck, ruff, mypy, and PyTorch (CPU) + transformers to check the Hugging Face export.
 install-test: $(VENV)/.installed-test
 
 $(VENV)/.installed-test: $(VENV)/.installed
@@ -28,8 +28,19 @@ $(VENV)/.installed-test: $(VENV)/.installed
 train: install
 	$(PY) main_zero.py --config $(CONFIG) --plot $(TRAIN_ARGS)
 
-test: install-test
+# Lint and import order (ruff) on the whole tree, types (mypy) on src/: CI fails on either before any test runs.
+lint: install-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+# The whole suite: under 15 minutes on 2 cores. Two xdist workers, one test file each at a time.
+test: lint
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile tests
+
+# The unit tier for your own iterations (under 3 minutes on 2 cores): no training runs in subprocesses, no
+# TPU compiles, no multi-process runs (those are marked `slow`).
+test-fast: install-test
+	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 
 bench: install
 	$(TEST_ENV) $(PY) benchmarks/zero_step.py --config $(CONFIG)

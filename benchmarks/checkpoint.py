@@ -29,7 +29,8 @@ import tensorstore as ts
 
 from zerolm import model as gpt_model
 from zerolm import storage
-from zerolm.checkpoint import FORMAT, Checkpoints, directory_size
+from zerolm.checkpoint import Checkpoints, directory_size
+from zerolm.checkpoint_meta import CheckpointMeta
 from zerolm.config import load_config
 from zerolm.mesh import make_mesh
 from zerolm.step import build_step
@@ -97,11 +98,14 @@ def main() -> None:
     if not storage.is_remote(location):
         shutil.rmtree(location, ignore_errors=True)
     ckpts = Checkpoints(location, keep=args.saves + 1)
-    meta = {"format": FORMAT, "config": cfg.model_dump(), "dp": cfg.dp, "tp": cfg.mesh.tp}
+    def meta(step: int) -> CheckpointMeta:
+        return CheckpointMeta(step=step, time=time.time(), config=cfg.model_dump(), dp=cfg.dp, tp=cfg.mesh.tp,
+                              accum_steps=1, dataset={}, tokens_seen=0, loss=None, wandb_id="")
+
     rows = []
     for i in range(args.saves):
         t = time.perf_counter()
-        ckpts.save(state, {**meta, "step": i + 1, "time": time.time()})
+        ckpts.save(state, meta(i + 1))
         blocking = time.perf_counter() - t
         ckpts.wait()
         rows.append((blocking, time.perf_counter() - t))

@@ -27,7 +27,7 @@ from zerolm.commands import plan as commands_plan  # noqa: E402
 from zerolm.config import load_config  # noqa: E402
 from zerolm.mesh import make_mesh  # noqa: E402
 from zerolm.model import for_device  # noqa: E402
-from zerolm.zero import resolve_scatter  # noqa: E402
+from zerolm.scatter import resolve_scatter  # noqa: E402
 
 PRESET = {"v2": "v2-core", "v3": "v3-core", "v4": "v4", "v5p": "v5p", "v5e": "v5e", "v6e": "v6e"}
 BEGIN, END = "<!-- plan_vs_compile:begin -->", "<!-- plan_vs_compile:end -->"
@@ -46,7 +46,7 @@ def compiled(cache: Path, config: str, target: str, micro: int, remat: str) -> d
             row = json.loads(line)
             if row["key"] == key and row["attention"] == attention and row.get("scatter") == scatter:
                 return row
-    r = aot.compile_for(cfg, t, devices)
+    r = aot.compile_for(cfg, t, devices).to_json()
     row = {"key": key, "peak": r["peak_bytes_per_device"], "peak_program": r["peak_program"], "fits": r["fits"],
            "usable": r["usable_bytes_per_device"], "programs": r["programs"], "precision": r["precision"],
            "attention": r["attention"], "scatter": r["scatter"], "accum": r["accum_steps"], "dp": r["mesh"]["dp"]}

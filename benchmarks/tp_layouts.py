@@ -16,25 +16,24 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import platform
 import time
 
 import jax
 import numpy as np
 
-from zerolm import hlo, model as gpt_model, sharding
+from zerolm import hlo, sharding
 from zerolm.config import load_config
 from zerolm.data.loader import to_accum_layout
 from zerolm.mesh import make_mesh
 from zerolm.sharding import with_shardings
-from zerolm.zero import Zero1, make_optimizer
+from zerolm.step import build_step
 
 
 def shard_bytes(abstract, shardings) -> int:
     """Bytes one device holds of a tree, from its shardings."""
     return sum(int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize
-               for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)))
+               for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings), strict=True))
 
 
 def memory_of(compiled) -> int:
@@ -65,13 +64,9 @@ def main() -> None:
         accum = cfg.accum_steps
         if cfg.model.vocab_size == "auto":
             cfg = cfg.resolve(model__vocab_size=cfg.data.default_vocab_size)
-        model = gpt_model.GPT(cfg.model)
-        init_fn = functools.partial(gpt_model.init_params, model)
-        abstract = jax.eval_shape(init_fn, jax.random.key(0))
-        tx = make_optimizer(cfg.train)[0]
-        zero = Zero1(make_mesh(dp, tp), functools.partial(gpt_model.lm_loss, model), tx, abstract,
-                     logical_axes=gpt_model.logical_axes(model),
-                     rules=sharding.VOCAB_PARALLEL_RULES if args.vocab_parallel else sharding.RULES)
+        model, zero, init_fn = build_step(cfg, make_mesh(dp, tp),
+                                          rules=sharding.VOCAB_PARALLEL_RULES if args.vocab_parallel else sharding.RULES)
+        abstract = zero.abstract_params
         T1 = cfg.model.seq_len + 1
         params = with_shardings(abstract, zero.param_shardings)
         batch = jax.ShapeDtypeStruct((accum, dp * args.micro_batch, T1), np.int32, sharding=zero.batch_sharding)

@@ -50,7 +50,8 @@ from zerolm.config import load_config  # noqa: E402
 from zerolm.data.loader import to_accum_layout  # noqa: E402
 from zerolm.mesh import make_mesh  # noqa: E402
 from zerolm.mfu import flops_per_token, mfu, peak_for  # noqa: E402
-from zerolm.zero import Zero1, make_optimizer, naive_data_parallel_step  # noqa: E402
+from zerolm.naive import naive_data_parallel_step  # noqa: E402
+from zerolm.step import build_step
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = ("none", "dots_attention", "dots", "attention", "full")  # from the most memory to the least
@@ -75,11 +76,8 @@ def overrides(args, micro: int, remat: str) -> list[str]:
 
 def load(args, config: str, micro: int, remat: str):
     cfg = load_config(REPO / "configs" / f"{config}.yaml", overrides(args, micro, remat), device_count=1)
-    model = gpt_model.GPT(cfg.model)
-    abstract = jax.eval_shape(functools.partial(gpt_model.init_params, model), jax.random.key(0))
-    zero = Zero1(make_mesh(1, 1, jax.devices()[:1]), functools.partial(gpt_model.lm_loss, model),
-                 make_optimizer(cfg.train)[0], abstract)
-    return cfg, model, abstract, zero
+    model, zero, _ = build_step(cfg, make_mesh(1, 1, jax.devices()[:1]))
+    return cfg, model, zero.abstract_params, zero
 
 
 def search(args, config: str) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Evidence for docs/zero-questions.md: seed note 000's four questions, asked of the compiler.
+"""Evidence for docs/zero-questions.md: the four questions of docs/design.md, asked of the compiler.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/zero_questions.py [--layers 2 8 32]
     JAX_PLATFORMS=cpu python benchmarks/zero_questions.py --target v3-8     # the TPU compiler, no TPU
@@ -25,14 +25,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from zerolm import comms, hlo
+from zerolm import comms, hlo, naive
 from zerolm import model as gpt_model
 from zerolm.config import load_config
 from zerolm.mesh import DP, make_mesh
-from zerolm.step import build_step
-from zerolm.zero import two_stage_inner, two_stage_reduce_scatter
+from zerolm.scatter import two_stage_inner, two_stage_reduce_scatter
+from zerolm.step import build_step, compile_step
 
 
 def collectives(text: str, mesh) -> str:
@@ -74,7 +75,7 @@ def _cfg(layers: int, accum: int, dp: int):
 def question_2(mesh) -> None:
     cfg = _cfg(4, 2, mesh.shape[DP])
     _, zero, _ = build_step(cfg, mesh)
-    text = comms.compiled_texts(zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps)["grad"]
+    text = compile_step(zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps).texts["grad"]
     asynchronous = sorted(set(re.findall(r"\b((?:all-reduce|reduce-scatter|all-gather|collective-permute)-start)\(",
                                          text)))
     print(f"2. {mesh.devices.flat[0].device_kind}: asynchronous collectives in zerolm's gradient step: "
@@ -114,7 +115,7 @@ def question_3(mesh, depths: list[int]) -> None:
         cfg = _cfg(layers, 2, mesh.shape[DP])
         _, zero, _ = build_step(cfg, mesh)
         start = time.perf_counter()
-        text = comms.compiled_texts(zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps)["grad"]
+        text = compile_step(zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps).texts["grad"]
         seconds = time.perf_counter() - start
         print(f"   {layers:3d} layers: {seconds:6.2f} s to lower and compile grad+reshard+update, "
               f"HLO {len(text.splitlines()):6d} lines")
@@ -125,7 +126,7 @@ def question_4(mesh) -> None:
     for accum in (1, 2):
         cfg = _cfg(4, accum, mesh.shape[DP])
         model, zero, _ = build_step(cfg, mesh)
-        text = comms.naive_text(zero, functools.partial(gpt_model.lm_loss, model), cfg.train.micro_batch_size,
+        text = naive.naive_text(zero, functools.partial(gpt_model.lm_loss, model), cfg.train.micro_batch_size,
                                 cfg.model.seq_len, accum)
         inside, outside = hlo.ops_in_loops(text, "sqrt")
         loops = len(re.findall(r"\bwhile\(", text))

@@ -22,13 +22,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerolm import hlo, model as gpt_model
+from zerolm import hlo
+from zerolm import model as gpt_model
 from zerolm.config import load_config
 from zerolm.data.loader import to_accum_layout
 from zerolm.mesh import make_mesh
-from zerolm.mfu import flops_per_token as model_flops_per_token, peak_for
+from zerolm.mfu import flops_per_token as model_flops_per_token
+from zerolm.mfu import peak_for
+from zerolm.naive import naive_data_parallel_step
+from zerolm.optim import make_optimizer
 from zerolm.sharding import bytes_per_device, with_shardings
-from zerolm.zero import Zero1, make_optimizer, naive_data_parallel_step
+from zerolm.step import build_step
 
 
 def peak_flops() -> tuple[float, str]:
@@ -89,12 +93,11 @@ def main() -> None:
     cfg = load_config(args.config, args.set, device_count=jax.device_count())
     if cfg.model.vocab_size == "auto":
         cfg = cfg.resolve(model__vocab_size=cfg.data.default_vocab_size)
-    model = gpt_model.GPT(cfg.model)
-    init_fn = functools.partial(gpt_model.init_params, model)
+    mesh = make_mesh(cfg.dp, cfg.mesh.tp)
+    model, _, init_fn = build_step(cfg, mesh)
     loss_fn = functools.partial(gpt_model.lm_loss, model)
     abstract = jax.eval_shape(init_fn, jax.random.key(0))
     tx, _ = make_optimizer(cfg.train)
-    mesh = make_mesh(cfg.dp, cfg.mesh.tp)
     G, T = cfg.train.global_batch_size, cfg.model.seq_len
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, cfg.model.vocab_size, (G, T + 1)).astype(np.int32) for _ in range(2)]
@@ -103,8 +106,8 @@ def main() -> None:
 
     results = []
     for variant in ("all_reduce", "reduce_scatter", "naive"):
-        zero = Zero1(mesh, loss_fn, tx, abstract, logical_axes=gpt_model.logical_axes(model),
-                     grad_reduce="reduce_scatter" if variant == "naive" else variant)
+        variant_cfg = cfg.resolve(zero__grad_reduce="reduce_scatter" if variant == "naive" else variant)
+        _, zero, _ = build_step(variant_cfg, mesh)
         batches = [jax.device_put(to_accum_layout(r, cfg.dp, cfg.accum_steps, cfg.train.micro_batch_size),
                                   zero.batch_sharding) for r in rows]
         if variant == "naive":

@@ -22,6 +22,17 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
 
 
+# Tests that use these need a training run in a subprocess or a GCS server: the `slow` tier, with the
+# modules that mark themselves (`pytestmark`) and single tests marked where they are.
+SLOW_FIXTURES = {"trained_run", "gcs", "gcs_module", "gcs_server"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory):
     """Tokenizers are built into a per-session cache, never the user's."""
@@ -44,6 +55,18 @@ def small_config(*overrides: str, device_count: int = 8):
     base = ["model.vocab_size=100", "model.n_layer=2", "model.d_model=32", "model.n_head=4",
             "model.seq_len=16", "model.dtype=float32"]
     return load_config(TINY, [*base, *overrides], device_count=device_count)
+
+
+def small_step(*overrides: str, dp: int = 8, tp: int = 1, devices=None, device_count: int | None = None, **kw):
+    """(cfg, model, zero, init_fn): small_config's step on a (dp, tp) mesh, built as training builds it
+    (zerolm.step.build_step; `kw`: its other arguments, e.g. rules)."""
+    from zerolm.mesh import make_mesh
+    from zerolm.step import build_step
+
+    cfg = small_config(*overrides, f"mesh.tp={tp}", device_count=device_count or dp * tp)
+    mesh = make_mesh(dp, tp, devices if devices is not None else jax.devices()[:dp * tp])
+    model, zero, init_fn = build_step(cfg, mesh, **kw)
+    return cfg, model, zero, init_fn
 
 
 @functools.cache

@@ -40,7 +40,7 @@ def main() -> None:
     meshes = {
         "dp8_tp1": make_mesh(8, 1),
         "dp4_tp2": make_mesh(4, 2),
-        # Host h holds every device at tp = h: only host 0 may read (seed note 004's 2x2 case, scaled).
+        # Host h holds every device at tp = h: only host 0 may read (docs/design.md's 2x2 case, scaled).
         "dp4_tp2_tp_by_host": Mesh(np.array(by_process).reshape(args.num_processes, -1).T, (DP, TP)),
     }
     results = {}

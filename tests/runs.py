@@ -68,21 +68,17 @@ def start_and_wait(run_dir, cmd_env, until, timeout=240):
 
 def checkpoint_params(run_dir, step: int):
     """The params of a run's checkpoint, restored onto this process's 8 devices, flattened."""
-    import functools
 
     import jax
     import numpy as np
 
-    from zerolm import model as gpt_model
     from zerolm.checkpoint import Checkpoints
     from zerolm.config import load_config
     from zerolm.mesh import make_mesh
-    from zerolm.zero import Zero1, make_optimizer
+    from zerolm.step import build_step
 
     cfg = load_config(TINY, [*SMALL, "model.vocab_size=2048"], device_count=8)
-    model = gpt_model.GPT(cfg.model)
-    abstract = jax.eval_shape(functools.partial(gpt_model.init_params, model), jax.random.key(0))
-    zero = Zero1(make_mesh(8), functools.partial(gpt_model.lm_loss, model), make_optimizer(cfg.train)[0], abstract)
+    _, zero, _ = build_step(cfg, make_mesh(8))
     state, _ = Checkpoints(run_dir / "ckpt", read_only=True).restore(step, zero, cfg.model.model_dump())
     return np.concatenate([np.ravel(x) for x in jax.tree.leaves(state.params)])
 

@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from conftest import small_config, small_model
-
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 from zerolm import model as gpt_model
 from zerolm.attention import block_size, blockwise_attention, causal_attention
 from zerolm.config import ConfigError
@@ -39,7 +39,7 @@ def test_blockwise_equals_xla_attention_and_its_gradients(T, block):
     (l_x, y_x), g_x = loss("xla")
     np.testing.assert_allclose(y_b, y_x, rtol=1e-5, atol=1e-5)
     assert float(l_b) == pytest.approx(float(l_x), rel=1e-5)
-    for a, b in zip(g_b, g_x):
+    for a, b in zip(g_b, g_x, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -47,6 +47,7 @@ def test_the_block_divides_the_sequence():
     assert block_size(2048) == 512 and block_size(16) == 16 and block_size(96) == 32
 
 
+@pytest.mark.slow
 def test_the_model_trains_the_same_with_blockwise_attention():
     """The whole model's loss and gradient (16 positions: 4 blocks of 4)."""
     rows = np.random.default_rng(0).integers(0, 100, (4, 17)).astype(np.int32)
@@ -57,7 +58,7 @@ def test_the_model_trains_the_same_with_blockwise_attention():
         results[impl] = jax.value_and_grad(loss_fn)(init_fn(jax.random.key(0)), rows)
     (lx, gx), (lb, gb) = results["xla"], results["blockwise"]
     assert float(lb) == pytest.approx(float(lx), rel=1e-6)
-    for a, b in zip(jax.tree.leaves(gb), jax.tree.leaves(gx)):
+    for a, b in zip(jax.tree.leaves(gb), jax.tree.leaves(gx), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
@@ -90,7 +91,7 @@ def test_pallas_equals_xla_attention_inside_the_steps_shard_map():
         y_p, g_p = step("pallas")
     y_x, g_x = step("xla")
     np.testing.assert_allclose(y_p, y_x, rtol=1e-5, atol=1e-5)
-    for a, b in zip(g_p, g_x):
+    for a, b in zip(g_p, g_x, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 

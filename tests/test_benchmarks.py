@@ -4,7 +4,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
+
+pytestmark = pytest.mark.slow  # the benchmarks run end to end
 
 
 def test_train_mfu_benchmark_runs_on_cpu_and_writes_its_table(tmp_path):

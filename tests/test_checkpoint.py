@@ -14,13 +14,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 import runs
 from conftest import REPO
 from runs import STEPS, command, env, logged_steps, losses, snapshot, start_and_wait, train
-
 from zerolm.checkpoint import SIZES_ONLY, Checkpoints
 from zerolm.data.prepare import prepare
 from zerolm.exitcodes import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED
+
+pytestmark = pytest.mark.slow  # training runs in subprocesses
+
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
@@ -171,7 +174,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert message.startswith("error: step ") and "is not finite; stopping without saving it" in message
     bad_step = int(message.split()[2].rstrip(":"))
     ckpts = Checkpoints(tmp_path / "ckpt", read_only=True)
-    assert ckpts.latest_step() < bad_step and np.isfinite(ckpts.meta(ckpts.latest_step())["loss"])
+    assert ckpts.latest_step() < bad_step and np.isfinite(ckpts.meta(ckpts.latest_step()).loss)
 
     skipping = tmp_path / "skip"
     blown = ["train.lr=1e6", "train.grad_clip=1e9", "train.skip_nonfinite=true"]
@@ -221,7 +224,7 @@ def test_two_runs_racing_into_one_directory(straight, tmp_path):
     results = [(p.returncode, out, err) for p in procs for out, err in [p.communicate(timeout=300)]]
     assert sorted(code for code, _, _ in results) == [0, 2], [err[-1500:] for _, _, err in results]
     loser = next(err for code, _, err in results if code == 2)
-    winner = next(p for p, (code, _, _) in zip(procs, results) if code == 0)
+    winner = next(p for p, (code, _, _) in zip(procs, results, strict=True) if code == 0)
     assert f"pid {winner.pid}," in _lock_line(loser, tmp_path / "ckpt")
     assert Checkpoints(tmp_path / "ckpt", read_only=True).steps() == [8, 12, 16]
     assert not [p for p in (tmp_path / "ckpt").iterdir() if ".orbax-checkpoint-tmp" in p.name]
@@ -290,10 +293,10 @@ def test_a_stop_signal_saves_the_step_reached_and_exits_75(straight, tmp_path, s
     assert err.strip().splitlines()[-1] == f"zerolm: {why}: checkpoint saved at step {saved}; exiting with code 75"
     assert "Traceback" not in err
     assert stop_after < saved < STEPS  # the step it had reached, not the last periodic one
-    wandb_id = Checkpoints(tmp_path / "ckpt", read_only=True).meta(saved)["wandb_id"]
+    wandb_id = Checkpoints(tmp_path / "ckpt", read_only=True).meta(saved).wandb_id
     train(tmp_path)
     assert losses(tmp_path) == reference
-    assert Checkpoints(tmp_path / "ckpt", read_only=True).meta(STEPS)["wandb_id"] == wandb_id  # same wandb run
+    assert Checkpoints(tmp_path / "ckpt", read_only=True).meta(STEPS).wandb_id == wandb_id  # same wandb run
 
 
 def test_second_ctrl_c_abandons_the_save(tmp_path):
@@ -390,4 +393,4 @@ def test_mixed_precision_resumes_exactly_from_its_master_weights(tmp_path):
     reference, resumed = losses(straight_dir), losses(resumed_dir)
     assert [resumed[s] for s in range(5, 9)] == [reference[s] for s in range(5, 9)]
     meta = Checkpoints(resumed_dir / "ckpt", read_only=True).meta(8)
-    assert meta["config"]["zero"]["precision"] == "mixed"
+    assert meta.config["zero"]["precision"] == "mixed"

@@ -4,21 +4,23 @@ import json
 
 import jax
 import pytest
+
 from conftest import TINY, requires_devices
 from runs import zerolm
-
-from zerolm import comms, plan
-from zerolm.config import load_config
+from zerolm import comms
+from zerolm.data.dataset import load_planned
 
 # n_layer 4: every parameter has an axis dp divides beside its tp axis (a blockified tp-split leaf, as at
 # n_layer 2, adds small gathers the planner does not predict; see docs/zero-questions.md).
 SETS = ["train.micro_batch_size=2"]
 
 
+def compiled(*sets, step="zerolm"):
+    return comms.report(load_planned(TINY, [*SETS, *sets], device_count=8), jax.devices()[:8], step)
+
+
 def report(*sets, step="zerolm"):
-    cfg = load_config(TINY, [*SETS, *sets], device_count=8)
-    cfg = cfg.resolve(model__vocab_size=plan.planned_vocab(cfg))
-    return comms.report(cfg, jax.devices()[:8], step)
+    return compiled(*sets, step=step).to_json()
 
 
 def rows(r, program, op, axes=None):
@@ -46,13 +48,15 @@ def test_planned_gradient_reduction_bytes_are_what_the_compiled_step_does(grad_r
         assert tp[0]["in_loop"] and tp[0]["bytes_per_run"] == tp[0]["bytes"] * r["accum_steps"] * 4  # × layers
 
 
+@pytest.mark.slow
 @requires_devices(8)
 def test_naive_step_reduces_inside_the_loop_and_zerolms_outside():
-    naive = report("mesh.dp=8", step="naive")
+    naive_report = compiled("mesh.dp=8", step="naive")
+    naive = naive_report.to_json()
     reductions = rows(naive, "step", "all-reduce", ["dp"])
     assert reductions and all(c["in_loop"] for c in reductions)
     assert reductions[0]["bytes_per_run"] >= naive["predicted"][0]["bytes_per_step"]
-    text = "\n".join(comms.describe_report({**naive, "_rows": naive["collectives"]}))
+    text = "\n".join(comms.describe_report(naive_report))
     assert "gradient reduction over dp: INSIDE the accumulation loop: every micro-step" in text
 
     ours = report("mesh.dp=8")
@@ -60,6 +64,7 @@ def test_naive_step_reduces_inside_the_loop_and_zerolms_outside():
     assert dp_reductions and not any(c["in_loop"] for c in dp_reductions)
 
 
+@pytest.mark.slow
 def test_comms_cli_makes_the_fake_devices_it_needs():
     # One CPU device in the environment; the config asks for dp = 4.
     proc = zerolm("comms", "--config", TINY, *[a for s in [*SETS, "mesh.dp=4"] for a in ("--set", s)], "--json",

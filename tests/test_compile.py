@@ -7,11 +7,13 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, small_config, small_model
 
+from conftest import REPO, small_config, small_model
 from zerolm import aot
 from zerolm.exitcodes import EXIT_DOES_NOT_FIT, EXIT_USAGE
 from zerolm.hardware import preset
+
+pytestmark = pytest.mark.slow  # TPU compiles
 
 TINY = REPO / "configs" / "tiny.yaml"
 C125M = REPO / "configs" / "125m.yaml"
@@ -52,7 +54,7 @@ def test_auto_scatter_takes_two_stages_on_slices_beyond_one_host(target, scatter
     v4+ beyond one host's 4 or 8 chips), the second over a host's worth of dp positions (a v3 host: 8
     cores; one v3-8 host holds all of dp, so dp's largest proper divisor)."""
     from zerolm.mesh import make_mesh
-    from zerolm.zero import resolve_scatter, two_stage_inner
+    from zerolm.scatter import resolve_scatter, two_stage_inner
 
     devices = aot.target_devices(aot.parse_target(target))
     mesh = make_mesh(len(devices), 1, devices)
@@ -69,11 +71,12 @@ def test_two_stages_keep_blocks_of_part_tiles_a_reduce_scatter_beyond_one_host()
     import jax
     import jax.numpy as jnp
     from jax import lax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from zerolm import hlo
     from zerolm.mesh import make_mesh
-    from zerolm.zero import two_stage_groups, two_stage_inner, two_stage_reduce_scatter
+    from zerolm.scatter import two_stage_groups, two_stage_inner, two_stage_reduce_scatter
 
     devices = aot.target_devices(aot.parse_target("v5p-64"))
     dp = len(devices)
@@ -130,7 +133,7 @@ def test_tiny_fits_a_v3_8_and_the_peak_follows_the_documented_rule(v3_report):
     assert r["fits"] is True and r["target"] == "v3-8" and r["devices"] == 8 and r["device_kind"] == "TPU v3"
     assert r["usable_bytes_per_device"] == int(15.48 * 2**30)  # the compiler's own figure for a v3 core
     assert preset("v3-core").usable == r["usable_bytes_per_device"]  # what `zerolm plan` checks against
-    for name, p in r["programs"].items():
+    for p in r["programs"].values():
         assert p["error"] is None
         assert p["peak_bytes"] == (p["argument_bytes"] + p["output_bytes"] + p["temp_bytes"] - p["alias_bytes"]
                                    + p["live_outside_bytes"])

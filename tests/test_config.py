@@ -3,9 +3,10 @@
 import subprocess
 import sys
 
+import pydantic
 import pytest
-from conftest import REPO, TINY
 
+from conftest import REPO, TINY
 from zerolm.config import ConfigError, load_config
 
 
@@ -33,7 +34,7 @@ def test_gpt3_shapes():
 
 def test_config_is_frozen():
     cfg = load_config(TINY)
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError):
         cfg.train.steps = 3
 
 

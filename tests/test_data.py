@@ -9,10 +9,11 @@ import jax
 import numpy as np
 import pytest
 import webdataset as wds
-from conftest import requires_devices, small_config
 
+from conftest import requires_devices, small_config
 from zerolm.data import prepare as prep
 from zerolm.data.loader import BatchLoader, SampleOrder
+from zerolm.data.manifest import FORMAT
 from zerolm.data.shards import DataError, PreparedDataset
 from zerolm.data.sources import SourceError
 from zerolm.mesh import make_mesh
@@ -36,7 +37,7 @@ def kjv(tmp_path_factory):
 
 def test_prepare_default_writes_shards_manifest_and_tokenizer(kjv):
     m = json.loads((kjv / "manifest.json").read_text())
-    assert m["format"] == prep.FORMAT and m["seq_len"] == 64 and m["dtype"] == "uint16"
+    assert m["format"] == FORMAT and m["seq_len"] == 64 and m["dtype"] == "uint16"
     assert m["tokenizer"]["vocab_size"] == 2048 and (kjv / "tokenizer.json").exists()
     train = m["splits"]["train"]
     assert len(train["shards"]) > 3 and sum(s["samples"] for s in train["shards"]) == train["samples"]
@@ -53,7 +54,7 @@ def test_shard_reader_matches_webdataset_locally_and_by_url(kjv):
     ids = np.array([0, 1, 1999, 2000, len(split) - 1])
     rows = split.read(ids)
     assert split.rows_read == 5
-    names = [s["name"] for s in split.shards]
+    names = [s.name for s in split.shards]
     whole = np.concatenate([np.stack([s["npy"] for s in wds.WebDataset(str(kjv / n), shardshuffle=False).decode()])
                             for n in names])
     np.testing.assert_array_equal(rows, whole[ids])
@@ -66,25 +67,26 @@ def test_text_and_jsonl_sources_and_file_tokenizers(tmp_path):
     (tmp_path / "a.txt").write_text(" ".join(_texts(1, 1, 400)))
     (tmp_path / "b.txt").write_text(" ".join(_texts(1, 2, 400)))
     text = prep.prepare(f"text:{tmp_path}/*.txt", tmp_path / "t", seq_len=16, vocab_size=300, val_every=2,
-                        progress=False)
+                        progress=False).to_json()
     assert text["documents"] == 2 and text["splits"]["val"]["samples"] > 0
     lines = [json.dumps({"body": t}) for t in _texts(20)]
     (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
     tok_file = tmp_path / "t" / "tokenizer.json"
     js = prep.prepare(f"jsonl:{tmp_path}/*.jsonl", tmp_path / "j", text_field="body", tokenizer=str(tok_file),
-                      seq_len=16, progress=False)
+                      seq_len=16, progress=False).to_json()
     assert js["documents"] == 20 and js["tokenizer"]["sha256"] == text["tokenizer"]["sha256"]
     # A tiktoken BPE file: byte-level ranks, end-of-text appended after them.
     ranks = tmp_path / "bytes.tiktoken"
     ranks.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
     tk = prep.prepare(f"jsonl:{tmp_path}/*.jsonl", tmp_path / "k", text_field="body", tokenizer=str(ranks),
-                      seq_len=16, progress=False)
+                      seq_len=16, progress=False).to_json()
     assert tk["tokenizer"]["kind"] == "tiktoken" and tk["tokenizer"]["eot_id"] == 256
     row = PreparedDataset(tmp_path / "k").split("train").read(np.array([0]))[0]
     assert PreparedDataset(tmp_path / "k").tokenizer().decode(row) == _texts(20)[0][:17]
     assert prep.token_dtype(50257) == np.uint16 and prep.token_dtype(100_000) == np.uint32
 
 
+@pytest.mark.slow
 def test_tfds_source_built_offline(tmp_path):
     import tensorflow_datasets as tfds
 
@@ -106,7 +108,7 @@ def test_tfds_source_built_offline(tmp_path):
     ZerolmTinyText(data_dir=str(tmp_path / "tfds"), file_format="array_record").download_and_prepare(
         download_config=tfds.download.DownloadConfig(try_download_gcs=False))
     m = prep.prepare("tfds:zerolm_tiny_text", tmp_path / "ds", tfds_data_dir=str(tmp_path / "tfds"),
-                     seq_len=16, vocab_size=300, val_every=10, progress=False)
+                     seq_len=16, vocab_size=300, val_every=10, progress=False).to_json()
     assert m["documents"] == 40 and m["splits"]["train"]["samples"] > 10
     summary = run(small_config(f"data.dataset={tmp_path / 'ds'}", "model.vocab_size=auto", "train.steps=3",
                                "train.warmup_steps=1", "train.global_batch_size=16", "train.micro_batch_size=2",
@@ -157,7 +159,7 @@ def test_bad_sources(tmp_path):
     with pytest.raises(SourceError, match=rf"^{bad}:2: no text field 'text'$"):
         prep.prepare(f"jsonl:{bad}", tmp_path / "o", tokenizer=str(_tokenizer(tmp_path)), progress=False)
     m = prep.prepare(f"jsonl:{bad}", tmp_path / "o", tokenizer=str(_tokenizer(tmp_path)), seq_len=8,
-                     skip_bad=True, val_every=1000, progress=False)
+                     skip_bad=True, val_every=1000, progress=False).to_json()
     assert m["skipped"] == 2 and m["skipped_first"] == f"{bad}:2: no text field 'text'"
     with pytest.raises(SourceError, match=r"^csv:x: unknown source"):
         prep.prepare("csv:x", tmp_path / "o2", progress=False)
@@ -248,7 +250,7 @@ def test_loader_layout_resume_and_small_data(kjv):
     np.testing.assert_array_equal(np.asarray(next(later)[0]), np.asarray(loader.global_batch(step)), err_msg=str(step))
     single = BatchLoader(split, make_mesh(1, 1, jax.devices()[:1]), 32, 4, seed=0)  # 8 accumulation steps
     np.testing.assert_array_equal(np.asarray(single.global_batch(5)).reshape(-1, 65), rows)
-    with pytest.raises(ValueError, match="fewer than one global batch of 1000000"):
+    with pytest.raises(DataError, match="fewer than one global batch of 1000000"):
         BatchLoader(split, mesh, 1_000_000, 125_000, seed=0)
 
 
@@ -300,6 +302,7 @@ def test_token_ids_outside_the_vocabulary_are_named_or_skipped(kjv, tmp_path):
     assert lenient.bad_samples == 1
 
 
+@pytest.mark.slow
 def test_train_stops_on_out_of_vocabulary_tokens_with_a_data_error(kjv, tmp_path):
     import subprocess
     import sys
@@ -342,7 +345,7 @@ def test_missing_or_truncated_shard_is_found_before_the_first_step(kjv, tmp_path
 
 def test_one_document_source_holds_out_validation_and_trains(tmp_path):
     (tmp_path / "book.txt").write_text(" ".join(_texts(1, 4, 3000)))
-    m = prep.prepare(f"text:{tmp_path}/book.txt", tmp_path / "ds", seq_len=16, vocab_size=300, progress=False)
+    m = prep.prepare(f"text:{tmp_path}/book.txt", tmp_path / "ds", seq_len=16, vocab_size=300, progress=False).to_json()
     train_n, val_n = m["splits"]["train"]["samples"], m["splits"]["val"]["samples"]
     assert m["documents"] == 1 and val_n == max(1, (train_n + val_n) // 50)
     assert m["val_rule"].startswith(f"the last {val_n} training sample(s), since 1 document(s) are too few")
@@ -350,7 +353,7 @@ def test_one_document_source_holds_out_validation_and_trains(tmp_path):
     ds = PreparedDataset(tmp_path / "ds")
     rows = np.concatenate([ds.split("train").read(np.arange(train_n)), ds.split("val").read(np.arange(val_n))])
     ref = prep.prepare(f"text:{tmp_path}/book.txt", tmp_path / "ref", seq_len=16, vocab_size=300, val_every=10**9,
-                       progress=False)  # holds out 1 sample
+                       progress=False).to_json()  # holds out 1 sample
     ref_ds = PreparedDataset(tmp_path / "ref")
     assert (ref["splits"]["train"]["samples"], ref["splits"]["val"]["samples"]) == (train_n + val_n - 1, 1)
     np.testing.assert_array_equal(rows, np.concatenate([ref_ds.split("train").read(np.arange(train_n + val_n - 1)),
@@ -373,7 +376,7 @@ def test_skip_bad_counts_each_record_once_with_the_default_tokenizer(tmp_path):
     bad = tmp_path / "bad.jsonl"
     good = [json.dumps({"text": t}) for t in _texts(30)]
     bad.write_text("\n".join(good[:10] + ['{"txt": 1}'] + good[10:] + ["{oops"]) + "\n")
-    m = prep.prepare(f"jsonl:{bad}", tmp_path / "o", seq_len=8, vocab_size=300, skip_bad=True, progress=False)
+    m = prep.prepare(f"jsonl:{bad}", tmp_path / "o", seq_len=8, vocab_size=300, skip_bad=True, progress=False).to_json()
     assert m["skipped"] == 2 and m["skipped_first"] == f"{bad}:11: no text field 'text'"
 
 

@@ -5,6 +5,7 @@ import math
 import shutil
 
 import pytest
+
 from runs import snapshot, zerolm
 
 

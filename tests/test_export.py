@@ -7,12 +7,14 @@ import json
 import jax
 import numpy as np
 import pytest
-from runs import snapshot, train, zerolm
 
-from zerolm import export, trained
+from runs import snapshot, train, zerolm
+from zerolm import export, restored
 from zerolm import model as gpt_model
 from zerolm.data.tokenizer import EOT, from_file, train_bpe
 from zerolm.sample import Sampling, generate
+
+pytestmark = pytest.mark.slow  # a trained run, PyTorch and transformers
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -45,7 +47,7 @@ def assert_same_model(model_run, out, tokenizer):
 
 def test_export_round_trip_in_transformers(trained_run, tmp_path):
     zerolm("export-hf", "--checkpoint", trained_run / "ckpt", "--out", tmp_path / "hf", devices=1)
-    model_run = trained.load(str(trained_run / "ckpt"), jax.local_devices()[:1])
+    model_run = restored.load(str(trained_run / "ckpt"), jax.local_devices()[:1])
     tokenizer = model_run.tokenizer()
     hf = assert_same_model(model_run, tmp_path / "hf", tokenizer)
     prompt = tokenizer.encode("And God said")
@@ -58,7 +60,7 @@ def test_export_round_trip_in_transformers(trained_run, tmp_path):
     # continues with tokens that depend on the ones before them.
     sharp_params = jax.tree.map(lambda p: p * 30 if p.ndim >= 2 else p,
                                 gpt_model.init_params(model_run.model, jax.random.key(3)))
-    sharp = trained.Trained(model_run.model, sharp_params, model_run.meta, model_run.step, model_run.where,
+    sharp = restored.Restored(model_run.model, sharp_params, model_run.meta, model_run.step, model_run.where,
                             model_run.mesh)
     export.export(sharp, tokenizer, tmp_path / "sharp")
     hf = assert_same_model(sharp, tmp_path / "sharp", tokenizer)
@@ -71,8 +73,8 @@ def test_export_round_trip_in_transformers(trained_run, tmp_path):
 def test_a_model_trained_with_tensor_parallelism_exports(tmp_path):
     train(tmp_path, "mesh.tp=2", steps=4)
     zerolm("export-hf", "--checkpoint", tmp_path / "ckpt", "--out", tmp_path / "hf", devices=1)
-    model_run = trained.load(str(tmp_path / "ckpt"), jax.local_devices()[:1])
-    assert model_run.meta["tp"] == 2
+    model_run = restored.load(str(tmp_path / "ckpt"), jax.local_devices()[:1])
+    assert model_run.meta.tp == 2
     assert_same_model(model_run, tmp_path / "hf", model_run.tokenizer())
 
 

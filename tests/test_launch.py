@@ -12,11 +12,13 @@ import time
 
 import numpy as np
 import pytest
+
 from conftest import REPO, TINY
 from runs import SMALL, STEPS, checkpoint_params, env, logged_steps, losses, train
-
 from zerolm.checkpoint import Checkpoints
 from zerolm.exitcodes import EXIT_PEER_LOST, EXIT_PREEMPTED
+
+pytestmark = pytest.mark.slow  # multi-process training runs
 
 
 def launch_command(run_dir, *extra_sets, steps=STEPS, processes=2, devices=4):

@@ -1,12 +1,12 @@
-"""Mesh helpers: the seed notes' tables (000: this_host_has_first / slice; 004: compute_batch_size)."""
+"""Mesh helpers: this_host_has_first, submesh and compute_batch_size (docs/design.md)."""
 
 import types
 
 import jax
 import numpy as np
 import pytest
-from conftest import requires_devices
 
+from conftest import requires_devices
 from zerolm import mesh as zmesh
 from zerolm.mesh import DP, TP, compute_batch_size, make_mesh, this_host_has_first
 
@@ -44,11 +44,11 @@ def test_this_host_has_first_along_tp():
 @requires_devices(8)
 def test_slice_selects_first_ranks():
     mesh = make_mesh(4, 2)
-    first = zmesh.slice(mesh)[:1, :1]
+    first = zmesh.submesh(mesh)[:1, :1]
     assert first.axis_names == (DP, TP) and first.devices.shape == (1, 1)
     assert first.devices[0, 0] == mesh.devices[0, 0]
-    assert zmesh.slice(mesh)[1].devices.tolist() == [mesh.devices[1].tolist()]
-    assert zmesh.slice(mesh)[:, :1].devices.shape == (4, 1)
+    assert zmesh.submesh(mesh)[1].devices.tolist() == [mesh.devices[1].tolist()]
+    assert zmesh.submesh(mesh)[:, :1].devices.shape == (4, 1)
 
 
 def test_make_mesh_checks_device_count():

@@ -6,8 +6,8 @@ import subprocess
 import warnings
 
 import pytest
-from runs import command, env
 
+from runs import command, env
 from zerolm import mfu
 
 TOKENS_PER_STEP = 16 * 32  # tests/runs.py SMALL: 16 sequences of 32 tokens
@@ -53,6 +53,7 @@ def _files(root):
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["offline", "disabled", "online"])
 def test_wandb_writes_only_inside_the_run_directory(tmp_path, mode):
     """online without credentials (a fresh host, no WANDB_API_KEY, no `wandb login`): offline, said once."""

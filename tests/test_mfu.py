@@ -19,8 +19,8 @@ def test_mfu_of_gpt3_small_on_an_h100_by_hand():
     assert mfu.peak_for("NVIDIA H100 PCIe").flops == 756e12
     # ... and that N is the 125m config's real count.
     import jax
-    from conftest import REPO
 
+    from conftest import REPO
     from zerolm import model as gpt_model
     from zerolm.config import load_config
 

@@ -5,8 +5,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import small_config, small_model
+import pytest
 
+from conftest import small_config, small_model
 from zerolm import model as gpt_model
 
 
@@ -45,6 +46,7 @@ def _loss_and_grads(*overrides):
     return jax.value_and_grad(loss_fn)(init_fn(jax.random.key(0)), tokens)
 
 
+@pytest.mark.slow
 def test_every_remat_policy_gives_the_same_loss_and_gradients():
     l0, g0 = _loss_and_grads("model.remat=none")
     for policy in ("full", "dots", "attention", "dots_attention"):
@@ -62,6 +64,7 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradient():
         jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7, err_msg=str(chunk)), g0, g1)
 
 
+@pytest.mark.slow
 def test_chunked_per_token_losses_and_bfloat16_match_the_plain_ones():
     tokens = np.random.default_rng(1).integers(0, 100, (2, 17))
     weights = np.random.default_rng(2).random((2, 16)).astype(np.float32)  # as evaluation's padding mask does
@@ -85,6 +88,7 @@ def _rel_norm(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
+@pytest.mark.slow
 def test_chunked_loss_never_builds_the_whole_logits():
     """What the output layer and loss add to the compiled gradient's temporary memory: more than the
     micro-batch's float32 logits unchunked, a small fraction of them chunked."""

@@ -7,12 +7,14 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, free_port, requires_devices
 
+from conftest import REPO, free_port, requires_devices
 from zerolm.data import prepare as prep
 from zerolm.data.loader import BatchLoader
 from zerolm.data.shards import PreparedDataset
 from zerolm.mesh import make_mesh
+
+pytestmark = pytest.mark.slow  # multi-process runs through jax.distributed
 
 
 def launch(task_args: list[str], n: int = 2, timeout: int = 300) -> None:

@@ -5,8 +5,8 @@ import shutil
 
 import matplotlib.image
 import numpy as np
-from runs import zerolm
 
+from runs import zerolm
 from zerolm import plot
 
 

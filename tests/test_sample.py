@@ -4,10 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import small_config
 
+from conftest import small_config
 from zerolm import model as gpt_model
 from zerolm import sample
+from zerolm.errors import UsageError
 from zerolm.sample import Sampling, generate
 
 
@@ -86,7 +87,7 @@ def test_generation_stops_at_end_of_text_and_at_the_context(model_and_params):
     first = 3 + next(i for i, t in enumerate(greedy[3:]) if t == eot)
     assert stopped.tolist() == greedy[:first + 1].tolist()
     assert len(generate(model, params, np.arange(40), 100, Sampling(0))) == 48
-    with pytest.raises(ValueError, match=r"the prompt has 48 tokens; the model's context is 48"):
+    with pytest.raises(UsageError, match=r"the prompt has 48 tokens; the model's context is 48"):
         generate(model, params, np.arange(48), 1)
 
 
@@ -95,7 +96,7 @@ def test_generation_stops_at_end_of_text_and_at_the_context(model_and_params):
                                          ({"top_k": -1}, "--top-k: -1 must be >= 0"),
                                          ({"temperature": -0.1}, "--temperature: -0.1 must be >= 0")])
 def test_bad_sampling_settings_are_named(kw, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
                        .replace("]", r"\]")):
         Sampling(**kw)
 
@@ -137,7 +138,6 @@ def test_a_tokenizer_that_is_not_the_runs_is_refused_and_a_lost_one_is_asked_for
     import shutil
 
     from runs import zerolm
-
     from zerolm.data.tokenizer import train_bpe
 
     other = tmp_path / "other.json"

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import REPO
 
 TPU = sorted((REPO / "tpu_scripts").glob("*.sh"))
@@ -219,6 +220,7 @@ def test_launch_forwards_the_wandb_key_and_masks_it_in_a_dry_run(fake):
     assert "k3y" not in shown.stdout and "WANDB_API_KEY=\\*\\*\\*\\ nohup" in shown.stdout, shown.stdout
 
 
+@pytest.mark.slow
 def test_launch_compiles_for_the_slice_before_it_spends(fake):
     """What fits is launched; what does not is refused before any gcloud ssh, with the compiler's line."""
     base = ["--name", "s", "--checkpoint-dir", "gs://b/r", "--config", "configs/tiny.yaml", "--accelerator-type", "v3-8"]

@@ -5,7 +5,6 @@ run lease's races, storage faults (the server stopped mid-run; injected 503s and
 and every bad location's one line."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,14 +13,16 @@ import time
 
 import numpy as np
 import pytest
+
 import runs
 from conftest import REPO, TINY
 from gcs import FaultyProxy, GCSServer, environment
 from runs import command, env, logged_steps, losses, train, zerolm
-
 from zerolm import storage
 from zerolm.exitcodes import EXIT_STORAGE, EXIT_USAGE
 from zerolm.runlock import LEASE_FILE, LockHeld, RunLock
+
+pytestmark = pytest.mark.slow  # training runs against a real GCS server
 
 
 def quiet(proc) -> None:
@@ -188,7 +189,7 @@ def test_a_bad_gs_location_is_one_line_before_any_work(case, gcs, tmp_path):
                 "invalid bucket": "'Not_A_Bucket' is not a valid bucket name",
                 "missing bucket": "bucket no-such-bucket-here does not exist",
                 "no permission": f"no permission to list bucket {gcs.name} (HTTP 403",
-                "unreachable": f"cannot reach the storage endpoint http://127.0.0.1:"}[case]
+                "unreachable": "cannot reach the storage endpoint http://127.0.0.1:"}[case]
     assert lines[0].startswith(f"error: checkpoint.dir: {location}: ") and expected in lines[0], lines[0]
     assert time.time() - start < 60
     assert not (tmp_path / "log").exists() and not gcs.objects()  # nothing written, here or there

@@ -2,32 +2,29 @@
 device, one dp reduction per step (after the loop; tp collectives inside it, over tp only), and
 1/(dp·tp) of the optimizer state per device."""
 
-import functools
 
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, TINY, requires_devices, small_config
 from jax.sharding import PartitionSpec as P
 
-from zerolm import hlo, model as gpt_model, sharding
+from conftest import REPO, TINY, requires_devices, small_config
+from zerolm import hlo, sharding
+from zerolm import model as gpt_model
 from zerolm.config import ConfigError, load_config
 from zerolm.data.loader import to_accum_layout
 from zerolm.mesh import make_mesh
 from zerolm.sharding import is_layout
-from zerolm.zero import Zero1, make_optimizer
+from zerolm.step import build_step
 
 pytestmark = requires_devices(8)
 LAYOUTS = [(8, 1), (4, 2), (2, 4)]
 
 
 def _setup(cfg, dp, tp, devices=None, mode="reduce_scatter", rules=sharding.RULES, scatter="auto"):
-    model = gpt_model.GPT(cfg.model)
-    init_fn = functools.partial(gpt_model.init_params, model)
-    abstract = jax.eval_shape(init_fn, jax.random.key(0))
+    cfg = cfg.resolve(zero__grad_reduce=mode, zero__scatter=scatter)
     mesh = make_mesh(dp, tp, devices if devices is not None else jax.devices()[:dp * tp])
-    zero = Zero1(mesh, functools.partial(gpt_model.lm_loss, model), make_optimizer(cfg.train)[0], abstract,
-                 logical_axes=gpt_model.logical_axes(model), grad_reduce=mode, rules=rules, scatter=scatter)
+    _, zero, init_fn = build_step(cfg, mesh, rules=rules)
     return zero, zero.init(init_fn, jax.random.key(0))
 
 
@@ -35,6 +32,7 @@ def _flat(tree):
     return np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, rules", [("all_reduce", sharding.RULES), ("reduce_scatter", sharding.RULES),
                                          ("reduce_scatter", sharding.VOCAB_PARALLEL_RULES)])
 def test_tp_layouts_match_dp8_and_one_device(mode, rules):
@@ -112,7 +110,7 @@ def test_two_stage_reduce_scatter_over_dp_with_tp():
 def _opt_bytes_per_device(zero) -> int:
     """Bytes of AdamW's moments one device holds, from the shardings (nothing is allocated)."""
     total = 0
-    for lay, view in zip(jax.tree.leaves(zero.layouts, is_leaf=is_layout), jax.tree.leaves(zero.view_shardings)):
+    for lay, view in zip(jax.tree.leaves(zero.layouts, is_leaf=is_layout), jax.tree.leaves(zero.view_shardings), strict=True):
         total += 2 * 4 * int(np.prod(view.shard_shape(lay.view_shape)))
     return total
 
@@ -121,14 +119,11 @@ def _opt_bytes_per_device(zero) -> int:
 def test_125m_optimizer_state_is_one_dp_tp_th_per_device(dp, tp):
     cfg = load_config(REPO / "configs" / "125m.yaml", ["train.micro_batch_size=1", "model.vocab_size=50257",
                                                       f"mesh.tp={tp}"], device_count=8)
-    model = gpt_model.GPT(cfg.model)
-    abstract = jax.eval_shape(functools.partial(gpt_model.init_params, model), jax.random.key(0))
-    zero = Zero1(make_mesh(dp, tp), functools.partial(gpt_model.lm_loss, model), make_optimizer(cfg.train)[0],
-                 abstract, logical_axes=gpt_model.logical_axes(model))
-    whole = 2 * 4 * gpt_model.count_params(abstract)
+    _, zero, _ = build_step(cfg, make_mesh(dp, tp))
+    whole = 2 * 4 * gpt_model.count_params(zero.abstract_params)
     assert _opt_bytes_per_device(zero) <= whole / (dp * tp) * 1.01
     # Every leaf, tp-split or not, is split over all 8 devices: each holds 1/8 of its (padded) view.
-    for lay, view in zip(jax.tree.leaves(zero.layouts, is_leaf=is_layout), jax.tree.leaves(zero.view_shardings)):
+    for lay, view in zip(jax.tree.leaves(zero.layouts, is_leaf=is_layout), jax.tree.leaves(zero.view_shardings), strict=True):
         assert np.prod(view.shard_shape(lay.view_shape)) * 8 == np.prod(lay.view_shape), lay
 
 

@@ -9,9 +9,9 @@ import time
 
 import numpy as np
 import pytest
+
 import runs
 from conftest import REPO, TINY, small_config
-
 from zerolm.config import ConfigError
 from zerolm.data.corpus import default_documents
 from zerolm.data.prepare import prepare
@@ -19,6 +19,7 @@ from zerolm.data.tokenizer import train_bpe
 from zerolm.train import run
 
 
+@pytest.mark.slow
 def test_main_zero_trains_logs_and_samples(tmp_path):
     env = {**os.environ, "WANDB_MODE": "disabled"}
     proc = subprocess.run(
@@ -77,6 +78,7 @@ def test_training_refuses_a_dataset_prepared_for_another_model(tmp_path):
         run(small_config(f"data.dataset={tmp_path / 'nope'}"))
 
 
+@pytest.mark.slow
 def test_validation_loss_of_a_checkpoint_is_the_same_on_1_2_and_8_devices(tmp_path):
     import functools
     import io
@@ -85,11 +87,11 @@ def test_validation_loss_of_a_checkpoint_is_the_same_on_1_2_and_8_devices(tmp_pa
 
     from zerolm import model as gpt_model
     from zerolm.checkpoint import Checkpoints
-    from zerolm.data.shards import PreparedDataset
-    from zerolm.mesh import make_mesh
-    from zerolm.evaluate import make_evaluator
     from zerolm.data.dataset import default_dataset_dir
-    from zerolm.zero import Zero1, make_optimizer
+    from zerolm.data.shards import PreparedDataset
+    from zerolm.evaluate import make_evaluator
+    from zerolm.mesh import make_mesh
+    from zerolm.step import build_step
 
     sets = ["model.vocab_size=auto", "train.steps=4", "train.warmup_steps=1", "train.global_batch_size=16",
             "train.micro_batch_size=2",
@@ -99,10 +101,7 @@ def test_validation_loss_of_a_checkpoint_is_the_same_on_1_2_and_8_devices(tmp_pa
     losses = {}
     for n in (1, 2, 8):
         cfg = small_config(*sets, "model.vocab_size=2048", device_count=n)
-        model = gpt_model.GPT(cfg.model)
-        abstract = jax.eval_shape(functools.partial(gpt_model.init_params, model), jax.random.key(0))
-        zero = Zero1(make_mesh(n, 1, jax.devices()[:n]), functools.partial(gpt_model.lm_loss, model),
-                     make_optimizer(cfg.train)[0], abstract)
+        model, zero, _ = build_step(cfg, make_mesh(n, 1, jax.devices()[:n]))
         state, _ = Checkpoints(tmp_path / "ckpt", read_only=True).restore(4, zero, cfg.model.model_dump())
         rows = PreparedDataset(default_dataset_dir(cfg)).split("val").read(np.arange(37))  # 37: a padded last batch
         evaluate = make_evaluator(functools.partial(gpt_model.token_losses, model), zero.param_shardings,
@@ -112,6 +111,7 @@ def test_validation_loss_of_a_checkpoint_is_the_same_on_1_2_and_8_devices(tmp_pa
     assert losses[1] == pytest.approx(losses[8], rel=1e-5) and losses[2] == pytest.approx(losses[8], rel=1e-5), losses
 
 
+@pytest.mark.slow
 def test_a_restart_loads_the_train_step_from_the_compilation_cache(tmp_path):
     """train.compilation_cache: the second run finds the gradient step and the update compiled on disk."""
     cmd = [sys.executable, str(REPO / "main_zero.py"), "--config", str(TINY), "--set", "train.steps=2",

@@ -7,17 +7,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import REPO, requires_devices, small_config, small_model
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from zerolm import hlo, model as gpt_model
+from conftest import REPO, requires_devices, small_config, small_model
+from zerolm import hlo
+from zerolm import model as gpt_model
 from zerolm.config import load_config
 from zerolm.data.loader import to_accum_layout
 from zerolm.mesh import make_mesh
+from zerolm.naive import naive_data_parallel_step
+from zerolm.optim import make_optimizer
+from zerolm.scatter import resolve_scatter, two_stage_reduce_scatter
 from zerolm.sharding import bytes_per_device, is_layout, plan_layout
-from zerolm.zero import (Zero1, make_optimizer, naive_data_parallel_step, resolve_scatter,
-                         two_stage_reduce_scatter)
+from zerolm.zero import Zero1
 
 
 def plan(abstract, dp):
@@ -69,6 +72,7 @@ def test_sgd_step_matches_single_device(mode, chunk):
     assert metrics["grad_norm"] == pytest.approx(float(optax.tree.norm(grads)), rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_adamw_three_steps_match_single_device(mode):
     cfg = small_config("train.global_batch_size=16", "train.micro_batch_size=1", "train.steps=10",
@@ -96,6 +100,7 @@ def _adam_ref(loss_fn, tx, params, opt, rows):
     return optax.apply_updates(params, updates), opt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_accumulation_equals_one_big_micro_batch(mode):
     """k micro-steps of m rows per device == 1 micro-step of k*m rows per device."""
@@ -143,6 +148,7 @@ def test_exactly_one_gradient_reduction_per_step(mode, accum, chunk):
     assert gathered >= n_params * (zero.dp - 1) / zero.dp  # the new params, gathered back to every device
 
 
+@pytest.mark.slow
 def test_checker_sees_the_naive_per_micro_step_reduction():
     """Negative control: a single jit over the accumulation scan reduces inside the loop."""
     cfg = small_config("train.global_batch_size=32", "train.micro_batch_size=1")
@@ -203,6 +209,7 @@ def _mixed(cfg, tx, mode="reduce_scatter", accumulate_dtype=jnp.float32):
     return zero, zero.init(init_fn, jax.random.key(0)), loss_fn
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_mixed_precision_keeps_master_weights_sharded_and_steps_them_like_fp32(mode):
     """ZeRO's stage-1 mixed precision: bfloat16 working params, float32 master weights in the dp-sharded
@@ -272,6 +279,7 @@ def test_mixed_precision_reduces_and_gathers_in_bfloat16_once_per_step():
     assert "reshard" not in zero.programs(1, cfg.model.seq_len, 4)  # the master weights replace the params' view
 
 
+@pytest.mark.slow
 def test_bfloat16_accumulation_is_one_rounding_per_micro_step():
     """zero.accumulate_dtype=bfloat16: the same step, its gradient summed in bfloat16 (a looser match)."""
     cfg = small_config("train.global_batch_size=64", "train.micro_batch_size=1")
@@ -332,7 +340,7 @@ def test_two_stage_reduce_scatter_is_psum_scatter(inner, shape, axis):
 
 
 def test_two_stage_reduce_scatter_in_the_step():
-    """zero.scatter=two_stage (the TPU's reduce-scatter, zerolm.zero.resolve_scatter): the same gradient as
+    """zero.scatter=two_stage (the TPU's reduce-scatter, zerolm.scatter.resolve_scatter): the same gradient as
     one psum_scatter, as two reduce-scatters per leaf over dp sub-groups (stride 4 pairs, then the 4
     consecutive positions: inner 4 on one host of dp 8), a reduce-scatter's bytes in all, none in a loop."""
     cfg = small_config("train.global_batch_size=32", "train.micro_batch_size=1")
@@ -364,5 +372,6 @@ def test_two_stage_reduce_scatter_in_the_step():
 
 
 def plan_predicted(zero):
-    from zerolm.plan import predicted_traffic
-    return predicted_traffic(zero.table, "reduce_scatter", 4, scatter=zero.scatter, inner=zero.scatter_inner)
+    from zerolm.plan import predicted_collectives
+    return [p.to_json() for p in predicted_collectives(zero.table, "reduce_scatter", 4, scatter=zero.scatter,
+                                                       inner=zero.scatter_inner)]

@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import os
 import re
-import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,26 +31,22 @@ import numpy as np
 
 from zerolm import comms
 from zerolm.config import Config
+from zerolm.errors import ZerolmError
+from zerolm.hardware import TPU_TYPES, grid
 from zerolm.mesh import make_mesh
+from zerolm.plan.traffic import Prediction, step_predictions
 from zerolm.sharding import shard_bytes
-from zerolm.step import build_step
+from zerolm.step import build_step, compile_step
 
 
-class TargetError(ValueError):
+class TargetError(ZerolmError):
     """An unknown or unusable target (bad input)."""
 
 
-class CompilerUnavailable(RuntimeError):
+class CompilerUnavailable(ZerolmError):
     """libtpu cannot be loaded on this machine."""
 
 
-# gcloud accelerator-type generations: (topology name in libtpu, what N counts, chip config, dimensions).
-# v2/v3 count TensorCores (2 per chip, one JAX device each); v4/v5p count TensorCores but a chip is one
-# JAX device ("megacore"); v5e/v6e count chips (one core each).
-_GENERATIONS = {"v2": ("v2", "cores", "default", 2), "v3": ("v3", "cores", "default", 2),
-                "v4": ("v4", "cores", "megacore", 3), "v5p": ("v5p", "cores", "megacore", 3),
-                "v5e": ("v5e", "chips", "default", 2), "v5litepod": ("v5e", "chips", "default", 2),
-                "v6e": ("v6e", "chips", "default", 2)}
 _EXAMPLES = "v2-8, v3-8, v3-32, v4-8, v4-64, v5litepod-16 (or v5e-16), v5p-128, v6e-64"
 
 
@@ -63,36 +59,18 @@ class Target:
     devices: int  # JAX devices of the slice
 
 
-def _grid(chips: int, dims: int) -> tuple[int, ...] | None:
-    """The slice's chip grid as Cloud TPU builds it: 2-D x ≤ y ≤ 2x; 3-D from 2x2x1, z doubled to 2x2x4,
-    then y, x, z in turn (v4-64 is 2x4x4, v4-128 4x4x4, v4-256 4x4x8)."""
-    if chips < 1 or chips & (chips - 1):
-        return None
-    if dims == 2:
-        x = 1 << (chips.bit_length() - 1) // 2
-        return (x, chips // x)
-    shape = [1, 1, 1] if chips == 1 else [2, 2, 1] if chips >= 4 else None
-    if shape is None:
-        return None
-    order = iter([2, 2] + [1, 0, 2] * 10)
-    while shape[0] * shape[1] * shape[2] < chips:
-        shape[next(order)] *= 2
-    return tuple(shape)
-
-
 def parse_target(name: str) -> Target:
     """A gcloud accelerator type (`v3-32`, `v5litepod-16`, ...) as a libtpu topology."""
-    m = re.fullmatch(r"(v2|v3|v4|v5p|v5e|v5litepod|v6e)-(\d+)", name.strip().lower())
+    m = re.fullmatch(rf"({'|'.join(TPU_TYPES)})-(\d+)", name.strip().lower())
     if not m:
         raise TargetError(f"--target: {name!r} is not a TPU accelerator type; valid ones look like {_EXAMPLES}")
-    generation, counts, chip_config, dims = _GENERATIONS[m[1]]
-    n = int(m[2])
-    chips = n // 2 if counts == "cores" else n
-    grid = _grid(chips, dims) if (counts == "chips" or n % 2 == 0) else None
-    if grid is None or (dims == 3 and chips < 4):
-        raise TargetError(f"--target: {name}: no {m[1]} slice has {n} {counts}; valid ones look like {_EXAMPLES}")
-    devices = n if generation in ("v2", "v3") else chips
-    return Target(name, generation, f"{generation}:{'x'.join(map(str, grid))}", chip_config, devices)
+    kind, n = TPU_TYPES[m[1]], int(m[2])
+    chips = n // 2 if kind.counts == "cores" else n
+    shape = grid(chips, kind.dims) if (kind.counts == "chips" or n % 2 == 0) else None
+    if shape is None or (kind.dims == 3 and chips < 4):
+        raise TargetError(f"--target: {name}: no {m[1]} slice has {n} {kind.counts}; valid ones look like {_EXAMPLES}")
+    return Target(name, kind.generation, f"{kind.generation}:{'x'.join(map(str, shape))}", kind.chip_config,
+                  kind.devices(n))
 
 
 def _quiet_libtpu(target: Target) -> None:
@@ -159,55 +137,85 @@ def _memory(compiled) -> dict:
             "temp_bytes": int(m.temp_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes)}
 
 
-def compile_for(cfg: Config, target: Target, devices: list) -> dict:
+def compile_for(cfg: Config, target: Target, devices: list) -> CompileReport:
     """Compile `cfg`'s step (vocab resolved, mesh dp × tp = the slice's devices) for `target`."""
     mesh = make_mesh(cfg.dp, cfg.mesh.tp, devices)
     model, zero, _ = build_step(cfg, mesh)
     micro, seq, accum = cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps
-    programs = zero.programs(micro, seq, accum)
-    params, (views, _, opt_state, _) = programs["grad"][1][0], programs["update"][1]
-    grads = params if cfg.zero.grad_reduce == "all_reduce" else views  # grad's output, by its reduction
-    outside = {"grad": shard_bytes(opt_state), "reshard": shard_bytes(opt_state) + shard_bytes(grads),
-               "update": shard_bytes(params)}
-    report_programs, texts = {}, {}
-    for name, (fn, args) in programs.items():
-        t0 = time.perf_counter()
-        row = {"live_outside_bytes": outside[name], "error": None}
-        try:
-            compiled = fn.lower(*args).compile()
-            row.update(_memory(compiled))
-            texts[name] = compiled.as_text()
+    x = zero.inputs(micro, seq, accum)
+    grads = x.params if cfg.zero.grad_reduce == "all_reduce" else x.views  # grad's output, by its reduction
+    outside = {"grad": shard_bytes(x.opt_state), "reshard": shard_bytes(x.opt_state) + shard_bytes(grads),
+               "update": shard_bytes(x.params)}
+    compiled = compile_step(zero, micro, seq, accum, keep_refusals=True)
+    report_programs: dict[str, dict[str, Any]] = {}
+    for name, (_, args) in zero.programs(micro, seq, accum).items():
+        row: dict[str, Any] = {"live_outside_bytes": outside[name], "error": None}
+        if name in compiled.executables:
+            row.update(_memory(compiled.executables[name]))
             row["peak_bytes"] = (row["argument_bytes"] + row["output_bytes"] + row["temp_bytes"]
                                  - row["alias_bytes"] + outside[name])
-        except Exception as e:  # the compiler's refusal of a program too large is the answer, not a crash
-            temps = _TEMPS.search(str(e))
-            if "RESOURCE_EXHAUSTED" not in str(e) or temps is None:
-                raise
+        else:  # the compiler's refusal of a program too large is the answer, not a crash
+            refusal = compiled.refused[name]
+            temps = _TEMPS.search(refusal)
+            if temps is None:
+                raise RuntimeError(refusal)
             row.update(argument_bytes=shard_bytes(args), output_bytes=None, temp_bytes=_bytes(temps),
-                       alias_bytes=None, error=str(e).splitlines()[0].strip())
+                       alias_bytes=None, error=refusal.splitlines()[0].strip())
             row["peak_bytes"] = row["argument_bytes"] + row["temp_bytes"] + outside[name]  # at least
-        row["compile_s"] = round(time.perf_counter() - t0, 2)
+        row["compile_s"] = round(compiled.seconds[name], 2)
         report_programs[name] = row
+    texts = compiled.texts
     rows = comms.traffic(texts, dict(mesh.shape))
-    row_dicts = [r.as_dict() for r in rows]
-    predicted = comms.predicted_traffic(cfg, model, zero)
-    comms.attach_predictions(row_dicts, predicted)
+    predicted = step_predictions(cfg, model, zero)
+    comms.compare(rows, predicted)
     usable = usable_bytes(devices[0])
     peak_program = max(report_programs, key=lambda p: report_programs[p]["peak_bytes"])
     peak = report_programs[peak_program]["peak_bytes"]
     fits = peak <= usable and all(r["error"] is None for r in report_programs.values())
-    return {"config": cfg.name, "target": target.name, "topology": target.topology,
-            "device_kind": devices[0].device_kind, "devices": len(devices), "mesh": dict(mesh.shape),
-            "micro_batch": micro, "accum_steps": accum, "remat": cfg.model.remat, "grad_reduce": cfg.zero.grad_reduce,
-            "precision": cfg.zero.precision, "attention": model.cfg.attention, "scatter": zero.scatter,
-            "scatter_inner": zero.scatter_inner,
-            "programs": report_programs, "peak_program": peak_program, "peak_bytes_per_device": peak,
-            "usable_bytes_per_device": usable, "fits": fits,
-            "collectives": [{k: v for k, v in r.items() if k != "predicted"} for r in row_dicts],
-            "predicted": predicted, "_rows": rows,
-            # Pallas kernels (Mosaic custom calls) per program: the flash attention's forward and backward.
-            "pallas_kernels": {name: text.count('custom_call_target="tpu_custom_call"') for name, text in texts.items()},
-            "compile_s": round(sum(r["compile_s"] for r in report_programs.values()), 2)}
+    return CompileReport(
+        config=cfg.name, target=target.name, topology=target.topology, device_kind=devices[0].device_kind,
+        devices=len(devices), mesh=dict(mesh.shape), micro_batch=micro, accum_steps=accum, remat=cfg.model.remat,
+        grad_reduce=cfg.zero.grad_reduce, precision=cfg.zero.precision, attention=model.cfg.attention,
+        scatter=zero.scatter, scatter_inner=zero.scatter_inner, programs=report_programs, peak_program=peak_program,
+        peak_bytes_per_device=peak, usable_bytes_per_device=usable, fits=fits, collectives=rows, predicted=predicted,
+        # Pallas kernels (Mosaic custom calls) per program: the flash attention's forward and backward.
+        pallas_kernels={name: text.count('custom_call_target="tpu_custom_call"') for name, text in texts.items()},
+        compile_s=round(sum(r["compile_s"] for r in report_programs.values()), 2))
+
+
+@dataclasses.dataclass
+class CompileReport:
+    """What `zerolm compile` says: per-program memory per device, the step's peak against the usable HBM,
+    and the collectives beside the planner's predictions."""
+
+    config: str
+    target: str
+    topology: str
+    device_kind: str
+    devices: int
+    mesh: dict[str, int]
+    micro_batch: int
+    accum_steps: int
+    remat: str
+    grad_reduce: str
+    precision: str
+    attention: str
+    scatter: str
+    scatter_inner: int | None
+    programs: dict[str, dict]  # per program: argument/output/temp/alias/outside/peak bytes, compile_s, error
+    peak_program: str
+    peak_bytes_per_device: int
+    usable_bytes_per_device: int
+    fits: bool
+    collectives: list[comms.Traffic]
+    predicted: list[Prediction]
+    pallas_kernels: dict[str, int]
+    compile_s: float
+
+    def to_json(self) -> dict:
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+                "collectives": [r.as_dict() for r in self.collectives],
+                "predicted": [p.to_json() for p in self.predicted]}
 
 
 def _gib(n: int | None) -> str:
@@ -218,7 +226,8 @@ _SCATTER = {"collective": "", "ring": " (as a ring of collective-permutes)",
             "two_stage": " (in two stages, the second over {scatter_inner} dp positions)"}
 
 
-def describe(r: dict) -> list[str]:
+def describe(report: CompileReport) -> list[str]:
+    r = report.to_json()
     lines = [f"compile: {r['config']} for {r['target']} ({r['topology']}, {r['devices']} × {r['device_kind']}), "
              f"mesh {' × '.join(f'{k}={v}' for k, v in r['mesh'].items())}, micro-batch {r['micro_batch']} × "
              f"{r['accum_steps']} accumulation step(s), remat {r['remat']}, attention {r['attention']}, "
@@ -233,12 +242,13 @@ def describe(r: dict) -> list[str]:
     lines.append("  (peak = arguments + outputs + temporaries - aliased + what lives outside the program: the "
                  "optimizer state during grad, it and the gradient during reshard, the old parameters during update)")
     lines.append("collectives per step (bytes per device, per HLO instruction):")
-    lines += ["  " + line for line in comms.describe(r["_rows"], list(r["programs"]))]
-    for p in r["predicted"]:
-        if p["program"] == "grad" and p["bytes"] > 4:
-            found = "none" if p["found_bytes"] is None else f"{p['found_bytes']:,}"
-            lines.append(f"  gradient reduction ({p['op']} over {'+'.join(p['span'])}): {found} bytes per device; zerolm plan predicts "
-                         f"{p['bytes']:,}" + ("" if p["found_bytes"] is None else f" ({p['found_bytes'] / p['bytes']:.1%})"))
+    lines += ["  " + line for line in comms.describe(report.collectives, list(r["programs"]))]
+    for p in report.predicted:
+        if p.program == "grad" and p.bytes > 4:
+            found = "none" if p.found_bytes is None else f"{p.found_bytes:,}"
+            lines.append(f"  gradient reduction ({p.op} over {'+'.join(p.span or ['dp'])}): {found} bytes per device; "
+                         f"zerolm plan predicts {p.bytes:,}"
+                         + ("" if p.found_bytes is None else f" ({p.found_bytes / p.bytes:.1%})"))
     verdict = "FITS" if r["fits"] else "DOES NOT FIT"
     lines.append(f"{verdict}: peak {_gib(r['peak_bytes_per_device'])} per device ({r['peak_program']}) of "
                  f"{_gib(r['usable_bytes_per_device'])} usable on {r['device_kind']}; compiled in {r['compile_s']:.0f} s")

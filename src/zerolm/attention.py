@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Literal, cast
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,7 @@ def causal_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.
                      block: int = BLOCK) -> jax.Array:
     if implementation in ("xla", "cudnn"):
         return jax.nn.dot_product_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, is_causal=True,
-                                            implementation=implementation)
+                                            implementation=cast(Literal["xla", "cudnn"], implementation))
     if implementation == "blockwise":
         return blockwise_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, block_size(q_BxTxHxK.shape[1], block))
     if implementation == "pallas":

@@ -40,11 +40,13 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from zerolm import storage
+from zerolm.checkpoint_meta import FORMAT, CheckpointMeta
+from zerolm.errors import ZerolmError
 from zerolm.sharding import with_shardings
 from zerolm.zero import TrainState, Zero1
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ZerolmError):
     """A checkpoint that cannot be used; one line naming the directory and what is wrong."""
 
 
@@ -56,8 +58,6 @@ class DamagedCheckpoint(CheckpointError):
         self.step, self.reason = step, reason
 
 
-# 2: c_attn's kernel is (layers, d, 3, d) (1: (layers, d, 3·d)), and the meta records tp.
-FORMAT = 2
 FILE_LIST = "zerolm_files.json"  # relative path -> bytes of every file of a durable checkpoint
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's marker of a local save not yet finalized
 COMMIT_FILE = "commit_success.txt"  # orbax's marker of a finalized save on gs://
@@ -128,14 +128,14 @@ class Checkpoints:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, state: TrainState, meta: dict[str, Any], *, wait: bool = False) -> None:
+    def save(self, state: TrainState, meta: CheckpointMeta, *, wait: bool = False) -> None:
         """Start an asynchronous save; the step continues while it is written."""
-        step = int(meta["step"])
+        step = meta.step
         if self._unrecorded:
             self.wait()  # orbax would wait for the previous save here anyway
         with self._failure(step):
             self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                            meta=ocp.args.JsonSave(meta)), force=True)
+                                                            meta=ocp.args.JsonSave(meta.to_json())), force=True)
         self._unrecorded.append(step)
         if wait:
             self.wait()
@@ -216,18 +216,19 @@ class Checkpoints:
                     raise DamagedCheckpoint(step, where, f"{name} has {actual} bytes, {size} when it was saved")
         self.meta(step)
 
-    def meta(self, step: int) -> dict[str, Any]:
+    def meta(self, step: int) -> CheckpointMeta:
         try:
-            return dict(self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+            return CheckpointMeta.from_json(dict(self.manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]))
         except Exception as e:  # orbax raises many types for a damaged directory
             raise DamagedCheckpoint(step, self.directory / str(step), "cannot read its metadata "
                                     f"({type(e).__name__}: {_first_line(e)})") from None
 
-    def readable_meta(self, step: int) -> dict[str, Any]:
+    def readable_meta(self, step: int) -> CheckpointMeta:
         """The metadata of a checkpoint in the format this zerolm reads."""
         meta = self.meta(step)
-        if meta.get("format", 1) != FORMAT:
-            raise CheckpointError(f"{self.directory / str(step)}: checkpoint format {meta.get('format', 1)}, this "
+        if meta.format != FORMAT:
+            raise CheckpointError(f"{self.directory / str(step)}: checkpoint format {meta.format}, this "
                                   f"zerolm reads format {FORMAT} (c_attn's kernel became (layers, d, 3, d) for tensor "
                                   "parallelism); use it with the zerolm that wrote it, or start over with --resume "
                                   "never --overwrite")
@@ -246,23 +247,23 @@ class Checkpoints:
             raise DamagedCheckpoint(step, self.directory / str(step), "cannot restore its parameters "
                                     f"({type(e).__name__}: {_first_line(e)})") from None
 
-    def restore(self, step: int, zero: Zero1, model_config: dict) -> tuple[TrainState, dict[str, Any]]:
+    def restore(self, step: int, zero: Zero1, model_config: dict) -> tuple[TrainState, CheckpointMeta]:
         """Restore `step` into `zero`'s mesh and shardings. Checks the model first; writes nothing."""
         meta = self.readable_meta(step)
         where = self.directory / str(step)
-        saved_model = meta["config"]["model"]
+        saved_model = meta.model
         differs = [f"model.{k}: checkpoint {saved_model.get(k)!r}, config {v!r}"
                    for k, v in model_config.items() if saved_model.get(k) != v and k not in _COMPUTE_ONLY]
         if differs:
             raise CheckpointError(f"{where}: the checkpoint's model differs from the config: " + "; ".join(differs))
 
-        saved_precision = meta["config"].get("zero", {}).get("precision", "fp32")
+        saved_precision = meta.precision
         if saved_precision != zero.precision:
             raise CheckpointError(
                 f"{where}: the checkpoint was trained with zero.precision={saved_precision}, the config says "
                 f"{zero.precision}; resume with --set zero.precision={saved_precision} (the optimizer state differs: "
                 "mixed keeps float32 master weights in it; zerolm does not change a run's precision mid-way)")
-        saved_dp, saved_tp = meta["dp"], meta.get("tp", 1)
+        saved_dp, saved_tp = meta.dp, meta.tp
         opt_target, repack = zero.table.restore_target(saved_dp, saved_tp)
         target = TrainState(step=jax.ShapeDtypeStruct((), np.int32, sharding=zero.replicated),
                             params=with_shardings(zero.working_params, zero.param_shardings),
@@ -377,10 +378,10 @@ def describe(directory: str | epath.Path) -> str:
                             f"DAMAGED: {e.reason}")
                 continue
             intact.append(step)
-            saved = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(meta["time"]))
-            loss = f"{meta['loss']:.4f}" if meta.get("loss") is not None else "-"
-            rows.append(f"{step:<5} {saved}  {size / 2**20:7.1f} MiB  {meta['tokens_seen']:>13,}  {loss:>8}  "
-                        f"{meta['dp']:>4}  ok")
+            saved = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(meta.time))
+            loss = f"{meta.loss:.4f}" if meta.loss is not None else "-"
+            rows.append(f"{step:<5} {saved}  {size / 2**20:7.1f} MiB  {meta.tokens_seen:>13,}  {loss:>8}  "
+                        f"{meta.dp:>4}  ok")
     if only is not None:
         return "\n".join(rows + ([SIZES_ONLY] if intact else []))
     if intact:

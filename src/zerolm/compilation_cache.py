@@ -22,7 +22,9 @@ def use(setting: str | None) -> None:
     if setting is None:
         return
     jax.config.update("jax_compilation_cache_dir", directory(setting))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # the train step, not every tiny jit
+    # Every program, however quick to compile: on a fast machine a small model's update compiles in under
+    # JAX's default threshold (1 s) and a restart would compile it again.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 class Hits:

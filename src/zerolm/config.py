@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import math
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from zerolm.errors import ZerolmError
 
-class ConfigError(ValueError):
+
+class ConfigError(ZerolmError):
     """A config that cannot be used; the message is one line naming the file and the key."""
 
 
@@ -31,7 +34,7 @@ class _Section(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, bool):
+        if isinstance(value, bool) and info.field_name is not None:
             annotation = cls.model_fields[info.field_name].annotation
             if annotation in (int, float) or {int, float} & set(typing.get_args(annotation)):
                 raise ValueError(f"expected a number, got {value!r}")
@@ -74,11 +77,16 @@ class ModelConfig(_Section):
         return self
 
     @property
-    def padded_vocab_size(self) -> int:
-        """Vocabulary rounded up to a multiple of 128, for aligned matmuls; padded logits are masked."""
+    def vocab(self) -> int:
+        """model.vocab_size, resolved (ValueError while it is still 'auto')."""
         if self.vocab_size == "auto":
             raise ValueError("model.vocab_size is still 'auto': resolve it with the tokenizer first")
-        return 128 * math.ceil(self.vocab_size / 128)
+        return self.vocab_size
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Vocabulary rounded up to a multiple of 128, for aligned matmuls; padded logits are masked."""
+        return 128 * math.ceil(self.vocab / 128)
 
 
 class TrainConfig(_Section):
@@ -317,7 +325,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def load_config(path: str | Path, overrides: list[str] = (), device_count: int | None = None) -> Config:
+def load_config(path: str | Path, overrides: Sequence[str] = (), device_count: int | None = None) -> Config:
     """Load and validate a config. With `device_count`, `mesh.dp: auto` is resolved and checked."""
     path = Path(path)
     data = _read_yaml(path)

@@ -17,8 +17,8 @@ import jax
 import numpy as np
 
 from zerolm import model as gpt_model
-from zerolm.metrics import perplexity
 from zerolm.data.shards import DataError, PreparedDataset
+from zerolm.metrics import perplexity
 from zerolm.sharding import rows as row_sharding
 
 
@@ -49,7 +49,7 @@ def make_evaluator(token_loss_fn, param_shardings, rows_sharding, rows_NxT1: np.
 
 def evaluate_checkpoint(model_run, data: str | None, split: str, sequences: int | None) -> dict:
     model_cfg = model_run.model.cfg
-    location = data or model_run.meta.get("dataset_location")
+    location = data or model_run.meta.dataset_location
     flag = "--data" if data else f"{model_run.where}: the run's dataset"
     try:
         dataset = PreparedDataset(location)
@@ -58,9 +58,9 @@ def evaluate_checkpoint(model_run, data: str | None, split: str, sequences: int 
     if dataset.seq_len != model_cfg.seq_len:
         raise DataError(f"{flag}: {location} has sequences of {dataset.seq_len} tokens, the model "
                         f"{model_cfg.seq_len} (model.seq_len)")
-    if dataset.manifest["tokenizer"]["sha256"] != model_run.tokenizer_sha256:
-        raise DataError(f"{flag}: {location} was prepared with another tokenizer ({dataset.manifest['tokenizer']['name']}, "
-                        f"sha256 {dataset.manifest['tokenizer']['sha256'][:12]}) than the model's "
+    if dataset.manifest.tokenizer.sha256 != model_run.tokenizer_sha256:
+        raise DataError(f"{flag}: {location} was prepared with another tokenizer ({dataset.manifest.tokenizer.name}, "
+                        f"sha256 {dataset.manifest.tokenizer.sha256[:12]}) than the model's "
                         f"(sha256 {model_run.tokenizer_sha256[:12]})")
     rows = dataset.split(split)
     n = min(sequences or model_run.config["train"]["eval_sequences"], len(rows))

@@ -13,6 +13,7 @@ EXIT_STORAGE = 74  # EX_IOERR: storage failed mid-run: a checkpoint could not be
 #                   write) or gs:// stopped answering; the last complete checkpoint stays the latest
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM or Ctrl-C; the step reached was saved; run again to resume
 EXIT_PEER_LOST = 76  # a peer process of a multi-process run died: restart; it resumes from the last checkpoint
+EXIT_BUG = 70  # EX_SOFTWARE: an error of zerolm's own (a bug), printed with its traceback; never the user's input
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C before the first step, or a second Ctrl-C that abandoned the save
 
 EXIT_RESTART = (EXIT_PREEMPTED, EXIT_PEER_LOST)  # the codes a relaunch loop requeues on

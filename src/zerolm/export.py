@@ -32,7 +32,7 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from zerolm import storage
 from zerolm.checkpoint import CheckpointError
-from zerolm.data.tokenizer import EOT, GPT2_PATTERN, Tokenizer
+from zerolm.data.tokenizer import EOT, GPT2_PATTERN, Tokenizer, TokenizerError
 from zerolm.model import LN_EPS
 
 
@@ -90,7 +90,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             printable.append(b)
             chars.append(256 + n)
             n += 1
-    return dict(zip(printable, map(chr, chars)))
+    return dict(zip(printable, map(chr, chars), strict=True))
 
 
 def _from_tiktoken(ranks: dict[bytes, int]) -> tokenizers.Tokenizer:
@@ -113,7 +113,7 @@ def _from_tiktoken(ranks: dict[bytes, int]) -> tokenizers.Tokenizer:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([tokenizers.AddedToken(EOT, special=True)])
     if tok.token_to_id(EOT) != len(ranks):
-        raise ValueError(f"tokenizer: {EOT} would get id {tok.token_to_id(EOT)}, not {len(ranks)} as in tiktoken")
+        raise TokenizerError(f"tokenizer: {EOT} would get id {tok.token_to_id(EOT)}, not {len(ranks)} as in tiktoken")
     return tok
 
 

@@ -128,13 +128,13 @@ def _runs(hlo_text: str, comps: dict[str, list[str]], callees: dict[str, set[str
     entry = next((m.group(1) for line in hlo_text.splitlines() if line.startswith("ENTRY")
                   for m in [_COMPUTATION.match(line)] if m), None)
     runs: dict[str, int | None] = {}
-    stack = [(entry, 1)] if entry else []
+    stack: list[tuple[str, int | None]] = [(entry, 1)] if entry else []
     while stack:
         name, times = stack.pop()
         if name in runs:
             continue
         runs[name] = times
-        bodies = {}
+        bodies: dict[str, int | None] = {}
         for line in comps.get(name, ()):
             if m := _WHILE_BODY.search(line):
                 trip = _TRIP_COUNT.search(line)
@@ -161,8 +161,8 @@ def _groups(line: str) -> tuple[frozenset[int], ...]:
             groups = [g for g in groups if g not in joined] + [set().union({int(a), int(b)}, *joined)]
         return tuple(frozenset(g) for g in groups)
     if m := _GROUPS_IOTA.search(line):
-        groups = _iota(m.group(2), m.group(3)).reshape(int(m.group(1).split(",")[0]), -1)
-        return tuple(frozenset(int(i) for i in row) for row in groups)
+        rows = _iota(m.group(2), m.group(3)).reshape(int(m.group(1).split(",")[0]), -1)
+        return tuple(frozenset(int(i) for i in row) for row in rows)
     if m := _GROUPS_LISTED.search(line):
         return tuple(frozenset(int(i) for i in g.split(",") if i) for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
     if m := _GROUPS_MESH.search(line):

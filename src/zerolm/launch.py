@@ -39,7 +39,6 @@ from pathlib import Path
 
 from zerolm.exitcodes import EXIT_PEER_LOST, EXIT_PREEMPTED
 
-
 # Signals that mean "killed from outside": the run can be restarted as it is.
 _EXTERNAL = {signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT}
 
@@ -141,16 +140,17 @@ def _restartable(code: int) -> bool:
 
 def _supervise(procs: list[subprocess.Popen], grace: float) -> int:
     while True:
-        codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
+        polled = [p.poll() for p in procs]
+        if all(c is not None for c in polled):
+            codes = [int(c) for c in polled if c is not None]
             if len(set(codes)) == 1:
                 return codes[0] if codes[0] >= 0 else _verdict(codes, 0, "")
             failed = min((i for i, c in enumerate(codes) if c not in (0, EXIT_PREEMPTED)),
                          key=lambda i: (codes[i] == EXIT_PEER_LOST, i))
             return _verdict(codes, failed, "")
         # A process that lost its peer (76) is a consequence; name the one that failed first.
-        dead = sorted((i for i, c in enumerate(codes) if c is not None and c not in (0, EXIT_PREEMPTED)),
-                      key=lambda i: (codes[i] == EXIT_PEER_LOST, i))
+        dead = sorted((i for i, c in enumerate(polled) if c is not None and c not in (0, EXIT_PREEMPTED)),
+                      key=lambda i: (polled[i] == EXIT_PEER_LOST, i))
         if dead:
             first = dead[0]
             # The others cannot finish a step, a save or a preemption sync without the dead one: give them
@@ -163,7 +163,7 @@ def _supervise(procs: list[subprocess.Popen], grace: float) -> int:
             for p in running:
                 p.kill()
                 p.wait()
-            codes = [p.returncode for p in procs]
+            codes = [int(p.returncode) for p in procs]
             if len(set(codes)) == 1 and codes[0] > 0:
                 return codes[0]  # every process failed alike (a bad config: 2)
             killed = f"; killed the other {len(running)} process(es) after {grace:g} s" if running else ""

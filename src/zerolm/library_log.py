@@ -37,6 +37,6 @@ def capture(path: Path):
     try:
         yield
     finally:
-        for logger, (handlers, propagate) in zip(loggers, saved):
+        for logger, (handlers, propagate) in zip(loggers, saved, strict=True):
             logger.handlers, logger.propagate = handlers, propagate
         handler.close()

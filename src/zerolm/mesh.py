@@ -11,6 +11,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 
+from zerolm.errors import ZerolmError
 from zerolm.exitcodes import EXIT_PEER_LOST
 
 T = TypeVar("T")
@@ -34,7 +35,7 @@ def _coords(mesh: Mesh, process_index: int | None = None):
 
 
 def this_host_has_first(mesh: Mesh, axis: str, process_index: int | None = None) -> bool:
-    """Does this host hold a device at position 0 along every axis other than `axis` (seed note 000)?
+    """Does this host hold a device at position 0 along every axis other than `axis` (docs/design.md, "Mesh helpers")?
 
     `this_host_has_first(mesh, DP)`: this host holds a tp = 0 device, so it is one that loads data.
     """
@@ -53,19 +54,19 @@ class _MeshSlicer:
         return Mesh(self.mesh.devices[index], self.mesh.axis_names)
 
 
-def slice(mesh: Mesh) -> _MeshSlicer:  # noqa: A001 - the seeds' name: `slice(mesh)[:1, :1]`
-    """Index a mesh by axis positions: `slice(mesh)[:1, :1]` is the first data and tensor rank."""
+def submesh(mesh: Mesh) -> _MeshSlicer:
+    """Index a mesh by axis positions: `submesh(mesh)[:1, :1]` is the first data and tensor rank."""
     return _MeshSlicer(mesh)
 
 
 def is_first_host(mesh: Mesh) -> bool:
-    """Does this host hold the mesh's first device (the first data and tensor rank, `slice(mesh)[:1, :1]`)?
+    """Does this host hold the mesh's first device (the first data and tensor rank, `submesh(mesh)[:1, :1]`)?
     That host prints, logs metrics and samples."""
-    return slice(mesh)[:1, :1].devices.flat[0].process_index == jax.process_index()
+    return submesh(mesh)[:1, :1].devices.flat[0].process_index == jax.process_index()
 
 
 def compute_batch_size(mesh: Mesh, process_index: int | None = None) -> tuple[bool, int]:
-    """(should_load, local_shards) for this host on a (dp, tp) mesh (seed note 004).
+    """(should_load, local_shards) for this host on a (dp, tp) mesh (docs/design.md, "Data on a (dp, tp) mesh").
 
     Only devices at tp = 0 are fed from storage; a host reads `batch_size × local_shards` rows, one
     block per distinct dp index it holds at tp = 0. Hosts with none feed zeros and receive the real
@@ -76,7 +77,7 @@ def compute_batch_size(mesh: Mesh, process_index: int | None = None) -> tuple[bo
     return local_shards > 0, local_shards
 
 
-class DistributedError(RuntimeError):
+class DistributedError(ZerolmError):
     """A multi-process run that cannot start: one line naming the flag or address at fault."""
 
 
@@ -131,9 +132,8 @@ def initialize_distributed(coordinator: str | None, num_processes: int | None, p
     `init_timeout_s`: how long to wait for the coordinator. JAX aborts from C++ when it cannot reach one,
     so a process other than 0 first waits for the coordinator's port itself, and says which address
     it could not reach."""
-    timeouts = dict(heartbeat_timeout_seconds=heartbeat_timeout_s, initialization_timeout=init_timeout_s)
     if coordinator is None and num_processes is None and process_id is None:
-        jax.distributed.initialize(**timeouts)
+        jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_s, initialization_timeout=init_timeout_s)
         return
     if coordinator is None or num_processes is None or process_id is None:
         raise DistributedError("--coordinator, --num-processes and --process-id go together (or use --distributed "
@@ -151,7 +151,7 @@ def initialize_distributed(coordinator: str | None, num_processes: int | None, p
         _wait_for_coordinator(host, int(port), coordinator, init_timeout_s)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
-                               **timeouts)
+                               heartbeat_timeout_seconds=heartbeat_timeout_s, initialization_timeout=init_timeout_s)
 
 
 def _check_can_listen(port: int, coordinator: str) -> None:

@@ -27,11 +27,15 @@ from typing import Any
 import jax
 import numpy as np
 
+from zerolm.errors import ZerolmError
+from zerolm.exitcodes import EXIT_NONFINITE
 from zerolm.mfu import Accounting
 
 
-class NonFiniteError(RuntimeError):
-    pass
+class NonFiniteError(ZerolmError):
+    """A non-finite loss or gradient norm (or too many skipped updates in a row): exit 3."""
+
+    exit_code = EXIT_NONFINITE
 
 
 def perplexity(loss: float) -> float:
@@ -51,7 +55,7 @@ class MetricsWriter:
         self.path = log_dir / "metrics.jsonl"
         _drop_after(self.path, resume_step)
         self._file = self.path.open("a")
-        mode = os.environ.get("WANDB_MODE", wandb_mode)
+        mode: Any = os.environ.get("WANDB_MODE", wandb_mode)  # wandb checks the value
         if mode == "online" and not wandb_credentials():
             mode = "offline"
             say(f"wandb: no credentials on this host (WANDB_API_KEY, or `wandb login`): logging offline to "
@@ -105,7 +109,7 @@ def wandb_credentials() -> bool:
 
     host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
     try:
-        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+        return host is not None and netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
     except (OSError, netrc.NetrcParseError):
         return False
 
@@ -145,7 +149,7 @@ class StepMetrics:
         self.writer, self.bar, self.summary = writer, bar, summary
         self.tokens_per_step, self.accounting = tokens_per_step, accounting
         self.every, self.max_skips = every, max_skips
-        self.pending = None
+        self.pending: tuple[int, dict[str, Any], float] | None = None
         self.last_time = time.perf_counter()
 
     def push(self, step, metrics, waited):

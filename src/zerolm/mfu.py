@@ -9,10 +9,9 @@ A·V, forward and backward, counted over the full T×T score matrix as PaLM and 
 figures do: a causal kernel skips about half of that work, so this is the convention, not the
 kernel's true count. Rematerialisation is not counted (that would be hardware FLOPs utilisation).
 
-Peaks are dense bfloat16 matmul rates per *JAX device*. On TPU v2 and v3, JAX shows each of a chip's
-two TensorCores as a device, so the per-core peak is half the chip's; dividing a per-chip peak by
-cores (or multiplying a per-core throughput by chips) is how MFU above 100% gets reported. A device
-not in the table has an unknown peak and no MFU, rather than a guessed one.
+Peaks are dense bfloat16 matmul rates per *JAX device*, from zerolm.hardware's table (per TensorCore on
+TPU v2 and v3, where JAX shows each core as a device). A device not in the table has an unknown peak
+and no MFU, rather than a guessed one.
 """
 
 from __future__ import annotations
@@ -20,35 +19,12 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
-
-@dataclasses.dataclass(frozen=True)
-class Peak:
-    flops: float  # dense bf16 FLOP/s of one JAX device
-    source: str
+from zerolm.hardware import Chip, chip
 
 
-_CLOUD_TPU = "https://cloud.google.com/tpu/docs/system-architecture-tpu-vm"
-# device_kind substring -> peak; the first match wins, so the more specific names come first.
-PEAKS: dict[str, Peak] = {
-    "TPU v2": Peak(22.5e12, "Cloud TPU v2: 45 TFLOP/s per chip, 2 TensorCores = 2 JAX devices; " + _CLOUD_TPU),
-    "TPU v3": Peak(61.5e12, "Cloud TPU v3: 123 TFLOP/s per chip, 2 TensorCores = 2 JAX devices; " + _CLOUD_TPU),
-    "TPU v4": Peak(275e12, "Cloud TPU v4: 275 TFLOP/s per chip (one megacore device); " + _CLOUD_TPU),
-    "TPU v5 lite": Peak(197e12, "Cloud TPU v5e: 197 TFLOP/s per chip; https://cloud.google.com/tpu/docs/v5e"),
-    "TPU v5p": Peak(459e12, "Cloud TPU v5p: 459 TFLOP/s per chip; https://cloud.google.com/tpu/docs/v5p"),
-    "TPU v5": Peak(459e12, "Cloud TPU v5p: 459 TFLOP/s per chip; https://cloud.google.com/tpu/docs/v5p"),
-    "TPU v6 lite": Peak(918e12, "Cloud TPU v6e: 918 TFLOP/s per chip; https://cloud.google.com/tpu/docs/v6e"),
-    "A100": Peak(312e12, "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16"),
-    "H100 PCIe": Peak(756e12, "NVIDIA H100 datasheet: 756 TFLOP/s dense BF16 (PCIe)"),
-    "H100": Peak(989e12, "NVIDIA H100 datasheet: 989 TFLOP/s dense BF16 (SXM)"),
-    "H200": Peak(989e12, "NVIDIA H200 datasheet: 989 TFLOP/s dense BF16 (SXM)"),
-}
-
-
-def peak_for(device_kind: str) -> Peak | None:
-    for name, peak in PEAKS.items():
-        if name in device_kind:
-            return peak
-    return None
+def peak_for(device_kind: str) -> Chip | None:
+    """The device's peak (`.flops`, with its `.source`), from zerolm.hardware's table; None if unknown."""
+    return chip(device_kind)
 
 
 def flops_per_token(n_params_no_pos: int, n_layer: int, d_model: int, seq_len: int) -> float:
@@ -76,7 +52,7 @@ class Accounting:
     device_kind: str
 
     @property
-    def peak(self) -> Peak | None:
+    def peak(self) -> Chip | None:
         return peak_for(self.device_kind)
 
     def __call__(self, tokens_per_s: float) -> dict[str, float]:
@@ -91,6 +67,6 @@ class Accounting:
         peak = self.peak
         head = f"model FLOPs {self.flops_per_token / 1e6:.1f} M/token (6·N + 12·L·d·T); "
         if peak is None:
-            return head + (f"MFU: unknown peak for device kind {self.device_kind!r} (not in zerolm.mfu.PEAKS), so "
+            return head + (f"MFU: unknown peak for device kind {self.device_kind!r} (not in zerolm.hardware.CHIPS), so "
                            "only model_tflops_per_device is logged")
         return head + f"MFU against {peak.flops / 1e12:.1f} TFLOP/s per {self.device_kind} device ({peak.source})"

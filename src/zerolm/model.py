@@ -16,8 +16,8 @@ import math
 
 import flax.linen as nn
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -102,7 +102,7 @@ def _named(init, *axes: str):
 class Attention(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype
-    implementation: str | None
+    implementation: str
 
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array, start: jax.Array | None = None) -> jax.Array:
@@ -130,7 +130,7 @@ class Attention(nn.Module):
         B, S, H, K = q_BxSxHxK.shape
         T = self.cfg.seq_len
         cached = [self.variable("cache", name, jnp.zeros, (B, T, H, K), k_BxSxHxK.dtype) for name in ("k", "v")]
-        for var, new in zip(cached, (k_BxSxHxK, v_BxSxHxK)):
+        for var, new in zip(cached, (k_BxSxHxK, v_BxSxHxK), strict=True):
             var.value = lax.dynamic_update_slice(var.value, new.astype(var.value.dtype), (0, start, 0, 0))
         visible_SxT = jnp.arange(T)[None, :] <= (start + jnp.arange(S))[:, None]
         return jax.nn.dot_product_attention(q_BxSxHxK, cached[0].value, cached[1].value,
@@ -155,7 +155,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype
-    implementation: str | None
+    implementation: str
 
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array, start: jax.Array | None) -> tuple[jax.Array, None]:
@@ -199,7 +199,7 @@ class GPT(nn.Module):
                                bias_init=_named(nn.initializers.zeros, "embed"))(x_BxTxD)
         if hidden_only:
             return x_BxTxD
-        return output_logits(x_BxTxD, wte_VxD, cfg.vocab_size)
+        return output_logits(x_BxTxD, wte_VxD, cfg.vocab)
 
 
 def output_logits(x_NxD: jax.Array, wte_VxD: jax.Array, vocab_size: int) -> jax.Array:
@@ -301,9 +301,16 @@ def token_losses(model: GPT, params, tokens_BxT1: jax.Array) -> jax.Array:
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
     chunk = model.cfg.loss_chunk
     if not chunk or chunk >= targets_BxT.size:
-        return token_cross_entropy(model.apply({"params": params}, inputs_BxT), targets_BxT)
-    x_BxTxD = model.apply({"params": params}, inputs_BxT, hidden_only=True)
-    return chunked_token_cross_entropy(x_BxTxD, params["wte"], targets_BxT, model.cfg.vocab_size, chunk)
+        return token_cross_entropy(_apply(model, params, inputs_BxT), targets_BxT)
+    x_BxTxD = _apply(model, params, inputs_BxT, hidden_only=True)
+    return chunked_token_cross_entropy(x_BxTxD, params["wte"], targets_BxT, model.cfg.vocab, chunk)
+
+
+def _apply(model: GPT, params, inputs_BxT: jax.Array, **kw) -> jax.Array:
+    """The model's output (logits, or hidden states with hidden_only), no state mutated."""
+    out = model.apply({"params": params}, inputs_BxT, **kw)
+    assert isinstance(out, jax.Array)
+    return out
 
 
 def lm_loss(model: GPT, params, tokens_BxT1: jax.Array) -> jax.Array:

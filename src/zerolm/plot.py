@@ -17,10 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
+from zerolm.errors import ZerolmError
+
 METRICS = "metrics.jsonl"
 
 
-class PlotError(ValueError):
+class PlotError(ZerolmError):
     pass
 
 

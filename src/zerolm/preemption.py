@@ -13,11 +13,16 @@ import sys
 import jax
 from jax.experimental import multihost_utils
 
-from zerolm.exitcodes import EXIT_INTERRUPTED
+from zerolm.errors import ZerolmError
+from zerolm.exitcodes import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from zerolm.interrupts import interrupted_early
 
 
-class Preempted(Exception):
+class Preempted(ZerolmError):
+    """The run stopped at a step every process agreed on, and saved it (exit 75: run again to resume)."""
+
+    exit_code = EXIT_PREEMPTED
+
     def __init__(self, step: int, why: str = "preempted"):
         super().__init__(f"{why}: checkpoint saved at step {step}")
         self.step = step

@@ -32,7 +32,7 @@ class Profiler:
             self.active = True
 
     def after(self, step: int, state) -> None:
-        if self.active and step == self.steps[1]:
+        if self.active and self.steps is not None and step == self.steps[1]:
             jax.block_until_ready(state)  # the trace holds these steps' device work, whole
             self.close()
             self.bar.write(f"profile of steps {self.steps[0]}-{self.steps[1]} in {self.directory}", file=self.out)

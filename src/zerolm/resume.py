@@ -14,6 +14,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from zerolm.checkpoint import CheckpointError, Checkpoints, DamagedCheckpoint, move_aside, move_damaged
+from zerolm.checkpoint_meta import CheckpointMeta
 from zerolm.config import Config
 from zerolm.mesh import on_process_0
 from zerolm.runlock import LEASE_FILE, LOCK_FILE
@@ -64,32 +65,33 @@ def start_state(cfg: Config, zero: Zero1, init_fn, data_id: dict, resume: str, o
                     raise CheckpointError(f"{e} (--resume strict; --resume auto moves it aside and takes the "
                                           "newest intact checkpoint before it)") from None
                 ckpts.close()
-                target = on_every_process("damaged checkpoint moved aside", lambda: move_damaged(directory, latest))
+                target = on_every_process("damaged checkpoint moved aside",
+                                          lambda step=latest: move_damaged(directory, step))
                 ckpts = open_checkpoints()
                 before = ckpts.latest_step()
                 say(f"checkpoints: step {latest} is damaged ({e.reason}); moved it aside to {target}; "
                     + (f"resuming from step {before}" if before is not None else "no intact checkpoint is left, "
                        "starting from scratch"))
                 latest = before
-        if state is None:
+        if state is None or meta is None:
             return ckpts, zero.init(init_fn, jax.random.key(cfg.train.seed)), secrets.token_hex(4)
         _check_resumable(cfg, meta, data_id, ckpts.directory / str(latest))
     except BaseException:
         ckpts.close()
         raise
-    saved_tp = meta.get("tp", 1)
-    say(f"resumed from {ckpts.directory / str(latest)} (step {latest}, saved on dp={meta['dp']} tp={saved_tp})")
-    saved_train = meta["config"]["train"]
+    saved_tp = meta.tp
+    say(f"resumed from {ckpts.directory / str(latest)} (step {latest}, saved on dp={meta.dp} tp={saved_tp})")
+    saved_train = meta.train
     saved_schedule = saved_train["schedule_steps"] or saved_train["steps"]
     if saved_schedule != cfg.train.schedule_length:
         say(f"  note: the lr schedule changed length: {saved_schedule} -> {cfg.train.schedule_length} steps "
             "(set train.schedule_steps to keep it)")
-    if meta["accum_steps"] != cfg.accum_steps or meta["dp"] != cfg.dp:
-        say(f"  device count changed: dp {meta['dp']} -> {cfg.dp}; accumulation steps recomputed "
-            f"{meta['accum_steps']} -> {cfg.accum_steps} (same global batch of {cfg.train.global_batch_size})")
+    if meta.accum_steps != cfg.accum_steps or meta.dp != cfg.dp:
+        say(f"  device count changed: dp {meta.dp} -> {cfg.dp}; accumulation steps recomputed "
+            f"{meta.accum_steps} -> {cfg.accum_steps} (same global batch of {cfg.train.global_batch_size})")
     if saved_tp != cfg.mesh.tp:
         say(f"  tensor parallelism changed: tp {saved_tp} -> {cfg.mesh.tp}; parameters and optimizer state resharded")
-    return ckpts, state, meta["wandb_id"]
+    return ckpts, state, meta.wandb_id
 
 
 def _move_logs_aside(log_dir: Path) -> tuple[Path, list[str]] | None:
@@ -105,14 +107,14 @@ def _move_logs_aside(log_dir: Path) -> tuple[Path, list[str]] | None:
     return Path(move_aside(log_dir, keep=keep)), names
 
 
-def _check_resumable(cfg: Config, meta: dict, data_id: dict, where) -> None:
+def _check_resumable(cfg: Config, meta: CheckpointMeta, data_id: dict, where) -> None:
     """The data order can continue only on the same data and the same global batch."""
-    if meta["dataset"] != data_id:
-        diff = [f"{k}: checkpoint {meta['dataset'].get(k)!r}, now {v!r}" for k, v in data_id.items()
-                if meta["dataset"].get(k) != v]
+    if meta.dataset != data_id:
+        diff = [f"{k}: checkpoint {meta.dataset.get(k)!r}, now {v!r}" for k, v in data_id.items()
+                if meta.dataset.get(k) != v]
         raise CheckpointError(f"{where}: the data differs from the checkpoint's, so the "
                               f"data order cannot continue: {'; '.join(diff)}")
-    saved_batch = meta["config"]["train"]["global_batch_size"]
+    saved_batch = meta.train["global_batch_size"]
     if saved_batch != cfg.train.global_batch_size:
         raise CheckpointError(f"{where}: train.global_batch_size was {saved_batch}; "
                               f"resuming with {cfg.train.global_batch_size} would change the data order")

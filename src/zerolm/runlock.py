@@ -30,13 +30,14 @@ import threading
 import time
 from pathlib import Path
 
+from zerolm.errors import ZerolmError
 from zerolm.storage import StorageFault, Versioned, is_remote
 
 LOCK_FILE = "zerolm.lock"
 LEASE_FILE = "zerolm.lease"
 
 
-class LockHeld(Exception):
+class LockHeld(ZerolmError):
     """Another live run holds the directory; the message names it (host, pid, since when). Also raised,
     naming the directory and the reason, when the lock cannot be taken at all (a read-only disk)."""
 
@@ -95,6 +96,18 @@ class RunLock:
         self.release()
 
 
+def _read_holder(fd: int, wait_s: float = 2.0) -> dict:
+    """The lock holder's record; a holder that has just taken the lock writes it a moment later."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return json.loads(os.pread(fd, 4096, 0))
+        except ValueError:  # not written yet, or caught half-written
+            if time.monotonic() > deadline:
+                return {}
+            time.sleep(0.02)
+
+
 def _acquire_local(directory: Path, what: str) -> RunLock:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_FILE
@@ -102,15 +115,13 @@ def _acquire_local(directory: Path, what: str) -> RunLock:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        try:
-            holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        except ValueError:
-            holder = {}
+        holder = _read_holder(fd)
         os.close(fd)
         raise LockHeld(f"{directory}: in use by {_describe(holder)}; wait for it to end or stop it "
                        f"(one run per {what})") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(_holder_record()).encode(), 0)
+    record = json.dumps(_holder_record()).encode()
+    os.pwrite(fd, record, 0)  # written over the last holder's record, then cut to length: never empty
+    os.ftruncate(fd, len(record))
 
     def release():
         fcntl.flock(fd, fcntl.LOCK_UN)
@@ -167,15 +178,16 @@ def _acquire_lease(directory: str, stale_after_s: float, heartbeat_s: float, wha
                            "stale lease at the same moment")
 
     stop = threading.Event()
-    held = {"generation": generation, "renewed": time.time()}
+    held, renewed_at = generation, time.time()  # the lease's generation this run wrote last, and when
     lock = RunLock(directory, None, taken_over)
 
     def heartbeat() -> None:
+        nonlocal held, renewed_at
         while not stop.wait(heartbeat_s):
             try:
-                renewed = lease.write(record(), held["generation"])
+                renewed = lease.write(record(), held)
             except StorageFault as e:
-                lock.failure = (f"{e}; the run's lease went {time.time() - held['renewed']:.0f} s without renewal, so the "
+                lock.failure = (f"{e}; the run's lease went {time.time() - renewed_at:.0f} s without renewal, so the "
                                 f"run stops (another run may take {directory} over once it is {stale_after_s:.0f} s "
                                 "old)")
                 return
@@ -183,7 +195,7 @@ def _acquire_lease(directory: str, stale_after_s: float, heartbeat_s: float, wha
                 lock.failure = (f"{url}: the lease was taken over by {_describe(holder_of(lease.read()))}; this run "
                                 "stops so that two runs never write one directory")
                 return
-            held.update(generation=renewed, renewed=time.time())
+            held, renewed_at = renewed, time.time()
 
     thread = threading.Thread(target=heartbeat, name="zerolm-lease", daemon=True)
     thread.start()
@@ -193,7 +205,7 @@ def _acquire_lease(directory: str, stale_after_s: float, heartbeat_s: float, wha
         thread.join()
         if lock.failure is None:
             try:
-                lease.delete(held["generation"])
+                lease.delete(held)
             except StorageFault as e:  # the lease goes stale and is taken over; nothing else is lost
                 print(f"warning: {e}; the lease will be taken over once stale", file=sys.stderr)
 

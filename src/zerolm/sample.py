@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from zerolm.errors import UsageError
 from zerolm.model import GPT, init_cache, output_logits
 
 MIN_BUCKET = 16
@@ -32,11 +33,11 @@ class Sampling:
 
     def __post_init__(self):
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):
-            raise ValueError(f"--temperature: {self.temperature} must be >= 0 (0: greedy)")
+            raise UsageError(f"--temperature: {self.temperature} must be >= 0 (0: greedy)")
         if self.top_k < 0:
-            raise ValueError(f"--top-k: {self.top_k} must be >= 0 (0: no cut)")
+            raise UsageError(f"--top-k: {self.top_k} must be >= 0 (0: no cut)")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"--top-p: {self.top_p} must be in (0, 1] (1: no cut)")
+            raise UsageError(f"--top-p: {self.top_p} must be in (0, 1] (1: no cut)")
 
 
 def pick(logits_V: jax.Array, key: jax.Array, temperature, top_k, top_p) -> jax.Array:
@@ -60,7 +61,7 @@ def _generate(model: GPT, params, prompt_P: jax.Array, prompt_len, n_new, eot_id
     """The prompt (padded to a bucket of P) then up to `n_new` tokens, in a seq_len buffer; and how
     many tokens the buffer holds."""
     T = model.cfg.seq_len
-    vocab = model.cfg.vocab_size
+    vocab = model.cfg.vocab
 
     def logits_at(cache, tokens_1xS, start, last):
         x_1xSxD, variables = model.apply({"params": params, "cache": cache}, tokens_1xS, start=start,
@@ -103,7 +104,7 @@ def generate(model: GPT, params, prompt_ids, max_new_tokens: int, sampling: Samp
     if prompt.size == 0:
         prompt = np.asarray([max(eot_id, 0)], np.int32)
     if prompt.size >= T:
-        raise ValueError(f"the prompt has {prompt.size} tokens; the model's context is {T} (model.seq_len), "
+        raise UsageError(f"the prompt has {prompt.size} tokens; the model's context is {T} (model.seq_len), "
                          f"so at most {T - 1} leave room to generate")
     n_new = max(0, min(max_new_tokens, T - prompt.size))
     padded = np.zeros(bucket(prompt.size, T), np.int32)

@@ -10,9 +10,9 @@
 - **Optimizer state** (ZeRO-1, `Layout`): on top of a parameter's tp split, one more axis is split
   over `dp`, so that each device holds 1/(dp·tp) of the state. A tp-split parameter gets dp on
   another axis that dp divides; a tp-replicated one is split over dp and tp together. When no axis
-  divides, the leaf is flattened and padded into dp·tp equal blocks (the seeds' "blockify").
+  divides, the leaf is flattened and padded into dp·tp equal blocks ("blockify", docs/design.md).
 - **Batches**: rows over `dp`, replicated over `tp`; the loader's staging array adds a leading `tp`
-  axis (only tp = 0 devices read, seed note 004).
+  axis (only tp = 0 devices read: docs/design.md, "Data on a (dp, tp) mesh").
 - **Checkpoints**: the restore target of a state saved on another (dp, tp), and the repacking of the
   leaves whose layout shape depends on dp·tp.
 """
@@ -27,7 +27,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerolm.mesh import DP, TP
 
@@ -41,7 +42,9 @@ VOCAB_PARALLEL_RULES = tuple((name, TP if name == "vocab" else axis) for name, a
 
 
 def param_spec(logical: P, rules=RULES) -> P:
-    return P(*nn.logical_to_mesh_axes(tuple(logical), rules))
+    mesh_axes = nn.logical_to_mesh_axes(tuple(logical), rules)
+    assert mesh_axes is not None  # None only for logical None
+    return P(*mesh_axes)
 
 
 def _tp_axis(spec: P) -> int | None:
@@ -144,17 +147,17 @@ def abstract_views(layouts: PyTree, abstract_params: PyTree) -> PyTree:
                         layouts, abstract_params, is_leaf=is_layout)
 
 
-def batch(mesh: Mesh) -> NamedSharding:
+def batch(mesh: Mesh | AbstractMesh) -> NamedSharding:
     """(accum, rows, tokens): rows split over dp, replicated over tp."""
     return NamedSharding(mesh, P(None, DP))
 
 
-def batch_staging(mesh: Mesh) -> NamedSharding:
+def batch_staging(mesh: Mesh | AbstractMesh) -> NamedSharding:
     """(tp, accum, rows, tokens): the loader's staging array, where tp = 0 devices hold the read rows."""
     return NamedSharding(mesh, P(TP, None, DP))
 
 
-def rows(mesh: Mesh) -> NamedSharding:
+def rows(mesh: Mesh | AbstractMesh) -> NamedSharding:
     """(rows, ...): evaluation batches."""
     return NamedSharding(mesh, P(DP))
 
@@ -162,7 +165,7 @@ def rows(mesh: Mesh) -> NamedSharding:
 class Table:
     """The shardings of one mesh, parameter tree and optimizer."""
 
-    def __init__(self, mesh: Mesh, abstract_params: PyTree, logical_axes: PyTree | None,
+    def __init__(self, mesh: Mesh | AbstractMesh, abstract_params: PyTree, logical_axes: PyTree | None,
                  tx: optax.GradientTransformation, rules=RULES):
         self.mesh, self.tx, self.abstract_params = mesh, tx, abstract_params
         self.dp, self.tp = mesh.shape[DP], mesh.shape[TP]

@@ -1,33 +1,80 @@
-"""The training step from a config: the model, the optimizer and its schedule, and the ZeRO-1 step on a mesh.
+"""The training step from a config: the model, the optimizer and its schedule, and the ZeRO-1 step on a mesh;
+and the one way to compile it ahead of time.
 
 One place below everything that needs the step as a run would build it: `zerolm train`, `zerolm comms`,
-`zerolm compile`, the planner's exact bytes and the benchmarks. No data, no checkpoints, no I/O.
+`zerolm compile`, the planner's exact bytes, the benchmarks and the tests. No data, no checkpoints, no I/O.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import time
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
 from zerolm import model as gpt_model
+from zerolm import sharding
 from zerolm.config import Config, ConfigError
-from zerolm.zero import Zero1, make_optimizer
+from zerolm.optim import make_optimizer
+from zerolm.zero import Zero1
 
 
-def build_step(cfg: Config, mesh: Mesh) -> tuple[gpt_model.GPT, Zero1, functools.partial]:
+def build_model(cfg: Config, device: jax.Device | None = None) -> tuple[gpt_model.GPT, functools.partial]:
+    """The model and its init function, as the config says (vocab resolved); `device`: resolve the model's
+    `auto` dtype and attention for it (None: as configured, for a plan on no devices)."""
+    model_cfg = cfg.model
+    if device is not None:
+        if (why := gpt_model.unrunnable_attention(model_cfg, device)) is not None:
+            raise ConfigError(why)
+        model_cfg = gpt_model.for_device(model_cfg, device)
+    model = gpt_model.GPT(model_cfg)
+    return model, functools.partial(gpt_model.init_params, model)
+
+
+def build_step(cfg: Config, mesh: Mesh, rules=sharding.RULES) -> tuple[gpt_model.GPT, Zero1, functools.partial]:
     """The model, its ZeRO-1 step on `mesh` and its init function, as the config says (vocab resolved;
     the model's `auto` dtype and attention for the mesh's devices, which may be a TPU slice compiled for
-    ahead of time)."""
-    device = mesh.devices.flat[0]
-    if (why := gpt_model.unrunnable_attention(cfg.model, device)) is not None:
-        raise ConfigError(why)
-    model = gpt_model.GPT(gpt_model.for_device(cfg.model, device))
-    init_fn = functools.partial(gpt_model.init_params, model)
+    ahead of time). `rules`: the logical-axis rule table (zerolm.sharding)."""
+    model, init_fn = build_model(cfg, mesh.devices.flat[0])
     tx, schedule = make_optimizer(cfg.train)
     zero = Zero1(mesh, functools.partial(gpt_model.lm_loss, model), tx, jax.eval_shape(init_fn, jax.random.key(0)),
                  logical_axes=gpt_model.logical_axes(model), grad_reduce=cfg.zero.grad_reduce, lr_schedule=schedule,
                  precision=cfg.zero.precision, accumulate_dtype=cfg.zero.accumulate_dtype,
-                 scatter=cfg.zero.scatter)
+                 scatter=cfg.zero.scatter, rules=rules)
     return model, zero, init_fn
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    """The step's programs compiled ahead of time for a run's shapes (`compile_step`)."""
+
+    executables: dict[str, Any]  # jax.stages.Compiled
+    seconds: dict[str, float]  # compile time per program
+    refused: dict[str, str]  # programs the compiler refused for their size (keep_refusals): its message
+
+    @property
+    def texts(self) -> dict[str, str]:
+        """The optimized HLO of each compiled program (zerolm.hlo reads their collectives)."""
+        return {name: executable.as_text() or "" for name, executable in self.executables.items()}
+
+
+def compile_step(zero: Zero1, micro_batch: int, seq_len: int, accum_steps: int, *,
+                 keep_refusals: bool = False) -> CompiledStep:
+    """Compile each of the step's programs (`Zero1.programs`) for a run's shapes: what training runs
+    (`Zero1.use`), what `zerolm comms` and the run's header read, what `zerolm compile` measures. With
+    `keep_refusals`, a program the compiler refuses for its size (RESOURCE_EXHAUSTED: its temporaries exceed
+    the device) is recorded, not raised: that refusal is `zerolm compile`'s answer."""
+    compiled = CompiledStep({}, {}, {})
+    for name, (fn, args) in zero.programs(micro_batch, seq_len, accum_steps).items():
+        t0 = time.perf_counter()
+        try:
+            compiled.executables[name] = fn.lower(*args).compile()
+        except Exception as e:
+            if not (keep_refusals and "RESOURCE_EXHAUSTED" in str(e)):
+                raise
+            compiled.refused[name] = str(e)
+        compiled.seconds[name] = time.perf_counter() - t0
+    return compiled

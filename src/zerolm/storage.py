@@ -43,6 +43,9 @@ os.environ.setdefault("EPATH_USE_TF", "false")
 import fsspec  # noqa: E402
 from etils import epath  # noqa: E402  (after the variables above: gcsfs reads them when imported)
 
+from zerolm.errors import ZerolmError  # noqa: E402
+from zerolm.exitcodes import EXIT_STORAGE  # noqa: E402
+
 # gcsfs caches directory listings for good by default, so what another process (another host of the run,
 # or a run before this one in the same process) wrote or deleted would go unseen: zerolm lists rarely,
 # and must see the bucket as it is.
@@ -57,12 +60,14 @@ CHECK_DEADLINE_S = 10.0
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
 
 
-class StorageError(ValueError):
+class StorageError(ZerolmError):
     """A location that cannot be used; one line naming it and the cause."""
 
 
-class StorageFault(RuntimeError):
+class StorageFault(ZerolmError):
     """Storage that failed during a run (an endpoint gone, a write refused); one line naming the location."""
+
+    exit_code = EXIT_STORAGE
 
 
 def is_remote(location: str | os.PathLike) -> bool:
@@ -266,7 +271,7 @@ def size(url: str) -> int:
     return int(fs.info(name)["size"])
 
 
-def _fs(location) -> tuple[object, str]:
+def _fs(location) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem of a URL, and the path it takes (no scheme, no trailing slash)."""
     fs, name = fsspec.core.url_to_fs(str(location))
     return fs, name.rstrip("/")

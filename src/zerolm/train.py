@@ -19,7 +19,8 @@ from tqdm import tqdm
 import zerolm
 from zerolm import comms, compilation_cache, library_log, storage
 from zerolm import model as gpt_model
-from zerolm.checkpoint import FORMAT, Checkpoints, remove_unfinished
+from zerolm.checkpoint import Checkpoints, remove_unfinished
+from zerolm.checkpoint_meta import CheckpointMeta
 from zerolm.config import Config
 from zerolm.data.dataset import dataset_identity, open_dataset, resolve_vocab
 from zerolm.data.loader import BatchLoader
@@ -34,9 +35,8 @@ from zerolm.resume import start_state
 from zerolm.runlock import LockHeld, RunLock
 from zerolm.sample import Sampling, generate
 from zerolm.sharding import abstract_views, shard_bytes, with_shardings
-from zerolm.step import build_step
+from zerolm.step import build_step, compile_step
 from zerolm.zero import TrainState, Zero1
-
 
 # Settings that name a place; logging.dir must be local (see check_storage).
 LOCAL_LOGS = ("metrics.jsonl is appended every step and wandb keeps its files there, and a gs:// object cannot be "
@@ -74,7 +74,7 @@ def _train(cfg: Config, out, resume: str, overwrite: bool, credentials: str | No
     val_split = dataset.split("val", cfg.data.skip_bad_samples)
     train_split.verify()  # a missing or truncated shard stops the run now, not when first read
     val_split.verify()
-    entropy = dataset.manifest["splits"]["train"]["unigram_entropy"]
+    entropy = dataset.manifest.splits["train"].unigram_entropy or 0.0  # None only for an empty split
     tokenizer = dataset.tokenizer() if cfg.sample.tokens else None  # fail now, not after training
 
     model, zero, init_fn = build_step(cfg, mesh)
@@ -89,7 +89,9 @@ def _train(cfg: Config, out, resume: str, overwrite: bool, credentials: str | No
              "flops_per_token": accounting.flops_per_token, "zerolm_version": zerolm.__version__}
     # Compiled once, here: the step runs these executables, and the summary reads their collectives.
     hits, t0 = compilation_cache.Hits.listen().hits, time.perf_counter()
-    texts = zero.compile(cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps)
+    compiled = compile_step(zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps)
+    zero.use(compiled.executables)
+    texts = compiled.texts
     for line in _startup_summary(cfg, zero, accounting, n_params, texts):
         say(line)
     if cache := compilation_cache.directory(cfg.train.compilation_cache):
@@ -98,8 +100,8 @@ def _train(cfg: Config, out, resume: str, overwrite: bool, credentials: str | No
             + (f"{loaded} program(s) loaded from the compilation cache {cache}" if loaded else
                f"compilation cache: {cache}"))
     say(f"data: {dataset.location}: {len(train_split)} train / {len(val_split)} val samples of "
-        f"{cfg.model.seq_len + 1} tokens, tokenizer {dataset.manifest['tokenizer']['name']} "
-        f"({dataset.manifest['tokenizer']['vocab_size']} tokens), unigram entropy {entropy:.3f} nats/token")
+        f"{cfg.model.seq_len + 1} tokens, tokenizer {dataset.manifest.tokenizer.name} "
+        f"({dataset.manifest.tokenizer.vocab_size} tokens), unigram entropy {entropy:.3f} nats/token")
     evaluate = None
     n_val = min(cfg.train.eval_sequences, len(val_split))
     if n_val:
@@ -204,13 +206,13 @@ class _Loop:
         self.evaluate, self.sample, self.accounting, self.facts = evaluate, sample, accounting, facts
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
 
-    def checkpoint_meta(self, step: int, loss: float | None) -> dict:
+    def checkpoint_meta(self, step: int, loss: float | None) -> CheckpointMeta:
         cfg = self.cfg
-        return {"format": FORMAT, "step": step, "time": time.time(), "config": cfg.model_dump(), "dp": cfg.dp,
-                "tp": cfg.mesh.tp, "accum_steps": cfg.accum_steps, "process_count": jax.process_count(),
-                "dataset": self.data_id, "dataset_location": str(self.train_split.dataset.location),
-                "tokens_seen": step * self.tokens_per_step, "loss": loss, "wandb_id": self.wandb_id,
-                "zerolm_version": zerolm.__version__}
+        return CheckpointMeta(step=step, time=time.time(), config=cfg.model_dump(), dp=cfg.dp, tp=cfg.mesh.tp,
+                              accum_steps=cfg.accum_steps, process_count=jax.process_count(), dataset=self.data_id,
+                              dataset_location=str(self.train_split.dataset.location),
+                              tokens_seen=step * self.tokens_per_step, loss=loss, wandb_id=self.wandb_id,
+                              zerolm_version=zerolm.__version__)
 
     def run(self, state: TrainState, start: int) -> tuple[TrainState, dict[str, float]]:
         cfg, zero = self.cfg, self.zero

@@ -1,10 +1,14 @@
 """The command line, `zerolm <command>`: one module per command, above the library.
 
-A command module declares its flags (`add_arguments`), and its `run(args)` calls the library, prints,
-and maps the library's exceptions to exit codes (`zerolm.exitcodes`). The library below never imports
-from here, never parses flags, and prints only to a stream it is handed (tests/test_layout.py checks
-the imports). Every mistake on the command line is one line on stderr that names the flag, then exit
-code 2: argparse's own errors (a missing or malformed flag) included, through `OneLineParser`.
+A command module declares its flags (`add_arguments`), and its `run(args)` calls the library and
+prints. The library below never imports from here, never parses flags, and prints only to a stream it
+is handed (tests/test_layout.py checks the imports). Errors become exit codes here, in one place: a
+`ZerolmError` (the user's input, or a run stopped for a reason the user acts on) is its one line on
+stderr and its own exit code (zerolm.errors); argparse's errors (a missing or malformed flag) are one
+line and exit code 2, through `OneLineParser`; any other exception is a bug of zerolm's: its traceback,
+a line saying so, and exit code 70 (`EXIT_BUG`), never 2.
+
+Each command module is imported only when its command runs (`zerolm --help` imports no JAX).
 """
 
 from __future__ import annotations
@@ -13,15 +17,31 @@ import argparse
 import importlib
 import json
 import sys
+import traceback
 from collections.abc import Callable
+from typing import Any
 
-from zerolm.exitcodes import EXIT_USAGE
+from zerolm.errors import ZerolmError
+from zerolm.exitcodes import EXIT_BUG, EXIT_USAGE
 from zerolm.interrupts import guarded
 
-# `zerolm <name>`: the module of zerolm.commands that runs it, in the order --help lists them.
-COMMANDS = {"train": "train", "launch-local": "launch_local", "prepare": "prepare", "checkpoints": "checkpoints",
-            "eval": "eval", "sample": "sample", "plot": "plot", "export-hf": "export_hf", "plan": "plan",
-            "comms": "comms", "compile": "compile"}
+# `zerolm <name>`: the module of zerolm.commands that runs it, and its line in `zerolm --help` (in this order).
+COMMANDS = {
+    "train": ("train", "train a model (same as python main_zero.py)"),
+    "launch-local": ("launch_local", "a multi-process run on this machine: zerolm launch-local --processes P "
+                                     "--devices-per-process D -- TRAIN_ARGS"),
+    "prepare": ("prepare", "tokenize raw text into training shards"),
+    "checkpoints": ("checkpoints", "list a run's checkpoints and the one --resume auto would take"),
+    "eval": ("eval", "the held-out loss and perplexity of a checkpoint"),
+    "sample": ("sample", "continue a prompt with a checkpoint's model (KV cache)"),
+    "plot": ("plot", "loss, throughput, MFU and lr of runs, as a PNG"),
+    "export-hf": ("export_hf", "a checkpoint as a Hugging Face GPT-2 model directory"),
+    "plan": ("plan", "per-device memory of ZeRO stages 0-3, the micro-batch that fits, and the step time, before "
+                     "launching"),
+    "comms": ("comms", "every collective of the compiled training step, beside the planner's prediction"),
+    "compile": ("compile", "compile the training step for a TPU slice (no TPU needed): fits or not, per-device "
+                           "memory, collectives"),
+}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -31,10 +51,10 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
-def print_report(report: dict, as_json: bool, describe: Callable[[dict], list[str]]) -> None:
-    """A report as JSON (without its private `_` keys) or as the lines `describe` makes of it."""
+def print_report(report, as_json: bool, describe: Callable[[Any], list[str]]) -> None:
+    """A report (a record with `to_json()`) as JSON, or as the lines `describe` makes of it."""
     if as_json:
-        print(json.dumps({k: v for k, v in report.items() if not k.startswith("_")}, indent=1))
+        print(json.dumps(report.to_json(), indent=1))
     else:
         print("\n".join(describe(report)))
 
@@ -48,12 +68,28 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     parser = OneLineParser(prog="zerolm", description="GPT pretraining in JAX with ZeRO-1.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    modules = {}
-    for name, module in COMMANDS.items():
-        modules[name] = importlib.import_module(f"zerolm.commands.{module}")
-        modules[name].add_arguments(sub.add_parser(name, help=modules[name].HELP))
-    args, extra = parser.parse_known_args(argv)
+    parsers = {name: sub.add_parser(name, help=line) for name, (_, line) in COMMANDS.items()}
+    module = None
+    if argv and argv[0] in COMMANDS:  # only the command that runs is imported
+        module = importlib.import_module(f"zerolm.commands.{COMMANDS[argv[0]][0]}")
+        module.add_arguments(parsers[argv[0]])
+    args, extra = parser.parse_known_args(argv)  # without a command: its usage error (or --help), and exit
+    assert module is not None
     if extra:
-        hint = getattr(modules[args.command], "hint", lambda argv: "")(argv)
+        hint = getattr(module, "hint", lambda argv: "")(argv)
         parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
-    return modules[args.command].run(args)
+    return run_command(module.run, args)
+
+
+def run_command(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """A command's `run`, with its errors as exit codes (see the module docstring)."""
+    try:
+        return run(args)
+    except ZerolmError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except Exception:
+        traceback.print_exc()
+        print(f"zerolm: this is a bug in zerolm, not a mistake in your input (the traceback above says where); "
+              f"exiting with code {EXIT_BUG}", file=sys.stderr, flush=True)
+        return EXIT_BUG

@@ -4,14 +4,11 @@ would take (zerolm.checkpoint.describe)."""
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from zerolm.checkpoint import CheckpointError, describe
-from zerolm.exitcodes import EXIT_USAGE
-from zerolm.storage import StorageError, StorageFault, check
-
-HELP = "list a run's checkpoints and the one --resume auto would take"
+from zerolm.checkpoint import describe
+from zerolm.errors import UsageError
+from zerolm.storage import check
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,12 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if "://" not in args.dir and not Path(args.dir).is_dir():
-        print(f"error: {args.dir}: no such checkpoint directory", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        check(args.dir, "DIR")
-        print(describe(args.dir))
-    except (CheckpointError, StorageError, StorageFault) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError(f"{args.dir}: no such checkpoint directory")
+    check(args.dir, "DIR")
+    print(describe(args.dir))
     return 0

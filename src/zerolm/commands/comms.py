@@ -4,16 +4,14 @@ prediction (zerolm.comms)."""
 from __future__ import annotations
 
 import argparse
-import sys
 
 import jax
 
-from zerolm import comms, plan
+from zerolm import comms
 from zerolm.commands import print_report
-from zerolm.config import ConfigError, load_config
-from zerolm.exitcodes import EXIT_USAGE
-
-HELP = "every collective of the compiled training step, beside the planner's prediction"
+from zerolm.config import load_config
+from zerolm.data.dataset import load_planned
+from zerolm.errors import UsageError
 
 
 def add_arguments(parser) -> None:
@@ -41,23 +39,18 @@ def _devices(wanted: int | None) -> list[jax.Device]:
         return real[:wanted]
     cpu = jax.devices("cpu")
     if len(cpu) < wanted:
-        raise ValueError(f"--devices: {wanted} devices wanted, but only {len(cpu)} CPU devices can be made in this "
+        raise UsageError(f"--devices: {wanted} devices wanted, but only {len(cpu)} CPU devices can be made in this "
                          "process (XLA_FLAGS or JAX_NUM_CPU_DEVICES set fewer)")
     return cpu[:wanted]
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        if args.devices is not None and args.devices <= 0:
-            raise ValueError(f"--devices: {args.devices} is not positive")
-        cfg = load_config(args.config, args.set)
-        wanted = args.devices or (cfg.dp * cfg.mesh.tp if cfg.mesh.dp != "auto" else None)
-        devices = _devices(wanted)
-        cfg = load_config(args.config, args.set, device_count=len(devices))
-        cfg = cfg.resolve(model__vocab_size=plan.planned_vocab(cfg))
-        result = comms.report(cfg, devices, args.step)
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    if args.devices is not None and args.devices <= 0:
+        raise UsageError(f"--devices: {args.devices} is not positive")
+    cfg = load_config(args.config, args.set)
+    wanted = args.devices or (cfg.dp * cfg.mesh.tp if cfg.mesh.dp != "auto" else None)
+    devices = _devices(wanted)
+    cfg = load_planned(args.config, args.set, device_count=len(devices))
+    result = comms.report(cfg, devices, args.step)
     print_report(result, args.json, comms.describe_report)
     return 0

@@ -9,14 +9,12 @@ the slice, a bad config) or no libtpu on this machine.
 from __future__ import annotations
 
 import argparse
-import sys
 
-from zerolm import aot, plan
+from zerolm import aot
 from zerolm.commands import print_report
 from zerolm.config import ConfigError, load_config
-from zerolm.exitcodes import EXIT_DOES_NOT_FIT, EXIT_USAGE
-
-HELP = "compile the training step for a TPU slice (no TPU needed): fits or not, per-device memory, collectives"
+from zerolm.data.dataset import load_planned
+from zerolm.exitcodes import EXIT_DOES_NOT_FIT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,20 +27,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        target = aot.parse_target(args.target)
-        cfg = load_config(args.config, args.set)
-        if cfg.mesh.dp != "auto" and cfg.dp * cfg.mesh.tp != target.devices:
-            raise ConfigError(f"mesh: dp × tp = {cfg.dp} × {cfg.mesh.tp} = {cfg.dp * cfg.mesh.tp} devices, but "
-                              f"{target.name} has {target.devices} (set mesh.dp=auto, or match the slice)")
-        if target.devices % cfg.mesh.tp:
-            raise ConfigError(f"mesh.tp: {cfg.mesh.tp} does not divide the {target.devices} devices of {target.name}")
-        cfg = load_config(args.config, args.set, device_count=target.devices)
-        cfg = cfg.resolve(model__vocab_size=plan.planned_vocab(cfg))
-        devices = aot.target_devices(target)
-        report = aot.compile_for(cfg, target, devices)
-    except (aot.TargetError, ConfigError, aot.CompilerUnavailable) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    target = aot.parse_target(args.target)
+    cfg = load_config(args.config, args.set)
+    if cfg.mesh.dp != "auto" and cfg.dp * cfg.mesh.tp != target.devices:
+        raise ConfigError(f"mesh: dp × tp = {cfg.dp} × {cfg.mesh.tp} = {cfg.dp * cfg.mesh.tp} devices, but "
+                          f"{target.name} has {target.devices} (set mesh.dp=auto, or match the slice)")
+    if target.devices % cfg.mesh.tp:
+        raise ConfigError(f"mesh.tp: {cfg.mesh.tp} does not divide the {target.devices} devices of {target.name}")
+    cfg = load_planned(args.config, args.set, device_count=target.devices)
+    devices = aot.target_devices(target)
+    report = aot.compile_for(cfg, target, devices)
     print_report(report, args.json, aot.describe)
-    return 0 if report["fits"] else EXIT_DOES_NOT_FIT
+    return 0 if report.fits else EXIT_DOES_NOT_FIT

@@ -6,14 +6,10 @@ import argparse
 import json
 import sys
 
-from zerolm import trained
-from zerolm.checkpoint import CheckpointError
-from zerolm.data.shards import DataError
+from zerolm import restored
+from zerolm.errors import UsageError
 from zerolm.evaluate import evaluate_checkpoint
-from zerolm.exitcodes import EXIT_USAGE
-from zerolm.storage import StorageError, StorageFault, check
-
-HELP = "the held-out loss and perplexity of a checkpoint"
+from zerolm.storage import check
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -31,17 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
-    try:
-        if args.sequences is not None and args.sequences <= 0:
-            raise ValueError(f"--sequences: {args.sequences} must be > 0")
-        check(args.checkpoint, "--checkpoint")
-        if args.data:
-            check(args.data, "--data", read_only=True)
-        model_run = trained.load(args.checkpoint)
-        result = evaluate_checkpoint(model_run, args.data, args.split, args.sequences)
-    except (CheckpointError, DataError, StorageError, StorageFault, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    if args.sequences is not None and args.sequences <= 0:
+        raise UsageError(f"--sequences: {args.sequences} must be > 0")
+    check(args.checkpoint, "--checkpoint")
+    if args.data:
+        check(args.data, "--data", read_only=True)
+    model_run = restored.load(args.checkpoint)
+    result = evaluate_checkpoint(model_run, args.data, args.split, args.sequences)
     if args.json:
         print(json.dumps(result), file=out)
     else:

@@ -4,18 +4,14 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import jax
 
-from zerolm import trained
-from zerolm.checkpoint import CheckpointError
-from zerolm.exitcodes import EXIT_USAGE
+from zerolm import restored
+from zerolm.errors import UsageError
 from zerolm.export import export
-from zerolm.storage import StorageError, StorageFault, check, is_remote, path
-
-HELP = "a checkpoint as a Hugging Face GPT-2 model directory"
+from zerolm.storage import check, is_remote, path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -30,19 +26,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     out = path(args.out) if is_remote(args.out) else Path(args.out)
-    try:
-        check(args.out, "--out")
-        check(args.checkpoint, "--checkpoint")
-        if out.exists() and not args.overwrite:  # before reading the checkpoint
-            raise CheckpointError(f"--out: {out} already exists (pass --overwrite to replace it)")
-        if out.exists() and not out.is_dir():
-            raise CheckpointError(f"--out: {out} is a file, not a model directory")
-        model_run = trained.load(args.checkpoint, jax.local_devices()[:1])
-        tokenizer = model_run.tokenizer(args.tokenizer)
-        export(model_run, tokenizer, out, overwrite=args.overwrite)
-    except (CheckpointError, StorageError, StorageFault, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    check(args.out, "--out")
+    check(args.checkpoint, "--checkpoint")
+    if out.exists() and not args.overwrite:  # before reading the checkpoint
+        raise UsageError(f"--out: {out} already exists (pass --overwrite to replace it)")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out: {out} is a file, not a model directory")
+    model_run = restored.load(args.checkpoint, jax.local_devices()[:1])
+    tokenizer = model_run.tokenizer(args.tokenizer)
+    export(model_run, tokenizer, out, overwrite=args.overwrite)
     print(f"exported step {model_run.step} of {model_run.where.parent} to {out}: load it with "
           f"transformers.GPT2LMHeadModel.from_pretrained({str(out)!r})")
     return 0

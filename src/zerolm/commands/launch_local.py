@@ -4,14 +4,11 @@ this machine, as a slice or a cluster would run it (zerolm.launch)."""
 from __future__ import annotations
 
 import argparse
-import sys
 
 from zerolm import launch
 from zerolm.commands import OneLineParser, train
-from zerolm.config import ConfigError
-from zerolm.exitcodes import EXIT_USAGE
+from zerolm.errors import UsageError
 
-HELP = "a multi-process run on this machine: zerolm launch-local --processes P --devices-per-process D -- TRAIN_ARGS"
 HINT = "put the train arguments after --: zerolm launch-local --processes P --devices-per-process D -- --config ..."
 
 
@@ -29,18 +26,14 @@ def hint(argv: list[str]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        if args.processes < 1:
-            raise ValueError(f"--processes {args.processes}: must be at least 1")
-        if args.devices_per_process < 1:
-            raise ValueError(f"--devices-per-process {args.devices_per_process}: must be at least 1")
-        for flag in ("--coordinator", "--num-processes", "--process-id", "--distributed"):
-            if flag in args.train_args:
-                raise ValueError(f"{flag}: set by launch-local itself; leave it out of the train arguments")
-        # The config the processes will load, validated once here for all their devices, before any starts.
-        train_args, _ = train.add_arguments(OneLineParser(prog="zerolm train")).parse_known_args(args.train_args)
-        log_dir = train.config_of(train_args, args.processes * args.devices_per_process).log_dir
-        return launch.launch(args.processes, args.devices_per_process, args.train_args, log_dir, grace=args.grace)
-    except (ValueError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    if args.processes < 1:
+        raise UsageError(f"--processes {args.processes}: must be at least 1")
+    if args.devices_per_process < 1:
+        raise UsageError(f"--devices-per-process {args.devices_per_process}: must be at least 1")
+    for flag in ("--coordinator", "--num-processes", "--process-id", "--distributed"):
+        if flag in args.train_args:
+            raise UsageError(f"{flag}: set by launch-local itself; leave it out of the train arguments")
+    # The config the processes will load, validated once here for all their devices, before any starts.
+    train_args, _ = train.add_arguments(OneLineParser(prog="zerolm train")).parse_known_args(args.train_args)
+    log_dir = train.config_of(train_args, args.processes * args.devices_per_process).log_dir
+    return launch.launch(args.processes, args.devices_per_process, args.train_args, log_dir, grace=args.grace)

@@ -5,17 +5,24 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
-import sys
 
-from zerolm.config import ConfigError, load_config
-from zerolm.exitcodes import EXIT_USAGE
-from zerolm.hardware import UnknownDevice, preset
-from zerolm.plan import (GPU_MEMORY_FRACTION, PRECISIONS, STAGES, AnalyticStates, Layout, PlanError, Planner,
-                         describe, from_config, model_from_params, planned_vocab)
-
-HELP = "per-device memory of ZeRO stages 0-3, the micro-batch that fits, and the step time, before launching"
+from zerolm.commands import print_report
+from zerolm.config import load_config
+from zerolm.data.dataset import load_planned
+from zerolm.hardware import preset
+from zerolm.plan import (
+    GPU_MEMORY_FRACTION,
+    PRECISIONS,
+    STAGES,
+    AnalyticStates,
+    Parallelism,
+    PlanError,
+    Planner,
+    describe,
+    from_config,
+    model_from_params,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,8 +96,7 @@ def build(args) -> Planner:
     if cfg is not None:
         sets = [f"mesh.dp={dp}", f"mesh.tp={tp}", f"train.global_batch_size={global_batch}",
                 f"train.micro_batch_size={micro}"] + ([f"model.remat={args.remat}"] if args.remat else [])
-        cfg = load_config(args.config, [*args.set, *sets])
-        cfg = cfg.resolve(model__vocab_size=planned_vocab(cfg))
+        cfg = load_planned(args.config, [*args.set, *sets])
         model, factory = from_config(cfg, dp, tp)
     else:
         model = model_from_params(int(args.params), args.layers, args.width, args.heads, args.seq_len, args.vocab,
@@ -100,19 +106,11 @@ def build(args) -> Planner:
                             f"{4 * model.d_model}")
         factory = functools.partial(AnalyticStates, model)
     precision = args.precision or (cfg.zero.precision if cfg is not None else "fp32")
-    return Planner(model, factory, device, Layout(dp, tp, global_batch), precision, micro,
+    return Planner(model, factory, device, Parallelism(dp, tp, global_batch), precision, micro,
                    efficiency=args.efficiency, memory_fraction=args.memory_fraction)
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        planner = build(args)
-    except (PlanError, UnknownDevice, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    report = planner.report(args.stage)
-    if args.json:
-        print(json.dumps(report, indent=1))
-    else:
-        print("\n".join(describe(report)))
+    planner = build(args)
+    print_report(planner.report(args.stage), args.json, describe)
     return 0

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from zerolm.exitcodes import EXIT_USAGE
-from zerolm.plot import PlotError, write
-from zerolm.storage import StorageError, check
-
-HELP = "loss, throughput, MFU and lr of runs, as a PNG"
+from zerolm.errors import UsageError
+from zerolm.plot import write
+from zerolm.storage import check
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -24,23 +21,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        for where, what in [*((r, "RUN_DIR") for r in args.runs), (args.out or "", "--out")]:
-            check(where, what, local_only="a run's logs are local: logging.dir")
-    except StorageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    for where, what in [*((r, "RUN_DIR") for r in args.runs), (args.out or "", "--out")]:
+        check(where, what, local_only="a run's logs are local: logging.dir")
     run_dirs = [Path(r) for r in args.runs]
     out = Path(args.out) if args.out else (run_dirs[0] / "metrics.png" if len(run_dirs) == 1 else Path("runs.png"))
     if out.suffix.lower() != ".png":
-        print(f"error: --out: {out}: expected a .png file", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError(f"--out: {out}: expected a .png file")
     if args.skip_steps < 0:
-        print(f"error: --skip-steps: {args.skip_steps} is negative", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        print(write(run_dirs, out, args.skip_steps))
-    except PlotError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError(f"--skip-steps: {args.skip_steps} is negative")
+    print(write(run_dirs, out, args.skip_steps))
     return 0

@@ -5,11 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zerolm.data.prepare import PrepareError, prepare
-from zerolm.data.sources import SourceError
-from zerolm.exitcodes import EXIT_INTERRUPTED, EXIT_USAGE
-
-HELP = "tokenize raw text into training shards"
+from zerolm.data.prepare import prepare
+from zerolm.exitcodes import EXIT_INTERRUPTED
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,17 +30,13 @@ def run(args: argparse.Namespace) -> int:
                            seq_len=args.seq_len, text_field=args.text_field, tfds_data_dir=args.tfds_data_dir,
                            val_every=args.val_every, samples_per_shard=args.samples_per_shard,
                            overwrite=args.overwrite, skip_bad=args.skip_bad)
-    except (PrepareError, SourceError, ValueError) as e:
-        print(f"error: {e}", flush=True, file=sys.stderr)
-        return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"prepare: interrupted; {args.out} is unchanged and the partial output was removed", file=sys.stderr)
         return EXIT_INTERRUPTED
-    t, v = manifest["splits"]["train"], manifest["splits"]["val"]
-    print(f"prepared {args.out}: train {t['samples']} samples in {len(t['shards'])} shard(s), "
-          f"val {v['samples']} samples; {t['tokens'] + v['tokens']:,} tokens of {manifest['dtype']}, "
-          f"tokenizer {manifest['tokenizer']['name']} ({manifest['tokenizer']['vocab_size']} tokens)"
-          + (f"; skipped {manifest['skipped']} bad record(s), first: {manifest['skipped_first']}"
-             if manifest["skipped"] else "")
-          + (f"; validation: {manifest['val_rule']}" if not manifest["val_rule"].startswith("every") else ""))
+    t, v = manifest.splits["train"], manifest.splits["val"]
+    print(f"prepared {args.out}: train {t.samples} samples in {len(t.shards)} shard(s), "
+          f"val {v.samples} samples; {t.tokens + v.tokens:,} tokens of {manifest.dtype}, "
+          f"tokenizer {manifest.tokenizer.name} ({manifest.tokenizer.vocab_size} tokens)"
+          + (f"; skipped {manifest.skipped} bad record(s), first: {manifest.skipped_first}" if manifest.skipped else "")
+          + (f"; validation: {manifest.val_rule}" if not manifest.val_rule.startswith("every") else ""))
     return 0

@@ -7,13 +7,10 @@ import sys
 
 import jax
 
-from zerolm import trained
-from zerolm.checkpoint import CheckpointError
-from zerolm.exitcodes import EXIT_USAGE
-from zerolm.storage import StorageError, StorageFault, check
+from zerolm import restored
+from zerolm.errors import UsageError
 from zerolm.sample import Sampling, generate
-
-HELP = "continue a prompt with a checkpoint's model (KV cache)"
+from zerolm.storage import check
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -35,23 +32,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, out=None) -> int:
     out = out or sys.stdout
-    try:
-        if args.max_new_tokens < 0:
-            raise ValueError(f"--max-new-tokens: {args.max_new_tokens} must be >= 0")
-        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-        check(args.checkpoint, "--checkpoint")
-        model_run = trained.load(args.checkpoint, jax.local_devices()[:1])
-        tokenizer = model_run.tokenizer(args.tokenizer)
-        prompt = tokenizer.encode(args.prompt)
-        T = model_run.model.cfg.seq_len
-        if len(prompt) >= T:
-            raise ValueError(f"--prompt: {len(prompt)} tokens, but the model's context is {T} tokens "
-                             f"(model.seq_len), so a prompt may have at most {T - 1}")
-        if len(prompt) + args.max_new_tokens > T:
-            print(f"note: the context ends after {T - len(prompt)} new tokens (model.seq_len {T})", file=sys.stderr)
-        ids = generate(model_run.model, model_run.params, prompt, args.max_new_tokens, sampling, tokenizer.eot_id)
-    except (CheckpointError, StorageError, StorageFault, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    if args.max_new_tokens < 0:
+        raise UsageError(f"--max-new-tokens: {args.max_new_tokens} must be >= 0")
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    check(args.checkpoint, "--checkpoint")
+    model_run = restored.load(args.checkpoint, jax.local_devices()[:1])
+    tokenizer = model_run.tokenizer(args.tokenizer)
+    prompt = tokenizer.encode(args.prompt)
+    T = model_run.model.cfg.seq_len
+    if len(prompt) >= T:
+        raise UsageError(f"--prompt: {len(prompt)} tokens, but the model's context is {T} tokens "
+                         f"(model.seq_len), so a prompt may have at most {T - 1}")
+    if len(prompt) + args.max_new_tokens > T:
+        print(f"note: the context ends after {T - len(prompt)} new tokens (model.seq_len {T})", file=sys.stderr)
+    ids = generate(model_run.model, model_run.params, prompt, args.max_new_tokens, sampling, tokenizer.eot_id)
     print(tokenizer.decode(ids), file=out)
     return 0

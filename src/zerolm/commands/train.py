@@ -5,7 +5,8 @@ or logging directory held by another run; 3 a non-finite loss or gradient norm (
 train.skip_nonfinite, too many skipped updates in a row); 74 a checkpoint could not be saved (a full
 disk) or storage stopped answering; 75 stopped by SIGTERM (preemption) or Ctrl-C: a checkpoint of the step reached was saved, run
 again to resume; 76 a peer process of a multi-process run died: restart, the run resumes from the last
-complete checkpoint; 130 a second Ctrl-C abandoned that save, or Ctrl-C before the first step.
+complete checkpoint; 70 an error of zerolm's own (a bug), with its traceback; 130 a second Ctrl-C
+abandoned that save, or Ctrl-C before the first step.
 """
 
 from __future__ import annotations
@@ -19,16 +20,12 @@ import jax
 
 from zerolm import plot, train
 from zerolm.checkpoint import CheckpointError
-from zerolm.config import ConfigError, load_config
-from zerolm.data.shards import DataError
-from zerolm.exitcodes import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USAGE
-from zerolm.mesh import DistributedError, bound_shutdown, exit_peer_lost, initialize_distributed, is_peer_failure
-from zerolm.metrics import NonFiniteError
+from zerolm.config import load_config
+from zerolm.errors import ZerolmError
+from zerolm.exitcodes import EXIT_INTERRUPTED
+from zerolm.mesh import bound_shutdown, exit_peer_lost, initialize_distributed, is_peer_failure
 from zerolm.preemption import Preempted
-from zerolm.runlock import LockHeld
-from zerolm.storage import StorageError, StorageFault
-
-HELP = "train a model (same as python main_zero.py)"
+from zerolm.storage import StorageFault
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -73,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """Errors: zerolm.commands.run_command prints a ZerolmError's line and returns its code; those raised
+    after orbax or the storage clients may still have threads at work exit here, quietly (see below)."""
     try:
         if args.distributed or args.coordinator or args.num_processes is not None or args.process_id is not None:
             initialize_distributed(args.coordinator, args.num_processes, args.process_id,
@@ -81,19 +80,13 @@ def _run(args: argparse.Namespace) -> int:
         train.run(cfg, resume=args.resume, overwrite=args.overwrite)
         if args.plot and jax.process_index() == 0:
             print(f"plot: {plot.write([cfg.log_dir], cfg.log_dir / 'metrics.png')}", flush=True)
-    except (ConfigError, DataError, LockHeld, DistributedError, StorageError, plot.PlotError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except StorageFault as e:
-        _exit_after_checkpoint_error(f"error: {e}", EXIT_STORAGE)
-    except CheckpointError as e:
-        _exit_after_checkpoint_error(f"error: {e}", EXIT_USAGE)
-    except NonFiniteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_NONFINITE
+    except (StorageFault, CheckpointError) as e:
+        _exit_after_checkpoint_error(f"error: {e}", e.exit_code)
     except Preempted as e:
-        print(f"zerolm: {e}; exiting with code {EXIT_PREEMPTED}", file=sys.stderr)
-        return EXIT_PREEMPTED
+        print(f"zerolm: {e}; exiting with code {e.exit_code}", file=sys.stderr)
+        return e.exit_code
+    except ZerolmError:
+        raise
     except KeyboardInterrupt:
         print(f"zerolm: interrupted before the first step; nothing was saved; exiting with code {EXIT_INTERRUPTED}",
               file=sys.stderr)

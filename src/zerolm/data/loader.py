@@ -9,7 +9,7 @@ needs only s.
 Layout, for the accumulation scan: (accum, dp · micro, seq_len + 1), sharded P(None, 'dp'). Device
 d's rows are the contiguous block [d·A·m, (d+1)·A·m) of the step's G rows, split into A micro-batches
 of m. Each process reads only the rows of its own devices. On a (dp, tp) mesh with tp > 1, only tp = 0
-devices are fed from storage (seed note 004); the others hold zeros and receive the rows through a
+devices are fed from storage (docs/design.md, "Data on a (dp, tp) mesh"); the others hold zeros and receive the rows through a
 sum over tp.
 """
 
@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from zerolm import sharding
-from zerolm.data.shards import Split
+from zerolm.data.shards import DataError, Split
 from zerolm.mesh import DP, TP, compute_batch_size, this_host_has_first
 
 
@@ -45,14 +46,14 @@ class SampleOrder:
         self.sizes, self.seed = np.asarray(sizes, np.int64), seed
         self.n = int(self.sizes.sum())
         self.starts = np.concatenate([[0], np.cumsum(self.sizes)])
+        self._epoch = functools.lru_cache(maxsize=4)(self._epoch_order)
+        self._within = functools.lru_cache(maxsize=16)(self._within_order)
 
-    @functools.lru_cache(maxsize=4)
-    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    def _epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         shard_order = np.random.default_rng([self.seed, epoch]).permutation(len(self.sizes))
         return shard_order, np.concatenate([[0], np.cumsum(self.sizes[shard_order])])
 
-    @functools.lru_cache(maxsize=16)
-    def _within(self, epoch: int, shard: int) -> np.ndarray:
+    def _within_order(self, epoch: int, shard: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch, shard]).permutation(int(self.sizes[shard]))
 
     def ids(self, positions: np.ndarray) -> np.ndarray:
@@ -77,7 +78,7 @@ class BatchLoader:
 
     def __init__(self, split: Split, mesh: Mesh, global_batch_size: int, micro_batch_size: int, seed: int):
         if len(split) < global_batch_size:
-            raise ValueError(f"{split.dataset.location} ({split.name}): {len(split)} samples, fewer than one "
+            raise DataError(f"{split.dataset.location} ({split.name}): {len(split)} samples, fewer than one "
                              f"global batch of {global_batch_size}; use a smaller train.global_batch_size or more data")
         self.split, self.mesh = split, mesh
         self.G, self.micro = global_batch_size, micro_batch_size
@@ -90,14 +91,15 @@ class BatchLoader:
         # slot 0 is read from storage, so a host reads the blocks of its tp = 0 devices: exactly
         # compute_batch_size(mesh)'s local_shards of them. The sum over tp hands them to the rest.
         # (jax.make_array_from_process_local_data would need every host to read the rows of all its
-        # devices, tp ≠ 0 ones included: this keeps seed note 004's "only tp = 0 hosts read".)
+        # devices, tp ≠ 0 ones included: this keeps "only tp = 0 hosts read".)
         self._staging = sharding.batch_staging(mesh)
         self._staged_shape = (self.tp, *self.shape)
         self._sum_tp = jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=self.sharding)
-        # The dp blocks this host reads: those of its tp = 0 devices, as many as seed note 004 says.
+        # The dp blocks this host reads: those of its tp = 0 devices (compute_batch_size).
         self._devices = [(d, (idx[0].start or 0, (idx[2].start or 0) // self.micro))
-                         for d, idx in self._staging.addressable_devices_indices_map(self._staged_shape).items()]
-        self.reads = this_host_has_first(mesh, DP)  # a host at tp = 0 (seed note 000) loads data
+                         for d, idx in self._staging.addressable_devices_indices_map(self._staged_shape).items()
+                         if idx is not None]
+        self.reads = this_host_has_first(mesh, DP)  # a host at tp = 0 loads data
         _, local_shards = compute_batch_size(mesh)
         self._read_blocks = sorted({dp for _, (tp, dp) in self._devices if tp == 0})
         assert len(self._read_blocks) == local_shards and self.reads == bool(local_shards)
@@ -131,7 +133,7 @@ class BatchLoader:
         everywhere (gloo and NCCL pair them by order), and the prefetch thread's would race the step's."""
         return staged if self.tp == 1 else self._sum_tp(staged)
 
-    def batches(self, start_step: int, prefetch: int = 2) -> Iterator[tuple[jax.Array, float]]:
+    def batches(self, start_step: int, prefetch: int = 2) -> Prefetcher:
         """(batch, seconds the consumer waited for it) from `start_step` on, read ahead on a thread."""
         def produce():
             step = start_step
@@ -171,7 +173,7 @@ class Prefetcher:
     def __iter__(self):
         return self
 
-    def __next__(self) -> tuple[object, float]:
+    def __next__(self) -> tuple[Any, float]:
         t0 = time.perf_counter()
         item, error = self._queue.get()
         if error is not None:

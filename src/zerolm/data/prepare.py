@@ -27,8 +27,8 @@ is removed by the next prepare of the same output on the same host, once that pr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
-import json
 import os
 import re
 import shutil
@@ -38,14 +38,19 @@ import tarfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 from etils import epath
 from tqdm import tqdm
 
 from zerolm import storage
+from zerolm.data.manifest import MANIFEST, SPLITS, DataError, Manifest, ShardInfo, SplitInfo, TokenizerInfo
 from zerolm.data.sources import Skipped, iter_documents
 from zerolm.data.tokenizer import MIN_BPE_VOCAB, Tokenizer, load_tokenizer
+from zerolm.errors import ZerolmError
+
+T = TypeVar("T")
 
 
 def webdataset():
@@ -55,12 +60,9 @@ def webdataset():
 
     return wds
 
-FORMAT = "zerolm-tokens/1"
-MANIFEST = "manifest.json"
-SPLITS = ("train", "val")
 
 
-class PrepareError(ValueError):
+class PrepareError(ZerolmError):
     """A prepare that cannot go ahead; one line naming the path or source at fault."""
 
 
@@ -85,7 +87,8 @@ class _ShardWriter:
         self.pending: list[np.ndarray] = []
         self.pending_len = 0
         self.shards: list[dict] = []
-        self._tar = self._file = None
+        self._tar: Any = None  # the shard being written, and its file
+        self._file: Any = None
         self._in_shard = 0
 
     def add(self, tokens: np.ndarray) -> int:
@@ -123,14 +126,13 @@ class _ShardWriter:
         self._tar = self._file = None
         self._in_shard = 0
 
-    def close(self) -> dict:
+    def close(self) -> SplitInfo:
         """The split's manifest entry. The last partial sample (fewer than seq_len + 1 tokens) is dropped."""
         if self._tar is not None:
             self._close_shard()
         samples = sum(s["samples"] for s in self.shards)
-        return {"shards": self.shards, "samples": samples, "tokens": samples * self.T1,
-                "unigram_entropy": unigram_entropy(self.counts) if samples else None}
-
+        return SplitInfo(tuple(ShardInfo(**s) for s in self.shards), samples, samples * self.T1,
+                         unigram_entropy(self.counts) if samples else None)
 
     def take_tail(self, n: int) -> np.ndarray:
         """Remove the last `n` samples (at most the last two shards) and return them, for a held-out split."""
@@ -139,7 +141,7 @@ class _ShardWriter:
             last = self.shards[-1]
             path = self.directory / last["name"]
             with tarfile.open(fileobj=io.BytesIO(path.read_bytes())) as tar:
-                members = [np.load(io.BytesIO(tar.extractfile(m).read())) for m in tar.getmembers()]
+                members = [np.load(io.BytesIO(_member(tar, m))) for m in tar.getmembers()]
             keep = max(0, len(members) - (n - len(rows)))
             rows = members[keep:] + rows
             path.unlink()
@@ -154,7 +156,13 @@ class _ShardWriter:
         return tail
 
 
-def _batched(it: Iterable[str], n: int) -> Iterator[list[str]]:
+def _member(tar: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
+    file = tar.extractfile(info)
+    assert file is not None, info.name  # a shard's members are files
+    return file.read()
+
+
+def _batched(it: Iterable[T], n: int) -> Iterator[list[T]]:
     batch = []
     for x in it:
         batch.append(x)
@@ -168,7 +176,7 @@ def _batched(it: Iterable[str], n: int) -> Iterator[list[str]]:
 def prepare(source: str, out: str | os.PathLike, *, tokenizer: str = "default", vocab_size: int = 2048,
             seq_len: int = 2048, text_field: str = "text", tfds_data_dir: str | None = None,
             val_every: int = 50, samples_per_shard: int = 4096, overwrite: bool = False,
-            skip_bad: bool = False, progress: bool = True, catch_sigterm: bool = True) -> dict:
+            skip_bad: bool = False, progress: bool = True, catch_sigterm: bool = True) -> Manifest:
     """Prepare `source` into `out`; returns the manifest.
 
     `catch_sigterm=False` leaves SIGTERM to whoever owns it: in a multi-process training run JAX's
@@ -205,7 +213,7 @@ def prepare(source: str, out: str | os.PathLike, *, tokenizer: str = "default", 
 
 
 def _prepare_into(out: Path | epath.Path, source: str, documents, tok: Tokenizer, seq_len: int, val_every: int,
-                  samples_per_shard: int, skipped: Skipped | None, progress: bool, stop: _StopSignals) -> dict:
+                  samples_per_shard: int, skipped: Skipped | None, progress: bool, stop: _StopSignals) -> Manifest:
     dtype = token_dtype(tok.vocab_size)
     build = (_BucketBuild if storage.is_remote(out) else _LocalBuild)(out)
     if build.removed and progress:
@@ -214,18 +222,14 @@ def _prepare_into(out: Path | epath.Path, source: str, documents, tok: Tokenizer
         manifest = _write_splits(build.directory, documents, tok, seq_len, dtype, val_every, samples_per_shard,
                                  progress)
         stop.check()
-        if manifest["splits"]["train"]["samples"] == 0:
+        if manifest.splits["train"].samples == 0:
             raise PrepareError(f"{source}: too little text for one training sample of seq_len + 1 = {seq_len + 1} "
-                               f"tokens ({manifest['documents']} document(s) in {_files_of(source)}); use a smaller "
+                               f"tokens ({manifest.documents} document(s) in {_files_of(source)}); use a smaller "
                                "seq_len or more text")
-        manifest.update(source=source, skipped=skipped.count if skipped else 0,
-                        skipped_first=skipped.first if skipped else "")
+        manifest = dataclasses.replace(manifest, source=source, skipped=skipped.count if skipped else 0,
+                                       skipped_first=skipped.first if skipped else "").under(build.prefix)
         tok.save(build.directory)
-        for split in manifest["splits"].values():
-            for shard in split["shards"]:
-                shard["name"] = build.prefix + shard["name"]
-        manifest["tokenizer"]["file"] = build.prefix + manifest["tokenizer"]["file"]
-        build.publish(json.dumps(manifest, indent=1))
+        build.publish(manifest.dumps())
     except BaseException:
         build.abandon()
         raise
@@ -284,16 +288,14 @@ class _BucketBuild:
 
 def _dataset_files(out) -> set[str]:
     """The top-level names of a prepared dataset's files (a gs:// build is one name)."""
-    manifest = json.loads((out / MANIFEST).read_text())
-    names = [manifest["tokenizer"]["file"], *(shard["name"] for split in manifest["splits"].values()
-                                              for shard in split["shards"])]
-    return {MANIFEST, *(name.split("/", 1)[0] for name in names)}
+    manifest = Manifest.parse((out / MANIFEST).read_text(), str(out / MANIFEST))
+    return {MANIFEST, *(name.split("/", 1)[0] for name in manifest.files())}
 
 
 def _published(out, name: str) -> bool:
     try:
         return name in _dataset_files(out)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, DataError):
         return False
 
 
@@ -325,7 +327,7 @@ def _check_out(out: Path | epath.Path, overwrite: bool) -> None:
         raise PrepareError(f"{out}: already holds a prepared dataset; pass --overwrite to replace it")
     try:
         ours = _dataset_files(out)
-    except (ValueError, KeyError, TypeError, OSError) as e:
+    except (DataError, OSError) as e:
         raise PrepareError(f"{out}/{MANIFEST}: unreadable ({e}); --overwrite replaces only a prepared dataset, "
                            "so nothing was touched") from None
     foreign = sorted(names - ours)
@@ -399,7 +401,7 @@ class _StopSignals:
 
 
 def _write_splits(directory: Path | epath.Path, documents, tok: Tokenizer, seq_len: int, dtype, val_every: int,
-                  per_shard: int, progress: bool) -> dict:
+                  per_shard: int, progress: bool) -> Manifest:
     writers = {s: _ShardWriter(directory, s, seq_len, dtype, per_shard, tok.vocab_size) for s in SPLITS}
     bar = tqdm(desc="prepare", unit="tok", unit_scale=True, disable=not progress, mininterval=0.5)
     n_docs = 0
@@ -407,15 +409,15 @@ def _write_splits(directory: Path | epath.Path, documents, tok: Tokenizer, seq_l
     with bar:
         for batch in _batched(documents, 256):
             encoded = tok.encode_batch([text for _, text in batch])
-            for (index, _), ids in zip(batch, encoded):
+            for (index, _), ids in zip(batch, encoded, strict=True):
                 split = "val" if index % val_every == val_every - 1 else "train"
                 writers[split].add(np.append(ids, tok.eot_id))
                 bar.update(len(ids) + 1)
             n_docs += len(batch)
     splits = {s: w.close() for s, w in writers.items()}
     val_rule = f"every {val_every}th document"
-    train_samples = splits["train"]["samples"]
-    if splits["val"]["samples"] == 0 and train_samples >= 2:
+    train_samples = splits["train"].samples
+    if splits["val"].samples == 0 and train_samples >= 2:
         held = min(max(1, train_samples // val_every), per_shard)
         writers["val"].pending, writers["val"].pending_len = [], 0  # the val documents' leftover tokens, if any
         for row in writers["train"].take_tail(held):
@@ -423,9 +425,9 @@ def _write_splits(directory: Path | epath.Path, documents, tok: Tokenizer, seq_l
         splits = {s: w.close() for s, w in writers.items()}
         val_rule = (f"the last {held} training sample(s), since {n_docs} document(s) are too few for every "
                     f"{val_every}th document to give a validation sample")
-    return {"format": FORMAT, "seq_len": seq_len, "dtype": dtype.name, "tokenizer": {**tok.identity, "file": tok.filename},
-            "documents": n_docs, "val_every": val_every, "val_rule": val_rule, "splits": splits,
-            "seconds": round(time.perf_counter() - start, 3)}
+    return Manifest(seq_len=seq_len, dtype=dtype.name, tokenizer=TokenizerInfo(**tok.identity, file=tok.filename),
+                    splits=splits, documents=n_docs, val_every=val_every, val_rule=val_rule,
+                    seconds=round(time.perf_counter() - start, 3))
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:

@@ -12,7 +12,6 @@ by the next readable one in its shard and counted instead.
 from __future__ import annotations
 
 import io
-import json
 import os
 import tarfile
 import threading
@@ -21,12 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from zerolm import storage
-from zerolm.data.prepare import FORMAT, MANIFEST
+from zerolm.data.manifest import MANIFEST, DataError, Manifest, ShardInfo
 from zerolm.data.tokenizer import Tokenizer, cache_dir, from_file
-
-
-class DataError(ValueError):
-    """A prepared dataset that does not match its manifest; one line naming the file and sample."""
 
 
 def _join(location: str, name: str) -> str:
@@ -48,26 +43,25 @@ class PreparedDataset:
             raise DataError(f"{self.location}: pipe: datasets are not read any more; name the dataset by its URL "
                             "(gs://BUCKET/PATH, https://...) and it is read directly")
         try:
-            self.manifest = json.loads(_read_bytes(where))
+            text = _read_bytes(where)
         except FileNotFoundError:
             raise DataError(f"{where}: no manifest: not a prepared dataset (run `zerolm prepare`)") from None
-        except (OSError, ValueError) as e:
+        except OSError as e:
             raise DataError(f"{where}: cannot read manifest ({e})") from None
-        if self.manifest.get("format") != FORMAT:
-            raise DataError(f"{where}: format {self.manifest.get('format')!r}, expected {FORMAT!r}")
-        self.seq_len: int = self.manifest["seq_len"]
-        self.dtype = np.dtype(self.manifest["dtype"])
-        self.vocab_size: int = self.manifest["tokenizer"]["vocab_size"]
+        self.manifest = Manifest.parse(text, where)
+        self.seq_len: int = self.manifest.seq_len
+        self.dtype = np.dtype(self.manifest.dtype)
+        self.vocab_size: int = self.manifest.tokenizer.vocab_size
 
     def split(self, name: str, skip_bad: bool = False) -> Split:
         return Split(self, name, skip_bad)
 
     def tokenizer(self) -> Tokenizer:
         """The tokenizer the dataset was prepared with; a remote one is fetched into the cache first."""
-        info = self.manifest["tokenizer"]
-        where = _join(self.location, info["file"])
+        info = self.manifest.tokenizer
+        where = _join(self.location, info.file)
         if storage.is_remote(where):
-            local = cache_dir() / "tokenizers" / info["sha256"][:16] / info["file"]
+            local = cache_dir() / "tokenizers" / info.sha256[:16] / info.file.rsplit("/", 1)[-1]
             if not local.exists():
                 local.parent.mkdir(parents=True, exist_ok=True)
                 tmp = local.with_name(f".{local.name}.{os.getpid()}")
@@ -75,9 +69,9 @@ class PreparedDataset:
                 os.replace(tmp, local)
             where = str(local)
         tok = from_file(Path(where))
-        if tok.sha256 != info["sha256"]:
-            raise DataError(f"{where}: tokenizer sha256 {tok.sha256[:12]} does not match the manifest's {info['sha256'][:12]}")
-        tok.name = info["name"]
+        if tok.sha256 != info.sha256:
+            raise DataError(f"{where}: tokenizer sha256 {tok.sha256[:12]} does not match the manifest's {info.sha256[:12]}")
+        tok.name = info.name
         return tok
 
 
@@ -86,9 +80,8 @@ class Split:
 
     def __init__(self, dataset: PreparedDataset, name: str, skip_bad: bool):
         self.dataset, self.name, self.skip_bad = dataset, name, skip_bad
-        info = dataset.manifest["splits"][name]
-        self.shards: list[dict] = info["shards"]
-        self.sizes = np.array([s["samples"] for s in self.shards], np.int64)
+        self.shards = dataset.manifest.splits[name].shards
+        self.sizes = np.array([s.samples for s in self.shards], np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.sizes)])
         self.T1 = dataset.seq_len + 1
         self.rows_read = 0  # rows this process has read from storage (tests count them)
@@ -108,9 +101,9 @@ class Split:
             with storage.faults(location, "listing the dataset"):
                 present = storage.sizes(storage.path(location))
         for shard in self.shards:
-            where = _join(location, shard["name"])
+            where = _join(location, shard.name)
             if storage.is_remote(location):
-                size = present.get(shard["name"])
+                size = present.get(shard.name)
                 if size is None:
                     raise DataError(f"{where}: missing shard")
             else:
@@ -118,8 +111,8 @@ class Split:
                     size = Path(where).stat().st_size
                 except OSError as e:
                     raise DataError(f"{where}: missing or unreadable shard ({e.strerror})") from None
-            if "bytes" in shard and size != shard["bytes"]:
-                raise DataError(f"{where}: {size} bytes, the manifest says {shard['bytes']} "
+            if shard.bytes is not None and size != shard.bytes:
+                raise DataError(f"{where}: {size} bytes, the manifest says {shard.bytes} "
                                 "(truncated or replaced shard)")
 
     def read(self, ids: np.ndarray) -> np.ndarray:
@@ -137,7 +130,7 @@ class Split:
     def _read_shard(self, k: int, offsets: np.ndarray) -> np.ndarray:
         with self._lock:
             if k not in self._readers:
-                where = _join(self.dataset.location, self.shards[k]["name"])
+                where = _join(self.dataset.location, self.shards[k].name)
                 self._readers[k] = _Shard(where, self.shards[k], self.T1, self.dataset.dtype, self.dataset.vocab_size)
             reader = self._readers[k]
         rows, bad = reader.rows(offsets, self.skip_bad)
@@ -186,12 +179,12 @@ class _RemoteBytes:
 class _Shard:
     """A tar of equal-size .npy members, read member by member; checked against the manifest on open."""
 
-    def __init__(self, where: str, info: dict, T1: int, dtype: np.dtype, vocab_size: int):
-        self.path, self.n, self.T1, self.vocab_size = where, info["samples"], T1, vocab_size
-        self.bytes = (_RemoteBytes(where, info.get("bytes")) if storage.is_remote(where) else _LocalBytes(where))
+    def __init__(self, where: str, info: ShardInfo, T1: int, dtype: np.dtype, vocab_size: int):
+        self.path, self.n, self.T1, self.vocab_size = where, info.samples, T1, vocab_size
+        self.bytes = (_RemoteBytes(where, info.bytes) if storage.is_remote(where) else _LocalBytes(where))
         size = self.bytes.size
-        if "bytes" in info and size != info["bytes"]:
-            raise DataError(f"{where}: {size} bytes, the manifest says {info['bytes']} (truncated or replaced shard)")
+        if info.bytes is not None and size != info.bytes:
+            raise DataError(f"{where}: {size} bytes, the manifest says {info.bytes} (truncated or replaced shard)")
         head = self.bytes.read([(0, min(size, 1024))])[0]
         first = self._header(0, head)
         npy = io.BytesIO(head[512: 512 + first.size])
@@ -234,7 +227,7 @@ class _Shard:
         out = np.empty((len(offsets), self.T1), np.int32)
         bad = 0
         name_end, body = 13, 512 + self.npy_header
-        for j, (i, member) in enumerate(zip(offsets, self._fetch([int(i) for i in offsets]))):
+        for j, (i, member) in enumerate(zip(offsets, self._fetch([int(i) for i in offsets]), strict=True)):
             i = int(i)
             for attempt in range(self.n if skip_bad else 1):
                 k = (i + attempt) % self.n

@@ -13,9 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from zerolm.data.corpus import default_documents
+from zerolm.errors import ZerolmError
 
 
-class SourceError(ValueError):
+class SourceError(ZerolmError):
     """Bad raw input; the message names the file (and line)."""
 
 

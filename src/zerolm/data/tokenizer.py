@@ -16,6 +16,13 @@ import tiktoken.load
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from zerolm.errors import ZerolmError
+
+
+class TokenizerError(ZerolmError):
+    """A tokenizer file that cannot be used; one line naming it."""
+
+
 EOT = "<|endoftext|>"
 MIN_BPE_VOCAB = 257  # a byte-level BPE holds the 256 bytes and the end-of-text token at least
 # GPT-2's pre-tokenization regex (tiktoken's r50k_base); a .tiktoken file carries only the ranks.
@@ -43,7 +50,7 @@ class Tokenizer:
             self.eot_id = backend.eot_token
             self.vocab_size = backend.n_vocab
         if self.eot_id is None:
-            raise ValueError(f"tokenizer {name}: has no {EOT} token")
+            raise TokenizerError(f"tokenizer {name}: has no {EOT} token")
 
     @property
     def identity(self) -> dict:
@@ -68,7 +75,7 @@ class Tokenizer:
     def encode(self, text: str) -> np.ndarray:
         return self.encode_batch([text])[0]
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return self._backend.decode([int(i) for i in ids])
 
 
@@ -87,7 +94,7 @@ def from_file(path: Path) -> Tokenizer:
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise ValueError(f"{path}: cannot read tokenizer ({e.strerror})") from None
+        raise TokenizerError(f"{path}: cannot read tokenizer ({e.strerror})") from None
     try:
         if path.suffix == ".json":
             return Tokenizer("hf", tokenizers.Tokenizer.from_str(data.decode()), path.name, data)
@@ -95,12 +102,10 @@ def from_file(path: Path) -> Tokenizer:
         enc = tiktoken.Encoding(path.stem, pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                                 special_tokens={EOT: len(ranks)})
         return Tokenizer("tiktoken", enc, path.name, data)
-    except ValueError as e:
-        if str(e).startswith(str(path)):
-            raise
-        raise ValueError(f"{path}: not a valid tokenizer file ({e})") from None
-    except Exception as e:  # tokenizers raises a bare Exception on a bad file
-        raise ValueError(f"{path}: not a valid tokenizer file ({e})") from None
+    except TokenizerError:
+        raise
+    except Exception as e:  # tokenizers raises a bare Exception on a bad file, tiktoken a ValueError
+        raise TokenizerError(f"{path}: not a valid tokenizer file ({e})") from None
 
 
 def load_tokenizer(spec: str, vocab_size: int = 2048, documents: Sequence[str] = ()) -> Tokenizer:

@@ -18,47 +18,51 @@ from typing import Any
 
 import jax
 from etils import epath
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerolm import model as gpt_model
 from zerolm.checkpoint import CheckpointError, Checkpoints, DamagedCheckpoint, quiet_orbax
+from zerolm.checkpoint_meta import CheckpointMeta
 from zerolm.config import ModelConfig
 from zerolm.data.shards import DataError, PreparedDataset
-from zerolm.data.tokenizer import Tokenizer, from_file
+from zerolm.data.tokenizer import Tokenizer, TokenizerError, from_file
 from zerolm.mesh import make_mesh
 from zerolm.sharding import with_shardings
 
 
 @dataclasses.dataclass
-class Trained:
+class Restored:
     model: gpt_model.GPT
     params: Any  # replicated over `mesh`
-    meta: dict  # the checkpoint's metadata (config, dataset identity, tokens seen, ...)
+    meta: CheckpointMeta  # the checkpoint's metadata (config, dataset identity, tokens seen, ...)
     step: int
     where: epath.Path  # the step directory
     mesh: jax.sharding.Mesh
 
     @property
     def config(self) -> dict:
-        return self.meta["config"]
+        return self.meta.config
 
     @property
     def tokenizer_sha256(self) -> str:
-        return self.meta["dataset"]["tokenizer_sha256"]
+        return self.meta.tokenizer_sha256
 
     def tokenizer(self, path: str | None = None) -> Tokenizer:
         """The run's tokenizer (or the file at `path`, which must be the same tokenizer)."""
         if path is not None:
             try:
                 tok = from_file(Path(path))
-            except ValueError as e:
+            except TokenizerError as e:
                 raise CheckpointError(f"--tokenizer: {e}") from None
             source = f"--tokenizer: {path}"
         else:
-            location = self.meta.get("dataset_location")
+            location = self.meta.dataset_location
             try:
+                if location is None:
+                    raise DataError("the checkpoint does not record where its dataset was")
                 tok = PreparedDataset(location).tokenizer()
-            except (DataError, OSError, TypeError) as e:
+            except (DataError, OSError) as e:
                 raise CheckpointError(f"{self.where}: unknown tokenizer: the run's dataset {location} cannot "
                                       f"give it ({_first_line(e)}); pass the tokenizer file with --tokenizer") from None
             source = f"{self.where}: the tokenizer of the run's dataset {location}"
@@ -109,7 +113,7 @@ def locate(path: str) -> tuple[Checkpoints, int]:
     raise CheckpointError(f"{path}: every checkpoint is damaged (see zerolm checkpoints {path})")
 
 
-def load(path: str, devices: list[jax.Device] | None = None) -> Trained:
+def load(path: str, devices: list[jax.Device] | None = None) -> Restored:
     """The parameters and metadata of the checkpoint `path` names, replicated over `devices` (default:
     this process's devices)."""
     ckpts, step = locate(path)
@@ -117,7 +121,7 @@ def load(path: str, devices: list[jax.Device] | None = None) -> Trained:
         try:
             meta = ckpts.readable_meta(step)
             # Checkpoints from before model.attention_block (a compute-only key) did not record it.
-            cfg = ModelConfig.model_validate({"attention_block": 512, **meta["config"]["model"]})
+            cfg = ModelConfig.model_validate({"attention_block": 512, **meta.model})
             devices = devices or jax.local_devices()
             if gpt_model.unrunnable_attention(cfg, devices[0]):  # trained with a kernel this machine lacks
                 cfg = cfg.model_copy(update={"attention": "auto"})  # compute only: the parameters are the same
@@ -128,4 +132,4 @@ def load(path: str, devices: list[jax.Device] | None = None) -> Trained:
             params = ckpts.restore_params(step, with_shardings(abstract, replicated))
         finally:
             ckpts.close()
-    return Trained(model=model, params=params, meta=meta, step=step, where=ckpts.directory / str(step), mesh=mesh)
+    return Restored(model=model, params=params, meta=meta, step=step, where=ckpts.directory / str(step), mesh=mesh)

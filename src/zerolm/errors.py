@@ -1,0 +1,22 @@
+"""One base for every error a user can cause or fix, and the exit code it carries.
+
+A `ZerolmError` is a mistake in the input (a flag, a config key, a dataset, a checkpoint), a place that
+cannot be used, or a run stopped for a reason a user acts on; its message is the one line the command
+prints (`error: ...`), and `exit_code` says what happened (zerolm.exitcodes). The commands catch it and
+nothing else: any other exception that escapes is a bug of zerolm's, printed with its traceback and
+exit code `EXIT_BUG` (zerolm.commands), never taken for the user's mistake.
+"""
+
+from __future__ import annotations
+
+from zerolm.exitcodes import EXIT_USAGE
+
+
+class ZerolmError(Exception):
+    """An error the user can fix: one line (the message) and its exit code."""
+
+    exit_code: int = EXIT_USAGE
+
+
+class UsageError(ZerolmError):
+    """A command-line flag with a value the command cannot use; the message names the flag."""

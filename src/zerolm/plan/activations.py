@@ -1,0 +1,80 @@
+"""Activation bytes: what one device keeps for the backward pass of one micro-batch.
+
+Two models. `activation_bytes` is the paper's minimal set for the ZeRO stage table, after Korthikanti et
+al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", section 4.1) without dropout,
+for a micro-batch of b sequences of s tokens, width h, a heads, L layers, e bytes per compute element
+(bf16: 2) and tensor parallelism t. Per layer: the two LayerNorm inputs and outputs (4·sbh, replicated
+over tp), q, k, v (3·sbh/t), the attention output (sbh/t), the MLP's GELU input and output (8·sbh/t),
+and the softmax probabilities a·s²·b/t (none with flash attention, which keeps a float32 log-sum-exp per
+row). With full remat a layer keeps only its input (sbh), and one layer at a time is rebuilt during the
+backward pass. Beyond the layers: the final LayerNorm's input and output, and the output layer: zerolm's
+chunked loss keeps the float32 gradient of the embedding (V·h) and two float32 chunks of logits
+(chunk·V); unchunked, the float32 logits and their gradient (2·b·s·V).
+
+`step_activation_bytes` is what zerolm's own gradient program allocates, as the TPU compiler's buffer
+assignment counts it (the planner's step peak, checked against `zerolm compile`).
+"""
+
+from __future__ import annotations
+
+from zerolm.attention import PALLAS_LANES
+from zerolm.plan.spec import Model
+
+# Elements of the compute dtype per token and model width: what a block keeps for its backward pass
+# without remat, and what one block's rebuild and backward pass hold under full remat. Read from the TPU
+# compiler's figures for zerolm's step (125m–1_3b, v3 and v5p, micro-batch 1–8; BENCHMARKS.md): the buffer
+# assignment of the 125m block shows the kept set (LayerNorms' float32 statistics, q/k/v, the MLP's 4h
+# pre-activation and the tanh-GELU's 4h-wide intermediates).
+KEPT_PER_LAYER = 60
+REBUILT_LAYER = 56
+
+
+def activation_bytes(m: Model, micro: int, tp: int, remat: str, flash: bool) -> int:
+    """Bytes one device keeps for the backward pass of one micro-batch (see the module docstring)."""
+    s, b, h, a, e = m.seq_len, micro, m.d_model, m.n_head, m.act_bytes
+    sbh = s * b * h
+    scores = 4 * a * s * b // tp if flash else a * s * s * b * e // tp
+    layer = 4 * sbh * e + 12 * sbh * e // tp + scores
+    layers = m.n_layer * layer if remat == "none" else m.n_layer * sbh * e + layer
+    tokens = b * s
+    if m.loss_chunk and m.loss_chunk < tokens:
+        loss = m.vocab * h * 4 + 2 * m.loss_chunk * m.vocab * 4
+    else:
+        loss = 2 * tokens * m.vocab * 4
+    return layers + 2 * sbh * e + loss
+
+
+def step_activation_bytes(m: Model, micro: int, tp: int, attention: str) -> int:
+    """What zerolm's gradient program allocates for one micro-batch besides the model states, with the
+    attention zerolm runs (`attention`), as counted in the TPU compiler's buffer assignment of zerolm's
+    step (125m, v3; docs/performance-notes.md):
+
+    - per layer, kept for the backward pass without remat, KEPT_PER_LAYER·s·b·h elements of the
+      compute dtype: the LayerNorms' float32 statistics and normalized inputs, q, k, v, the attention
+      output, the MLP's input, its 4h-wide pre-activation and the tanh-GELU's 4h-wide intermediates;
+      XLA's attention adds its T×T probabilities and float32 scores, Pallas's its softmax statistics
+      (2·a·s·b·128 float32: the kernel pads a row's max and sum to the TPU's 128 lanes), and once
+      a relayouted copy of the stacked c_attn kernel (L·3h²);
+    - with full remat, each layer's input, plus REBUILT_LAYER·s·b·h for the one layer being rebuilt
+      and run backward;
+    - the loss: the output layer's float32 gradient as it is summed and the embedding's (2·V·h·4),
+      and a chunk's float32 logits with their gradient in the compute dtype (the micro-batch's, if
+      smaller; without chunking, loss_chunk 0, autodiff keeps three float32 copies)."""
+    b, t = micro, tp
+    s, h, a, e, L = m.seq_len, m.d_model, m.n_head, m.act_bytes, m.n_layer
+    sbh = s * b * h
+    # XLA's: the T×T probabilities and float32 scores. Pallas's kernel keeps its softmax statistics
+    # (running max and sum) as two float32 rows of 128 lanes per query; the blockwise one a float32 each.
+    lane_row = a * s * b * PALLAS_LANES * 4 // t
+    scores = a * s * s * b * (e + 4) // t if attention == "xla" else 2 * lane_row if attention == "pallas" else 0
+    # Around the Pallas kernels XLA adds, once, a copy of the stacked c_attn kernel in the layout the
+    # kernels' (B, H, T, K) operands want, hoisted out of the loops (the buffer assignment of 1_3b on
+    # v5p-64: docs/performance-notes.md).
+    pallas_once = L * h * 3 * h * e // t if attention == "pallas" else 0
+    if m.remat == "none":
+        layers = L * (KEPT_PER_LAYER * sbh * e // t + scores) + pallas_once
+    else:
+        layers = L * sbh * e + REBUILT_LAYER * sbh * e // t + scores + pallas_once
+    tokens = b * s
+    logits = min(tokens, m.loss_chunk) * m.vocab * (4 + e) if m.loss_chunk else 3 * tokens * m.vocab * 4
+    return layers + 2 * m.vocab * h * 4 + logits

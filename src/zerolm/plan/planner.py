@@ -1,0 +1,169 @@
+"""The planner: one model on a parallel layout of one device preset. Its memory per device at each ZeRO
+stage, zerolm's own step peak (the rule `zerolm compile` applies to the compiler's figures), the largest
+micro-batch that fits, the step time and a scaling table."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from zerolm.hardware import Device
+from zerolm.mfu import flops_per_token
+from zerolm.plan.activations import activation_bytes, step_activation_bytes
+from zerolm.plan.report import GPU_MEMORY_FRACTION, PlanReport
+from zerolm.plan.spec import PRECISIONS, STAGES, BytesPerParam, Model, Parallelism
+from zerolm.plan.timing import StepTime, bucketed, ring_time, tree_time
+
+
+class Planner:
+    """One plan: a model on a layout of devices. `states(dp, tp)` gives the model-state bytes of a layout
+    (ExactStates from a config, AnalyticStates from a parameter count)."""
+
+    def __init__(self, model: Model, states, device: Device, layout: Parallelism, precision: str, micro_batch: int = 1,
+                 *, efficiency: float = 0.5, memory_fraction: float | None = None):
+        self.model, self.device, self.layout, self.micro_batch = model, device, layout, micro_batch
+        self._factory, self.states = states, states(layout.dp, layout.tp)
+        self.precision_name, self.precision = precision, PRECISIONS[precision]
+        self.efficiency, self.memory_fraction = efficiency, memory_fraction
+
+    @property
+    def usable(self) -> float:
+        """Bytes a device may hold: memory × memory_fraction if given; else what the TPU compiler allows
+        (the TPU presets), or 90% of a GPU's memory."""
+        if self.memory_fraction is None and self.device.usable is not None:
+            return self.device.usable
+        return self.device.memory * (self.memory_fraction or GPU_MEMORY_FRACTION)
+
+    def memory(self, stage: int, micro: int) -> dict[str, Any]:
+        st = self.states(stage, self.precision)
+        remat = "full" if self.model.remat == "full" else "none"
+        acts = {r: activation_bytes(self.model, micro, self.layout.tp, r, self.flash) for r in ("none", "full")}
+        total = st.params + st.grads + st.optimizer + acts[remat]
+        return {"params_bytes": st.params, "grads_bytes": st.grads, "optimizer_bytes": st.optimizer,
+                "activation_bytes": acts[remat], "activation_bytes_no_remat": acts["none"],
+                "activation_bytes_full_remat": acts["full"], "total_bytes": total, "fits": total <= self.usable}
+
+    @property
+    def flash(self) -> bool:
+        """Whether the attention zerolm runs here never holds the T×T scores (cuDNN, Pallas, blockwise)."""
+        return self.attention != "xla"
+
+    @property
+    def attention(self) -> str:
+        """The attention zerolm runs on this device preset (zerolm.model.resolve_auto, the rule training
+        applies to its devices), or the config's."""
+        from zerolm.model import resolve_auto
+
+        m = self.model
+        return resolve_auto("bfloat16" if m.act_bytes == 2 else "float32", m.attention, self.device.platform,
+                            self.device.name, m.seq_len, m.attention_block)[1]
+
+    def step_peak(self, micro: int) -> dict[str, Any]:
+        """zerolm's own ZeRO-1 step (stage 1, at the config's precision), per device, by the rule `zerolm
+        compile` applies to the compiler's figures: each program's arguments + outputs + temporaries −
+        aliased, plus what lives outside it; the step's peak is the largest.
+
+        grad: the working params (arguments); the gradient in the optimizer layout (output); the
+        accumulator (none with one micro-step per step), the micro-step's gradient beside it, the
+        activations (`step_activation_bytes`) and the loss's float32 buffers (temporaries); the optimizer
+        state (outside). update: the reduced
+        gradient and the optimizer state (aliased: donated) in, the new params out, a working copy of them
+        while they are gathered and cast, and the old params (outside). fp32 also reshards the params
+        into the optimizer layout: a 1/dp slice."""
+        m, p = self.model, self.model.param_bytes
+        st = self.states
+        params4 = st(0, PRECISIONS["fp32"]).params  # 4 bytes per parameter, whole over dp
+        params = params4 * p // 4
+        view = st(3, BytesPerParam(p, 0, 0, 0)).params  # one dp block of the params, padded
+        opt = st(1, PRECISIONS["mixed" if p == 2 else "fp32"]).optimizer  # master weights included in mixed
+        # One micro-step per step: XLA folds the accumulator away (the gradient is the sum).
+        acc = 0 if self.layout.per_rank // micro == 1 else params4 * m.acc_bytes // 4
+        acts = self.step_activation_bytes(micro)
+        programs = {"grad": params + view + acc + params + acts + opt,
+                    "update": view + opt + params + params + params + (0 if p == 2 else view)}
+        if p == 4:
+            programs["reshard"] = params + view + opt + view
+        program = max(programs, key=lambda name: programs[name])
+        return {"program": program, "total_bytes": programs[program], "programs": programs,
+                "activation_bytes": acts, "fits": programs[program] <= self.usable}
+
+    def step_activation_bytes(self, micro: int) -> int:
+        return step_activation_bytes(self.model, micro, self.layout.tp, self.attention)
+
+    def micro_batches(self) -> list[int]:
+        per_rank = self.layout.per_rank
+        return [b for b in range(1, per_rank + 1) if per_rank % b == 0]
+
+    def largest_micro(self, stage: int) -> int | None:
+        fitting = [b for b in self.micro_batches() if self.memory(stage, b)["fits"]]
+        return max(fitting) if fitting else None
+
+    def step(self, micro: int, stage: int = 1) -> StepTime:
+        m, d, lay, p = self.model, self.device, self.layout, self.precision
+        accum = lay.per_rank // micro
+        remat = self.model.remat == "full"
+        # zerolm.mfu's count; full remat runs the forward pass again: 8·N + 16·L·d·T = 4/3 of it.
+        model_flops_token = flops_per_token(m.flops_params, m.n_layer, m.d_model, m.seq_len)
+        tokens_device = lay.global_batch * m.seq_len / lay.devices
+        compute = model_flops_token * (4 / 3 if remat else 1) * tokens_device / (d.flops * self.efficiency)
+        # Megatron's tensor parallelism: 2 all-reduces of the activations forward and 2 backward per layer
+        # (one more forward with full remat), every micro-step.
+        act = micro * m.seq_len * m.d_model * m.act_bytes
+        tp_comm = accum * m.n_layer * (6 if remat else 4) * ring_time(d, "all-reduce", act, lay.tp)
+        full = self.states(0, p)  # whole over dp: what a rank reduces and gathers
+        grads, params = full.grads, full.params
+        if stage == 0:
+            grad_comm, gather = ring_time(d, "all-reduce", grads, lay.dp, lay.tp), 0.0
+        else:
+            grad_comm = ring_time(d, "reduce-scatter", grads, lay.dp, lay.tp)
+            gather = ring_time(d, "all-gather", params, lay.dp, lay.tp) if stage < 3 else 0.0
+        bwd = compute / accum * (3 / 4 if remat else 2 / 3)
+        bucket, k, overlapped = bucketed(d, "all-reduce" if stage == 0 else "reduce-scatter", grads, bwd,
+                                         compute + tp_comm + gather, lay.dp, lay.tp)
+        return StepTime(micro, accum, compute, tp_comm, grad_comm, gather,
+                        ring_time(d, "all-reduce", grads, lay.dp, lay.tp), tree_time(d, grads, lay.dp, lay.tp),
+                        bucket, k, overlapped, self.efficiency, model_flops_token * tokens_device, d.flops)
+
+    def with_layout(self, layout: Parallelism) -> Planner:
+        return Planner(self.model, self._factory, self.device, layout, self.precision_name, efficiency=self.efficiency,
+                       memory_fraction=self.memory_fraction)
+
+    def scaling(self, stage: int = 1) -> list[dict]:
+        """Step time and MFU as dp doubles (tp fixed), up to one sequence per rank."""
+        rows = []
+        dp = 1
+        while dp <= self.layout.global_batch:
+            if self.layout.global_batch % dp == 0:
+                planner = self.with_layout(Parallelism(dp, self.layout.tp, self.layout.global_batch))
+                micro = planner.largest_micro(stage)
+                row: dict[str, Any] = {"dp": dp, "devices": dp * self.layout.tp, "micro_batch": micro}
+                if micro is not None:
+                    t = planner.step(micro, stage)
+                    tokens = self.layout.global_batch * self.model.seq_len
+                    row.update(accum_steps=t.accum_steps, compute_s=t.compute_s, comm_s=t.step_s - t.compute_s,
+                               step_s=t.step_s, overlapped_s=t.overlapped_s, tokens_per_s=tokens / t.step_s,
+                               mfu=t.mfu(), grad_allreduce_ring_s=t.grad_allreduce_ring_s,
+                               grad_allreduce_tree_s=t.grad_allreduce_tree_s)
+                rows.append(row)
+            dp *= 2
+        return rows
+
+    def report(self, stage: int = 1) -> PlanReport:
+        micro = self.micro_batch
+        stages = {str(s): {**self.memory(s, micro), "largest_micro_batch": self.largest_micro(s)} for s in STAGES}
+        for row in stages.values():
+            b = row["largest_micro_batch"]
+            row["accum_steps"] = self.layout.per_rank // b if b else None
+        best = self.largest_micro(stage)
+        step = self.step(best or micro, stage)
+        peak = self.step_peak(micro)
+        fitting = [b for b in self.micro_batches() if self.step_peak(b)["fits"]]
+        zerolm_step = {**peak, "largest_micro_batch": max(fitting) if fitting else None}
+        return PlanReport(
+            model=dataclasses.asdict(self.model), device=dataclasses.asdict(self.device), zerolm_step=zerolm_step,
+            attention=self.attention,
+            layout={"dp": self.layout.dp, "tp": self.layout.tp, "devices": self.layout.devices,
+                    "global_batch": self.layout.global_batch},
+            precision=self.precision_name, efficiency=self.efficiency, memory_fraction=self.memory_fraction,
+            usable_bytes=int(self.usable), flash_attention=self.flash, micro_batch=micro, stages=stages,
+            step={"stage": stage, "fits": best is not None, **step.as_dict()}, scaling=self.scaling(stage))

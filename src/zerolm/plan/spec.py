@@ -1,0 +1,70 @@
+"""What a plan is about: the model (its size and shape), how it is parallelised, and the bytes per
+parameter of each kind of model state."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from zerolm.errors import ZerolmError
+
+STAGES = (0, 1, 2, 3)
+
+
+class PlanError(ZerolmError):
+    """A bad plan request; the message is the one line a user sees."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BytesPerParam:
+    """Bytes per parameter of each model state (the ZeRO paper's accounting)."""
+
+    param: int  # of the params the step computes with
+    grad: int  # of the gradients (zerolm: its accumulator)
+    master: int  # of an fp32 master copy kept with the optimizer (mixed precision)
+    moments: int  # of Adam's m and v
+
+
+PRECISIONS = {"mixed": BytesPerParam(2, 2, 4, 8), "fp32": BytesPerParam(4, 4, 0, 8)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """What the planner needs of a model: its size and shape."""
+
+    params: int  # N, all parameters
+    tp_split: int  # of which tensor parallelism splits (the blocks' matrices and their biases)
+    n_layer: int
+    d_model: int
+    n_head: int
+    seq_len: int
+    vocab: int  # padded
+    act_bytes: int = 2  # bytes per compute-dtype element
+    loss_chunk: int = 2048
+    remat: str = "none"
+    source: str = ""
+    param_bytes: int = 4  # of the working parameters (zero.precision: fp32 4, mixed 2)
+    acc_bytes: int = 4  # of the gradient accumulator (zero.accumulate_dtype)
+    attention: str = "auto"  # model.attention (auto: the device's choice, as zerolm.model.for_device)
+    attention_block: int = 512  # model.attention_block
+
+    @property
+    def flops_params(self) -> int:
+        """N without the position embedding (zerolm.mfu's convention)."""
+        return self.params - self.seq_len * self.d_model
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    """How a plan spreads the model: dp × tp devices, and the sequences of one optimizer step."""
+
+    dp: int
+    tp: int
+    global_batch: int  # sequences per optimizer step
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def per_rank(self) -> int:
+        return self.global_batch // self.dp

@@ -1,0 +1,69 @@
+"""The command line's one error rule: a ZerolmError is the user's, one line and its own exit code; any
+other exception is a bug of ours, traceback and exit code 70, never 2. And `zerolm --help` imports no JAX."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from zerolm.commands import COMMANDS, run_command
+from zerolm.config import ConfigError
+from zerolm.errors import UsageError, ZerolmError
+from zerolm.exitcodes import EXIT_BUG, EXIT_STORAGE, EXIT_USAGE
+from zerolm.storage import StorageFault
+
+
+def _raising(error: BaseException):
+    def run(args: argparse.Namespace) -> int:
+        raise error
+    return run
+
+
+@pytest.mark.parametrize("error, code", [(UsageError("--top-p 2: must be in (0, 1]"), EXIT_USAGE),
+                                         (ConfigError("a.yaml: train.steps: must be positive"), EXIT_USAGE),
+                                         (StorageFault("gs://b/ckpt: storage stopped answering"), EXIT_STORAGE)])
+def test_a_zerolm_error_is_one_line_and_its_code(capsys, error, code):
+    assert run_command(_raising(error), argparse.Namespace()) == code
+    assert capsys.readouterr().err == f"error: {error}\n"
+
+
+@pytest.mark.parametrize("error", [ValueError("a bug of ours"), KeyError("tokens"), AssertionError()])
+def test_any_other_exception_is_a_bug_with_its_traceback(capsys, error):
+    """Before the one base, commands caught bare ValueError as the user's mistake: a bug was exit 2."""
+    assert run_command(_raising(error), argparse.Namespace()) == EXIT_BUG != EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):")
+    assert f"{type(error).__name__}" in err
+    assert err.strip().splitlines()[-1].startswith("zerolm: this is a bug in zerolm")
+
+
+def test_every_error_class_of_zerolm_derives_from_the_base():
+    import inspect
+    import pkgutil
+
+    import zerolm
+    for info in pkgutil.walk_packages(zerolm.__path__, "zerolm."):
+        if info.name.startswith(("zerolm.commands", "zerolm.cli")):
+            continue
+        module = __import__(info.name, fromlist=["_"])
+        for name, cls in inspect.getmembers(module, inspect.isclass):  # (private ones are pydantic's ValueErrors)
+            if cls.__module__ == info.name and issubclass(cls, Exception) and not name.startswith("_"):
+                assert issubclass(cls, ZerolmError), f"{info.name}.{name} is not a ZerolmError"
+
+
+def test_help_imports_no_jax():
+    probe = ("import sys\nfrom zerolm.commands import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+             "print(sorted(m for m in ('jax', 'orbax', 'flax', 'optax', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
+    assert all(name in out for name in COMMANDS)  # ... and still lists every command
+
+
+def test_a_command_imports_only_its_own_module():
+    probe = ("import sys\nfrom zerolm.commands import main\ntry:\n    main(['plot', '--help'])\nexcept SystemExit:\n"
+             "    pass\nprint(sorted(m for m in sys.modules if m.startswith('zerolm.commands.')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "['zerolm.commands.plot']"
