@@ -65,6 +65,49 @@ def planned(config: str, target: str, micro: int, remat: str, dp: int, attention
     return commands_plan.build(args).step_peak(micro)
 
 
+ADVICE_BEGIN, ADVICE_END = "<!-- plan_advice:begin -->", "<!-- plan_advice:end -->"
+
+
+def advice(cache: Path, config: str, target: str) -> tuple[str, list[str]]:
+    """The planner's largest micro-batch for `config` as shipped on `target`, compiled, and the next one
+    up compiled: (a table row, the problems found: advice the compiler refuses, or a next one up that
+    the compiler fits and the planner does not advise)."""
+    t = aot.parse_target(target)
+    devices = aot.target_devices(t)
+    # micro-batch 1 to load it: the shipped micro-batch need not divide the sequences per rank of every slice
+    cfg = load_config(f"configs/{config}.yaml", ["mesh.dp=auto", "train.micro_batch_size=1"], device_count=len(devices))
+    attention = for_device(cfg.model, devices[0]).attention
+    remat = cfg.model.remat
+    per_rank = cfg.train.global_batch_size // cfg.dp
+    candidates = [b for b in range(1, per_rank + 1) if per_rank % b == 0]
+    step = lambda b: planned(config, target, b, remat, cfg.dp, attention)  # noqa: E731
+    advised = max((b for b in candidates if step(b)["fits"]), default=None)
+    above = [b for b in candidates if advised is None or b > advised]
+    nxt = above[0] if above else None
+    problems, cells = [], []
+    for b in (advised, nxt):
+        if b is None:
+            cells.append("—")
+            continue
+        c = compiled(cache, config, target, b, remat)
+        cells.append(f"{b}: {c['peak'] / 2**30:.2f} GiB {'fits' if c['fits'] else 'DOES NOT FIT'}")
+        if b == advised and not c["fits"]:
+            problems.append(f"{config} on {target}: micro-batch {b} advised, the compiler refuses it")
+        if b == nxt and c["fits"]:
+            problems.append(f"{config} on {target}: micro-batch {b} fits the compiler, not advised")
+    row = (f"| {config} | {target} | {cfg.dp} | {per_rank} | {remat} | {attention} | "
+           f"{advised if advised is not None else 'none'} | {' | '.join(cells)} | {'ok' if not problems else 'NO'} |")
+    return row, problems
+
+
+def write_block(path: Path, begin: str, end: str, lines: list[str]) -> None:
+    text = path.read_text()
+    block = f"{begin}\n" + "\n".join(lines) + f"\n{end}"
+    text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S) \
+        if begin in text else text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", nargs="+", default=["125m", "350m", "760m", "1_3b"])
@@ -75,7 +118,27 @@ def main() -> None:
     p.add_argument("--compile-only", action="store_true", help="fill the cache, print nothing")
     p.add_argument("--from-cache", action="store_true", help="the table of every cached compile of --configs "
                                                              "and --targets (none compiled)")
+    p.add_argument("--advice", action="store_true",
+                   help="the planner's advised micro-batch per config and target (the configs as shipped), compiled, "
+                        "and the next one up compiled (default targets: v3-32 v4-32 v5e-64 v5p-64)")
     args = p.parse_args()
+    if args.advice:
+        targets = args.targets if args.targets != p.get_default("targets") else ["v3-32", "v4-32", "v5e-64", "v5p-64"]
+        lines = ["| config | target | dp | sequences per rank | remat | attention | advised micro-batch | "
+                 "compiled at the advised | compiled at the next one up | advice holds |",
+                 "|---|---|---:|---:|---|---|---:|---|---|---|"]
+        problems: list[str] = []
+        for config in args.configs:
+            for target in targets:
+                row, found = advice(args.cache, config, target)
+                lines.append(row)
+                problems += found
+                print(row, flush=True)
+        lines.append(f"\n{'Every advice holds.' if not problems else 'Advice that does not hold: ' + '; '.join(problems)}")
+        print(lines[-1].strip())
+        if args.write:
+            write_block(args.write, ADVICE_BEGIN, ADVICE_END, lines)
+        return
     if args.compile_only:
         for config in args.configs:
             for target in args.targets:
@@ -107,11 +170,7 @@ def main() -> None:
         print(lines[-1], flush=True)
     lines.append(f"\nLargest gap: {worst:.0%}.")
     if args.write:
-        text = args.write.read_text()
-        block = f"{BEGIN}\n" + "\n".join(lines) + f"\n{END}"
-        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S) \
-            if BEGIN in text else text.rstrip("\n") + "\n\n" + block + "\n"
-        args.write.write_text(text)
+        write_block(args.write, BEGIN, END, lines)
 
 
 if __name__ == "__main__":
