@@ -234,3 +234,32 @@ def test_a_step_that_does_not_fit_exits_with_its_own_code():
 def test_bad_input_is_one_line(args, message):
     proc = compile_cmd("--config", TINY, *args, expect=EXIT_USAGE)
     assert proc.stderr.startswith(message) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+# The shipped 125m (no remat, 2048 tokens) cut to 2 layers, 32 sequences per rank on 8 devices.
+SMALL_NO_REMAT = ["model.n_layer=2", "train.global_batch_size=256"]
+
+
+@pytest.mark.parametrize("target", ["v3-8", "v5e-8"])
+def test_the_planners_advice_is_the_largest_micro_batch_the_compiler_fits(target):
+    """`zerolm compile --largest-micro-batch` compiles the planner's advice, then up while it fits: the
+    planner advises 16 (two micro-steps), which fits, and the compiler refuses 32 (one micro-step, where
+    XLA keeps the activations twice; plan.activations)."""
+    sets = [a for s in SMALL_NO_REMAT for a in ("--set", s)]
+    r = json.loads(compile_cmd("--config", C125M, "--target", target, *sets, "--largest-micro-batch", "--json").stdout)
+    assert r["target"] == target and r["per_rank"] == 32
+    assert r["advised"] == r["largest"] == 16
+    assert r["compiled"]["16"]["fits"] and r["compiled"]["16"]["accum_steps"] == 2
+    assert not r["compiled"]["32"]["fits"] and set(r["compiled"]) == {"16", "32"}
+
+
+def test_the_search_walks_down_from_advice_the_compiler_refuses():
+    """Were the compiler to refuse the advice, the search tries smaller micro-batches until one fits (here
+    told by `known`, so nothing is compiled) and goes no further."""
+    from zerolm import advice
+
+    known = {16: {"peak_bytes": 20 * 2**30, "fits": False, "accum_steps": 2},
+             8: {"peak_bytes": 9 * 2**30, "fits": True, "accum_steps": 4}}
+    found = advice.search(str(C125M), SMALL_NO_REMAT, aot.parse_target("v3-8"), known=known)
+    assert (found.advised, found.largest, set(found.compiled)) == (16, 8, {8, 16})
+    assert "largest micro-batch of 125m on v3-8 (dp 8, 32 sequences per rank): 8" in advice.describe(found)[0]

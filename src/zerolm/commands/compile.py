@@ -1,6 +1,9 @@
 """`zerolm compile --config FILE --target TYPE`: the real step compiled for a TPU slice on this machine
 (no TPU needed); does it fit, and what does it send (zerolm.aot).
 
+`--largest-micro-batch`: the largest micro-batch that fits instead, compiled up from the planner's advice
+(zerolm.advice); exit 4 if not even one sequence fits.
+
 Exit codes: 0 it fits; 4 (`EXIT_DOES_NOT_FIT`) it compiles but does not fit the slice's HBM, or the
 compiler refuses a program for its size; 2 bad input (an unknown target, a mesh that does not match
 the slice, a bad config) or no libtpu on this machine.
@@ -23,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a TPU accelerator type as gcloud names it: v2-8, v3-8, v3-32, v4-64, v5litepod-16 "
                              "(or v5e-16), v5p-128, v6e-64, ...")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    parser.add_argument("--largest-micro-batch", action="store_true",
+                        help="find the largest micro-batch that fits: compile the planner's advice, then up while "
+                             "it fits (or down until one does)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -34,6 +40,14 @@ def run(args: argparse.Namespace) -> int:
                           f"{target.name} has {target.devices} (set mesh.dp=auto, or match the slice)")
     if target.devices % cfg.mesh.tp:
         raise ConfigError(f"mesh.tp: {cfg.mesh.tp} does not divide the {target.devices} devices of {target.name}")
+    if args.largest_micro_batch:
+        from zerolm import advice
+
+        found = advice.search(args.config, args.set, target, on_compile=lambda b, r: None if args.json else print(
+            f"micro-batch {b}: {r.peak_bytes_per_device / 2**30:.2f} GiB {'fits' if r.fits else 'does not fit'}",
+            flush=True))
+        print_report(found, args.json, advice.describe)
+        return 0 if found.largest is not None else EXIT_DOES_NOT_FIT
     cfg = load_planned(args.config, args.set, device_count=target.devices)
     devices = aot.target_devices(target)
     report = aot.compile_for(cfg, target, devices)

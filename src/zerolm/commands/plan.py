@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 
 from zerolm.commands import print_report
 from zerolm.config import load_config
@@ -111,6 +112,9 @@ def build(args) -> Planner:
 
 
 def run(args: argparse.Namespace) -> int:
+    # The plan needs shapes, not devices: without this, a machine with libtpu installed (the `tpu` extra)
+    # but no TPU would have jax probe for one and print libtpu's warnings.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     planner = build(args)
     print_report(planner.report(args.stage), args.json, describe)
     return 0

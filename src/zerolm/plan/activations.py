@@ -24,9 +24,21 @@ from zerolm.plan.spec import Model
 # without remat, and what one block's rebuild and backward pass hold under full remat. Read from the TPU
 # compiler's figures for zerolm's step (125m–1_3b, v3 and v5p, micro-batch 1–8; BENCHMARKS.md): the buffer
 # assignment of the 125m block shows the kept set (LayerNorms' float32 statistics, q/k/v, the MLP's 4h
-# pre-activation and the tanh-GELU's 4h-wide intermediates).
+# pre-activation and the tanh-GELU's 4h-wide intermediates). Without remat, over two or more micro-steps,
+# the compiler keeps 41–73 (more at micro-batch 1, fewer at 4–8): 60 is counted, and plan.SAFETY_MARGIN
+# covers the rows above it (a lower count would advise one micro-batch more for 350m, but under-count
+# the micro-batch-1 steps by up to 20%).
 KEPT_PER_LAYER = 60
 REBUILT_LAYER = 56
+# With one micro-step per step the accumulation loop is a scan of length one, which XLA inlines, and
+# without remat the compiler then keeps about twice the kept set: 120-123 elements per token and width
+# per layer (125m on v5e-64 and v5p-64, 350m on v5p-64, micro-batch 4-8: BENCHMARKS.md). The buffer
+# assignment of 125m on v5e-64 at micro-batch 4 holds ten stacked 4h-wide activation buffers
+# (bf16[12,4,2048,3072]) where micro-batch 2 over two micro-steps holds six, and 14 float32 stacks of
+# width h against 9. A loop XLA cannot inline (an opaque trip count) keeps the single set (19.88 → 9.88
+# GiB there), but with full remat it adds the float32 accumulator the inlined step folds away (1_3b on
+# v4-32 at micro-batch 32: 28.15 → 38.38 GiB), so zerolm's step keeps the scan (docs/performance-notes.md).
+KEPT_PER_LAYER_ONE_MICRO_STEP = 122
 
 
 def activation_bytes(m: Model, micro: int, tp: int, remat: str, flash: bool) -> int:
@@ -44,14 +56,15 @@ def activation_bytes(m: Model, micro: int, tp: int, remat: str, flash: bool) -> 
     return layers + 2 * sbh * e + loss
 
 
-def step_activation_bytes(m: Model, micro: int, tp: int, attention: str) -> int:
+def step_activation_bytes(m: Model, micro: int, tp: int, attention: str, accum_steps: int) -> int:
     """What zerolm's gradient program allocates for one micro-batch besides the model states, with the
     attention zerolm runs (`attention`), as counted in the TPU compiler's buffer assignment of zerolm's
     step (125m, v3; docs/performance-notes.md):
 
     - per layer, kept for the backward pass without remat, KEPT_PER_LAYER·s·b·h elements of the
-      compute dtype: the LayerNorms' float32 statistics and normalized inputs, q, k, v, the attention
-      output, the MLP's input, its 4h-wide pre-activation and the tanh-GELU's 4h-wide intermediates;
+      compute dtype (KEPT_PER_LAYER_ONE_MICRO_STEP with one micro-step per step, `accum_steps` 1):
+      the LayerNorms' float32 statistics and normalized inputs, q, k, v, the attention output, the
+      MLP's input, its 4h-wide pre-activation and the tanh-GELU's 4h-wide intermediates;
       XLA's attention adds its T×T probabilities and float32 scores, Pallas's its softmax statistics
       (2·a·s·b·128 float32: the kernel pads a row's max and sum to the TPU's 128 lanes), and once
       a relayouted copy of the stacked c_attn kernel (L·3h²);
@@ -72,7 +85,8 @@ def step_activation_bytes(m: Model, micro: int, tp: int, attention: str) -> int:
     # v5p-64: docs/performance-notes.md).
     pallas_once = L * h * 3 * h * e // t if attention == "pallas" else 0
     if m.remat == "none":
-        layers = L * (KEPT_PER_LAYER * sbh * e // t + scores) + pallas_once
+        kept = KEPT_PER_LAYER_ONE_MICRO_STEP if accum_steps == 1 else KEPT_PER_LAYER
+        layers = L * (kept * sbh * e // t + scores) + pallas_once
     else:
         layers = L * sbh * e + REBUILT_LAYER * sbh * e // t + scores + pallas_once
     tokens = b * s

@@ -60,7 +60,7 @@ def describe(report: PlanReport) -> list[str]:
                 else "what the TPU compiler allows, as `zerolm compile` checks)" if dev["usable"] is not None
                 else f"{GPU_MEMORY_FRACTION:.0%} of {dev['memory'] / 2**30:.1f} GiB)")
              + f", after a {r['safety_margin']:.0%} margin on the planned peak (more than the planner's largest measured "
-               "under-count against the compiler, with full remat: BENCHMARKS.md)",
+               "under-count against the compiler: BENCHMARKS.md)",
              ""]
     z = r["zerolm_step"]
     b = z["largest_micro_batch"]
@@ -69,6 +69,8 @@ def describe(report: PlanReport) -> list[str]:
               "  " + "   ".join(f"{name} {_gib(v).strip()}" for name, v in z["programs"].items())
               + f"   peak {_gib(z['total_bytes']).strip()} ({z['program']}){'' if z['fits'] else ' DOES NOT FIT'}; "
               + (f"largest micro-batch that fits: {b}" if b else "no micro-batch fits"),
+              *(["  (never more than the compiler fits, sometimes less: `zerolm compile --target SLICE "
+                 "--largest-micro-batch` compiles up from it)"] if dev["usable"] is not None else []),
               "",
               "ZeRO stages (the paper's accounting; activations: the minimal set the backward pass needs, after "
               "Korthikanti et al.)",

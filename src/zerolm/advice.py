@@ -1,0 +1,112 @@
+"""The largest micro-batch that fits a TPU slice, by the compiler: the planner's advice, checked.
+
+`zerolm plan` advises a micro-batch from its model of the step's peak with a safety margin
+(plan.SAFETY_MARGIN), so its advice is never more than the compiler fits but may be less. `search`
+starts from that advice and compiles the step (aot.compile_for) up the micro-batches that divide a
+rank's sequences while they fit, or down from the advice until one fits: usually two compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from zerolm import aot
+from zerolm.data.dataset import load_planned
+from zerolm.plan import SAFETY_MARGIN
+
+# The planner's device preset for each TPU generation libtpu compiles for (zerolm.hardware).
+PRESETS = {"v3": "v3-core", "v4": "v4", "v5e": "v5e", "v5p": "v5p"}
+
+
+@dataclasses.dataclass
+class MicroBatchSearch:
+    config: str
+    target: str
+    dp: int
+    per_rank: int  # sequences per dp rank per step: the micro-batch divides it
+    preset: str | None  # the planner's device preset for the target (None: it has none)
+    advised: int | None  # the planner's largest micro-batch (None: none fits it, or no preset)
+    largest: int | None  # the compiler's: the largest that fits (None: not even the smallest)
+    compiled: dict[int, dict[str, Any]]  # micro-batch -> {"peak_bytes", "fits", "accum_steps"}
+    usable_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def planned(config: str, sets: list[str], target: aot.Target, dp: int, tp: int) -> int | None:
+    """The planner's largest micro-batch for `config` on `target`'s device preset, with the attention the
+    slice resolves (as `zerolm plan --device PRESET --dp DP` gives it); None without a preset."""
+    from zerolm.commands import plan as commands_plan
+
+    preset = PRESETS.get(target.generation)
+    if preset is None:
+        return None
+    parser = argparse.ArgumentParser()
+    commands_plan.add_arguments(parser)
+    args = ["--config", config, "--device", preset, "--dp", str(dp), "--tp", str(tp)]
+    planner = commands_plan.build(parser.parse_args(args + [a for s in sets for a in ("--set", s)]))
+    fitting = [b for b in planner.micro_batches() if planner.step_peak(b)["fits"]]
+    return max(fitting) if fitting else None
+
+
+def search(config: str, sets: list[str], target: aot.Target,
+           on_compile: Callable[[int, aot.CompileReport], None] = lambda b, r: None,
+           known: dict[int, dict[str, Any]] | None = None) -> MicroBatchSearch:
+    """The largest micro-batch of `config` (with `sets`) whose step the compiler fits on `target`.
+    `on_compile(micro, report)` is called after each compile; `known` gives results already compiled
+    (micro-batch -> {"peak_bytes", "fits", "accum_steps"}: benchmarks/plan_vs_compile.py's cache)."""
+    devices = aot.target_devices(target)
+    base = load_planned(config, [*sets, "train.micro_batch_size=1"], device_count=len(devices))
+    dp, tp = base.dp, base.mesh.tp
+    per_rank = base.train.global_batch_size // dp
+    candidates = [b for b in range(1, per_rank + 1) if per_rank % b == 0]
+    advised = planned(config, [*sets, f"mesh.dp={dp}", "train.micro_batch_size=1"], target, dp, tp)
+    compiled: dict[int, dict[str, Any]] = {}
+
+    def fits(b: int) -> bool:
+        if known and b in known:
+            compiled[b] = known[b]
+            return known[b]["fits"]
+        cfg = load_planned(config, [*sets, f"train.micro_batch_size={b}"], device_count=len(devices))
+        report = aot.compile_for(cfg, target, devices)
+        compiled[b] = {"peak_bytes": report.peak_bytes_per_device, "fits": report.fits,
+                       "accum_steps": report.accum_steps}
+        on_compile(b, report)
+        return report.fits
+
+    start = candidates.index(advised) if advised is not None else 0
+    largest = None
+    if fits(candidates[start]):
+        largest = candidates[start]
+        for b in candidates[start + 1:]:
+            if not fits(b):
+                break
+            largest = b
+    else:
+        for b in reversed(candidates[:start]):
+            if fits(b):
+                largest = b
+                break
+    return MicroBatchSearch(base.name, target.name, dp, per_rank, PRESETS.get(target.generation), advised, largest,
+                            compiled,
+                            aot.usable_bytes(devices[0]))
+
+
+def describe(s: MicroBatchSearch) -> list[str]:
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    compiled = "; ".join(f"{b}: {gib(c['peak_bytes'])} {'fits' if c['fits'] else 'does not fit'}"
+                         for b, c in sorted(s.compiled.items()))
+    advised = (f"{s.advised}" if s.advised is not None else "none") + f" (zerolm plan --device {s.preset} " \
+        f"--dp {s.dp}: its step peak with a {SAFETY_MARGIN:.0%} margin)" if s.preset else "nothing (no device preset)"
+    lines = [f"largest micro-batch of {s.config} on {s.target} (dp {s.dp}, {s.per_rank} sequences per rank): "
+             f"{s.largest if s.largest is not None else 'none fits'}",
+             f"  compiled: {compiled} (usable {gib(s.usable_bytes)} per device)",
+             f"  the planner advises {advised}"]
+    if s.largest is not None:
+        lines.append(f"  set train.micro_batch_size={s.largest}")
+    return lines
+
