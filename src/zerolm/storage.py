@@ -271,6 +271,14 @@ def size(url: str) -> int:
     return int(fs.info(name)["size"])
 
 
+def glob(pattern: str) -> list[str]:
+    """The files (not directories) a remote URL pattern matches, as URLs, sorted."""
+    fs, name = _fs(pattern)
+    scheme = str(pattern).split("://", 1)[0]
+    with faults(pattern, "listing"):
+        return sorted(f"{scheme}://{p}" for p, info in fs.glob(name, detail=True).items() if info["type"] == "file")
+
+
 def _fs(location) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem of a URL, and the path it takes (no scheme, no trailing slash)."""
     fs, name = fsspec.core.url_to_fs(str(location))

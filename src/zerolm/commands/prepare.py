@@ -3,20 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from zerolm.data.prepare import prepare
+from zerolm.data.prepare import BPE_SAMPLE_MB, prepare
 from zerolm.exitcodes import EXIT_INTERRUPTED
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--source", required=True, help="text:GLOB, jsonl:GLOB, tfds:NAME[:SPLIT] or default")
+    p.add_argument("--source", required=True,
+                   help="text:GLOB, jsonl:GLOB, parquet:GLOB (local or gs://; .gz and .zst text and jsonl are "
+                        "decompressed), tfds:NAME[:SPLIT] or default")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--tokenizer", default="default",
                    help="default (BPE trained on the source), a tokenizer.json, or a tiktoken BPE file (default: %(default)s)")
     p.add_argument("--vocab-size", type=int, default=2048, help="size of the default BPE (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sample, plus one (default: %(default)s)")
-    p.add_argument("--text-field", default="text", help="JSON/TFDS field holding the text (default: %(default)s)")
+    p.add_argument("--text-field", default="text",
+                   help="JSON field, parquet column or TFDS feature holding the text (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                   help="processes that parse and tokenize; the output is the same whatever their number "
+                        "(default: this machine's cores, %(default)s)")
+    p.add_argument("--bpe-sample-mb", type=int, default=BPE_SAMPLE_MB,
+                   help="the default BPE trains on at most this many MiB of text, spread over the files "
+                        "(default: %(default)s)")
     p.add_argument("--tfds-data-dir", default=None, help="local TFDS data_dir (read offline)")
     p.add_argument("--val-every", type=int, default=50, help="every Nth document is validation (default: %(default)s)")
     p.add_argument("--samples-per-shard", type=int, default=4096, help="samples per tar shard (default: %(default)s)")
@@ -29,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
         manifest = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                            seq_len=args.seq_len, text_field=args.text_field, tfds_data_dir=args.tfds_data_dir,
                            val_every=args.val_every, samples_per_shard=args.samples_per_shard,
-                           overwrite=args.overwrite, skip_bad=args.skip_bad)
+                           overwrite=args.overwrite, skip_bad=args.skip_bad, workers=args.workers,
+                           bpe_sample_mb=args.bpe_sample_mb)
     except KeyboardInterrupt:
         print(f"prepare: interrupted; {args.out} is unchanged and the partial output was removed", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -36,21 +36,23 @@ import signal
 import socket
 import tarfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 from etils import epath
 from tqdm import tqdm
 
 from zerolm import storage
+from zerolm.data import sources
 from zerolm.data.manifest import MANIFEST, SPLITS, DataError, Manifest, ShardInfo, SplitInfo, TokenizerInfo
-from zerolm.data.sources import Skipped, iter_documents
-from zerolm.data.tokenizer import MIN_BPE_VOCAB, Tokenizer, load_tokenizer
+from zerolm.data.sources import Skipped
+from zerolm.data.tokenizer import MIN_BPE_VOCAB, Tokenizer, from_bytes, load_tokenizer
 from zerolm.errors import ZerolmError
 
-T = TypeVar("T")
+# The default BPE trains on at most this many MiB of the source's text (`bpe_sample`).
+BPE_SAMPLE_MB = 100
 
 
 def webdataset():
@@ -162,27 +164,22 @@ def _member(tar: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
     return file.read()
 
 
-def _batched(it: Iterable[T], n: int) -> Iterator[list[T]]:
-    batch = []
-    for x in it:
-        batch.append(x)
-        if len(batch) == n:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
 def prepare(source: str, out: str | os.PathLike, *, tokenizer: str = "default", vocab_size: int = 2048,
             seq_len: int = 2048, text_field: str = "text", tfds_data_dir: str | None = None,
             val_every: int = 50, samples_per_shard: int = 4096, overwrite: bool = False,
-            skip_bad: bool = False, progress: bool = True, catch_sigterm: bool = True) -> Manifest:
+            skip_bad: bool = False, progress: bool = True, catch_sigterm: bool = True, workers: int = 1,
+            bpe_sample_mb: int = BPE_SAMPLE_MB) -> Manifest:
     """Prepare `source` into `out`; returns the manifest.
 
+    `workers`: processes that parse and tokenize the source's chunks (1: this process, with the
+    tokenizer's own threads); the output is the same byte for byte whatever their number.
+    `bpe_sample_mb`: the default BPE's training sample, at most (`bpe_sample`).
     `catch_sigterm=False` leaves SIGTERM to whoever owns it: in a multi-process training run JAX's
     preemption notifier holds it from C++, where Python could neither see nor put it back."""
     _check_numbers(seq_len=seq_len, val_every=val_every, samples_per_shard=samples_per_shard,
-                   vocab_size=vocab_size if tokenizer == "default" else None)
+                   vocab_size=vocab_size if tokenizer == "default" else None, workers=workers,
+                   bpe_sample_mb=bpe_sample_mb if tokenizer == "default" else None)
+    sources.parse(source)  # an unknown kind, before anything else
     if storage.is_remote(out):
         storage.check(out, "--out")
     out = storage.path(out) if storage.is_remote(out) else Path(out)
@@ -191,35 +188,141 @@ def prepare(source: str, out: str | os.PathLike, *, tokenizer: str = "default", 
 
     stop = _StopSignals((signal.SIGINT, signal.SIGTERM) if catch_sigterm else (signal.SIGINT,))
 
-    def documents(skipped: Skipped | None) -> Iterator[tuple[int, str]]:
-        for item in enumerate(iter_documents(source, text_field=text_field, tfds_data_dir=tfds_data_dir,
-                                             skipped=skipped)):
-            stop.check()
-            yield item
-
     with stop:
         if tokenizer == "default":
-            # A first pass to train the BPE; its skipped records are counted by the second pass, not twice.
-            first_pass = Skipped() if skip_bad else None
-            texts = [d for i, d in documents(first_pass) if i % val_every != val_every - 1]
+            # The sample's skipped records are counted by the pass that tokenizes, not twice.
+            texts = bpe_sample(source, bpe_sample_mb * 2**20, val_every, text_field=text_field,
+                               tfds_data_dir=tfds_data_dir, skipped=Skipped() if skip_bad else None, stop=stop)
             if not texts:
                 raise PrepareError(f"{source}: empty source: no document with text in {_files_of(source)}")
             tok = load_tokenizer("default", vocab_size, texts)
+            del texts
         else:
             tok = load_tokenizer(tokenizer)
         stop.check()
-        return _prepare_into(out, source, documents(skipped), tok, seq_len, val_every, samples_per_shard, skipped,
+        chunks = _checked(sources.chunks(source, text_field=text_field, tfds_data_dir=tfds_data_dir), stop)
+        tokenized = tokenize(chunks, tok, workers, text_field, skipped)
+        return _prepare_into(out, source, tokenized, tok, seq_len, val_every, samples_per_shard, skipped,
                              progress, stop)
 
 
-def _prepare_into(out: Path | epath.Path, source: str, documents, tok: Tokenizer, seq_len: int, val_every: int,
+def bpe_sample(source: str, budget_bytes: int, val_every: int, *, text_field: str = "text",
+               tfds_data_dir: str | None = None, skipped: Skipped | None = None,
+               stop: _StopSignals | None = None) -> list[str]:
+    """The default BPE's training text, bounded and deterministic: from each of the source's files, in
+    order, its first documents that the validation rule leaves to training (by their index within the
+    file), until they hold an equal share of `budget_bytes` characters (at least one document each);
+    from a source without files (tfds, default), its first such documents up to the budget. The same
+    sample for any --workers, so the same tokenizer."""
+    groups: list[list[str] | None] = [[path] for path in sources.files(source)] or [None]
+    share = max(1, budget_bytes // len(groups))
+    texts: list[str] = []
+    for only in groups:
+        taken = 0
+        docs = sources.iter_documents(source, text_field=text_field, tfds_data_dir=tfds_data_dir, skipped=skipped,
+                                      only=only)
+        for index, doc in enumerate(docs):
+            if stop is not None:
+                stop.check()
+            if index % val_every != val_every - 1:
+                texts.append(doc)
+                taken += len(doc)
+                if taken >= share:
+                    break
+        docs.close()
+    return texts
+
+
+def _checked(chunks: Iterator[sources.Chunk], stop: _StopSignals) -> Iterator[sources.Chunk]:
+    for chunk in chunks:
+        stop.check()
+        yield chunk
+
+
+@dataclasses.dataclass
+class Encoded:
+    """One chunk's documents, tokenized: their tokens end to end, each followed by end-of-text, the
+    length of each (end-of-text included), and the chunk's bad records in order."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    bad: list[sources.SourceError]
+
+
+def tokenize(chunks: Iterator[sources.Chunk], tok: Tokenizer, workers: int, text_field: str,
+             skipped: Skipped | None) -> Iterator[Encoded]:
+    """Every chunk's documents, tokenized, in the source's order: in this process (workers = 1, the
+    tokenizer's own threads), or in `workers` processes with at most two chunks each in flight, taken
+    back in order. A chunk's first bad record raises, unless `skipped` counts them."""
+    for encoded in _encode_all(chunks, tok, workers, text_field):
+        if encoded.bad and skipped is None:
+            raise encoded.bad[0]
+        for error in encoded.bad:
+            assert skipped is not None
+            skipped.add(str(error))
+        yield encoded
+
+
+def _encode_all(chunks: Iterator[sources.Chunk], tok: Tokenizer, workers: int, text_field: str) -> Iterator[Encoded]:
+    if workers == 1:
+        for chunk in chunks:
+            yield _encode(chunk, tok, text_field)
+        return
+    import collections
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn: a forked child would inherit the tokenizer's threads (and JAX's, inside `zerolm train`).
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
+                               initargs=(tok.filename, tok.file_bytes, text_field))
+    pending: collections.deque = collections.deque()
+    try:
+        for chunk in chunks:
+            pending.append(pool.submit(_worker_encode, chunk))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _encode(chunk: sources.Chunk, tok: Tokenizer, text_field: str) -> Encoded:
+    docs = sources.documents(chunk, text_field)
+    ids = tok.encode_batch([d for d in docs if isinstance(d, str)])
+    lengths = np.array([len(x) + 1 for x in ids], np.int64)
+    tokens = np.full(int(lengths.sum()), tok.eot_id, np.int32)
+    at = 0
+    for x in ids:
+        tokens[at:at + len(x)] = x
+        at += len(x) + 1
+    return Encoded(tokens, lengths, [d for d in docs if isinstance(d, sources.SourceError)])
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_init(name: str, data: bytes, text_field: str) -> None:
+    """A worker process: one thread of the tokenizer's (the processes are the parallelism), and Ctrl-C
+    left to the parent, which stops the pool."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _WORKER.update(tok=from_bytes(name, data), text_field=text_field)
+
+
+def _worker_encode(chunk: sources.Chunk) -> Encoded:
+    return _encode(chunk, _WORKER["tok"], _WORKER["text_field"])
+
+
+def _prepare_into(out: Path | epath.Path, source: str, tokenized: Iterator[Encoded], tok: Tokenizer, seq_len: int,
+                  val_every: int,
                   samples_per_shard: int, skipped: Skipped | None, progress: bool, stop: _StopSignals) -> Manifest:
     dtype = token_dtype(tok.vocab_size)
     build = (_BucketBuild if storage.is_remote(out) else _LocalBuild)(out)
     if build.removed and progress:
         print(f"prepare: removed {', '.join(build.removed)}, left by a prepare that was killed", flush=True)
     try:
-        manifest = _write_splits(build.directory, documents, tok, seq_len, dtype, val_every, samples_per_shard,
+        manifest = _write_splits(build.directory, tokenized, tok, seq_len, dtype, val_every, samples_per_shard,
                                  progress)
         stop.check()
         if manifest.splits["train"].samples == 0:
@@ -300,14 +403,14 @@ def _published(out, name: str) -> bool:
 
 
 def _files_of(source: str) -> str:
-    """The files a text:/jsonl: source names, for messages (the spec itself for other sources)."""
-    import glob
-
-    kind, _, pattern = source.partition(":")
-    if kind not in ("text", "jsonl"):
+    """The files a file source names, for messages (the spec itself for other sources)."""
+    try:
+        files = sources.files(source)
+    except sources.SourceError:
+        files = []
+    if not files:
         return source
-    files = sorted(glob.glob(pattern, recursive=True))
-    return ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "") if files else pattern
+    return ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
 
 
 def _check_out(out: Path | epath.Path, overwrite: bool) -> None:
@@ -400,20 +503,21 @@ class _StopSignals:
             signal.signal(sig, handler)
 
 
-def _write_splits(directory: Path | epath.Path, documents, tok: Tokenizer, seq_len: int, dtype, val_every: int,
-                  per_shard: int, progress: bool) -> Manifest:
+def _write_splits(directory: Path | epath.Path, tokenized: Iterator[Encoded], tok: Tokenizer, seq_len: int, dtype,
+                  val_every: int, per_shard: int, progress: bool) -> Manifest:
     writers = {s: _ShardWriter(directory, s, seq_len, dtype, per_shard, tok.vocab_size) for s in SPLITS}
     bar = tqdm(desc="prepare", unit="tok", unit_scale=True, disable=not progress, mininterval=0.5)
     n_docs = 0
     start = time.perf_counter()
     with bar:
-        for batch in _batched(documents, 256):
-            encoded = tok.encode_batch([text for _, text in batch])
-            for (index, _), ids in zip(batch, encoded, strict=True):
-                split = "val" if index % val_every == val_every - 1 else "train"
-                writers[split].add(np.append(ids, tok.eot_id))
-                bar.update(len(ids) + 1)
-            n_docs += len(batch)
+        for encoded in tokenized:
+            # Document i (in the source's order) is validation when i % val_every == val_every - 1.
+            n = len(encoded.lengths)
+            val = np.repeat((n_docs + np.arange(n)) % val_every == val_every - 1, encoded.lengths)
+            writers["train"].add(encoded.tokens[~val])
+            writers["val"].add(encoded.tokens[val])
+            bar.update(len(encoded.tokens))
+            n_docs += n
     splits = {s: w.close() for s, w in writers.items()}
     val_rule = f"every {val_every}th document"
     train_samples = splits["train"].samples

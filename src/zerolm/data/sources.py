@@ -1,19 +1,41 @@
-"""Raw-text sources for `zerolm prepare`: `text:GLOB`, `jsonl:GLOB`, `tfds:NAME` and `default`.
+"""Raw-text sources for `zerolm prepare`: `text:GLOB`, `jsonl:GLOB`, `parquet:GLOB`, `tfds:NAME` and
+`default`.
 
-Each yields documents in a fixed order. A bad record stops with one line naming the file and line,
-unless the caller asked to skip bad records, in which case they are counted in `Skipped`.
+A GLOB matches local files or gs:// objects (`gs://bucket/web/*.jsonl.zst`), taken in sorted order. A
+`text:` file is one document, read whole; a `jsonl:` line is one record; a `parquet:` row is one
+record, read in row batches of the one column named by `text_field`. `text:` and `jsonl:` files ending
+in `.gz` or `.zst` (`.zstd`) are decompressed as they are read.
+
+The source is read as a sequence of `Chunk`s: raw records of one file, about `CHUNK_BYTES` each, in
+order. `documents(chunk)` turns one chunk into documents (decoding, parsing JSON, checking the text
+field): a pure function, so `zerolm prepare --workers N` runs it in N processes and still gets every
+document in the same order. A bad record (not UTF-8, not JSON, no text field, a null in a parquet
+column) stops with one line naming the file and line (or row), unless the caller asked to skip bad
+records, in which case they are counted in `Skipped`. A file that cannot be read at all (a corrupt
+compressed stream, a parquet file without the column or not parquet at all) always stops, naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
+import gzip
+import io
 import json
-from collections.abc import Iterator
+import zlib
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
+from zerolm import storage
 from zerolm.data.corpus import default_documents
 from zerolm.errors import ZerolmError
+
+CHUNK_BYTES = 1 << 20  # raw bytes of records per chunk: a worker's unit of work
+COMPRESSED = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+FILE_KINDS = ("text", "jsonl", "parquet")
+D = TypeVar("D")
+USAGE = "use text:GLOB, jsonl:GLOB, parquet:GLOB, tfds:NAME[:SPLIT] or default"
 
 
 class SourceError(ZerolmError):
@@ -30,66 +52,243 @@ class Skipped:
         self.first = self.first or reason
 
 
-def _files(pattern: str, spec: str) -> list[Path]:
-    files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
-    if not files:
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Raw records of one file (or of a source without files), in order."""
+
+    kind: str  # text | jsonl | parquet | docs (records that are documents already: tfds, default)
+    where: str  # the file (or the source spec)
+    first: int  # the first record's line (jsonl, from 1) or row (parquet, from 0)
+    records: list[Any]  # text: [bytes]; jsonl: lines as bytes; parquet: values; docs: str
+
+
+def parse(spec: str) -> tuple[str, str]:
+    """(kind, argument) of a source spec; SourceError for one this zerolm does not read."""
+    if spec == "default":
+        return "default", ""
+    kind, _, arg = spec.partition(":")
+    if kind in (*FILE_KINDS, "tfds") and arg:
+        return kind, arg
+    raise SourceError(f"{spec}: unknown source; {USAGE}")
+
+
+def files(spec: str) -> list[str]:
+    """The files a text:/jsonl:/parquet: source names, sorted (local paths or gs:// URLs); [] for others."""
+    kind, pattern = parse(spec)
+    if kind not in FILE_KINDS:
+        return []
+    if storage.is_remote(pattern):
+        storage.check(f"gs://{storage.split_gs(pattern)[0]}", "--source", read_only=True)
+        found = storage.glob(pattern)
+    else:
+        found = sorted(p for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+    if not found:
         raise SourceError(f"{spec}: no files match {pattern!r}")
-    return files
+    return found
+
+
+def chunks(spec: str, *, text_field: str = "text", tfds_data_dir: str | None = None,
+           only: list[str] | None = None) -> Iterator[Chunk]:
+    """The source's records, chunk by chunk, in order; `only`: these of its files (in this order)."""
+    kind, arg = parse(spec)
+    if kind == "default":
+        yield from _doc_chunks(spec, iter(default_documents()))
+    elif kind == "tfds":
+        yield from _doc_chunks(spec, _tfds(arg, text_field, tfds_data_dir))
+    else:
+        for path in files(spec) if only is None else only:
+            yield from _file_chunks(kind, path, text_field)
+
+
+def documents(chunk: Chunk, text_field: str = "text") -> list[str | SourceError]:
+    """The chunk's documents in order; a bad record is its SourceError in its place (empty texts are
+    dropped: they hold no token)."""
+    out: list[str | SourceError] = []
+    if chunk.kind == "docs":
+        return [d for d in chunk.records if d.strip()]
+    if chunk.kind == "text":
+        try:
+            text = chunk.records[0].decode("utf-8")
+        except UnicodeDecodeError as e:
+            return [SourceError(f"{chunk.where}: cannot read as UTF-8 text ({e})")]
+        return [text] if text.strip() else []
+    if chunk.kind == "parquet":
+        for row, text in enumerate(chunk.records, chunk.first):
+            if not isinstance(text, str):
+                out.append(SourceError(f"{chunk.where}: row {row}: column {text_field!r} is "
+                                       f"{'null' if text is None else type(text).__name__}, not a string"))
+            elif text.strip():
+                out.append(text)
+        return out
+    for lineno, line in enumerate(chunk.records, chunk.first):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except UnicodeDecodeError as e:
+            out.append(SourceError(f"{chunk.where}:{lineno}: not UTF-8 ({e.reason} at byte {e.start})"))
+            continue
+        except json.JSONDecodeError as e:
+            out.append(SourceError(f"{chunk.where}:{lineno}: not valid JSON ({e.msg})"))
+            continue
+        if not isinstance(record, dict) or text_field not in record:
+            out.append(SourceError(f"{chunk.where}:{lineno}: no text field {text_field!r}"))
+            continue
+        text = record[text_field]
+        if not isinstance(text, str):
+            out.append(SourceError(f"{chunk.where}:{lineno}: field {text_field!r} is not a string (got "
+                                   f"{type(text).__name__} {json.dumps(text)[:40]})"))
+        elif text.strip():
+            out.append(text)
+    return out
 
 
 def iter_documents(spec: str, *, text_field: str = "text", tfds_data_dir: str | None = None,
-                   skipped: Skipped | None = None) -> Iterator[str]:
-    kind, _, arg = spec.partition(":")
-    if spec == "default":
-        yield from default_documents()
-    elif kind == "text" and arg:
-        for path in _files(arg, spec):
-            try:
-                text = path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                _bad(f"{path}: cannot read as UTF-8 text ({e})", skipped)
-                continue
-            if text.strip():
-                yield text
-    elif kind == "jsonl" and arg:
-        for path in _files(arg, spec):
-            yield from _jsonl(path, text_field, skipped)
-    elif kind == "tfds" and arg:
-        yield from _tfds(arg, text_field, tfds_data_dir)
-    else:
-        raise SourceError(f"{spec}: unknown source; use text:GLOB, jsonl:GLOB, tfds:NAME or default")
+                   skipped: Skipped | None = None, only: list[str] | None = None) -> Generator[str, None, None]:
+    """Every document of the source in order, in this process (bad records raise, or are counted in
+    `skipped`)."""
+    for chunk in chunks(spec, text_field=text_field, tfds_data_dir=tfds_data_dir, only=only):
+        yield from accept(documents(chunk, text_field), skipped)
 
 
-def _bad(reason: str, skipped: Skipped | None) -> None:
-    if skipped is None:
-        raise SourceError(reason)
-    skipped.add(reason)
+def accept(docs: Sequence[D | SourceError], skipped: Skipped | None) -> Iterator[D]:
+    """The documents (or their tokens) of `docs`; its first bad record raises, unless `skipped` counts them."""
+    for d in docs:
+        if isinstance(d, SourceError):
+            if skipped is None:
+                raise d
+            skipped.add(str(d))
+        else:
+            yield d
 
 
-def _jsonl(path: Path, field: str, skipped: Skipped | None) -> Iterator[str]:
+def _doc_chunks(spec: str, docs: Iterator[str]) -> Iterator[Chunk]:
+    batch: list[str] = []
+    size = 0
+    for d in docs:
+        batch.append(d)
+        size += len(d)
+        if size >= CHUNK_BYTES:
+            yield Chunk("docs", spec, 0, batch)
+            batch, size = [], 0
+    if batch:
+        yield Chunk("docs", spec, 0, batch)
+
+
+def _open(path: str):
+    """The file's bytes as a stream, decompressed by its suffix."""
     try:
-        f = path.open(encoding="utf-8")
+        raw = storage.path(path).open("rb") if storage.is_remote(path) else open(path, "rb")  # noqa: SIM115
     except OSError as e:
-        raise SourceError(f"{path}: cannot open ({e.strerror})") from None
-    with f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                _bad(f"{path}:{lineno}: not valid JSON ({e.msg})", skipped)
-                continue
-            if not isinstance(record, dict) or field not in record:
-                _bad(f"{path}:{lineno}: no text field {field!r}", skipped)
-                continue
-            text = record[field]
-            if not isinstance(text, str):
-                _bad(f"{path}:{lineno}: field {field!r} is not a string (got {type(text).__name__} "
-                     f"{json.dumps(text)[:40]})", skipped)
-                continue
-            if text.strip():
-                yield text
+        raise SourceError(f"{path}: cannot open ({e.strerror or e})") from None
+    codec = COMPRESSED.get(Path(path).suffix)
+    if codec == "gzip":
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if codec == "zstd":
+        return io.BufferedReader(_ZstdReader(raw), buffer_size=CHUNK_BYTES)
+    return raw
+
+
+class _ZstdReader(io.RawIOBase):
+    """A .zst file's bytes, frame after frame; a stream that ends inside a frame is an error (zstandard's
+    own stream reader returns what it has and stops, so a truncated file would pass as a shorter one)."""
+
+    def __init__(self, raw):
+        import zstandard
+
+        self._raw, self._new = raw, zstandard.ZstdDecompressor().decompressobj
+        self._frame, self._in_frame = self._new(), False
+        self._out, self._at = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while self._at == len(self._out):
+            data = self._raw.read(CHUNK_BYTES)
+            if not data:
+                if self._in_frame:
+                    import zstandard
+
+                    raise zstandard.ZstdError("the data ends inside a frame (truncated)")
+                return 0
+            self._out, self._at = self._decompress(data), 0
+        n = min(len(b), len(self._out) - self._at)
+        b[:n] = self._out[self._at:self._at + n]
+        self._at += n
+        return n
+
+    def _decompress(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            out.append(self._frame.decompress(data))
+            self._in_frame = not self._frame.eof
+            data = self._frame.unused_data if self._frame.eof else b""
+            if self._frame.eof:
+                self._frame = self._new()
+        return b"".join(out)
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+def _corrupt(path: str, e: Exception, lineno: int) -> SourceError:
+    codec = COMPRESSED.get(Path(path).suffix, "file")
+    at = f" after line {lineno}" if lineno else ""
+    return SourceError(f"{path}: corrupt {codec} data{at} ({type(e).__name__}: {str(e) or 'truncated'}); "
+                       "nothing of it was kept")
+
+
+def _file_chunks(kind: str, path: str, text_field: str) -> Iterator[Chunk]:
+    if kind == "parquet":
+        yield from _parquet_chunks(path, text_field)
+        return
+    import zstandard
+
+    errors = (OSError, EOFError, zlib.error, zstandard.ZstdError)
+    lineno = 0
+    with _open(path) as f:
+        try:
+            if kind == "text":
+                yield Chunk("text", path, 0, [f.read()])
+                return
+            batch: list[bytes] = []
+            size, first = 0, 1
+            for lineno, line in enumerate(f, 1):  # noqa: B007  (lineno names where a corrupt stream broke)
+                batch.append(line)
+                size += len(line)
+                if size >= CHUNK_BYTES:
+                    yield Chunk("jsonl", path, first, batch)
+                    batch, size, first = [], 0, lineno + 1
+            if batch:
+                yield Chunk("jsonl", path, first, batch)
+        except errors as e:
+            raise _corrupt(path, e, lineno) from None
+
+
+def _parquet_chunks(path: str, text_field: str) -> Iterator[Chunk]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with _open(path) as f:
+        try:
+            pf = pq.ParquetFile(f)
+        except (pa.ArrowException, OSError) as e:
+            raise SourceError(f"{path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
+        names = pf.schema_arrow.names
+        if text_field not in names:
+            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            raise SourceError(f"{path}: no column {text_field!r} (it has {shown}); name the text column with "
+                              "--text-field")
+        row = 0
+        try:
+            for batch in pf.iter_batches(batch_size=1024, columns=[text_field]):
+                values = batch.column(0).to_pylist()
+                yield Chunk("parquet", path, row, values)
+                row += len(values)
+        except (pa.ArrowException, OSError) as e:
+            raise SourceError(f"{path}: corrupt parquet data after row {row} ({str(e).splitlines()[0]})") from None
 
 
 def _tfds(arg: str, field: str, data_dir: str | None) -> Iterator[str]:
@@ -109,5 +308,4 @@ def _tfds(arg: str, field: str, data_dir: str | None) -> Iterator[str]:
             text = text.decode("utf-8")
         if not isinstance(text, str):
             raise SourceError(f"tfds:{arg}: record {i} has no text feature {field!r} (has {sorted(record)})")
-        if text.strip():
-            yield text
+        yield text

@@ -5,6 +5,7 @@ the sha256 of its file) that prepared datasets and checkpoints record.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 from collections.abc import Sequence
@@ -12,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import tiktoken
-import tiktoken.load
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -67,10 +67,13 @@ class Tokenizer:
         return path
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """Encoded in parallel on all cores (Rust threads in both backends)."""
+        """Encoded in parallel on all cores (threads in both backends; one where TOKENIZERS_PARALLELISM is
+        false, as in `zerolm prepare`'s worker processes)."""
         if self.kind == "hf":
             return [np.asarray(e.ids, dtype=np.int32) for e in self._backend.encode_batch(list(texts))]
-        return [np.asarray(ids, dtype=np.int32) for ids in self._backend.encode_ordinary_batch(list(texts))]
+        threads = 1 if os.environ.get("TOKENIZERS_PARALLELISM", "").lower() == "false" else 8
+        return [np.asarray(ids, dtype=np.int32)
+                for ids in self._backend.encode_ordinary_batch(list(texts), num_threads=threads)]
 
     def encode(self, text: str) -> np.ndarray:
         return self.encode_batch([text])[0]
@@ -95,17 +98,24 @@ def from_file(path: Path) -> Tokenizer:
         data = path.read_bytes()
     except OSError as e:
         raise TokenizerError(f"{path}: cannot read tokenizer ({e.strerror})") from None
+    return from_bytes(path.name, data, where=str(path))
+
+
+def from_bytes(name: str, data: bytes, where: str | None = None) -> Tokenizer:
+    """A tokenizer from its file's bytes: `name` ending in .json is Hugging Face's, any other a tiktoken
+    BPE file (base64 token, rank per line)."""
     try:
-        if path.suffix == ".json":
-            return Tokenizer("hf", tokenizers.Tokenizer.from_str(data.decode()), path.name, data)
-        ranks = tiktoken.load.load_tiktoken_bpe(str(path))
-        enc = tiktoken.Encoding(path.stem, pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+        if name.endswith(".json"):
+            return Tokenizer("hf", tokenizers.Tokenizer.from_str(data.decode()), name, data)
+        ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in data.splitlines()
+                                                                        if line)}
+        enc = tiktoken.Encoding(Path(name).stem, pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                                 special_tokens={EOT: len(ranks)})
-        return Tokenizer("tiktoken", enc, path.name, data)
+        return Tokenizer("tiktoken", enc, name, data)
     except TokenizerError:
         raise
     except Exception as e:  # tokenizers raises a bare Exception on a bad file, tiktoken a ValueError
-        raise TokenizerError(f"{path}: not a valid tokenizer file ({e})") from None
+        raise TokenizerError(f"{where or name}: not a valid tokenizer file ({e})") from None
 
 
 def load_tokenizer(spec: str, vocab_size: int = 2048, documents: Sequence[str] = ()) -> Tokenizer:

@@ -1,0 +1,155 @@
+"""`zerolm prepare` at corpus size: peak memory against the corpus' size, and speed against the tokenizer.
+
+    python benchmarks/prepare_scale.py --sizes-gb 1 4 [--dir /tmp/prepare_scale] [--workers N] [--write BENCHMARKS.md]
+
+1. Generates a corpus of each size (once, kept in --dir): jsonl.zst files of 128 MiB (uncompressed)
+   each, documents of Zipf-distributed words (a 30,000-word vocabulary, 50 to 2,000 words each),
+   seeded, so every run sees the same text.
+2. Memory: `zerolm prepare` of each corpus as a user runs it (the default BPE, trained on its bounded
+   sample; --workers all cores), in a subprocess whose process tree's resident memory (the parent
+   and its workers, summed) is sampled every 0.1 s: the peak, per corpus.
+3. Speed, on the smallest corpus with the tokenizer that step 2 trained on it (so no BPE training is
+   timed): prepare's tokens per second, end to end (read, decompress, parse, tokenize, pack, write),
+   against the tokenizer's own batch encoding (`Tokenizer.encode_batch`, the Rust library's threads on
+   every core) of the same documents, already in memory, in batches of 1,024: the limit. Both in this
+   one run, on the same cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import zstandard
+
+REPO = Path(__file__).resolve().parents[1]
+FILE_BYTES = 128 << 20
+BEGIN, END = "<!-- prepare_scale:begin -->", "<!-- prepare_scale:end -->"
+
+
+def generate(directory: Path, size_gb: float) -> Path:
+    """jsonl.zst files holding `size_gb` GiB of jsonl (uncompressed), made once."""
+    done = directory / "done"
+    if done.exists():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    letters = np.array(list("etaoinshrdlcumwfgypbvkjxqz"))
+    vocab = np.array(["".join(rng.choice(letters, int(n))) for n in rng.integers(1, 12, 30_000)])
+    total, index = int(size_gb * 2**30), 0
+    while total > 0:
+        lines, size = [], 0
+        while size < min(FILE_BYTES, total):
+            n = int(rng.integers(50, 2000))
+            words = vocab[np.minimum(rng.zipf(1.2, n), len(vocab)) - 1]
+            line = json.dumps({"text": " ".join(words)}) + "\n"
+            lines.append(line)
+            size += len(line)
+        (directory / f"part-{index:05d}.jsonl.zst").write_bytes(
+            zstandard.ZstdCompressor(level=3, threads=-1).compress("".join(lines).encode()))
+        total -= size
+        index += 1
+    done.write_text("")
+    return directory
+
+
+def peak_rss(cmd: list[str]) -> tuple[int, float, str]:
+    """Run `cmd`; (peak resident bytes of its process tree, seconds, stdout)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    peak = 0
+    stop = threading.Event()
+
+    def sample():
+        nonlocal peak
+        root = psutil.Process(proc.pid)
+        while not stop.is_set():
+            try:
+                rss = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+                peak = max(peak, rss)
+            except psutil.Error:
+                pass
+            time.sleep(0.1)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    out, _ = proc.communicate()
+    stop.set()
+    t.join()
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}")
+    return peak, time.perf_counter() - start, out
+
+
+def prepare_cmd(corpus: Path, out: Path, workers: int, tokenizer: str = "default") -> list[str]:
+    return [sys.executable, "-m", "zerolm.cli", "prepare", "--source", f"jsonl:{corpus}/*.jsonl.zst", "--out",
+            str(out), "--seq-len", "2048", "--vocab-size", "8192", "--workers", str(workers), "--tokenizer", tokenizer,
+            "--overwrite"]
+
+
+def tokenizer_alone(corpus: Path, tokenizer: Path) -> tuple[int, float]:
+    """(tokens, seconds) of the tokenizer's own batch encoding of the corpus' documents, in memory."""
+    from zerolm.data import sources
+    from zerolm.data.tokenizer import from_file
+
+    docs = list(sources.iter_documents(f"jsonl:{corpus}/*.jsonl.zst"))
+    tok = from_file(tokenizer)
+    tokens = 0
+    start = time.perf_counter()
+    for i in range(0, len(docs), 1024):
+        tokens += sum(len(ids) + 1 for ids in tok.encode_batch(docs[i:i + 1024]))  # + end-of-text, as prepare
+    return tokens, time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes-gb", type=float, nargs="+", default=[1, 4])
+    p.add_argument("--dir", type=Path, default=Path("/tmp/prepare_scale"))
+    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--write", type=Path, help="put the table into this markdown file between its markers")
+    args = p.parse_args()
+    rows, lines = [], []
+    for size in args.sizes_gb:
+        corpus = generate(args.dir / f"corpus-{size:g}g", size)
+        out = args.dir / f"prepared-{size:g}g"
+        peak, seconds, stdout = peak_rss(prepare_cmd(corpus, out, args.workers))
+        tokens = int(re.search(r"([\d,]+) tokens of", stdout)[1].replace(",", ""))
+        rows.append({"size_gb": size, "peak_rss_gib": peak / 2**30, "seconds": seconds, "tokens": tokens})
+        print(json.dumps(rows[-1]), flush=True)
+    smallest = args.dir / f"corpus-{min(args.sizes_gb):g}g"
+    tok_file = args.dir / f"prepared-{min(args.sizes_gb):g}g" / "tokenizer.json"
+    _, seconds, stdout = peak_rss(prepare_cmd(smallest, args.dir / "speed", args.workers, str(tok_file)))
+    prepared_tokens = int(re.search(r"([\d,]+) tokens of", stdout)[1].replace(",", ""))
+    alone_tokens, alone_s = tokenizer_alone(smallest, tok_file)
+    ratio = (prepared_tokens / seconds) / (alone_tokens / alone_s)
+    print(json.dumps({"prepare_tokens_per_s": prepared_tokens / seconds, "tokenizer_tokens_per_s": alone_tokens / alone_s,
+                      "ratio": ratio}), flush=True)
+    lines = ["| corpus (jsonl.zst, uncompressed) | tokens | prepare, wall (BPE training included) | peak RSS, process tree |",
+             "|---:|---:|---:|---:|"]
+    lines += [f"| {r['size_gb']:g} GiB | {r['tokens']:,} | {r['seconds']:.0f} s | {r['peak_rss_gib']:.2f} GiB |" for r in rows]
+    lines += ["", f"Peak RSS, largest over smallest corpus: {max(r['peak_rss_gib'] for r in rows) / rows[0]['peak_rss_gib']:.2f}.",
+              "", "| the same documents (the smallest corpus), given tokenizer | tokens per second |", "|---|---:|",
+              f"| `zerolm prepare --workers {args.workers}` (read, decompress, parse, tokenize, pack, write) | "
+              f"{prepared_tokens / seconds:,.0f} |",
+              f"| the tokenizer's `encode_batch` alone, documents in memory | {alone_tokens / alone_s:,.0f} |",
+              f"| **ratio** | **{ratio:.2f}** |"]
+    print("\n".join(lines))
+    if args.write:
+        text = args.write.read_text()
+        block = f"{BEGIN}\n" + "\n".join(lines) + f"\n{END}"
+        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S) \
+            if BEGIN in text else text.rstrip("\n") + "\n\n" + block + "\n"
+        args.write.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
