@@ -8,7 +8,11 @@
 2. Memory: `zerolm prepare` of each corpus as a user runs it (the default BPE, trained on its bounded
    sample; --workers all cores), in a subprocess whose process tree's resident memory (the parent
    and its workers, summed) is sampled every 0.1 s: the peak, per corpus.
-3. Speed, on the smallest corpus with the tokenizer that step 2 trained on it (so no BPE training is
+3. Parts (--parts N): the smallest corpus converted to parquet (once; row groups of 1,024 documents),
+   prepared by one process and by N processes at once (`--part I/N`, --workers 1 each: the "hosts"),
+   both in units of 64 MiB, with the tokenizer step 2 trained: wall time each, and whether the two
+   datasets are the same, file by file.
+4. Speed, on the smallest corpus with the tokenizer that step 2 trained on it (so no BPE training is
    timed): prepare's tokens per second, end to end (read, decompress, parse, tokenize, pack, write),
    against the tokenizer's own batch encoding (`Tokenizer.encode_batch`, the Rust library's threads on
    every core) of the same documents, already in memory, in batches of 1,024: the limit. Both in this
@@ -96,6 +100,55 @@ def prepare_cmd(corpus: Path, out: Path, workers: int, tokenizer: str = "default
             "--overwrite"]
 
 
+def to_parquet(corpus: Path, directory: Path) -> Path:
+    """The corpus's documents as parquet files (one per jsonl.zst file), made once."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from zerolm.data import sources
+
+    if (directory / "done").exists():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    for path in sorted(corpus.glob("*.jsonl.zst")):
+        docs = list(sources.iter_documents(f"jsonl:{path}"))
+        pq.write_table(pa.table({"text": docs}), directory / path.name.replace(".jsonl.zst", ".parquet"),
+                       row_group_size=1024)
+    (directory / "done").write_text("")
+    return directory
+
+
+def files_sha256(directory: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file() and p.name not in ("manifest.json", "unit.json",
+                                                                                   "settings.json")}
+
+
+def parts_run(corpus: Path, tokenizer: Path, out: Path, parts: int) -> dict:
+    """One prepare and `parts` at once of the parquet corpus: (seconds each, identical)."""
+    common = ["--source", f"parquet:{corpus}/*.parquet", "--seq-len", "2048", "--tokenizer", str(tokenizer),
+              "--unit-mb", "64", "--overwrite"]
+    base = [sys.executable, "-m", "zerolm.cli", "prepare", *common]
+    start = time.perf_counter()
+    subprocess.run([*base, "--out", str(out / "one"), "--workers", str(parts)], check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    one_s = time.perf_counter() - start
+    import shutil
+
+    shutil.rmtree(out / "parts", ignore_errors=True)
+    start = time.perf_counter()
+    procs = [subprocess.Popen([*base, "--out", str(out / "parts"), "--workers", "1", "--part", f"{i}/{parts}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(1, parts + 1)]
+    if any(p.wait() for p in procs):
+        raise SystemExit("a part failed")
+    parts_s = time.perf_counter() - start
+    units = json.loads((out / "one" / "manifest.json").read_text())["units"]
+    same = files_sha256(out / "one") == files_sha256(out / "parts" / f"parts-of-{parts}")
+    return {"units": len(units), "one_s": one_s, "parts_s": parts_s, "identical": same}
+
+
 def tokenizer_alone(corpus: Path, tokenizer: Path) -> tuple[int, float]:
     """(tokens, seconds) of the tokenizer's own batch encoding of the corpus' documents, in memory."""
     from zerolm.data import sources
@@ -115,9 +168,22 @@ def main() -> None:
     p.add_argument("--sizes-gb", type=float, nargs="+", default=[1, 4])
     p.add_argument("--dir", type=Path, default=Path("/tmp/prepare_scale"))
     p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--parts", type=int, default=2, help="processes preparing the parquet corpus at once (0: skip)")
+    p.add_argument("--only-parts", action="store_true",
+                   help="step 3 alone (the corpus and tokenizer of an earlier run of steps 1-2)")
     p.add_argument("--write", type=Path, help="put the table into this markdown file between its markers")
     args = p.parse_args()
     rows, lines = [], []
+    if args.only_parts:
+        smallest = generate(args.dir / f"corpus-{min(args.sizes_gb):g}g", min(args.sizes_gb))
+        tok_file = args.dir / f"prepared-{min(args.sizes_gb):g}g" / "tokenizer.json"
+        parted = parts_run(to_parquet(smallest, args.dir / f"parquet-{min(args.sizes_gb):g}g"), tok_file,
+                           args.dir / "parts", args.parts)
+        print(f"| the smallest corpus as parquet, {parted['units']} units of 64 MiB | wall |\n|---|---:|\n"
+              f"| one process (`--workers {args.parts}`) | {parted['one_s']:.0f} s |\n"
+              f"| {args.parts} processes at once (`--part I/{args.parts} --workers 1`) | {parted['parts_s']:.0f} s |\n"
+              f"| the same dataset, file by file | {'yes' if parted['identical'] else 'NO'} |")
+        return
     for size in args.sizes_gb:
         corpus = generate(args.dir / f"corpus-{size:g}g", size)
         out = args.dir / f"prepared-{size:g}g"
@@ -130,6 +196,11 @@ def main() -> None:
     _, seconds, stdout = peak_rss(prepare_cmd(smallest, args.dir / "speed", args.workers, str(tok_file)))
     prepared_tokens = int(re.search(r"([\d,]+) tokens of", stdout)[1].replace(",", ""))
     alone_tokens, alone_s = tokenizer_alone(smallest, tok_file)
+    parted = None
+    if args.parts:
+        parquet = to_parquet(smallest, args.dir / f"parquet-{min(args.sizes_gb):g}g")
+        parted = parts_run(parquet, tok_file, args.dir / "parts", args.parts)
+        print(json.dumps(parted), flush=True)
     ratio = (prepared_tokens / seconds) / (alone_tokens / alone_s)
     print(json.dumps({"prepare_tokens_per_s": prepared_tokens / seconds, "tokenizer_tokens_per_s": alone_tokens / alone_s,
                       "ratio": ratio}), flush=True)
@@ -142,6 +213,11 @@ def main() -> None:
               f"{prepared_tokens / seconds:,.0f} |",
               f"| the tokenizer's `encode_batch` alone, documents in memory | {alone_tokens / alone_s:,.0f} |",
               f"| **ratio** | **{ratio:.2f}** |"]
+    if parted:
+        lines += ["", f"| the smallest corpus as parquet, {parted['units']} units of 64 MiB | wall |", "|---|---:|",
+                  f"| one process (`--workers {args.parts}`) | {parted['one_s']:.0f} s |",
+                  f"| {args.parts} processes at once (`--part I/{args.parts} --workers 1`) | {parted['parts_s']:.0f} s |",
+                  f"| the same dataset, file by file | {'yes' if parted['identical'] else 'NO'} |"]
     print("\n".join(lines))
     if args.write:
         text = args.write.read_text()

@@ -30,7 +30,7 @@ def test_blockwise_equals_xla_attention_and_its_gradients(T, block):
 
     def loss(impl):
         def f(q, k, v):
-            y = (blockwise_attention(q, k, v, block) if impl == "blockwise"
+            y = (blockwise_attention(q, k, v, None, block) if impl == "blockwise"
                  else jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"))
             return jnp.sum(y * w), y
         return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)

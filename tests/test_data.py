@@ -11,6 +11,7 @@ import pytest
 import webdataset as wds
 
 from conftest import requires_devices, small_config
+from zerolm.data import packing
 from zerolm.data import prepare as prep
 from zerolm.data.loader import BatchLoader, SampleOrder
 from zerolm.data.manifest import FORMAT
@@ -83,7 +84,7 @@ def test_text_and_jsonl_sources_and_file_tokenizers(tmp_path):
     assert tk["tokenizer"]["kind"] == "tiktoken" and tk["tokenizer"]["eot_id"] == 256
     row = PreparedDataset(tmp_path / "k").split("train").read(np.array([0]))[0]
     assert PreparedDataset(tmp_path / "k").tokenizer().decode(row) == _texts(20)[0][:17]
-    assert prep.token_dtype(50257) == np.uint16 and prep.token_dtype(100_000) == np.uint32
+    assert packing.token_dtype(50257) == np.uint16 and packing.token_dtype(100_000) == np.uint32
 
 
 @pytest.mark.slow
@@ -122,17 +123,17 @@ def test_tfds_source_built_offline(tmp_path):
 def test_prepare_refuses_to_overwrite_and_survives_a_kill(tmp_path, monkeypatch, kjv):
     out = tmp_path / "ds"
     shutil.copytree(kjv, out)
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    before = _files(out)
     with pytest.raises(prep.PrepareError, match=rf"^{out}: already holds a prepared dataset; pass --overwrite"):
         prep.prepare("default", out, seq_len=64, progress=False)
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt  # stands for a kill half way through writing shards
 
-    monkeypatch.setattr(prep._ShardWriter, "close", killed)
+    monkeypatch.setattr(packing.ShardWriter, "close", killed)
     with pytest.raises(KeyboardInterrupt):
         prep.prepare("default", out, seq_len=32, overwrite=True, progress=False)
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old dataset is untouched
+    assert _files(out) == before  # the old dataset is untouched
     assert [p.name for p in tmp_path.iterdir()] == ["ds"]  # no half-written directory left behind
     monkeypatch.undo()
     prep.prepare("default", out, seq_len=32, overwrite=True, progress=False)
@@ -314,7 +315,7 @@ def test_train_stops_on_out_of_vocabulary_tokens_with_a_data_error(kjv, tmp_path
     probe.read(np.array([0]))
     for shard_info in m["splits"]["train"]["shards"]:  # every sample of every shard: the first batch must hit one
         _overwrite_token(out / shard_info["name"], probe._readers[0], range(shard_info["samples"]), 3, 65535)
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    before = _files(out)
     args = ["--set", f"data.dataset={out}", "--set", "model.seq_len=64", "--set", "train.steps=3",
             "--set", "model.n_layer=1", "--set", "model.d_model=32",  # the model does not matter here
             "--set", "train.warmup_steps=1", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}",
@@ -324,8 +325,8 @@ def test_train_stops_on_out_of_vocabulary_tokens_with_a_data_error(kjv, tmp_path
                               capture_output=True, text=True, cwd=REPO, timeout=300)
         assert proc.returncode == 2, proc.stderr[-2000:]
         last = proc.stderr.strip().splitlines()[-1]
-        assert last.startswith(f"error: {out}/train-") and "has token id 65535, outside the tokenizer's vocabulary" in last
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+        assert last.startswith(f"error: {out}/unit-00000/train-") and "has token id 65535, outside the tokenizer's vocabulary" in last
+    assert _files(out) == before
     assert not (tmp_path / "ckpt").exists() or not any(p.name.isdigit() for p in (tmp_path / "ckpt").iterdir())
 
 

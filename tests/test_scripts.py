@@ -49,7 +49,8 @@ def fake(tmp_path):
 
 
 def dry(script, *args):
-    proc = subprocess.run(["bash", str(script), *args, "--dry-run"], capture_output=True, text=True, cwd=REPO)
+    args = args if "--dry-run" in args else (*args, "--dry-run")
+    proc = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     # Each printed line is shell-quoted: let bash split it back into arguments.
     return [subprocess.run(["bash", "-c", f"printf '%s\\0' {line}"], capture_output=True, text=True).stdout.split("\0")[:-1]
@@ -234,3 +235,48 @@ def test_launch_compiles_for_the_slice_before_it_spends(fake):
         "error: launch.sh: not launched: the step does not compile and fit on v2-8")
     proc, _ = fake(REPO / "tpu_scripts" / "launch.sh", *base[:-2], "--dry-run", **ZEROLM)
     assert proc.returncode == 2 and "--dry-run needs --accelerator-type TYPE" in proc.stderr
+
+
+def test_prepare_runs_one_part_per_worker_into_one_gs_dataset(fake, tmp_path):
+    args = ["--name", "slice-1", "--source", "jsonl:gs://b/raw/*.jsonl.zst", "--out", "gs://b/data/web", "--hosts", "4",
+            "--", "--seq-len", "2048", "--tokenizer", "r50k base.tiktoken"]
+    proc, calls = fake(REPO / "tpu_scripts" / "prepare.sh", *args)
+    before_flags = args.index("--")  # --dry-run goes before the flags passed on to zerolm prepare
+    assert proc.returncode == 0 and calls == dry(REPO / "tpu_scripts" / "prepare.sh", *args[:before_flags], "--dry-run",
+                                                 *args[before_flags:])
+    (call,) = calls
+    assert call[:8] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "slice-1", "--zone=us-central2-b", "--worker=all"]
+    remote = call[8].removeprefix("--command=")
+    # What worker 2 of 4 makes of it: its number from the metadata server, part 3/4, the flags as given.
+    worker = tmp_path / "worker"
+    (worker / "zerolm" / ".venv" / "bin").mkdir(parents=True)
+    (worker / "bin").mkdir()
+    for path, body in ((worker / "zerolm" / ".venv" / "bin" / "zerolm", 'printf "%s\\n" "$@" > "$HOME/args"'),
+                       (worker / "bin" / "curl", "echo 2")):
+        path.write_text(f"#!/usr/bin/env bash\n{body}\n")
+        path.chmod(stat.S_IRWXU)
+    subprocess.run(["bash", "-c", remote], cwd=worker, check=True,
+                   env={**os.environ, "HOME": str(worker), "PATH": f"{worker / 'bin'}:{os.environ['PATH']}"})
+    args_file = worker / "args"
+    for _ in range(100):  # detached: wait for it
+        if args_file.exists() and args_file.read_text().endswith("3/4\n"):
+            break
+        import time
+
+        time.sleep(0.05)
+    assert args_file.read_text().splitlines() == ["prepare", "--source", "jsonl:gs://b/raw/*.jsonl.zst", "--out",
+                                                  "gs://b/data/web", "--seq-len", "2048", "--tokenizer",
+                                                  "r50k base.tiktoken", "--part", "3/4"]
+    assert (worker / "zerolm-prepare.log").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--source", "default", "--out", "/data/x", "--hosts", "2"], "--out must be a gs:// path"),
+    (["--out", "gs://b/x", "--hosts", "2"], "--source is required"),
+    (["--source", "default", "--out", "gs://b/x", "--hosts", "0"], "--hosts must be a positive number of workers"),
+    (["--source", "default", "--out", "gs://b/x", "--dry-run"], "--dry-run needs --hosts N"),
+])
+def test_prepare_bad_parameters_are_one_line(fake, args, message):
+    proc, calls = fake(REPO / "tpu_scripts" / "prepare.sh", "--name", "s", *args)
+    assert proc.returncode == 2 and calls == []
+    assert proc.stderr.startswith(f"error: prepare.sh: {message}") and len(proc.stderr.splitlines()) == 1

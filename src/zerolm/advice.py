@@ -8,7 +8,6 @@ rank's sequences while they fit, or down from the advice until one fits: usually
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -38,17 +37,18 @@ class MicroBatchSearch:
 
 
 def planned(config: str, sets: list[str], target: aot.Target, dp: int, tp: int) -> int | None:
-    """The planner's largest micro-batch for `config` on `target`'s device preset, with the attention the
-    slice resolves (as `zerolm plan --device PRESET --dp DP` gives it); None without a preset."""
-    from zerolm.commands import plan as commands_plan
+    """The planner's largest micro-batch for `config` on `target`'s device preset (what `zerolm plan
+    --device PRESET --dp DP` advises); None without a preset, or if none fits."""
+    from zerolm.hardware import preset
+    from zerolm.plan import Parallelism, Planner, from_config
 
-    preset = PRESETS.get(target.generation)
-    if preset is None:
+    name = PRESETS.get(target.generation)
+    if name is None:
         return None
-    parser = argparse.ArgumentParser()
-    commands_plan.add_arguments(parser)
-    args = ["--config", config, "--device", preset, "--dp", str(dp), "--tp", str(tp)]
-    planner = commands_plan.build(parser.parse_args(args + [a for s in sets for a in ("--set", s)]))
+    cfg = load_planned(config, [*sets, f"mesh.dp={dp}", f"mesh.tp={tp}", "train.micro_batch_size=1"])
+    model, factory = from_config(cfg, dp, tp)
+    planner = Planner(model, factory, preset(name), Parallelism(dp, tp, cfg.train.global_batch_size),
+                      cfg.zero.precision)
     fitting = [b for b in planner.micro_batches() if planner.step_peak(b)["fits"]]
     return max(fitting) if fitting else None
 

@@ -19,7 +19,13 @@ is its own (`jax.custom_vjp`): it keeps only the output and the per-row log-sum-
 pass and rebuilds each block's probabilities from them, so neither pass stores anything of size T×T.
 Blocks after the query block are skipped (causal), which halves the work of a full square.
 
-All implementations take and give (batch, time, heads, head_dim).
+All implementations take and give (batch, time, heads, head_dim), and take optional segment ids,
+(batch, time) integers: a query then attends only to keys of its own segment (a document of a packed
+sample: `model.document_mask`). XLA's attention takes them as a mask, the blockwise attention masks
+each block's scores with them, Pallas's kernel takes them as its `SegmentIds`; cuDNN's attention in
+this JAX takes no such mask, so with segment ids `cudnn` runs XLA's attention (and says so: the run's
+header). The blockwise and Pallas attentions still compute every causal block (none is skipped for
+lying wholly in earlier documents), so masking costs no memory beyond the ids and about no time.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Literal, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -40,15 +47,20 @@ _MASKED = -1e30  # finite, so that a fully masked block's max minus itself is 0,
 
 
 def causal_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array, implementation: str,
-                     block: int = BLOCK) -> jax.Array:
+                     block: int = BLOCK, segment_ids_BxT: jax.Array | None = None) -> jax.Array:
     if implementation in ("xla", "cudnn"):
+        if segment_ids_BxT is not None:  # cuDNN's takes no segment mask here: XLA's does
+            same_Bx1xTxT = segment_ids_BxT[:, None, :, None] == segment_ids_BxT[:, None, None, :]
+            return jax.nn.dot_product_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask=same_Bx1xTxT, is_causal=True,
+                                                implementation="xla")
         return jax.nn.dot_product_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, is_causal=True,
                                             implementation=cast(Literal["xla", "cudnn"], implementation))
     if implementation == "blockwise":
-        return blockwise_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, block_size(q_BxTxHxK.shape[1], block))
+        return blockwise_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT,
+                                   block_size(q_BxTxHxK.shape[1], block))
     if implementation == "pallas":
         q, k, v = (x.transpose(0, 2, 1, 3) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK))  # the kernel's (B, H, T, K)
-        return pallas_attention(q, k, v, block_size(q_BxTxHxK.shape[1], block)).transpose(0, 2, 1, 3)
+        return pallas_attention(q, k, v, segment_ids_BxT, block_size(q_BxTxHxK.shape[1], block)).transpose(0, 2, 1, 3)
     raise ValueError(f"unknown attention implementation {implementation!r}; one of {', '.join(IMPLEMENTATIONS)}")
 
 
@@ -68,29 +80,44 @@ def _unblocks(x_NxBxHxCxK):
     return x_NxBxHxCxK.transpose(1, 0, 3, 2, 4).reshape(B, N * C, H, K)
 
 
-def _scores(q_BxHxCxK, k_BxHxCxK, i, j, block):
-    """One block of scaled, causally masked float32 scores: query block i against key block j."""
+def _scores(q_BxHxCxK, k_BxHxCxK, i, j, block, segs_NxBxC=None):
+    """One block of scaled, causally masked float32 scores: query block i against key block j (and, with
+    segment ids, only keys of the query's segment)."""
     s = jnp.einsum("bhqk,bhsk->bhqs", q_BxHxCxK, k_BxHxCxK, preferred_element_type=jnp.float32)
     s = s / math.sqrt(q_BxHxCxK.shape[-1])
-    visible_CxC = (i * block + jnp.arange(block))[:, None] >= (j * block + jnp.arange(block))[None, :]
-    return jnp.where(visible_CxC, s, _MASKED)
+    visible = (i * block + jnp.arange(block))[:, None] >= (j * block + jnp.arange(block))[None, :]
+    if segs_NxBxC is not None:
+        visible = visible & (segs_NxBxC[i][:, None, :, None] == segs_NxBxC[j][:, None, None, :])
+    return jnp.where(visible, s, _MASKED)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def blockwise_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, block: int):
-    """Causal softmax(q kᵀ/√K) v, `block` positions at a time (`block` divides T)."""
-    return _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, block)[0]
+def _segment_blocks(segment_ids_BxT, block):
+    """(B, T) -> (T/block, B, block), or None."""
+    if segment_ids_BxT is None:
+        return None
+    B, T = segment_ids_BxT.shape
+    return segment_ids_BxT.reshape(B, T // block, block).transpose(1, 0, 2)
 
 
-def _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, block):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def blockwise_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, block: int):
+    """Causal softmax(q kᵀ/√K) v, `block` positions at a time (`block` divides T); with segment ids
+    (B, T), each query sees the keys of its own segment only."""
+    return _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, block)[0]
+
+
+def _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, block):
     qs, ks, vs = (_blocks(x, block) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK))
+    segs = _segment_blocks(segment_ids_BxT, block)
 
     def query_block(_, iq):
         i, q_BxHxCxK = iq
 
         def key_block(j, carry):
             m_BxHxC, l_BxHxC, acc_BxHxCxK = carry
-            s = _scores(q_BxHxCxK, ks[j], i, j, block)
+            # A key block wholly outside the query's segment gives _MASKED everywhere; its weights are
+            # cleared by the correction once a visible key (the query itself, at the latest) comes.
+            s = _scores(q_BxHxCxK, ks[j], i, j, block, segs)
             m_new = jnp.maximum(m_BxHxC, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             correction = jnp.exp(m_BxHxC - m_new)
@@ -106,12 +133,13 @@ def _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, block):
 
     _, (out_NxBxHxCxK, lse_NxBxHxC) = lax.scan(query_block, None, (jnp.arange(qs.shape[0]), qs))
     out = _unblocks(out_NxBxHxCxK)
-    return out, (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, out, lse_NxBxHxC)
+    return out, (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, out, lse_NxBxHxC)
 
 
 def _backward(block, residuals, dout_BxTxHxK):
-    q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, out, lse_NxBxHxC = residuals
+    q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, out, lse_NxBxHxC = residuals
     qs, ks, vs, dos = (_blocks(x, block) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, dout_BxTxHxK))
+    segs = _segment_blocks(segment_ids_BxT, block)
     # D = rowsum(dO ∘ O): the softmax's backward term, one number per query.
     d_NxBxHxC = _blocks((dout_BxTxHxK.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1, keepdims=True),
                         block)[..., 0]
@@ -123,7 +151,7 @@ def _backward(block, residuals, dout_BxTxHxK):
 
         def key_block(j, inner):
             dq_BxHxCxK, dk_acc, dv_acc = inner
-            p = jnp.exp(_scores(q_BxHxCxK, ks[j], i, j, block) - lse_BxHxC[..., None])  # masked: exactly 0
+            p = jnp.exp(_scores(q_BxHxCxK, ks[j], i, j, block, segs) - lse_BxHxC[..., None])  # masked: exactly 0
             dv = jnp.einsum("bhqs,bhqk->bhsk", p.astype(do_BxHxCxK.dtype), do_BxHxCxK,
                             preferred_element_type=jnp.float32)
             dp = jnp.einsum("bhqk,bhsk->bhqs", do_BxHxCxK, vs[j], preferred_element_type=jnp.float32)
@@ -139,7 +167,13 @@ def _backward(block, residuals, dout_BxTxHxK):
     zeros = jnp.zeros_like(ks, jnp.float32)
     (dk, dv), dq = lax.scan(query_block, (zeros, zeros),
                             (jnp.arange(qs.shape[0]), qs, dos, lse_NxBxHxC, d_NxBxHxC))
-    return tuple(_unblocks(g).astype(x.dtype) for g, x in ((dq, q_BxTxHxK), (dk, k_BxTxHxK), (dv, v_BxTxHxK)))
+    grads = tuple(_unblocks(g).astype(x.dtype) for g, x in ((dq, q_BxTxHxK), (dk, k_BxTxHxK), (dv, v_BxTxHxK)))
+    return (*grads, _no_gradient(segment_ids_BxT))
+
+
+def _no_gradient(ids):
+    """The cotangent of an integer input (segment ids): float0 zeros, or None for no ids."""
+    return None if ids is None else np.zeros(ids.shape, jax.dtypes.float0)
 
 
 blockwise_attention.defvjp(_forward, _backward)
@@ -190,26 +224,32 @@ def _pallas_settings(q_BxHxTxK, block):
     return flash, 1.0 / math.sqrt(q_BxHxTxK.shape[-1]), sizes
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def pallas_attention(q_BxHxTxK, k_BxHxTxK, v_BxHxTxK, block: int):
-    """Causal softmax(q kᵀ/√K) v by Pallas's TPU flash attention; (B, H, T, K), `block` divides T."""
-    return _pallas_forward(q_BxHxTxK, k_BxHxTxK, v_BxHxTxK, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def pallas_attention(q_BxHxTxK, k_BxHxTxK, v_BxHxTxK, segment_ids_BxT, block: int):
+    """Causal softmax(q kᵀ/√K) v by Pallas's TPU flash attention; (B, H, T, K), `block` divides T; with
+    segment ids (B, T), each query sees the keys of its own segment only (the kernel's SegmentIds)."""
+    return _pallas_forward(q_BxHxTxK, k_BxHxTxK, v_BxHxTxK, segment_ids_BxT, block)[0]
 
 
-def _pallas_forward(q, k, v, block):
+def _pallas_segments(flash, ids):
+    return None if ids is None else flash.SegmentIds(q=ids, kv=ids)
+
+
+def _pallas_forward(q, k, v, ids, block):
     flash, scale, sizes = _pallas_settings(q, block)
     # save_residuals=True: the output and the per-row softmax statistics the backward pass starts from.
-    o, l, m = _unchecked(lambda q, k, v: flash._flash_attention(q, k, v, None, None, True, True, scale, sizes,
-                                                                False), q, k, v)
-    return o, (q, k, v, o, l, m)
+    o, l, m = _unchecked(lambda q, k, v, ids: flash._flash_attention(
+        q, k, v, None, _pallas_segments(flash, ids), True, True, scale, sizes, False), q, k, v, ids)
+    return o, (q, k, v, ids, o, l, m)
 
 
 def _pallas_backward(block, residuals, do):
-    q, k, v, o, l, m = residuals
+    q, k, v, ids, o, l, m = residuals
     flash, scale, sizes = _pallas_settings(q, block)
-    dq, dk, dv = _unchecked(lambda q, k, v, o, l, m, do: flash._flash_attention_bwd(
-        False, True, scale, sizes, False, (q, k, v, None, None, o, l, m), do)[:3], q, k, v, o, l, m, do)
-    return dq, dk, dv
+    dq, dk, dv = _unchecked(lambda q, k, v, ids, o, l, m, do: flash._flash_attention_bwd(
+        False, True, scale, sizes, False, (q, k, v, None, _pallas_segments(flash, ids), o, l, m), do)[:3],
+        q, k, v, ids, o, l, m, do)
+    return dq, dk, dv, _no_gradient(ids)
 
 
 pallas_attention.defvjp(_pallas_forward, _pallas_backward)

@@ -56,6 +56,11 @@ class ModelConfig(_Section):
     # What the backward pass recomputes instead of storing (see model.REMAT_POLICIES).
     remat: Literal["none", "full", "dots", "attention", "dots_attention"]
     loss_chunk: int = Field(ge=0)  # tokens per chunk of the output layer + loss; 0: the whole micro-batch at once
+    # Attention stays inside each document of a packed sample (documents end with end-of-text, token eot_id);
+    # positions count from each document's start ("restart") or from the sample's ("continue").
+    document_mask: bool = False
+    document_positions: Literal["continue", "restart"] = "continue"
+    eot_id: int | Literal["auto"] = "auto"  # auto: the dataset tokenizer's end-of-text
 
     @field_validator("remat", mode="before")
     @classmethod
@@ -75,6 +80,13 @@ class ModelConfig(_Section):
                                 f"{self.attention_block} give {block_size(self.seq_len, self.attention_block)}",
                                 related=("model.seq_len", "model.attention_block"))
         return self
+
+    @property
+    def eot(self) -> int:
+        """model.eot_id, resolved (ValueError while it is still 'auto')."""
+        if self.eot_id == "auto":
+            raise ValueError("model.eot_id is still 'auto': resolve it with the tokenizer first")
+        return self.eot_id
 
     @property
     def vocab(self) -> int:
@@ -139,8 +151,16 @@ class ZeroConfig(_Section):
     scatter: Literal["auto", "collective", "two_stage", "ring"]  # how reduce_scatter runs (zerolm.zero.Zero1)
 
 
+class MixtureEntry(_Section):
+    dataset: str  # a prepared dataset dir / URL (or "default")
+    weight: float = Field(gt=0)  # its share of the samples: weights are normalized to sum to 1
+    name: str | None = None  # in the run's header and metrics (default: the dataset's last path part)
+
+
 class DataConfig(_Section):
     dataset: str  # "default" (the embedded corpus, prepared on first use) or a prepared dataset dir / URL
+    # Several datasets, interleaved by weight (zerolm.data.mixture); data.dataset is then not used.
+    mixture: tuple[MixtureEntry, ...] | None = None
     tokenizer: str | None  # optional tokenizer file the dataset must have been prepared with
     default_vocab_size: int = Field(ge=257)  # BPE size for the default dataset: 256 bytes + end-of-text at least
     skip_bad_samples: bool  # replace unreadable samples by a neighbour and count them, instead of stopping

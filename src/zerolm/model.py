@@ -105,7 +105,8 @@ class Attention(nn.Module):
     implementation: str
 
     @nn.compact
-    def __call__(self, x_BxTxD: jax.Array, start: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x_BxTxD: jax.Array, start: jax.Array | None = None,
+                 segment_ids_BxT: jax.Array | None = None) -> jax.Array:
         B, T, D = x_BxTxD.shape
         H = self.cfg.n_head
         init = nn.initializers.normal(0.02)
@@ -114,7 +115,8 @@ class Attention(nn.Module):
                                       bias_init=_named(nn.initializers.zeros, "qkv", "heads"))(x_BxTxD)
         q_BxTxHxK, k_BxTxHxK, v_BxTxHxK = (qkv_BxTx3xD[:, :, i].reshape(B, T, H, D // H) for i in range(3))
         if start is None:
-            y = causal_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, self.implementation, self.cfg.attention_block)
+            y = causal_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, self.implementation, self.cfg.attention_block,
+                                 segment_ids_BxT)
         else:
             y = self._cached_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, start)
         y = checkpoint_name(y, "attention_out")
@@ -158,12 +160,13 @@ class Block(nn.Module):
     implementation: str
 
     @nn.compact
-    def __call__(self, x_BxTxD: jax.Array, start: jax.Array | None) -> tuple[jax.Array, None]:
+    def __call__(self, x_BxTxD: jax.Array, start: jax.Array | None,
+                 segment_ids_BxT: jax.Array | None) -> tuple[jax.Array, None]:
         ln = lambda name: nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name=name,  # noqa: E731
                                        scale_init=_named(nn.initializers.ones, "embed"),
                                        bias_init=_named(nn.initializers.zeros, "embed"))
         x_BxTxD = x_BxTxD + Attention(self.cfg, self.dtype, self.implementation, name="attn")(ln("ln_1")(x_BxTxD),
-                                                                                             start)
+                                                                                             start, segment_ids_BxT)
         x_BxTxD = x_BxTxD + MLP(self.cfg, self.dtype, name="mlp")(ln("ln_2")(x_BxTxD))
         return x_BxTxD, None
 
@@ -187,19 +190,41 @@ class GPT(nn.Module):
         wte_VxD = self.param("wte", _named(nn.initializers.normal(0.02), "vocab", "embed"), (V, D), jnp.float32)
         wpe_TxD = self.param("wpe", _named(nn.initializers.normal(0.01), "position", "embed"), (cfg.seq_len, D),
                              jnp.float32)
-        positions_TxD = wpe_TxD[:T] if start is None else lax.dynamic_slice_in_dim(wpe_TxD, start, T)
-        x_BxTxD = (jnp.take(wte_VxD, tokens_BxT, axis=0) + positions_TxD).astype(dtype)
+        segment_ids_BxT = None
+        if start is not None:  # decoding: one document, from the cached positions on
+            positions = lax.dynamic_slice_in_dim(wpe_TxD, start, T)
+        elif cfg.document_mask:
+            segment_ids_BxT, positions_BxT = documents(tokens_BxT, cfg.eot, cfg.document_positions == "restart")
+            positions = jnp.take(wpe_TxD, positions_BxT, axis=0)
+        else:
+            positions = wpe_TxD[:T]
+        x_BxTxD = (jnp.take(wte_VxD, tokens_BxT, axis=0) + positions).astype(dtype)
 
         block = (Block if cfg.remat == "none"
                  else nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat]))
         blocks = nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
                          in_axes=nn.broadcast, length=cfg.n_layer, metadata_params={nn.PARTITION_NAME: "layers"})
-        x_BxTxD, _ = blocks(cfg, dtype, attention_implementation(cfg), name="h")(x_BxTxD, start)
+        x_BxTxD, _ = blocks(cfg, dtype, attention_implementation(cfg), name="h")(x_BxTxD, start, segment_ids_BxT)
         x_BxTxD = nn.LayerNorm(epsilon=LN_EPS, dtype=dtype, name="ln_f", scale_init=_named(nn.initializers.ones, "embed"),
                                bias_init=_named(nn.initializers.zeros, "embed"))(x_BxTxD)
         if hidden_only:
             return x_BxTxD
         return output_logits(x_BxTxD, wte_VxD, cfg.vocab)
+
+
+def documents(tokens_BxT: jax.Array, eot_id: int, restart: bool) -> tuple[jax.Array, jax.Array]:
+    """(segment ids, positions) of a packed sample's tokens: a document ends with its end-of-text token,
+    so a token's segment is the number of end-of-text tokens before it; positions count from the sample's
+    start, or (`restart`) from the token's document's."""
+    eot_BxT = (tokens_BxT == eot_id).astype(jnp.int32)
+    segment_ids_BxT = jnp.cumsum(eot_BxT, axis=1) - eot_BxT
+    T = tokens_BxT.shape[1]
+    index_BxT = jnp.broadcast_to(jnp.arange(T), tokens_BxT.shape)
+    if not restart:
+        return segment_ids_BxT, index_BxT
+    # A document starts at 0 and after each end-of-text: the latest start at or before each token.
+    starts_BxT = jnp.where(jnp.pad(eot_BxT[:, :-1], ((0, 0), (1, 0))) == 1, index_BxT, 0)
+    return segment_ids_BxT, index_BxT - lax.cummax(starts_BxT, axis=1)
 
 
 def output_logits(x_NxD: jax.Array, wte_VxD: jax.Array, vocab_size: int) -> jax.Array:

@@ -216,6 +216,29 @@ def write_atomic(target: epath.Path, data: bytes | str) -> None:
     os.replace(tmp, target)
 
 
+def create_once(target: epath.Path, data: bytes | str) -> bytes:
+    """Write a file only if there is none; the file's content afterwards: `data`, or what another writer
+    put there first (GCS: a write that requires generation 0; locally O_EXCL)."""
+    data = data.encode() if isinstance(data, str) else data
+    if is_remote(target):
+        versioned = Versioned(str(target))
+        if versioned.write(data, 0) is None:
+            found = versioned.read()
+            assert found is not None, target  # another writer created it; nothing here deletes it
+            return found[0]
+        return data
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
+    tmp.write_bytes(data)
+    try:
+        os.link(tmp, target)  # atomic and exclusive: readers never see a partial file
+    except FileExistsError:
+        return target.read_bytes()
+    finally:
+        tmp.unlink()
+    return data
+
+
 def sizes(directory: epath.Path) -> dict[str, int]:
     """Every file under `directory`, by path relative to it, with its size: one listing on gs://."""
     if is_remote(directory):
@@ -232,11 +255,13 @@ def sizes(directory: epath.Path) -> dict[str, int]:
 
 
 def remove_tree(target: epath.Path) -> None:
-    """Delete a directory and everything under it (on gs://: every object under the prefix)."""
+    """Delete a directory and everything under it, or a file (on gs://: every object under the prefix)."""
     if is_remote(target):
         fs, root = _fs(target)
         with contextlib.suppress(FileNotFoundError):
             fs.rm(root, recursive=True)
+    elif Path(target).is_file():
+        Path(target).unlink(missing_ok=True)
     else:
         shutil.rmtree(target, ignore_errors=True)
 

@@ -12,7 +12,6 @@ import sys
 import time
 
 import jax
-import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
@@ -24,6 +23,8 @@ from zerolm.checkpoint_meta import CheckpointMeta
 from zerolm.config import Config
 from zerolm.data.dataset import dataset_identity, open_dataset, resolve_vocab
 from zerolm.data.loader import BatchLoader
+from zerolm.data.mixture import BLOCK as MIXTURE_BLOCK
+from zerolm.data.mixture import Mixture
 from zerolm.data.tokenizer import Tokenizer
 from zerolm.evaluate import make_evaluator
 from zerolm.mesh import exit_peer_lost, is_first_host, is_peer_failure, make_mesh, on_process_0
@@ -99,6 +100,10 @@ def _train(cfg: Config, out, resume: str, overwrite: bool, credentials: str | No
         say(f"compiled the step in {time.perf_counter() - t0:.1f} s; "
             + (f"{loaded} program(s) loaded from the compilation cache {cache}" if loaded else
                f"compilation cache: {cache}"))
+    if isinstance(dataset, Mixture):
+        say("data: mixture: " + ", ".join(f"{name} {n / MIXTURE_BLOCK:.4f} ({n} of every {MIXTURE_BLOCK} samples; weight "
+                                          f"{w:g})" for name, n, w in zip(dataset.names, dataset.per_block,
+                                                                           dataset.weights, strict=True)))
     say(f"data: {dataset.location}: {len(train_split)} train / {len(val_split)} val samples of "
         f"{cfg.model.seq_len + 1} tokens, tokenizer {dataset.manifest.tokenizer.name} "
         f"({dataset.manifest.tokenizer.vocab_size} tokens), unigram entropy {entropy:.3f} nats/token")
@@ -106,7 +111,7 @@ def _train(cfg: Config, out, resume: str, overwrite: bool, credentials: str | No
     n_val = min(cfg.train.eval_sequences, len(val_split))
     if n_val:
         evaluate = make_evaluator(functools.partial(gpt_model.token_losses, model), zero.param_shardings,
-                                  zero.row_sharding, val_split.read(np.arange(n_val)),
+                                  zero.row_sharding, val_split.head(n_val),
                                   cfg.dp * cfg.train.micro_batch_size)
         if n_val < cfg.train.eval_sequences:
             say(f"note: evaluating on all {n_val} validation samples (train.eval_sequences asks for "
@@ -189,6 +194,11 @@ def _startup_summary(cfg: Config, zero: Zero1, accounting: Accounting, n_params:
              f"{mib(shard_bytes(opt))} (1/{cfg.dp * cfg.mesh.tp} of it, plus padding"
              + (", master weights included" if zero.mixed else "") + "); activations not counted",
              accounting.describe()]
+    if cfg.model.document_mask:
+        attention = gpt_model.attention_implementation(cfg.model)
+        lines.append(f"documents: attention stays inside each document of a sample (end-of-text {cfg.model.eot}), "
+                     f"positions {'restart per document' if cfg.model.document_positions == 'restart' else 'continue'}"
+                     + ("; cuDNN's attention takes no segment mask: XLA's runs" if attention == "cudnn" else ""))
     try:
         traffic = comms.traffic(texts, dict(zero.mesh.shape))
     except ValueError as e:  # HLO this zerolm cannot read: the summary says so, the run goes on
@@ -229,6 +239,7 @@ class _Loop:
         emitter = StepMetrics(writer, bar, summary, self.tokens_per_step, self.accounting, cfg.logging.every,
                            cfg.train.max_consecutive_skips if cfg.train.skip_nonfinite else None)
         batches = loader.batches(start_step=start, prefetch=cfg.data.prefetch)
+        shares = getattr(loader.order, "shares", None)
         profiler = Profiler(cfg.logging.profile_steps, start, cfg.train.steps, cfg.log_dir / "profile", bar, self.out)
         try:
             for step in range(start + 1, cfg.train.steps + 1):
@@ -240,6 +251,9 @@ class _Loop:
                     self.lock.check()  # so does a gs:// lease that could not be renewed
                 if cfg.data.skip_bad_samples:
                     metrics = {**metrics, "bad_samples": self.train_split.bad_samples}
+                if shares is not None:  # the mixture as realised: each dataset's share of the samples so far
+                    metrics = {**metrics, **{f"mixture_share/{name}": share for name, share in
+                                             shares(step * cfg.train.global_batch_size).items()}}
                 emitter.push(step, metrics, waited)  # emits the previous step's metrics: one step behind
                 stop = preemption.reached(step)
                 last = step == cfg.train.steps

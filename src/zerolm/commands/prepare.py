@@ -6,7 +6,8 @@ import argparse
 import os
 import sys
 
-from zerolm.data.prepare import BPE_SAMPLE_MB, prepare
+from zerolm.data.packing import UNIT_MB
+from zerolm.data.prepare import BPE_SAMPLE_MB, missing_units, prepare_part
 from zerolm.exitcodes import EXIT_INTERRUPTED
 
 
@@ -32,20 +33,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples-per-shard", type=int, default=4096, help="samples per tar shard (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
     p.add_argument("--skip-bad", action="store_true", help="count and skip bad records instead of stopping")
+    p.add_argument("--unit-mb", type=int, default=UNIT_MB,
+                   help="input files are packed in units of about this many MiB as stored, each on its own (the "
+                        "work --part shares out; default: %(default)s)")
+    p.add_argument("--part", type=_part, metavar="I/N",
+                   help="prepare part I of N (one per host) into the same --out, which every part must reach "
+                        "(gs://); the part that completes the last one publishes the dataset, the same one a "
+                        "single prepare makes. Run a part again after a failure: it packs only what is missing")
+
+
+def _part(text: str) -> tuple[int, int]:
+    i, _, n = text.partition("/")
+    if not (i.isdigit() and n.isdigit()) or not 1 <= int(i) <= int(n):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected I/N with 1 <= I <= N, e.g. 1/4")
+    return int(i), int(n)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        manifest = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                           seq_len=args.seq_len, text_field=args.text_field, tfds_data_dir=args.tfds_data_dir,
-                           val_every=args.val_every, samples_per_shard=args.samples_per_shard,
-                           overwrite=args.overwrite, skip_bad=args.skip_bad, workers=args.workers,
-                           bpe_sample_mb=args.bpe_sample_mb)
+        manifest = prepare_part(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                                seq_len=args.seq_len, text_field=args.text_field, tfds_data_dir=args.tfds_data_dir,
+                                val_every=args.val_every, samples_per_shard=args.samples_per_shard,
+                                overwrite=args.overwrite, skip_bad=args.skip_bad, workers=args.workers,
+                                bpe_sample_mb=args.bpe_sample_mb, part=args.part,
+                                unit_mb=args.unit_mb)
     except KeyboardInterrupt:
-        print(f"prepare: interrupted; {args.out} is unchanged and the partial output was removed", file=sys.stderr)
+        what = "the unit it was packing was removed; run the part again to finish" if args.part else \
+            "the partial output was removed"
+        print(f"prepare: interrupted; {args.out} is unchanged and {what}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    if manifest is None:
+        i, n = args.part
+        missing = missing_units(args.out, n)
+        print(f"prepared part {i}/{n} of {args.out}; units still missing: {', '.join(map(str, missing))} (the part "
+              "that packs the last of them publishes the dataset)")
+        return 0
     t, v = manifest.splits["train"], manifest.splits["val"]
-    print(f"prepared {args.out}: train {t.samples} samples in {len(t.shards)} shard(s), "
+    by = f" (part {args.part[0]}/{args.part[1]} published it)" if args.part else ""
+    print(f"prepared {args.out}{by}: train {t.samples} samples in {len(t.shards)} shard(s), "
           f"val {v.samples} samples; {t.tokens + v.tokens:,} tokens of {manifest.dtype}, "
           f"tokenizer {manifest.tokenizer.name} ({manifest.tokenizer.vocab_size} tokens)"
           + (f"; skipped {manifest.skipped} bad record(s), first: {manifest.skipped_first}" if manifest.skipped else "")

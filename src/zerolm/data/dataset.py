@@ -13,6 +13,7 @@ from jax.experimental import multihost_utils
 
 from zerolm.config import Config, ConfigError, load_config
 from zerolm.data.manifest import MANIFEST
+from zerolm.data.mixture import Mixture
 from zerolm.data.prepare import PrepareError, prepare
 from zerolm.data.shards import DataError, PreparedDataset
 from zerolm.data.tokenizer import TokenizerError, cache_dir, from_file
@@ -22,9 +23,28 @@ def default_dataset_dir(cfg: Config) -> Path:
     return cache_dir() / "datasets" / f"kjv-bpe{cfg.data.default_vocab_size}-seq{cfg.model.seq_len}"
 
 
-def open_dataset(cfg: Config) -> PreparedDataset:
-    """The run's prepared dataset; the default corpus is prepared on first use (by process 0)."""
-    location: str | Path = cfg.data.dataset
+def open_dataset(cfg: Config) -> PreparedDataset | Mixture:
+    """The run's prepared dataset, or its mixture of them (`data.mixture`: one tokenizer and seq_len); the
+    default corpus is prepared on first use (by process 0)."""
+    if cfg.data.mixture is None:
+        return _open(cfg, cfg.data.dataset, "data.dataset")
+    datasets, names = [], []
+    for i, entry in enumerate(cfg.data.mixture):
+        key = f"data.mixture[{i}].dataset"
+        datasets.append(_open(cfg, entry.dataset, key))
+        names.append(entry.name or str(entry.dataset).rstrip("/").rsplit("/", 1)[-1])
+        first, this = datasets[0].manifest.tokenizer, datasets[-1].manifest.tokenizer
+        if this.sha256 != first.sha256:
+            raise ConfigError(f"{key}: {entry.dataset} was prepared with tokenizer {this.name} (sha256 "
+                              f"{this.sha256[:12]}), data.mixture[0].dataset with {first.name} (sha256 "
+                              f"{first.sha256[:12]}): a mixture's datasets share one tokenizer")
+    if len(set(names)) < len(names):
+        raise ConfigError(f"data.mixture: two datasets are named {sorted(n for n in names if names.count(n) > 1)[0]!r}; "
+                          "give each a name")
+    return Mixture(datasets, [e.weight for e in cfg.data.mixture], names)
+
+
+def _open(cfg: Config, location: str | Path, key: str) -> PreparedDataset:
     if location == "default":
         location = default_dataset_dir(cfg)
         # Process 0 first; then any host whose disk still lacks it (hosts of a slice have their own disks).
@@ -41,9 +61,9 @@ def open_dataset(cfg: Config) -> PreparedDataset:
     try:
         dataset = PreparedDataset(location)
     except DataError as e:
-        raise ConfigError(f"data.dataset: {e}") from None
+        raise ConfigError(f"{key}: {e}") from None
     if dataset.seq_len != cfg.model.seq_len:
-        raise ConfigError(f"data.dataset: {location} was prepared with seq_len {dataset.seq_len}, "
+        raise ConfigError(f"{key}: {location} was prepared with seq_len {dataset.seq_len}, "
                           f"but model.seq_len is {cfg.model.seq_len}")
     if cfg.data.tokenizer is not None:
         try:
@@ -57,20 +77,27 @@ def open_dataset(cfg: Config) -> PreparedDataset:
     return dataset
 
 
-def resolve_vocab(cfg: Config, dataset: PreparedDataset) -> Config:
-    vocab = dataset.manifest.tokenizer.vocab_size
-    if cfg.model.vocab_size == "auto":
-        return cfg.resolve(model__vocab_size=vocab)
-    if cfg.model.vocab_size < vocab:
+def resolve_vocab(cfg: Config, dataset: PreparedDataset | Mixture) -> Config:
+    """model.vocab_size and model.eot_id from the dataset's tokenizer (`auto`), or checked against it."""
+    tok = dataset.manifest.tokenizer
+    if cfg.model.vocab_size != "auto" and cfg.model.vocab_size < tok.vocab_size:
         raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the dataset's tokenizer "
-                          f"({dataset.manifest.tokenizer.name}, {vocab} tokens)")
-    return cfg
+                          f"({tok.name}, {tok.vocab_size} tokens)")
+    if cfg.model.eot_id not in ("auto", tok.eot_id):
+        raise ConfigError(f"model.eot_id: {cfg.model.eot_id} is not the end-of-text token of the dataset's tokenizer "
+                          f"({tok.name}: {tok.eot_id}); leave it auto")
+    return cfg.resolve(model__vocab_size=tok.vocab_size if cfg.model.vocab_size == "auto" else cfg.model.vocab_size,
+                       model__eot_id=tok.eot_id)
 
 
-def dataset_identity(cfg: Config, dataset: PreparedDataset) -> dict:
+def dataset_identity(cfg: Config, dataset: PreparedDataset | Mixture) -> dict:
     """What must not change across a resume for the data order to continue exactly: the tokens (by
     tokenizer and shard layout, not by where the dataset lives, so a copied dataset still resumes),
-    the sequence length and the seed."""
+    the sequence length and the seed; for a mixture, each dataset's and the samples per block of each."""
+    if isinstance(dataset, Mixture):
+        parts = [dataset_identity(cfg, d) for d in dataset.datasets]
+        return {**parts[0], "train_shards_sha256": [p["train_shards_sha256"] for p in parts],
+                "train_samples": [p["train_samples"] for p in parts], "mixture_per_block": dataset.per_block.tolist()}
     train = dataset.manifest.splits["train"]
     # By a shard's own name, not its directory: a dataset prepared again into gs:// has the same identity.
     shards = [(s.name.rsplit("/", 1)[-1], s.samples) for s in train.shards]
@@ -96,4 +123,6 @@ def load_planned(path: str | Path, overrides: Sequence[str] = (), device_count: 
     """A config as `zerolm plan`, `comms` and `compile` take it: loaded and validated, its vocabulary
     resolved as training would resolve it, without preparing anything (`planned_vocab`)."""
     cfg = load_config(path, overrides, device_count=device_count)
-    return cfg.resolve(model__vocab_size=planned_vocab(cfg))
+    # The end-of-text id changes no shape of the step: a plan or a compile takes any (0) when it is auto.
+    return cfg.resolve(model__vocab_size=planned_vocab(cfg),
+                       model__eot_id=0 if cfg.model.eot_id == "auto" else cfg.model.eot_id)

@@ -15,7 +15,6 @@ sum over tp.
 
 from __future__ import annotations
 
-import functools
 import queue
 import threading
 import time
@@ -28,6 +27,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from zerolm import sharding
+from zerolm.data.order import SampleOrder, order_of  # noqa: F401  (SampleOrder: where it was)
 from zerolm.data.shards import DataError, Split
 from zerolm.mesh import DP, TP, compute_batch_size, this_host_has_first
 
@@ -37,40 +37,6 @@ def to_accum_layout(rows: np.ndarray, n_devices: int, accum: int, micro: int) ->
     of rows, split into `accum` micro-batches of `micro`."""
     T = rows.shape[-1]
     return rows.reshape(n_devices, accum, micro, T).transpose(1, 0, 2, 3).reshape(accum, n_devices * micro, T)
-
-
-class SampleOrder:
-    """Stream position -> sample id, for one split and seed."""
-
-    def __init__(self, sizes: np.ndarray, seed: int):
-        self.sizes, self.seed = np.asarray(sizes, np.int64), seed
-        self.n = int(self.sizes.sum())
-        self.starts = np.concatenate([[0], np.cumsum(self.sizes)])
-        self._epoch = functools.lru_cache(maxsize=4)(self._epoch_order)
-        self._within = functools.lru_cache(maxsize=16)(self._within_order)
-
-    def _epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        shard_order = np.random.default_rng([self.seed, epoch]).permutation(len(self.sizes))
-        return shard_order, np.concatenate([[0], np.cumsum(self.sizes[shard_order])])
-
-    def _within_order(self, epoch: int, shard: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch, shard]).permutation(int(self.sizes[shard]))
-
-    def ids(self, positions: np.ndarray) -> np.ndarray:
-        positions = np.asarray(positions, np.int64)
-        out = np.empty(len(positions), np.int64)
-        for epoch in np.unique(positions // self.n):
-            sel = positions // self.n == epoch
-            shard_order, bounds = self._epoch(int(epoch))
-            p = positions[sel] % self.n
-            slot = np.searchsorted(bounds, p, side="right") - 1
-            ids = np.empty(len(p), np.int64)
-            for s in np.unique(slot):
-                k = int(shard_order[s])
-                at = slot == s
-                ids[at] = self.starts[k] + self._within(int(epoch), k)[p[at] - bounds[s]]
-            out[sel] = ids
-        return out
 
 
 class BatchLoader:
@@ -84,7 +50,7 @@ class BatchLoader:
         self.G, self.micro = global_batch_size, micro_batch_size
         self.dp, self.tp = mesh.shape[DP], mesh.shape[TP]
         self.accum = global_batch_size // (micro_batch_size * self.dp)
-        self.order = SampleOrder(split.sizes, seed)
+        self.order = order_of(split, seed)
         self.shape = (self.accum, self.dp * self.micro, split.T1)
         self.sharding = sharding.batch(mesh)
         # Staging array with a leading tp axis: device (dp i, tp j) holds slot j of dp block i. Only

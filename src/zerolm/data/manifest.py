@@ -63,6 +63,7 @@ class Manifest:
     skipped: int = 0  # bad records skipped (prepare --skip-bad)
     skipped_first: str = ""
     seconds: float = 0.0
+    units: tuple[str, ...] = ()  # the units' directories (zerolm.data.packing), shards referenced or not
     format: str = FORMAT
 
     @classmethod
@@ -75,8 +76,8 @@ class Manifest:
             splits = {name: SplitInfo(tuple(ShardInfo(**s) for s in split["shards"]), split["samples"], split["tokens"],
                                       split.get("unigram_entropy"))
                       for name, split in data["splits"].items()}
-            fields = {f.name for f in dataclasses.fields(cls)} - {"tokenizer", "splits"}
-            return cls(tokenizer=TokenizerInfo(**data["tokenizer"]), splits=splits,
+            fields = {f.name for f in dataclasses.fields(cls)} - {"tokenizer", "splits", "units"}
+            return cls(tokenizer=TokenizerInfo(**data["tokenizer"]), splits=splits, units=tuple(data.get("units", ())),
                        **{k: v for k, v in data.items() if k in fields})
         except (KeyError, TypeError) as e:
             raise DataError(f"{where}: not a complete manifest ({type(e).__name__}: {e})") from None
@@ -95,13 +96,14 @@ class Manifest:
         return json.dumps(self.to_json(), indent=1)
 
     def files(self) -> list[str]:
-        """Every file of the dataset but the manifest, by name."""
-        return [self.tokenizer.file, *(s.name for split in self.splits.values() for s in split.shards)]
+        """Every file of the dataset but the manifest, by name (a unit's directory by its name)."""
+        return [self.tokenizer.file, *self.units, *(s.name for split in self.splits.values() for s in split.shards)]
 
     def under(self, prefix: str) -> Manifest:
         """The same dataset with its files' names under `prefix` ("build-.../")."""
         return dataclasses.replace(
             self, tokenizer=dataclasses.replace(self.tokenizer, file=prefix + self.tokenizer.file),
+            units=tuple(prefix + u for u in self.units),
             splits={name: dataclasses.replace(split, shards=tuple(dataclasses.replace(s, name=prefix + s.name)
                                                                    for s in split.shards))
                     for name, split in self.splits.items()})

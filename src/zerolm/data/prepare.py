@@ -3,38 +3,47 @@
 Output directory:
     manifest.json        what the shards hold (written last; its presence means "complete")
     tokenizer.json|.tiktoken   the tokenizer, so the dataset is self-contained
-    train-000000.tar ...  webdataset shards; member NNNNNNNNN.npy is one sample of seq_len + 1 tokens
-    val-000000.tar ...
+    unit-00000/train-000000.tar ...  webdataset shards; member NNNNNNNNN.npy is one sample of seq_len + 1 tokens
+    unit-00000/val-000000.tar ...    (and each unit's record, leftovers and token counts)
+    tail/train-000000.tar ...        the units' leftovers, packed
 
-Documents are joined with the end-of-text token and cut into fixed seq_len + 1 samples, so every tar
-member has the same size: local shards can be read row by row. Every `val_every`-th document goes to
-the validation split. A source of fewer than `val_every` documents (one big text file, say) would
-leave that split empty: then the last 1/`val_every` of the training samples (at least one, at most
-one shard's worth) are held out as validation instead, and the manifest says so (`val_rule`).
+The input is packed unit by unit (zerolm.data.packing: a unit is a run of input files of about 256 MiB;
+most sources are one): its documents joined with the end-of-text token and cut into fixed seq_len + 1
+samples, so every tar member has the same size and local shards can be read row by row. Every
+`val_every`-th document of a unit goes to the validation split. A source of fewer than `val_every`
+documents (one big text file, say) would leave that split empty: then the last 1/`val_every` of the
+training samples (at least one, at most one shard's worth) are held out as validation instead, and the
+manifest says so (`val_rule`).
 
 A dataset appears whole or not at all, so a killed prepare never leaves a manifest pointing at missing
 shards, and --overwrite never destroys the old dataset before the new one is complete:
   - locally, it is built in a sibling temporary directory `.<name>.partial-<host>-<pid>` and renamed
     into place at the end;
-  - on gs://, which has no rename, its shards and tokenizer are written under a prefix of their own,
+  - on gs://, which has no rename, its files are written under a prefix of their own,
     `OUT/build-<time>-<host>-<pid>/` (the manifest's file names include it), and the dataset is
     published by writing `OUT/manifest.json`, one object write that GCS makes atomic, last; with
-    --overwrite the old dataset's files are deleted after that.
-A prepare that fails or is interrupted (Ctrl-C, SIGTERM) removes what it wrote; what a `kill -9` left
-is removed by the next prepare of the same output on the same host, once that process is gone.
+    --overwrite the old dataset's files are deleted after that;
+  - in N parts (`part=(I, N)`, one per host), part I packs units I-1, I-1+N, ... into `OUT/parts-of-N/`,
+    which every part shares (so OUT is on storage every host reaches: gs://, or one machine's disk), and
+    whichever part completes the last unit publishes `OUT/manifest.json`. Their settings are in
+    `parts-of-N/settings.json`, written by the first part to start: a part with other settings stops. A
+    unit is complete once its record is written; a part run again skips its complete units and packs
+    the rest again, whole, so no sample is ever written twice or lost. The dataset is the one a single
+    prepare of the same source makes, byte for byte (shards and tokenizer).
+A prepare that fails or is interrupted (Ctrl-C, SIGTERM) removes what it wrote (a part: the unit it was
+packing); what a `kill -9` left is removed by the next prepare of the same output on the same host, once
+that process is gone (a part's: by the part's next run).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import io
+import json
 import os
 import re
 import shutil
 import signal
 import socket
-import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,8 +54,9 @@ from etils import epath
 from tqdm import tqdm
 
 from zerolm import storage
-from zerolm.data import sources
-from zerolm.data.manifest import MANIFEST, SPLITS, DataError, Manifest, ShardInfo, SplitInfo, TokenizerInfo
+from zerolm.data import packing, sources
+from zerolm.data.manifest import FORMAT, MANIFEST, DataError, Manifest, TokenizerInfo
+from zerolm.data.packing import Encoded
 from zerolm.data.sources import Skipped
 from zerolm.data.tokenizer import MIN_BPE_VOCAB, Tokenizer, from_bytes, load_tokenizer
 from zerolm.errors import ZerolmError
@@ -55,136 +65,48 @@ from zerolm.errors import ZerolmError
 BPE_SAMPLE_MB = 100
 
 
-def webdataset():
-    """The webdataset module, imported on first use: importing it imports torch where torch is installed
-    (2.5 s of every process's start, training from local shards included, which never needs it)."""
-    import webdataset as wds
-
-    return wds
-
-
-
 class PrepareError(ZerolmError):
     """A prepare that cannot go ahead; one line naming the path or source at fault."""
 
 
-def unigram_entropy(counts: np.ndarray) -> float:
-    """Entropy in nats/token of a unigram distribution given token counts: the loss of a model that
-    learned nothing about context."""
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())
+def prepare(source: str, out: str | os.PathLike, **settings: Any) -> Manifest:
+    """Prepare `source` into `out` on this machine; returns the manifest (settings: `prepare_part`'s)."""
+    manifest = prepare_part(source, out, **settings)
+    assert manifest is not None  # one part of one: every unit is this process's
+    return manifest
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
-
-
-class _ShardWriter:
-    """Packs a token stream into samples and writes them into tar shards of `per_shard` samples."""
-
-    def __init__(self, directory: epath.Path, split: str, seq_len: int, dtype: np.dtype, per_shard: int,
-                 vocab_size: int):
-        self.directory, self.split, self.T1, self.dtype, self.per_shard = directory, split, seq_len + 1, dtype, per_shard
-        self.counts = np.zeros(vocab_size, np.int64)  # unigram counts, for the entropy baseline
-        self.pending: list[np.ndarray] = []
-        self.pending_len = 0
-        self.shards: list[dict] = []
-        self._tar: Any = None  # the shard being written, and its file
-        self._file: Any = None
-        self._in_shard = 0
-
-    def add(self, tokens: np.ndarray) -> int:
-        """Append a document's tokens (EOT included); returns the number of samples completed."""
-        self.pending.append(tokens)
-        self.pending_len += len(tokens)
-        if self.pending_len < self.T1:
-            return 0
-        stream = np.concatenate(self.pending)
-        n = len(stream) // self.T1
-        rows = stream[: n * self.T1].reshape(n, self.T1)
-        self.counts += np.bincount(rows.reshape(-1), minlength=len(self.counts))
-        for row in rows:
-            self._write(row)
-        rest = stream[n * self.T1:]
-        self.pending, self.pending_len = [rest], len(rest)
-        return n
-
-    def _write(self, row: np.ndarray) -> None:
-        if self._tar is None:
-            name = f"{self.split}-{len(self.shards):06d}.tar"
-            self.shards.append({"name": name, "samples": 0})
-            self._file = (self.directory / name).open("wb")
-            self._tar = webdataset().TarWriter(self._file, mtime=0)  # mtime=0: reproducible bytes
-        self._tar.write({"__key__": f"{self._in_shard:09d}", "npy": row.astype(self.dtype)})
-        self._in_shard += 1
-        self.shards[-1]["samples"] += 1
-        if self._in_shard == self.per_shard:
-            self._close_shard()
-
-    def _close_shard(self) -> None:
-        self._tar.close()
-        self.shards[-1]["bytes"] = self._file.tell()
-        self._file.close()  # TarWriter leaves a stream it was given open
-        self._tar = self._file = None
-        self._in_shard = 0
-
-    def close(self) -> SplitInfo:
-        """The split's manifest entry. The last partial sample (fewer than seq_len + 1 tokens) is dropped."""
-        if self._tar is not None:
-            self._close_shard()
-        samples = sum(s["samples"] for s in self.shards)
-        return SplitInfo(tuple(ShardInfo(**s) for s in self.shards), samples, samples * self.T1,
-                         unigram_entropy(self.counts) if samples else None)
-
-    def take_tail(self, n: int) -> np.ndarray:
-        """Remove the last `n` samples (at most the last two shards) and return them, for a held-out split."""
-        rows: list[np.ndarray] = []
-        while len(rows) < n:
-            last = self.shards[-1]
-            path = self.directory / last["name"]
-            with tarfile.open(fileobj=io.BytesIO(path.read_bytes())) as tar:
-                members = [np.load(io.BytesIO(_member(tar, m))) for m in tar.getmembers()]
-            keep = max(0, len(members) - (n - len(rows)))
-            rows = members[keep:] + rows
-            path.unlink()
-            self.shards.pop()
-            if keep:  # rewrite the shard with the samples it keeps
-                self._in_shard = 0
-                for row in members[:keep]:
-                    self._write(row)
-                self._close_shard()
-        tail = np.stack(rows)
-        self.counts -= np.bincount(tail.reshape(-1).astype(np.int64), minlength=len(self.counts))
-        return tail
-
-
-def _member(tar: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
-    file = tar.extractfile(info)
-    assert file is not None, info.name  # a shard's members are files
-    return file.read()
-
-
-def prepare(source: str, out: str | os.PathLike, *, tokenizer: str = "default", vocab_size: int = 2048,
+def prepare_part(source: str, out: str | os.PathLike, *, tokenizer: str = "default", vocab_size: int = 2048,
             seq_len: int = 2048, text_field: str = "text", tfds_data_dir: str | None = None,
             val_every: int = 50, samples_per_shard: int = 4096, overwrite: bool = False,
             skip_bad: bool = False, progress: bool = True, catch_sigterm: bool = True, workers: int = 1,
-            bpe_sample_mb: int = BPE_SAMPLE_MB) -> Manifest:
-    """Prepare `source` into `out`; returns the manifest.
+            bpe_sample_mb: int = BPE_SAMPLE_MB, part: tuple[int, int] | None = None,
+            unit_mb: int = packing.UNIT_MB) -> Manifest | None:
+    """Prepare `source` into `out`; returns the manifest, or None for a part (`part=(I, N)`) that finished
+    its units while other parts' are still missing.
 
     `workers`: processes that parse and tokenize the source's chunks (1: this process, with the
     tokenizer's own threads); the output is the same byte for byte whatever their number.
     `bpe_sample_mb`: the default BPE's training sample, at most (`bpe_sample`).
+    `unit_mb`: input files are packed in units of about this many MiB as stored (zerolm.data.packing);
+    `part=(I, N)`: pack units I-1, I-1+N, ... of them, as one of N parts (the module's docstring).
     `catch_sigterm=False` leaves SIGTERM to whoever owns it: in a multi-process training run JAX's
     preemption notifier holds it from C++, where Python could neither see nor put it back."""
     _check_numbers(seq_len=seq_len, val_every=val_every, samples_per_shard=samples_per_shard,
                    vocab_size=vocab_size if tokenizer == "default" else None, workers=workers,
-                   bpe_sample_mb=bpe_sample_mb if tokenizer == "default" else None)
-    sources.parse(source)  # an unknown kind, before anything else
+                   bpe_sample_mb=bpe_sample_mb if tokenizer == "default" else None, unit_mb=unit_mb)
+    kind, _ = sources.parse(source)  # an unknown kind, before anything else
+    if part is not None:
+        index, parts = part
+        if not 1 <= index <= parts:
+            raise PrepareError(f"--part: {index}/{parts}: the part must be 1 to {parts}")
+        if kind not in sources.FILE_KINDS and parts > 1:
+            raise PrepareError(f"--part: {source} has no files to share among parts; prepare it in one part")
     if storage.is_remote(out):
         storage.check(out, "--out")
     out = storage.path(out) if storage.is_remote(out) else Path(out)
-    _check_out(out, overwrite)
-    skipped = Skipped() if skip_bad else None
+    _check_out(out, overwrite, parts=part[1] if part else None)
+    units = packing.plan_units(source, unit_mb << 20)
 
     stop = _StopSignals((signal.SIGINT, signal.SIGTERM) if catch_sigterm else (signal.SIGINT,))
 
@@ -200,10 +122,56 @@ def prepare(source: str, out: str | os.PathLike, *, tokenizer: str = "default", 
         else:
             tok = load_tokenizer(tokenizer)
         stop.check()
-        chunks = _checked(sources.chunks(source, text_field=text_field, tfds_data_dir=tfds_data_dir), stop)
-        tokenized = tokenize(chunks, tok, workers, text_field, skipped)
-        return _prepare_into(out, source, tokenized, tok, seq_len, val_every, samples_per_shard, skipped,
-                             progress, stop)
+        settings = {"format": FORMAT, "source": source, "units": units, "tokenizer": tok.identity, "seq_len": seq_len,
+                    "val_every": val_every, "samples_per_shard": samples_per_shard, "text_field": text_field,
+                    "skip_bad": skip_bad, "unit_mb": unit_mb}
+        build: _LocalBuild | _BucketBuild | _PartsBuild
+        if part is not None:
+            build = _PartsBuild(out, part[1], settings)
+        else:
+            build = _BucketBuild(storage.path(out)) if storage.is_remote(out) else _LocalBuild(Path(out))
+        if build.removed and progress:
+            print(f"prepare: removed {', '.join(build.removed)}, left by a prepare that was killed", flush=True)
+        mine = range(len(units)) if part is None else range(part[0] - 1, len(units), part[1])
+        bar = tqdm(desc="prepare", unit="tok", unit_scale=True, disable=not progress, mininterval=0.5)
+        try:
+            with bar, Encoder(tok, workers, text_field) as encoder:
+                for u in mine:
+                    if part is not None and packing.read_unit(build.directory, u) is not None:
+                        continue  # packed by an earlier run of this part
+                    skipped = Skipped() if skip_bad else None
+                    chunks = _checked(sources.chunks(source, text_field=text_field, tfds_data_dir=tfds_data_dir,
+                                                     only=units[u]), stop)
+                    packing.write_unit(build.directory, u, units[u], encoder.encode(chunks, skipped), tok.vocab_size,
+                                       seq_len, val_every, samples_per_shard, skipped, bar.update)
+            stop.check()
+            records = [packing.read_unit(build.directory, u) for u in range(len(units))]
+            complete = [r for r in records if r is not None]
+            if len(complete) < len(units):
+                assert part is not None  # one machine packs every unit
+                return None
+            if isinstance(build, _PartsBuild) and not build.may_finalize():
+                return build.published()  # already published, or another part is publishing it now
+            tok.save(build.directory)
+            manifest = packing.finalize(build.directory, complete, TokenizerInfo(**tok.identity, file=tok.filename),
+                                        seq_len, val_every, samples_per_shard, source)
+            if manifest.splits["train"].samples == 0:
+                raise PrepareError(f"{source}: too little text for one training sample of seq_len + 1 = "
+                                   f"{seq_len + 1} tokens ({manifest.documents} document(s) in {_files_of(source)}); "
+                                   "use a smaller seq_len or more text")
+            manifest = manifest.under(build.prefix)
+            build.publish(manifest.dumps())
+        except BaseException:
+            build.abandon()
+            raise
+        return manifest
+
+
+def missing_units(out: str | os.PathLike, parts: int) -> list[int]:
+    """The units of an N-part prepare into `out` that no part has completed yet ([] once published)."""
+    root = (storage.path(out) if storage.is_remote(out) else Path(out)) / _PartsBuild.name(parts)
+    settings = json.loads((root / SETTINGS).read_text())
+    return [u for u in range(len(settings["units"])) if packing.read_unit(root, u) is None]
 
 
 def bpe_sample(source: str, budget_bytes: int, val_every: int, *, text_field: str = "text",
@@ -239,52 +207,56 @@ def _checked(chunks: Iterator[sources.Chunk], stop: _StopSignals) -> Iterator[so
         yield chunk
 
 
-@dataclasses.dataclass
-class Encoded:
-    """One chunk's documents, tokenized: their tokens end to end, each followed by end-of-text, the
-    length of each (end-of-text included), and the chunk's bad records in order."""
+class Encoder:
+    """Tokenizes a source's chunks in order: in this process (workers = 1, the tokenizer's own threads),
+    or in `workers` processes started once (spawned: a forked child would inherit the tokenizer's threads,
+    and JAX's inside `zerolm train`), with at most two chunks each in flight, taken back in order. A
+    chunk's first bad record raises, unless `skipped` counts them."""
 
-    tokens: np.ndarray
-    lengths: np.ndarray
-    bad: list[sources.SourceError]
+    def __init__(self, tok: Tokenizer, workers: int, text_field: str):
+        self.tok, self.workers, self.text_field = tok, workers, text_field
+        self.pool = None
+        if workers > 1:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
 
+            self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=_worker_init, initargs=(tok.filename, tok.file_bytes, text_field))
 
-def tokenize(chunks: Iterator[sources.Chunk], tok: Tokenizer, workers: int, text_field: str,
-             skipped: Skipped | None) -> Iterator[Encoded]:
-    """Every chunk's documents, tokenized, in the source's order: in this process (workers = 1, the
-    tokenizer's own threads), or in `workers` processes with at most two chunks each in flight, taken
-    back in order. A chunk's first bad record raises, unless `skipped` counts them."""
-    for encoded in _encode_all(chunks, tok, workers, text_field):
-        if encoded.bad and skipped is None:
-            raise encoded.bad[0]
-        for error in encoded.bad:
-            assert skipped is not None
-            skipped.add(str(error))
-        yield encoded
+    def __enter__(self) -> Encoder:
+        return self
 
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
-def _encode_all(chunks: Iterator[sources.Chunk], tok: Tokenizer, workers: int, text_field: str) -> Iterator[Encoded]:
-    if workers == 1:
-        for chunk in chunks:
-            yield _encode(chunk, tok, text_field)
-        return
-    import collections
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    def encode(self, chunks: Iterator[sources.Chunk], skipped: Skipped | None) -> Iterator[Encoded]:
+        for encoded in self._encoded(chunks):
+            if encoded.bad and skipped is None:
+                raise encoded.bad[0]
+            for error in encoded.bad:
+                assert skipped is not None
+                skipped.add(str(error))
+            yield encoded
 
-    # spawn: a forked child would inherit the tokenizer's threads (and JAX's, inside `zerolm train`).
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
-                               initargs=(tok.filename, tok.file_bytes, text_field))
-    pending: collections.deque = collections.deque()
-    try:
-        for chunk in chunks:
-            pending.append(pool.submit(_worker_encode, chunk))
-            if len(pending) >= 2 * workers:
+    def _encoded(self, chunks: Iterator[sources.Chunk]) -> Iterator[Encoded]:
+        if self.pool is None:
+            for chunk in chunks:
+                yield _encode(chunk, self.tok, self.text_field)
+            return
+        import collections
+
+        pending: collections.deque = collections.deque()
+        try:
+            for chunk in chunks:
+                pending.append(self.pool.submit(_worker_encode, chunk))
+                if len(pending) >= 2 * self.workers:
+                    yield pending.popleft().result()
+            while pending:
                 yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        finally:
+            for future in pending:
+                future.cancel()
 
 
 def _encode(chunk: sources.Chunk, tok: Tokenizer, text_field: str) -> Encoded:
@@ -314,31 +286,6 @@ def _worker_encode(chunk: sources.Chunk) -> Encoded:
     return _encode(chunk, _WORKER["tok"], _WORKER["text_field"])
 
 
-def _prepare_into(out: Path | epath.Path, source: str, tokenized: Iterator[Encoded], tok: Tokenizer, seq_len: int,
-                  val_every: int,
-                  samples_per_shard: int, skipped: Skipped | None, progress: bool, stop: _StopSignals) -> Manifest:
-    dtype = token_dtype(tok.vocab_size)
-    build = (_BucketBuild if storage.is_remote(out) else _LocalBuild)(out)
-    if build.removed and progress:
-        print(f"prepare: removed {', '.join(build.removed)}, left by a prepare that was killed", flush=True)
-    try:
-        manifest = _write_splits(build.directory, tokenized, tok, seq_len, dtype, val_every, samples_per_shard,
-                                 progress)
-        stop.check()
-        if manifest.splits["train"].samples == 0:
-            raise PrepareError(f"{source}: too little text for one training sample of seq_len + 1 = {seq_len + 1} "
-                               f"tokens ({manifest.documents} document(s) in {_files_of(source)}); use a smaller "
-                               "seq_len or more text")
-        manifest = dataclasses.replace(manifest, source=source, skipped=skipped.count if skipped else 0,
-                                       skipped_first=skipped.first if skipped else "").under(build.prefix)
-        tok.save(build.directory)
-        build.publish(manifest.dumps())
-    except BaseException:
-        build.abandon()
-        raise
-    return manifest
-
-
 class _LocalBuild:
     """A local dataset is built in a sibling directory and renamed into place."""
 
@@ -361,6 +308,7 @@ class _LocalBuild:
 
 # gs:// builds: OUT/build-<time>-<host>-<pid>/
 _BUILD = re.compile(r"^build-\d{8}T\d{6}-(?P<host>.+)-(?P<pid>\d+)$")
+_PARTS = re.compile(r"^parts-of-\d+$")
 
 
 class _BucketBuild:
@@ -380,13 +328,101 @@ class _BucketBuild:
         self.directory, self.prefix = out / name, f"{name}/"
 
     def publish(self, manifest: str) -> None:
-        old = _dataset_files(self.out) if (self.out / MANIFEST).exists() else set()
-        storage.write_atomic(self.out / MANIFEST, manifest)  # the moment the new dataset appears
-        for name in sorted(old - {MANIFEST, self.prefix.rstrip("/")}):  # --overwrite: the old one goes now
-            storage.remove_tree(self.out / name)
+        _publish_over(self.out, manifest, keep=self.prefix.rstrip("/"))
 
     def abandon(self) -> None:
         storage.remove_tree(self.directory)
+
+
+SETTINGS = "settings.json"
+FINALIZE_LOCK = "finalize.lock"
+FINALIZE_STALE_S = 600.0  # a finalize takes seconds: a lock this old was left by a part that died
+
+
+class _PartsBuild:
+    """One part of an N-part prepare: units go to `OUT/parts-of-N/`, shared by every part; the first part
+    to start writes the settings there, every other part must bring the same."""
+
+    removed: list[str] = []
+
+    @staticmethod
+    def name(parts: int) -> str:
+        return f"parts-of-{parts}"
+
+    def __init__(self, out: Path | epath.Path, parts: int, settings: dict):
+        self.out, self.prefix = out, f"{self.name(parts)}/"
+        self.directory = out / self.name(parts)
+        where = self.directory / SETTINGS
+        mine = json.dumps(settings, indent=1, sort_keys=True)
+        theirs = json.loads(storage.create_once(where, mine))
+        if theirs != json.loads(mine):
+            key = next(k for k in sorted(set(theirs) | set(settings)) if theirs.get(k) != json.loads(mine).get(k))
+            fix = ("prepare into another --out" if self.published() is not None
+                   else f"or remove {self.directory} to start again")
+            raise PrepareError(f"{where}: the parts already there were prepared with {key} = "
+                               f"{_short(theirs.get(key))}, this one with {_short(settings.get(key))}; every part takes "
+                               f"the same source and settings ({fix})")
+
+    def published(self) -> Manifest | None:
+        """The dataset these parts published, if they did."""
+        try:
+            manifest = Manifest.parse((self.out / MANIFEST).read_text(), str(self.out / MANIFEST))
+        except (FileNotFoundError, DataError):
+            return None
+        return manifest if manifest.tokenizer.file.startswith(self.prefix) else None
+
+    def may_finalize(self) -> bool:
+        """Whether this part publishes the dataset: not if it is published already, and only one part at a
+        time (a lock file; one a dead process left, on this host, or older than FINALIZE_STALE_S, is taken
+        over)."""
+        if self.published() is not None:
+            return False
+        lock = self.directory / FINALIZE_LOCK
+        me = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()})
+        for _ in range(2):
+            if storage.create_once(lock, me) == me.encode():
+                self._locked = lock
+                return True
+            try:
+                holder = json.loads(lock.read_text())
+            except (FileNotFoundError, ValueError):
+                continue
+            dead = holder.get("host") == socket.gethostname() and not _alive(int(holder.get("pid", 0)))
+            if not (dead or time.time() - float(holder.get("time", 0)) > FINALIZE_STALE_S):
+                return False
+            storage.remove_tree(lock)
+        return False
+
+    def publish(self, manifest: str) -> None:
+        _publish_over(self.out, manifest, keep=self.prefix.rstrip("/"))
+        self.abandon()
+
+    def abandon(self) -> None:
+        # The unit being packed removed itself; complete ones stay for the next run of this part.
+        if getattr(self, "_locked", None) is not None:
+            storage.remove_tree(self._locked)
+            self._locked = None
+
+
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _publish_over(out, manifest: str, keep: str) -> None:
+    """Write OUT/manifest.json (the moment the dataset appears), then delete what the dataset it replaced
+    held, but `keep`."""
+    old = _dataset_files(out) if (out / MANIFEST).exists() else set()
+    storage.write_atomic(out / MANIFEST, manifest)
+    for name in sorted(old - {MANIFEST, keep}):  # --overwrite: the old one goes now
+        storage.remove_tree(out / name)
+
+
+def _ours(out, parts: int) -> bool:
+    try:
+        return _PartsBuild.name(parts) in _dataset_files(out)
+    except (OSError, DataError):
+        return False
 
 
 def _dataset_files(out) -> set[str]:
@@ -413,16 +449,18 @@ def _files_of(source: str) -> str:
     return ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
 
 
-def _check_out(out: Path | epath.Path, overwrite: bool) -> None:
+def _check_out(out: Path | epath.Path, overwrite: bool, parts: int | None = None) -> None:
     """prepare writes only into a missing or empty directory, or (--overwrite) over an earlier prepared
     dataset that holds nothing else: never over files of the user's. (Builds that a prepare into gs://
     left unfinished are its own files.)"""
     if out.exists() and not out.is_dir():
         raise PrepareError(f"{out}: exists and is not a directory")
     names = {p.name for p in out.iterdir()} if out.exists() else set()
-    names = {n for n in names if not (storage.is_remote(out) and _BUILD.match(n))}
+    names = {n for n in names if not (storage.is_remote(out) and _BUILD.match(n)) and not _PARTS.match(n)}
     if not names:
         return
+    if MANIFEST in names and parts is not None and _ours(out, parts):
+        return  # these parts' own dataset: the settings decide (a part run again after it was published)
     if MANIFEST not in names:
         raise PrepareError(f"{out}: is not empty and holds no prepared dataset ({MANIFEST}); prepare writes only "
                            "into a missing or empty directory: choose another --out")
@@ -501,37 +539,6 @@ class _StopSignals:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-def _write_splits(directory: Path | epath.Path, tokenized: Iterator[Encoded], tok: Tokenizer, seq_len: int, dtype,
-                  val_every: int, per_shard: int, progress: bool) -> Manifest:
-    writers = {s: _ShardWriter(directory, s, seq_len, dtype, per_shard, tok.vocab_size) for s in SPLITS}
-    bar = tqdm(desc="prepare", unit="tok", unit_scale=True, disable=not progress, mininterval=0.5)
-    n_docs = 0
-    start = time.perf_counter()
-    with bar:
-        for encoded in tokenized:
-            # Document i (in the source's order) is validation when i % val_every == val_every - 1.
-            n = len(encoded.lengths)
-            val = np.repeat((n_docs + np.arange(n)) % val_every == val_every - 1, encoded.lengths)
-            writers["train"].add(encoded.tokens[~val])
-            writers["val"].add(encoded.tokens[val])
-            bar.update(len(encoded.tokens))
-            n_docs += n
-    splits = {s: w.close() for s, w in writers.items()}
-    val_rule = f"every {val_every}th document"
-    train_samples = splits["train"].samples
-    if splits["val"].samples == 0 and train_samples >= 2:
-        held = min(max(1, train_samples // val_every), per_shard)
-        writers["val"].pending, writers["val"].pending_len = [], 0  # the val documents' leftover tokens, if any
-        for row in writers["train"].take_tail(held):
-            writers["val"].add(row)
-        splits = {s: w.close() for s, w in writers.items()}
-        val_rule = (f"the last {held} training sample(s), since {n_docs} document(s) are too few for every "
-                    f"{val_every}th document to give a validation sample")
-    return Manifest(seq_len=seq_len, dtype=dtype.name, tokenizer=TokenizerInfo(**tok.identity, file=tok.filename),
-                    splits=splits, documents=n_docs, val_every=val_every, val_rule=val_rule,
-                    seconds=round(time.perf_counter() - start, 3))
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:

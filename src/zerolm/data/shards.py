@@ -92,6 +92,10 @@ class Split:
     def __len__(self) -> int:
         return int(self.starts[-1])
 
+    def head(self, n: int) -> np.ndarray:
+        """The split's first `n` samples (for evaluation)."""
+        return self.read(np.arange(n))
+
     def verify(self) -> None:
         """Every shard of the manifest is present with its recorded size, so that a missing or
         truncated shard stops a run before its first step, not when first read: a stat per shard

@@ -67,7 +67,8 @@ def step_activation_bytes(m: Model, micro: int, tp: int, attention: str, accum_s
       MLP's input, its 4h-wide pre-activation and the tanh-GELU's 4h-wide intermediates;
       XLA's attention adds its T×T probabilities and float32 scores, Pallas's its softmax statistics
       (2·a·s·b·128 float32: the kernel pads a row's max and sum to the TPU's 128 lanes), and once
-      a relayouted copy of the stacked c_attn kernel (L·3h²);
+      a relayouted copy of the stacked c_attn kernel (L·3h²); with model.document_mask, the segment ids
+      (int32 per token; XLA's attention also its T×T mask, a byte per pair);
     - with full remat, each layer's input, plus REBUILT_LAYER·s·b·h for the one layer being rebuilt
       and run backward;
     - the loss: the output layer's float32 gradient as it is summed and the embedding's (2·V·h·4),
@@ -84,6 +85,10 @@ def step_activation_bytes(m: Model, micro: int, tp: int, attention: str, accum_s
     # kernels' (B, H, T, K) operands want, hoisted out of the loops (the buffer assignment of 1_3b on
     # v5p-64: docs/performance-notes.md).
     pallas_once = L * h * 3 * h * e // t if attention == "pallas" else 0
+    # model.document_mask: each layer keeps the int32 segment ids for its attention's backward pass, and
+    # XLA's attention its T×T mask of them (a byte per pair); the scores are computed as before.
+    if m.document_mask:
+        scores += s * b * 4 + (s * s * b if attention == "xla" else 0)
     if m.remat == "none":
         kept = KEPT_PER_LAYER_ONE_MICRO_STEP if accum_steps == 1 else KEPT_PER_LAYER
         layers = L * (kept * sbh * e // t + scores) + pallas_once

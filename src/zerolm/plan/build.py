@@ -70,5 +70,5 @@ def from_config(cfg, dp: int, tp: int) -> tuple[Model, Any]:
                   cfg.model.loss_chunk, "full" if cfg.model.remat == "full" else "none", source=f"config {cfg.name}",
                   param_bytes=2 if cfg.zero.precision == "mixed" else 4,
                   acc_bytes=2 if cfg.zero.accumulate_dtype == "bfloat16" else 4, attention=cfg.model.attention,
-                  attention_block=cfg.model.attention_block)
+                  attention_block=cfg.model.attention_block, document_mask=cfg.model.document_mask)
     return model, states

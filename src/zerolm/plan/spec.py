@@ -46,6 +46,7 @@ class Model:
     acc_bytes: int = 4  # of the gradient accumulator (zero.accumulate_dtype)
     attention: str = "auto"  # model.attention (auto: the device's choice, as zerolm.model.for_device)
     attention_block: int = 512  # model.attention_block
+    document_mask: bool = False  # model.document_mask: segment ids beside each layer's attention
 
     @property
     def flops_params(self) -> int:

@@ -1,0 +1,122 @@
+"""model.document_mask: attention stays inside each document of a packed sample, in every attention (XLA's,
+the blockwise one, Pallas's under its TPU interpreter), so a packed sample's per-token losses and their
+gradients are each document's computed alone."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from conftest import small_config, small_model
+from zerolm import model as gpt_model
+from zerolm.attention import causal_attention
+from zerolm.plan.activations import step_activation_bytes
+
+EOT = 3
+LENGTHS = (21, 30, 13)  # three documents (each ending with EOT) and the start of a fourth: 64 + 1 tokens
+
+
+def _packed(seed=0, vocab=128):
+    """One packed sample of 65 tokens, and where each of its documents starts."""
+    rng = np.random.default_rng(seed)
+    docs = [np.append(rng.integers(4, vocab, n - 1), EOT) for n in LENGTHS]
+    rest = rng.integers(4, vocab, 65 - sum(LENGTHS))
+    return np.concatenate([*docs, rest]).astype(np.int32), np.cumsum((0, *LENGTHS))
+
+
+def test_segments_and_restarted_positions():
+    tokens = jnp.array([[5, 6, EOT, 7, EOT, EOT, 8, 9]])
+    seg, pos = gpt_model.documents(tokens, EOT, restart=True)
+    assert seg.tolist() == [[0, 0, 0, 1, 1, 2, 3, 3]]  # an end-of-text belongs to the document it ends
+    assert pos.tolist() == [[0, 1, 2, 0, 1, 0, 0, 1]]
+    assert gpt_model.documents(tokens, EOT, restart=False)[1].tolist() == [list(range(8))]
+
+
+@pytest.mark.parametrize("attention", ["xla", "blockwise"])
+def test_a_packed_samples_losses_and_gradients_are_each_documents_alone(attention):
+    cfg = small_config("model.seq_len=64", "model.vocab_size=128", "model.n_layer=2", "model.d_model=64",
+                       "model.n_head=4", f"model.attention={attention}", "model.attention_block=16",
+                       "model.loss_chunk=0", "model.document_mask=true", "model.document_positions=restart",
+                       f"model.eot_id={EOT}")
+    model, init_fn, _, _ = small_model(cfg.model)
+    params = init_fn(jax.random.key(0))
+    sample, starts = _packed()
+    losses = lambda p, rows: gpt_model.token_losses(model, p, rows)  # noqa: E731
+    packed = losses(params, jnp.array(sample[None]))[0]
+    total = jax.grad(lambda p: jnp.sum(losses(p, jnp.array(sample[None]))[0][:starts[-1]]))(params)
+    alone_grads = []
+    for a, b in zip(starts[:-1], starts[1:], strict=True):
+        # The document alone at the start of a sample (with the next token as its last target), the rest
+        # of the sample anything: the causal mask keeps the document from seeing it.
+        alone = np.full(65, 9, np.int32)
+        alone[: b - a + 1] = sample[a: b + 1]
+        got = losses(params, jnp.array(alone[None]))[0][: b - a]
+        np.testing.assert_allclose(packed[a:b], got, rtol=2e-5, atol=2e-5)
+        rows = jnp.array(alone[None])
+        alone_grads.append(jax.grad(lambda p, rows=rows, n=b - a: jnp.sum(losses(p, rows)[0][:n]))(params))
+    summed = jax.tree.map(lambda *g: sum(g), *alone_grads)
+    for x, y in zip(jax.tree.leaves(total), jax.tree.leaves(summed), strict=True):
+        np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-6)
+    # The control: without the mask the later documents see the earlier ones.
+    plain = gpt_model.GPT(cfg.model.model_copy(update={"document_mask": False}))
+    unmasked = gpt_model.token_losses(plain, params, jnp.array(sample[None]))[0]
+    assert not np.allclose(unmasked[starts[1]:starts[3]], packed[starts[1]:starts[3]], atol=1e-3)
+
+
+def _qkv_segments(T=256):
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v = (jax.random.normal(kk, (2, T, 2, 64), jnp.float32) for kk in keys[:3])
+    cuts = np.sort(np.random.default_rng(1).choice(np.arange(1, T), 6, replace=False))
+    seg = np.zeros((2, T), np.int32)
+    for c in cuts:
+        seg[0, c:] += 1
+    seg[1, T // 3:] = 1  # a document crossing whole blocks
+    return q, k, v, jnp.array(seg), jax.random.normal(keys[3], q.shape)
+
+
+def _masked_xla(q, k, v, seg):
+    same = seg[:, None, :, None] == seg[:, None, None, :]
+    return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True, implementation="xla")
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "pallas"])
+def test_every_attention_takes_the_segment_ids(impl):
+    """Outputs and gradients as XLA's with the segment mask; Pallas's kernel by its TPU interpreter, inside a
+    dp shard_map as the step runs it."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    q, k, v, seg, w = _qkv_segments()
+    mesh = jax.make_mesh((2,), ("dp",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:2])
+
+    def step(fn):
+        def body(q, k, v, seg, w):
+            def f(q, k, v):
+                y = fn(q, k, v, seg)
+                return jnp.sum(y * w), y
+            (_, y), g = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+            return y, g
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("dp"),) * 5, out_specs=(P("dp"), (P("dp"),) * 3)))
+        return f(*(jax.device_put(x, NamedSharding(mesh, P("dp"))) for x in (q, k, v, seg, w)))
+
+    with pltpu.force_tpu_interpret_mode():
+        y, g = step(lambda q, k, v, seg: causal_attention(q, k, v, impl, 128, seg))
+    y_x, g_x = step(_masked_xla)
+    np.testing.assert_allclose(y, y_x, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g, g_x, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_planner_counts_the_segment_ids():
+    cfg = small_config("model.document_mask=true", f"model.eot_id={EOT}")
+    from zerolm.plan.build import from_config
+
+    model, _ = from_config(cfg, 8, 1)
+    plain = model.__class__(**{**model.__dict__, "document_mask": False})
+    s, b, L = model.seq_len, 2, model.n_layer if model.remat == "none" else 1  # full remat: one layer's
+    for attention, extra in (("blockwise", L * s * b * 4), ("xla", L * (s * b * 4 + s * s * b))):
+        masked = step_activation_bytes(model, b, 1, attention, 2)
+        assert masked - step_activation_bytes(plain, b, 1, attention, 2) == extra

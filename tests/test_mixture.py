@@ -1,0 +1,122 @@
+"""data.mixture: datasets interleaved by weight, deterministic, exactly resumable (kill -9 and resume give
+the same losses), the realised shares logged, and bad mixtures refused in one line."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import runs
+from conftest import REPO, TINY
+from zerolm.data.mixture import BLOCK, MixtureOrder, apportion
+from zerolm.data.order import SampleOrder
+from zerolm.exitcodes import EXIT_USAGE
+
+
+def test_every_block_holds_each_datasets_share():
+    assert apportion([0.7, 0.3], 10).tolist() == [7, 3] and apportion([1, 1, 1], 8).tolist() == [3, 3, 2]
+    assert apportion([2, 1], BLOCK).sum() == BLOCK
+    order = MixtureOrder([0.5, 0.3, 0.2], seed=3, block=64)
+    dataset, local = order.locate(np.arange(64 * 5 + 17))
+    for i, n in enumerate(order.per_block):
+        mine = np.sort(local[dataset == i])
+        # Each dataset's own stream is read in order, nothing skipped, nothing twice.
+        assert mine.tolist() == list(range(len(mine)))
+        assert (dataset[: 64 * 5] == i).sum() == 5 * n
+    assert order.counts(64 * 5 + 17).tolist() == np.bincount(dataset, minlength=3).tolist()
+    again, _ = MixtureOrder([0.5, 0.3, 0.2], seed=3, block=64).locate(np.arange(64 * 5 + 17))
+    assert (again == dataset).all()  # deterministic
+    other, _ = MixtureOrder([0.5, 0.3, 0.2], seed=4, block=64).locate(np.arange(64 * 5 + 17))
+    assert not (other == dataset).all()  # and shuffled by the seed
+    # Any range of positions (a host's rows of a step) gives what the whole stream gives there.
+    d, k = order.locate(np.arange(200, 260))
+    assert (d == dataset[200:260]).all() and (k == local[200:260]).all()
+
+
+def test_a_mixture_of_one_dataset_reads_it_as_a_plain_run_does():
+    from zerolm.data.mixture import MixedOrder
+
+    class Split:  # what MixedOrder reads of a split
+        sizes = np.array([5, 7, 3])
+        name, T1 = "train", 9
+
+        def __len__(self):
+            return 15
+
+    class Mixture:
+        weights, names = [1.0], ["only"]
+
+    from zerolm.data.mixture import MixedSplit
+
+    split = MixedSplit(Mixture(), [Split()])
+    positions = np.arange(40)
+    assert (MixedOrder(split, 11).ids(positions) == SampleOrder(Split.sizes, 11).ids(positions)).all()
+
+
+def _second_dataset(tmp_path, tokenizer, seq_len=32):
+    """A small jsonl corpus prepared with the default dataset's tokenizer: a mixture partner for it."""
+    from zerolm.data.prepare import prepare
+
+    rng = np.random.default_rng(0)
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum".split()
+    docs = tmp_path / "second.jsonl"
+    docs.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, 80))}) + "\n" for _ in range(400)))
+    prepare(f"jsonl:{docs}", tmp_path / "second", tokenizer=str(tokenizer), seq_len=seq_len, progress=False)
+    return tmp_path / "second"
+
+
+@pytest.mark.slow
+def test_a_mixture_trains_resumes_exactly_after_kill_9_and_logs_its_shares(tmp_path):
+    # The default dataset (the first run prepares it into this test's cache) and one of the same tokenizer.
+    from zerolm.data.tokenizer import cache_dir
+
+    runs.train(tmp_path / "first", steps=1)
+    default = next(cache_dir().glob("datasets/kjv-*-seq32"))  # the session's private cache (conftest)
+    second = _second_dataset(tmp_path, default / "tokenizer.json")
+    mixture = f"data.mixture=[{{dataset: {default}, weight: 0.75, name: bible}}, {{dataset: {second}, weight: 0.25}}]"
+    straight = tmp_path / "straight"
+    proc = runs.train(straight, mixture)
+    assert "data: mixture: bible 0.7500 (6144 of every 8192 samples; weight 0.75), second 0.2500 (2048 of every 8192 " \
+           "samples; weight 0.25)" in proc.stdout
+    reference = runs.losses(straight)
+    shares = [json.loads(line) for line in (straight / "log" / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in shares if "mixture_share/bible" in r][-1]
+    assert abs(last["mixture_share/bible"] - 0.75) < 0.1 and abs(last["mixture_share/bible"] + last["mixture_share/second"]
+                                                                  - 1) < 1e-9
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(runs.command(killed, mixture), env=runs.env(), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not (runs.logged_steps(killed) >= 9 and any(p.name.isdigit() for p in (killed / "ckpt").glob("*"))):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    runs.train(killed, mixture)
+    assert runs.losses(killed) == reference
+
+
+@pytest.mark.parametrize("mixture, message", [
+    ("[{dataset: default, weight: 0}]", "data.mixture.0.weight: Input should be greater than 0"),
+    ("[{dataset: default, weight: 1}, {dataset: SECOND, weight: 1}]",
+     "data.mixture[1].dataset: SECOND was prepared with tokenizer "),
+])
+def test_bad_mixtures_are_one_line(tmp_path, mixture, message):
+    from zerolm.data.tokenizer import train_bpe
+
+    tok = tmp_path / "other.json"
+    train_bpe(["some other text entirely"] * 20, 300).save(str(tok))
+    second = _second_dataset(tmp_path, tok, seq_len=128)
+    mixture, message = mixture.replace("SECOND", str(second)), message.replace("SECOND", str(second))
+    proc = subprocess.run([sys.executable, "-m", "zerolm.cli", "train", "--config", str(TINY), "--set",
+                           f"data.mixture={mixture}", "--set", "train.steps=2", "--set", "train.warmup_steps=1",
+                           "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--set", f"logging.dir={tmp_path / 'log'}"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300, env=runs.env(1))
+    assert proc.returncode == EXIT_USAGE, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert not (tmp_path / "ckpt").exists()
