@@ -149,6 +149,22 @@ def parts_run(corpus: Path, tokenizer: Path, out: Path, parts: int) -> dict:
     return {"units": len(units), "one_s": one_s, "parts_s": parts_s, "identical": same}
 
 
+def train_briefly(dataset: Path, run: Path) -> float:
+    """A one-layer model trained 4 steps on `dataset` (seq_len 2048): the last training loss."""
+    import shutil
+
+    shutil.rmtree(run, ignore_errors=True)
+    sets = [f"data.dataset={dataset}", "model.seq_len=2048", "model.n_layer=1", "model.d_model=64", "model.n_head=2",
+            "model.vocab_size=auto", "train.steps=4", "train.warmup_steps=1", "train.global_batch_size=4",
+            "train.micro_batch_size=1", "train.eval_sequences=0", "sample.tokens=0", f"checkpoint.dir={run / 'ckpt'}",
+            f"logging.dir={run / 'log'}", "logging.wandb=disabled"]
+    subprocess.run([sys.executable, "-m", "zerolm.cli", "train", "--config", str(REPO / "configs" / "tiny.yaml"),
+                    *[a for s in sets for a in ("--set", s)]], check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    metrics = [json.loads(line) for line in (run / "log" / "metrics.jsonl").read_text().splitlines()]
+    return [m["loss"] for m in metrics if "loss" in m][-1]
+
+
 def tokenizer_alone(corpus: Path, tokenizer: Path) -> tuple[int, float]:
     """(tokens, seconds) of the tokenizer's own batch encoding of the corpus' documents, in memory."""
     from zerolm.data import sources
@@ -171,18 +187,21 @@ def main() -> None:
     p.add_argument("--parts", type=int, default=2, help="processes preparing the parquet corpus at once (0: skip)")
     p.add_argument("--only-parts", action="store_true",
                    help="step 3 alone (the corpus and tokenizer of an earlier run of steps 1-2)")
+    p.add_argument("--parts-gb", type=float, help="the corpus step 3 converts and prepares (default: the smallest)")
     p.add_argument("--write", type=Path, help="put the table into this markdown file between its markers")
     args = p.parse_args()
     rows, lines = [], []
     if args.only_parts:
-        smallest = generate(args.dir / f"corpus-{min(args.sizes_gb):g}g", min(args.sizes_gb))
-        tok_file = args.dir / f"prepared-{min(args.sizes_gb):g}g" / "tokenizer.json"
-        parted = parts_run(to_parquet(smallest, args.dir / f"parquet-{min(args.sizes_gb):g}g"), tok_file,
-                           args.dir / "parts", args.parts)
-        print(f"| the smallest corpus as parquet, {parted['units']} units of 64 MiB | wall |\n|---|---:|\n"
-              f"| one process (`--workers {args.parts}`) | {parted['one_s']:.0f} s |\n"
-              f"| {args.parts} processes at once (`--part I/{args.parts} --workers 1`) | {parted['parts_s']:.0f} s |\n"
-              f"| the same dataset, file by file | {'yes' if parted['identical'] else 'NO'} |")
+        size = args.parts_gb or min(args.sizes_gb)
+        corpus = generate(args.dir / f"corpus-{size:g}g", size)
+        tok_file = args.dir / f"prepared-{size:g}g" / "tokenizer.json"
+        parted = parts_run(to_parquet(corpus, args.dir / f"parquet-{size:g}g"), tok_file, args.dir / "parts", args.parts)
+        loss = train_briefly(args.dir / "parts" / "parts", args.dir / "parts-run")  # the 2-part dataset
+        print(f"| the {size:g} GiB corpus as parquet, {parted['units']} units of 64 MiB | |\n|---|---:|\n"
+              f"| one process (`--workers {args.parts}`), wall | {parted['one_s']:.0f} s |\n"
+              f"| {args.parts} processes at once (`--part I/{args.parts} --workers 1`), wall | {parted['parts_s']:.0f} s |\n"
+              f"| the same dataset, file by file | {'yes' if parted['identical'] else 'NO'} |\n"
+              f"| a model trained 4 steps on the parts' dataset, last loss | {loss:.3f} |")
         return
     for size in args.sizes_gb:
         corpus = generate(args.dir / f"corpus-{size:g}g", size)

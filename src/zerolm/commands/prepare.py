@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the default BPE trains on at most this many MiB of text, spread over the files "
                         "(default: %(default)s)")
     p.add_argument("--tfds-data-dir", default=None, help="local TFDS data_dir (read offline)")
-    p.add_argument("--val-every", type=int, default=50, help="every Nth document is validation (default: %(default)s)")
+    p.add_argument("--val-every", type=int, default=50,
+                   help="every Nth document (of each unit) is validation (default: %(default)s)")
     p.add_argument("--samples-per-shard", type=int, default=4096, help="samples per tar shard (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
     p.add_argument("--skip-bad", action="store_true", help="count and skip bad records instead of stopping")
