@@ -103,7 +103,7 @@ def test_a_mixture_trains_resumes_exactly_after_kill_9_and_logs_its_shares(tmp_p
 @pytest.mark.parametrize("mixture, message", [
     ("[{dataset: default, weight: 0}]", "data.mixture.0.weight: Input should be greater than 0"),
     ("[{dataset: default, weight: 1}, {dataset: SECOND, weight: 1}]",
-     "data.mixture[1].dataset: SECOND was prepared with tokenizer "),
+     "data.mixture.1.dataset: SECOND was prepared with tokenizer "),
 ])
 def test_bad_mixtures_are_one_line(tmp_path, mixture, message):
     from zerolm.data.tokenizer import train_bpe

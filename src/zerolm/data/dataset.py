@@ -30,13 +30,13 @@ def open_dataset(cfg: Config) -> PreparedDataset | Mixture:
         return _open(cfg, cfg.data.dataset, "data.dataset")
     datasets, names = [], []
     for i, entry in enumerate(cfg.data.mixture):
-        key = f"data.mixture[{i}].dataset"
+        key = f"data.mixture.{i}.dataset"
         datasets.append(_open(cfg, entry.dataset, key))
         names.append(entry.name or str(entry.dataset).rstrip("/").rsplit("/", 1)[-1])
         first, this = datasets[0].manifest.tokenizer, datasets[-1].manifest.tokenizer
         if this.sha256 != first.sha256:
             raise ConfigError(f"{key}: {entry.dataset} was prepared with tokenizer {this.name} (sha256 "
-                              f"{this.sha256[:12]}), data.mixture[0].dataset with {first.name} (sha256 "
+                              f"{this.sha256[:12]}), data.mixture.0.dataset with {first.name} (sha256 "
                               f"{first.sha256[:12]}): a mixture's datasets share one tokenizer")
     if len(set(names)) < len(names):
         raise ConfigError(f"data.mixture: two datasets are named {sorted(n for n in names if names.count(n) > 1)[0]!r}; "
