@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from markdown_block import write_block
+
 VARIANTS = {"plain packing": ["model.document_mask=false"],
             "document mask": ["model.document_mask=true", "model.document_positions=continue"],
             "document mask, positions restart": ["model.document_mask=true", "model.document_positions=restart"]}
@@ -60,11 +62,7 @@ def main() -> None:
                      f"{val[-1] if val else float('nan'):.3f} | {speed:,.0f} |")
         print(lines[-1], flush=True)
     if args.write:
-        text = args.write.read_text()
-        block = f"{BEGIN}\n" + "\n".join(lines) + f"\n{END}"
-        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S) \
-            if BEGIN in text else text.rstrip("\n") + "\n\n" + block + "\n"
-        args.write.write_text(text)
+        write_block(args.write, BEGIN, END, lines)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from markdown_block import write_block  # noqa: E402
 from zerolm import advice as zerolm_advice  # noqa: E402
 from zerolm import aot  # noqa: E402
 from zerolm.commands import plan as commands_plan  # noqa: E402
@@ -111,14 +111,6 @@ def advice(cache: Path, config: str, target: str) -> tuple[str, list[str]]:
     row = (f"| {config} | {target} | {cfg.dp} | {per_rank} | {remat} | {attention} | "
            f"{a if a is not None else 'none'} | {largest if largest is not None else 'none'} | {cells} | {verdict} |")
     return row, problems
-
-
-def write_block(path: Path, begin: str, end: str, lines: list[str]) -> None:
-    text = path.read_text()
-    block = f"{begin}\n" + "\n".join(lines) + f"\n{end}"
-    text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S) \
-        if begin in text else text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
 
 
 def main() -> None:

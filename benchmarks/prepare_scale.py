@@ -35,6 +35,8 @@ import numpy as np
 import psutil
 import zstandard
 
+from markdown_block import write_block
+
 REPO = Path(__file__).resolve().parents[1]
 FILE_BYTES = 128 << 20
 BEGIN, END = "<!-- prepare_scale:begin -->", "<!-- prepare_scale:end -->"
@@ -239,11 +241,7 @@ def main() -> None:
                   f"| the same dataset, file by file | {'yes' if parted['identical'] else 'NO'} |"]
     print("\n".join(lines))
     if args.write:
-        text = args.write.read_text()
-        block = f"{BEGIN}\n" + "\n".join(lines) + f"\n{END}"
-        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S) \
-            if BEGIN in text else text.rstrip("\n") + "\n\n" + block + "\n"
-        args.write.write_text(text)
+        write_block(args.write, BEGIN, END, lines)
 
 
 if __name__ == "__main__":

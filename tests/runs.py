@@ -99,3 +99,17 @@ def zerolm(*args, expect=0, devices=8, timeout=300, **env_extra):
                           capture_output=True, text=True, timeout=timeout, cwd=REPO)
     assert proc.returncode == expect, (proc.stdout[-2000:], proc.stderr[-3000:])
     return proc
+
+
+def kill_9_after(run_dir, *extra_sets, steps_logged=9):
+    """Start a run, kill -9 it once `steps_logged` steps are logged and a checkpoint is committed."""
+    import signal
+
+    proc = subprocess.Popen(command(run_dir, *extra_sets), env=env(), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not (logged_steps(run_dir) >= steps_logged and any(p.name.isdigit() for p in (run_dir / "ckpt").glob("*"))):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()

@@ -2,10 +2,8 @@
 the same losses), the realised shares logged, and bad mixtures refused in one line."""
 
 import json
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -88,14 +86,7 @@ def test_a_mixture_trains_resumes_exactly_after_kill_9_and_logs_its_shares(tmp_p
     assert abs(last["mixture_share/bible"] - 0.75) < 0.1 and abs(last["mixture_share/bible"] + last["mixture_share/second"]
                                                                   - 1) < 1e-9
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(runs.command(killed, mixture), env=runs.env(), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while not (runs.logged_steps(killed) >= 9 and any(p.name.isdigit() for p in (killed / "ckpt").glob("*"))):
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    runs.kill_9_after(killed, mixture)
     runs.train(killed, mixture)
     assert runs.losses(killed) == reference
 
