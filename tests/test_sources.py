@@ -130,13 +130,26 @@ def test_bpe_sample_is_bounded_spread_over_files_and_leaves_validation_out(tmp_p
     assert prep.bpe_sample(spec, 10**9, val_every=5) == [d for docs in per_file for i, d in enumerate(docs) if i % 5 != 4]
 
 
-def test_bounded_sample_changes_the_tokenizer_only_past_the_budget(tmp_path):
-    """A budget larger than the corpus trains on all of it (the default corpus' tokenizer is unchanged)."""
-    _corpus(tmp_path, files=2, per_file=100)
-    spec = f"jsonl:{tmp_path}/jsonl/*.jsonl"
-    a = prep.prepare(spec, tmp_path / "a", seq_len=32, vocab_size=300, progress=False)
-    b = prep.prepare(spec, tmp_path / "b", seq_len=32, vocab_size=300, progress=False, bpe_sample_mb=1)
-    assert a.tokenizer.sha256 == b.tokenizer.sha256
+def test_prepare_trains_the_bpe_on_the_bounded_sample(tmp_path, monkeypatch):
+    """Past the budget (--bpe-sample-mb 1 against 1.6 MiB of text in 3 files) the BPE gets each file's first
+    training documents up to a third of a MiB, not the corpus; under it (the default 100), all of them."""
+    d = tmp_path / "big"
+    d.mkdir()
+    per_file = [_texts(2400, seed=i) for i in range(3)]  # about 0.55 MiB of text each
+    for i, docs in enumerate(per_file):
+        (d / f"{i}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    trained_on = []
+    real = prep.load_tokenizer
+    monkeypatch.setattr(prep, "load_tokenizer", lambda spec, vocab=2048, texts=(): (trained_on.append(list(texts)),
+                                                                                    real(spec, vocab, texts))[1])
+    for budget in (1, 100):
+        prep.prepare(f"jsonl:{d}/*.jsonl", tmp_path / f"out-{budget}", seq_len=32, vocab_size=300, progress=False,
+                     bpe_sample_mb=budget)
+    bounded, whole = trained_on
+    assert bounded == prep.bpe_sample(f"jsonl:{d}/*.jsonl", 2**20, val_every=50)
+    assert 2**20 <= sum(map(len, bounded)) < 2**20 + 3 * 1000
+    assert whole == [t for docs in per_file for i, t in enumerate(docs) if i % 50 != 49]
+    assert sum(map(len, whole)) > 1.5 * 2**20
 
 
 def _cli(*args, expect=0):

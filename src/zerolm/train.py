@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
+from typing import Any
 
 import jax
 from jax.experimental import multihost_utils
@@ -24,7 +25,7 @@ from zerolm.config import Config
 from zerolm.data.dataset import dataset_identity, open_dataset, resolve_vocab
 from zerolm.data.loader import BatchLoader
 from zerolm.data.mixture import BLOCK as MIXTURE_BLOCK
-from zerolm.data.mixture import Mixture
+from zerolm.data.mixture import MixedOrder, Mixture
 from zerolm.data.tokenizer import Tokenizer
 from zerolm.evaluate import make_evaluator
 from zerolm.mesh import exit_peer_lost, is_first_host, is_peer_failure, make_mesh, on_process_0
@@ -239,7 +240,7 @@ class _Loop:
         emitter = StepMetrics(writer, bar, summary, self.tokens_per_step, self.accounting, cfg.logging.every,
                            cfg.train.max_consecutive_skips if cfg.train.skip_nonfinite else None)
         batches = loader.batches(start_step=start, prefetch=cfg.data.prefetch)
-        shares = getattr(loader.order, "shares", None)
+        shares = loader.order.shares if isinstance(loader.order, MixedOrder) else None
         profiler = Profiler(cfg.logging.profile_steps, start, cfg.train.steps, cfg.log_dir / "profile", bar, self.out)
         try:
             for step in range(start + 1, cfg.train.steps + 1):
@@ -252,8 +253,9 @@ class _Loop:
                 if cfg.data.skip_bad_samples:
                     metrics = {**metrics, "bad_samples": self.train_split.bad_samples}
                 if shares is not None:  # the mixture as realised: each dataset's share of the samples so far
-                    metrics = {**metrics, **{f"mixture_share/{name}": share for name, share in
-                                             shares(step * cfg.train.global_batch_size).items()}}
+                    realised: dict[str, Any] = {f"mixture_share/{name}": share for name, share in
+                                                shares(step * cfg.train.global_batch_size).items()}
+                    metrics = {**metrics, **realised}
                 emitter.push(step, metrics, waited)  # emits the previous step's metrics: one step behind
                 stop = preemption.reached(step)
                 last = step == cfg.train.steps

@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from zerolm import sharding
-from zerolm.data.order import SampleOrder, order_of  # noqa: F401  (SampleOrder: where it was)
+from zerolm.data.order import SampleOrder  # noqa: F401  (where it was)
 from zerolm.data.shards import DataError, Split
 from zerolm.mesh import DP, TP, compute_batch_size, this_host_has_first
 
@@ -50,7 +50,7 @@ class BatchLoader:
         self.G, self.micro = global_batch_size, micro_batch_size
         self.dp, self.tp = mesh.shape[DP], mesh.shape[TP]
         self.accum = global_batch_size // (micro_batch_size * self.dp)
-        self.order = order_of(split, seed)
+        self.order = split.order(seed)
         self.shape = (self.accum, self.dp * self.micro, split.T1)
         self.sharding = sharding.batch(mesh)
         # Staging array with a leading tp axis: device (dp i, tp j) holds slot j of dp block i. Only

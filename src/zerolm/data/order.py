@@ -1,4 +1,5 @@
-"""Stream position -> sample id: the order a run reads a split (or a mixture of splits) in.
+"""Stream position -> sample id: the order a run reads a split in (`Split.order`; a mixture has its own,
+zerolm.data.mixture.MixedOrder).
 
 Epoch e visits the shards in a seeded permutation of (seed, e), and each shard's samples in a seeded
 permutation of (seed, e, shard). No shuffle buffer holds state, so the sample at stream position p is a
@@ -45,8 +46,3 @@ class SampleOrder:
             out[sel] = ids
         return out
 
-
-def order_of(split, seed: int):
-    """The order of a split (SampleOrder) or of a mixture (zerolm.data.mixture.MixedSplit's own)."""
-    own = getattr(split, "order", None)
-    return own(seed) if callable(own) else SampleOrder(split.sizes, seed)

@@ -232,11 +232,7 @@ class Encoder:
 
     def encode(self, chunks: Iterator[sources.Chunk], skipped: Skipped | None) -> Iterator[Encoded]:
         for encoded in self._encoded(chunks):
-            if encoded.bad and skipped is None:
-                raise encoded.bad[0]
-            for error in encoded.bad:
-                assert skipped is not None
-                skipped.add(str(error))
+            sources.reject(encoded.bad, skipped)
             yield encoded
 
     def _encoded(self, chunks: Iterator[sources.Chunk]) -> Iterator[Encoded]:

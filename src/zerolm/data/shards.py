@@ -21,6 +21,7 @@ import numpy as np
 
 from zerolm import storage
 from zerolm.data.manifest import MANIFEST, DataError, Manifest, ShardInfo
+from zerolm.data.order import SampleOrder
 from zerolm.data.tokenizer import Tokenizer, cache_dir, from_file
 
 
@@ -91,6 +92,10 @@ class Split:
 
     def __len__(self) -> int:
         return int(self.starts[-1])
+
+    def order(self, seed: int) -> SampleOrder:
+        """The order a run reads this split in (zerolm.data.order)."""
+        return SampleOrder(self.sizes, seed)
 
     def head(self, n: int) -> np.ndarray:
         """The split's first `n` samples (for evaluation)."""

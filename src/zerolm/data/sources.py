@@ -155,11 +155,18 @@ def accept(docs: Sequence[D | SourceError], skipped: Skipped | None) -> Iterator
     """The documents (or their tokens) of `docs`; its first bad record raises, unless `skipped` counts them."""
     for d in docs:
         if isinstance(d, SourceError):
-            if skipped is None:
-                raise d
-            skipped.add(str(d))
+            reject([d], skipped)
         else:
             yield d
+
+
+def reject(errors: Sequence[SourceError], skipped: Skipped | None) -> None:
+    """Bad records: the first raises, unless `skipped` counts them all."""
+    if errors and skipped is None:
+        raise errors[0]
+    for error in errors:
+        assert skipped is not None
+        skipped.add(str(error))
 
 
 def _doc_chunks(spec: str, docs: Iterator[str]) -> Iterator[Chunk]:
