@@ -1,13 +1,16 @@
 """Document-masked packing against plain packing: the loss curves and tokens per second of the same run.
 
     python benchmarks/document_mask.py [--config configs/tiny.yaml] [--steps 300] [--set K=V ...] [--write BENCHMARKS.md]
+                                       [--marker document_mask]
 
 Trains the same config (same seed, same data: the default corpus, whose documents are the Bible's
 chapters) three times through `zerolm train`: without the mask; with model.document_mask (attention
 inside each document, positions continuing); with it and positions restarting per document. Prints
 per variant the training loss at a few steps, the mean over the last tenth of the run, the final
 validation loss (each variant evaluated as it trains: masked variants see shorter contexts) and the
-median tokens per second over the second half of the run.
+median tokens per second over the second half of the run, and (GPU, TPU) the peak device memory. The
+attention each variant ran is the run header's. `--marker` names the table's markers in the written file
+(one table per machine). JAX_PLATFORMS defaults to cpu; set it (cuda, tpu) to run on an accelerator.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from markdown_block import write_block
 VARIANTS = {"plain packing": ["model.document_mask=false"],
             "document mask": ["model.document_mask=true", "model.document_positions=continue"],
             "document mask, positions restart": ["model.document_mask=true", "model.document_positions=restart"]}
-BEGIN, END = "<!-- document_mask:begin -->", "<!-- document_mask:end -->"
 
 
 def run(config: str, sets: list[str], out: Path) -> tuple[list[dict], str]:
@@ -46,10 +48,12 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="K=V")
     p.add_argument("--out", type=Path, default=Path("runs/document_mask"))
     p.add_argument("--write", type=Path, help="put the table into this markdown file between its markers")
+    p.add_argument("--marker", default="document_mask", help="the markers' name: <!-- NAME:begin -->")
     args = p.parse_args()
-    at = [s for s in (1, args.steps // 4, args.steps // 2, args.steps) if s >= 1]
-    lines = [f"| variant | {' | '.join(f'loss at {s}' for s in at)} | mean loss, last tenth | val loss | tokens/s |",
-             "|---|" + "---:|" * (len(at) + 3)]
+    at = sorted({s for s in (1, args.steps // 4, args.steps // 2, args.steps) if s >= 1})
+    lines = [f"| variant | attention | {' | '.join(f'loss at {s}' for s in at)} | mean loss, last tenth | val loss "
+             "| tokens/s | peak GiB |",
+             "|---|---|" + "---:|" * (len(at) + 4)]
     for name, sets in VARIANTS.items():
         metrics, stdout = run(args.config, [f"train.steps={args.steps}", *args.set, *sets],
                               args.out / re.sub(r"\W+", "-", name))
@@ -58,11 +62,15 @@ def main() -> None:
         tail = [m["loss"] for m in train if m["step"] > args.steps * 0.9]
         val = [m["val_loss"] for m in metrics if "val_loss" in m]
         speed = statistics.median(m["tokens_per_s"] for m in train if m["step"] > args.steps // 2)
-        lines.append(f"| {name} | {' | '.join(f'{by_step[s]:.3f}' for s in at)} | {statistics.mean(tail):.3f} | "
-                     f"{val[-1] if val else float('nan'):.3f} | {speed:,.0f} |")
+        peaks = [m["device_peak_bytes"] for m in train if m.get("device_peak_bytes")]
+        attention = re.search(r"attention (\w+)", stdout)
+        lines.append(f"| {name} | {attention.group(1) if attention else '?'} | "
+                     f"{' | '.join(f'{by_step[s]:.3f}' for s in at)} | {statistics.mean(tail):.3f} | "
+                     f"{val[-1] if val else float('nan'):.3f} | {speed:,.0f} | "
+                     f"{f'{max(peaks) / 2**30:.2f}' if peaks else '-'} |")
         print(lines[-1], flush=True)
     if args.write:
-        write_block(args.write, BEGIN, END, lines)
+        write_block(args.write, f"<!-- {args.marker}:begin -->", f"<!-- {args.marker}:end -->", lines)
 
 
 if __name__ == "__main__":

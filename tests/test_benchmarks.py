@@ -39,3 +39,23 @@ def test_torch_baseline_trains_the_config_shape_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["tokens_per_s"] > 0 and result["mfu"] is None and 6 < result["loss"] < 9  # ~ln(2048) at init
+
+
+def test_attention_mask_benchmark_checks_every_implementation_it_runs(tmp_path):
+    """benchmarks/attention_mask.py on CPU (XLA's and the blockwise attention; cuDNN's on a GPU): the masked
+    rows agree with the float32 reference, the unmasked ones are timed."""
+    import json
+
+    out = tmp_path / "attn.jsonl"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "attention_mask.py"), "--batch", "2",
+                           "--seq-len", "256", "--heads", "2", "--head-dim", "32", "--docs", "4", "--repeat", "2",
+                           "--json", str(out)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["implementation"], r["mask"]) for r in rows] == [("xla", True), ("xla", False), ("blockwise", True),
+                                                                ("blockwise", False)]
+    for r in rows:
+        assert "error" not in r and r["ms"] > 0 and not r["cudnn_fmha"]
+        if r["mask"]:
+            assert max(r["errors"]) < 0.02, r  # bfloat16 inputs against float32

@@ -117,7 +117,9 @@ def test_the_planner_counts_the_segment_ids():
     model, _ = from_config(cfg, 8, 1)
     plain = model.__class__(**{**model.__dict__, "document_mask": False})
     s, b, L = model.seq_len, 2, model.n_layer if model.remat == "none" else 1  # full remat: one layer's
-    for attention, extra in (("blockwise", L * s * b * 4), ("xla", L * (s * b * 4 + s * s * b))):
+    e = model.act_bytes
+    for attention, extra in (("blockwise", L * s * b * 4), ("xla", L * (s * b * 4 + s * s * b)),
+                             ("cudnn", L * s * b * 4 + s * s * b * e)):
         masked = step_activation_bytes(model, b, 1, attention, 2)
         assert masked - step_activation_bytes(plain, b, 1, attention, 2) == extra
 
