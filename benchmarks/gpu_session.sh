@@ -3,13 +3,15 @@
 #
 #   bash benchmarks/gpu_session.sh PART [OUT_DIR]
 #
-# PART: a = 125m (two micro-batches, profile, cold/warm compilation cache, ZeRO-1 vs naive) and
-#           PyTorch 125m at the same batch;
-#       b = 1_3b (ZeRO-1 vs naive) and PyTorch 1_3b at the same batch;
-#       c = 350m and 760m, then XLA GPU flags one at a time on 125m.
+# PART: a = 125m (profile, cold/warm compilation cache, ZeRO-1 vs naive) and PyTorch 125m at micro-batch
+#           16 and 32;
+#       b = 1_3b (full remat at 8, dots_attention at 4; ZeRO-1 vs naive) and PyTorch 1_3b at 8;
+#       c = 350m and 760m (no remat and full remat), then XLA GPU flags one at a time on 125m.
+# The candidates are what fits an 80 GB H100 (measured 2026-11-24: 125m at 32 without remat, 1_3b at 8
+# without remat and 350m/760m at 16 without remat ran out of memory; BENCHMARKS.md "H100").
 # Results go to OUT_DIR (default: $OUT, else runs/gpu): JSON lines, markdown tables, the profile
 # summary and the whole log. Python packages the machine lacks are installed from .whl/ when present
-# (see the device notes in docs/performance-notes.md).
+# (benchmarks/gpu_env.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:?usage: gpu_session.sh a|b|c [OUT_DIR]}
@@ -17,21 +19,7 @@ out=${2:-${OUT:-runs/gpu}}
 mkdir -p "$out"
 exec > >(tee -a "$out/log-$part.txt") 2>&1
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  # zerolm's tested flax/optax/orbax, only where the image's are older
-  python3 - <<'EOF' >/tmp/older.txt
-import importlib.metadata as md
-from packaging.version import Version
-need = {"flax": "0.12.8", "optax": "0.2.8", "orbax-checkpoint": "0.12.8"}
-print(" ".join(n for n, v in need.items() if Version(md.version(n)) < Version(v)))
-EOF
-  for name in $(cat /tmp/older.txt); do
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/opt/"${name//-/_}"-*.whl
-  done
-fi
-export PYTHONPATH="$PWD/src:/tmp/site" WANDB_MODE=disabled ZEROLM_CACHE=/tmp/zerolm-cache PYTHONUNBUFFERED=1
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
 python3 -c 'import jax, flax, optax, orbax.checkpoint as o, torch; print("jax", jax.__version__, "flax", flax.__version__,
   "optax", optax.__version__, "orbax", o.__version__, "torch", torch.__version__, jax.devices())'
@@ -51,7 +39,7 @@ torch_run() {  # CONFIG MICRO
 
 case $part in
   a)
-    mfu 125m 125m --candidates none:16 none:32 --steps 25 --warmup 5 --profile 21-23 --repeat-best
+    mfu 125m 125m --candidates none:16 --steps 25 --warmup 5 --profile 21-23 --repeat-best
     for d in "$work"/125m/125m-none-*; do
       [ -d "$d/log/profile" ] && python3 benchmarks/profile_summary.py "$d/log/profile" | tee -a "$out/profile-$part.txt"
     done
@@ -59,14 +47,14 @@ case $part in
     torch_run 125m 32
     ;;
   b)
-    mfu 1_3b 1_3b --candidates none:8 --steps 20 --warmup 5 --profile 17-18
-    d=$(ls -d "$work"/1_3b/1_3b-none-8 2>/dev/null)
+    mfu 1_3b 1_3b --candidates full:8 dots_attention:4 --steps 20 --warmup 5 --profile 17-18
+    d=$(ls -d "$work"/1_3b/1_3b-full-8 2>/dev/null)
     [ -n "$d" ] && python3 benchmarks/profile_summary.py "$d/log/profile" | tee -a "$out/profile-$part.txt"
     torch_run 1_3b 8
     ;;
   c)
-    mfu 350m 350m --candidates none:16 --steps 20 --warmup 5 --no-structure
-    mfu 760m 760m --candidates none:16 --steps 20 --warmup 5 --no-structure
+    mfu 350m 350m --candidates full:32 none:8 --steps 12 --warmup 4 --no-structure
+    mfu 760m 760m --candidates full:16 none:4 --steps 12 --warmup 4 --no-structure
     for flag in --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_latency_hiding_scheduler=true \
                 --xla_gpu_enable_command_buffer= --xla_gpu_enable_while_loop_double_buffering=true; do
       XLA_FLAGS="$flag" mfu 125m "flag${flag//[^a-z]/}" --candidates none:16 --steps 15 --warmup 4 --no-structure

@@ -48,6 +48,7 @@ import numpy as np  # noqa: E402
 from zerolm import model as gpt_model  # noqa: E402
 from zerolm.config import load_config  # noqa: E402
 from zerolm.data.loader import to_accum_layout  # noqa: E402
+from zerolm.hardware import memory_limit  # noqa: E402
 from zerolm.mesh import make_mesh  # noqa: E402
 from zerolm.mfu import flops_per_token, mfu, peak_for  # noqa: E402
 from zerolm.naive import naive_data_parallel_step  # noqa: E402
@@ -61,11 +62,6 @@ def memory_of(compiled) -> int:
     ma = compiled.memory_analysis()
     return 0 if ma is None else (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
                                  - ma.alias_size_in_bytes)
-
-
-def device_memory() -> int | None:
-    stats = jax.local_devices()[0].memory_stats()
-    return stats.get("bytes_limit") if stats else None
 
 
 def overrides(args, micro: int, remat: str) -> list[str]:
@@ -82,7 +78,7 @@ def load(args, config: str, micro: int, remat: str):
 
 def search(args, config: str) -> list[dict]:
     """Per remat policy, the largest micro-batch whose gradient program fits (compiled, not run)."""
-    limit = device_memory()
+    limit = memory_limit(jax.local_devices()[0])
     kept = []
     for remat in args.remat:
         best = None

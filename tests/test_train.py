@@ -148,6 +148,20 @@ def test_seq_len_longer_than_the_default_corpus_is_one_line(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+def test_a_step_the_device_cannot_hold_is_one_line_and_exit_2(tmp_path):
+    """A model whose parameters alone are 4 TiB: XLA's allocation fails on the device (RESOURCE_EXHAUSTED, here
+    the CPU's; a GPU's as it runs, a TPU's as it compiles) and the run stops with one line naming the keys that
+    size the step, before it writes a checkpoint or a metric."""
+    proc = runs.train(tmp_path, "model.vocab_size=268435456", "model.d_model=4096", "model.n_head=32",
+                      "model.n_layer=1", steps=4, devices=1, expect=2)
+    assert proc.stderr.strip().startswith("error: the training step does not fit in device memory (the device ran "
+                                          "out: Out of memory allocating 4398046511104 bytes); lower "
+                                          "train.micro_batch_size (now 1), recompute more (model.remat, now none"), \
+        proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not list((tmp_path / "ckpt").glob("[0-9]*")) and not (tmp_path / "log" / "metrics.jsonl").exists()
+
+
 @pytest.mark.parametrize("after_s", [1.0, 2.5])
 def test_ctrl_c_while_starting_is_one_line_and_130(tmp_path, after_s):
     """Ctrl-C while JAX and the rest are imported or the step compiles: one line, exit 130, never a traceback

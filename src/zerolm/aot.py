@@ -6,9 +6,8 @@ abstract inputs and shardings on them and compiled. What comes back is the compi
 
 - per program, per device: argument, output, temporary and aliased bytes (`memory_analysis()`);
 - the step's **peak** per device: for each program, arguments + outputs + temporaries − aliased, plus
-  what lives outside that program while it runs: the optimizer state during `grad`; the optimizer
-  state and `grad`'s output (the gradient) during `reshard`; the old replicated parameters during
-  `update` (it takes only their dp-sharded view). The peak is the largest of the three;
+  what lives outside that program while it runs (`zerolm.step.CompiledStep.memory`, the rule a run
+  checks on its own device too). The peak is the largest of the three;
 - the usable HBM per device, as the compiler states it when a program exceeds it (measured by
   compiling one program too large for any TPU: 15.48 GiB on a v3 core, 30.75 GiB on a v4 chip);
 - the collectives of each program (zerolm.comms), in or out of loops.
@@ -36,7 +35,7 @@ from zerolm.hardware import TPU_TYPES, grid
 from zerolm.mesh import make_mesh
 from zerolm.plan.traffic import Prediction, step_predictions
 from zerolm.sharding import shard_bytes
-from zerolm.step import build_step, compile_step
+from zerolm.step import build_step, compile_step, live_outside
 
 
 class TargetError(ZerolmError):
@@ -131,36 +130,26 @@ def usable_bytes(device) -> int:
                               "it states no memory limit to check against")
 
 
-def _memory(compiled) -> dict:
-    m = compiled.memory_analysis()
-    return {"argument_bytes": int(m.argument_size_in_bytes), "output_bytes": int(m.output_size_in_bytes),
-            "temp_bytes": int(m.temp_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes)}
-
-
 def compile_for(cfg: Config, target: Target, devices: list) -> CompileReport:
     """Compile `cfg`'s step (vocab resolved, mesh dp × tp = the slice's devices) for `target`."""
     mesh = make_mesh(cfg.dp, cfg.mesh.tp, devices)
     model, zero, _ = build_step(cfg, mesh)
     micro, seq, accum = cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps
-    x = zero.inputs(micro, seq, accum)
-    grads = x.params if cfg.zero.grad_reduce == "all_reduce" else x.views  # grad's output, by its reduction
-    outside = {"grad": shard_bytes(x.opt_state), "reshard": shard_bytes(x.opt_state) + shard_bytes(grads),
-               "update": shard_bytes(x.params)}
     compiled = compile_step(zero, micro, seq, accum, keep_refusals=True)
+    memory = compiled.memory(zero, micro, seq, accum)
+    outside = live_outside(zero, micro, seq, accum)
     report_programs: dict[str, dict[str, Any]] = {}
     for name, (_, args) in zero.programs(micro, seq, accum).items():
-        row: dict[str, Any] = {"live_outside_bytes": outside[name], "error": None}
+        row: dict[str, Any] = {"error": None}
         if name in compiled.executables:
-            row.update(_memory(compiled.executables[name]))
-            row["peak_bytes"] = (row["argument_bytes"] + row["output_bytes"] + row["temp_bytes"]
-                                 - row["alias_bytes"] + outside[name])
+            row.update(memory[name])
         else:  # the compiler's refusal of a program too large is the answer, not a crash
             refusal = compiled.refused[name]
             temps = _TEMPS.search(refusal)
             if temps is None:
                 raise RuntimeError(refusal)
             row.update(argument_bytes=shard_bytes(args), output_bytes=None, temp_bytes=_bytes(temps),
-                       alias_bytes=None, error=refusal.splitlines()[0].strip())
+                       alias_bytes=None, live_outside_bytes=outside[name], error=refusal.splitlines()[0].strip())
             row["peak_bytes"] = row["argument_bytes"] + row["temp_bytes"] + outside[name]  # at least
         row["compile_s"] = round(compiled.seconds[name], 2)
         report_programs[name] = row

@@ -6,7 +6,8 @@ on them and on nothing else).
 """
 
 EXIT_OK = 0
-EXIT_USAGE = 2  # bad input: a flag, config key, file, dataset or checkpoint; or a directory another run holds
+EXIT_USAGE = 2  # bad input: a flag, config key, file, dataset or checkpoint; a directory another run holds; or
+#                a train step the device's memory cannot hold (train.micro_batch_size, model.remat)
 EXIT_NONFINITE = 3  # a non-finite loss or gradient norm (or too many skipped updates in a row)
 EXIT_DOES_NOT_FIT = 4  # `zerolm compile`: the step compiles but its peak exceeds the target's usable memory
 EXIT_STORAGE = 74  # EX_IOERR: storage failed mid-run: a checkpoint could not be written (a full disk, a refused

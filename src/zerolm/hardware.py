@@ -70,6 +70,13 @@ def chip(device_kind: str) -> Chip | None:
     return next((c for c in CHIPS if c.kind in device_kind), None)
 
 
+def memory_limit(device) -> int | None:
+    """The bytes the backend lets programs allocate on a `jax.Device` (its allocator's limit: a GPU's or
+    TPU's), or None where it states none (CPU)."""
+    stats = device.memory_stats()
+    return stats.get("bytes_limit") if stats else None
+
+
 def tpu_generation(device_kind: str) -> int | None:
     """The TPU generation of a JAX device kind ("TPU v3" → 3, "TPU v5 lite" → 5, "TPU7x" → 7), or of a
     preset's name ("v3-core" → 3); None for anything else."""

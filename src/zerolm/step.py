@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from zerolm import model as gpt_model
 from zerolm import sharding
 from zerolm.config import Config, ConfigError
+from zerolm.errors import ZerolmError
 from zerolm.optim import make_optimizer
 from zerolm.zero import Zero1
 
@@ -55,10 +56,54 @@ class CompiledStep:
     seconds: dict[str, float]  # compile time per program
     refused: dict[str, str]  # programs the compiler refused for their size (keep_refusals): its message
 
+    def memory(self, zero: Zero1, micro_batch: int, seq_len: int, accum_steps: int) -> dict[str, dict[str, int]]:
+        """Per compiled program, its bytes per device (`memory_analysis()`: argument, output, temp, alias),
+        what lives outside it while it runs (`live_outside`) and its peak: arguments + outputs + temporaries
+        − aliased + outside. The step's peak is the largest; `zerolm compile` reports it, a run checks it."""
+        outside = live_outside(zero, micro_batch, seq_len, accum_steps)
+        rows = {}
+        for name, executable in self.executables.items():
+            m = executable.memory_analysis()
+            row = {"argument_bytes": int(m.argument_size_in_bytes), "output_bytes": int(m.output_size_in_bytes),
+                   "temp_bytes": int(m.temp_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes),
+                   "live_outside_bytes": outside[name]}
+            row["peak_bytes"] = (row["argument_bytes"] + row["output_bytes"] + row["temp_bytes"] - row["alias_bytes"]
+                                 + row["live_outside_bytes"])
+            rows[name] = row
+        return rows
+
     @property
     def texts(self) -> dict[str, str]:
         """The optimized HLO of each compiled program (zerolm.hlo reads their collectives)."""
         return {name: executable.as_text() or "" for name, executable in self.executables.items()}
+
+
+def live_outside(zero: Zero1, micro_batch: int, seq_len: int, accum_steps: int) -> dict[str, int]:
+    """Per program, the bytes per device that live outside it while it runs: the optimizer state during
+    `grad`; the optimizer state and `grad`'s output (the gradient, by its reduction) during `reshard`; the
+    old replicated parameters during `update` (it takes only their dp-sharded view)."""
+    x = zero.inputs(micro_batch, seq_len, accum_steps)
+    grads = x.params if zero.grad_reduce == "all_reduce" else x.views
+    return {"grad": sharding.shard_bytes(x.opt_state),
+            "reshard": sharding.shard_bytes(x.opt_state) + sharding.shard_bytes(grads),
+            "update": sharding.shard_bytes(x.params)}
+
+
+class DoesNotFit(ZerolmError):
+    """The step needs more memory than the device has (the compiler refused a program, the compiled peak
+    is over the device's limit, or the device ran out): one line naming the keys that size it."""
+
+    def __init__(self, cfg: Config, detail: str):
+        super().__init__(
+            f"the training step does not fit in device memory ({detail.rstrip('.')}); lower "
+            f"train.micro_batch_size (now {cfg.train.micro_batch_size}), recompute more (model.remat, now "
+            f"{cfg.model.remat}: dots_attention, dots or full) or spread the model wider (mesh.tp, more devices): "
+            "`zerolm plan` says what fits")
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is XLA's refusal or failure for lack of device memory (compiling or running)."""
+    return "RESOURCE_EXHAUSTED" in str(e)
 
 
 def compile_step(zero: Zero1, micro_batch: int, seq_len: int, accum_steps: int, *,
@@ -73,7 +118,7 @@ def compile_step(zero: Zero1, micro_batch: int, seq_len: int, accum_steps: int, 
         try:
             compiled.executables[name] = fn.lower(*args).compile()
         except Exception as e:
-            if not (keep_refusals and "RESOURCE_EXHAUSTED" in str(e)):
+            if not (keep_refusals and is_out_of_memory(e)):
                 raise
             compiled.refused[name] = str(e)
         compiled.seconds[name] = time.perf_counter() - t0

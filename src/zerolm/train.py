@@ -7,6 +7,7 @@ holds that update's loss, and the checkpoint named s holds the state after it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import time
@@ -28,6 +29,7 @@ from zerolm.data.mixture import BLOCK as MIXTURE_BLOCK
 from zerolm.data.mixture import MixedOrder, Mixture
 from zerolm.data.tokenizer import Tokenizer
 from zerolm.evaluate import make_evaluator
+from zerolm.hardware import memory_limit
 from zerolm.mesh import exit_peer_lost, is_first_host, is_peer_failure, make_mesh, on_process_0
 from zerolm.metrics import MetricsWriter, StepMetrics, perplexity
 from zerolm.mfu import Accounting, flops_per_token
@@ -37,7 +39,7 @@ from zerolm.resume import start_state
 from zerolm.runlock import LockHeld, RunLock
 from zerolm.sample import Sampling, generate
 from zerolm.sharding import abstract_views, shard_bytes, with_shardings
-from zerolm.step import build_step, compile_step
+from zerolm.step import CompiledStep, DoesNotFit, build_step, compile_step, is_out_of_memory
 from zerolm.zero import TrainState, Zero1
 
 # Settings that name a place; logging.dir must be local (see check_storage).
@@ -91,11 +93,14 @@ def _train(cfg: Config, out, resume: str, overwrite: bool, credentials: str | No
              "flops_per_token": accounting.flops_per_token, "zerolm_version": zerolm.__version__}
     # Compiled once, here: the step runs these executables, and the summary reads their collectives.
     hits, t0 = compilation_cache.Hits.listen().hits, time.perf_counter()
-    compiled = compile_step(zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps)
+    compiled = compile_step(zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps, keep_refusals=True)
+    memory = _check_fits(cfg, zero, compiled)
     zero.use(compiled.executables)
     texts = compiled.texts
     for line in _startup_summary(cfg, zero, accounting, n_params, texts):
         say(line)
+    if memory:
+        say(memory)
     if cache := compilation_cache.directory(cfg.train.compilation_cache):
         loaded = compilation_cache.Hits.hits - hits
         say(f"compiled the step in {time.perf_counter() - t0:.1f} s; "
@@ -140,7 +145,8 @@ def _train(cfg: Config, out, resume: str, overwrite: bool, credentials: str | No
                 + ", ".join(removed))
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("zerolm: checkpoint directory locked")
-        ckpts, state, wandb_id = start_state(cfg, zero, init_fn, data_id, resume, overwrite, say)
+        with _out_of_memory_as(cfg):
+            ckpts, state, wandb_id = start_state(cfg, zero, init_fn, data_id, resume, overwrite, say)
         if lock is not None:
             ckpts.health = lock.check
         try:
@@ -151,7 +157,8 @@ def _train(cfg: Config, out, resume: str, overwrite: bool, credentials: str | No
                 return {"unigram_entropy": entropy}
             loop = _Loop(cfg, zero, ckpts, train_split, data_id, wandb_id, out, evaluate=evaluate, sample=sample,
                          accounting=accounting, facts=facts, lock=lock)
-            state, summary = loop.run(state, start)
+            with _out_of_memory_as(cfg):
+                state, summary = loop.run(state, start)
             summary["unigram_entropy"] = entropy
         finally:
             ckpts.close()  # waits for a save in flight to be durable; an interrupted one is never listed
@@ -166,6 +173,41 @@ def _train(cfg: Config, out, resume: str, overwrite: bool, credentials: str | No
     if sample is not None:
         say("sample: " + sample(state.params))
     return summary
+
+
+def _check_fits(cfg: Config, zero: Zero1, compiled: CompiledStep) -> str | None:
+    """Stop before anything is written when the step cannot fit this device (DoesNotFit): the compiler
+    refused a program (a TPU's does), or the compiled peak (`CompiledStep.memory`, `zerolm compile`'s rule)
+    is over the allocator's limit (a GPU's: its compiler accepts any size). The header line, or None where
+    the backend states no limit (CPU)."""
+    if compiled.refused:
+        name, refusal = next(iter(compiled.refused.items()))
+        raise DoesNotFit(cfg, f"the compiler refused its {name} program: {refusal.strip().splitlines()[0][:300]}")
+    limit = memory_limit(jax.local_devices()[0])
+    if not limit:
+        return None
+    memory = compiled.memory(zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps)
+    name = max(memory, key=lambda n: memory[n]["peak_bytes"])
+    peak = memory[name]["peak_bytes"]
+    where = f"{peak / 2**30:.2f} GiB per device at its peak ({name}) of the {limit / 2**30:.2f} GiB"
+    if peak > limit:
+        gpu = jax.local_devices()[0].platform in ("gpu", "cuda", "rocm")
+        raise DoesNotFit(cfg, f"the compiled step needs {where} the device may allocate"
+                         + (", XLA_PYTHON_CLIENT_MEM_FRACTION of its memory (0.75 unless set)" if gpu else ""))
+    return f"device memory: the compiled step needs {where} the device may allocate"
+
+
+@contextlib.contextmanager
+def _out_of_memory_as(cfg: Config):
+    """A device that runs out at run time (the compiled peak fit, the allocator did not: fragmentation, or
+    the evaluation's own program) stops the run with DoesNotFit; checkpoints already saved stay as they are."""
+    try:
+        yield
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        xla = str(e).split("RESOURCE_EXHAUSTED:", 1)[-1].strip().split(" with allocator")[0].splitlines()[0]
+        raise DoesNotFit(cfg, f"the device ran out: {xla[:200]}") from None
 
 
 def _sample_text(model: gpt_model.GPT, tokenizer: Tokenizer, cfg: Config, params) -> str:
@@ -190,16 +232,14 @@ def _startup_summary(cfg: Config, zero: Zero1, accounting: Accounting, n_params:
              f"{cfg.accum_steps} accumulation step(s) of {cfg.train.micro_batch_size} sequence(s) per device, "
              f"{cfg.train.global_batch_size} sequences = {tokens:,} tokens per step, grad_reduce={cfg.zero.grad_reduce}"
              + (f" ({zero.scatter})" if cfg.zero.grad_reduce == "reduce_scatter" and zero.scatter != "collective" else "")
-             + f", precision={cfg.zero.precision}",
+             + f", precision={cfg.zero.precision}, attention {gpt_model.attention_implementation(cfg.model)}",
              f"per device: params {mib(shard_bytes(params))}, gradient accumulator {mib(accumulator)}, optimizer state "
              f"{mib(shard_bytes(opt))} (1/{cfg.dp * cfg.mesh.tp} of it, plus padding"
              + (", master weights included" if zero.mixed else "") + "); activations not counted",
              accounting.describe()]
     if cfg.model.document_mask:
-        attention = gpt_model.attention_implementation(cfg.model)
         lines.append(f"documents: attention stays inside each document of a sample (end-of-text {cfg.model.eot}), "
-                     f"positions {'restart per document' if cfg.model.document_positions == 'restart' else 'continue'}"
-                     + ("; cuDNN's attention takes no segment mask: XLA's runs" if attention == "cudnn" else ""))
+                     f"positions {'restart per document' if cfg.model.document_positions == 'restart' else 'continue'}")
     try:
         traffic = comms.traffic(texts, dict(zero.mesh.shape))
     except ValueError as e:  # HLO this zerolm cannot read: the summary says so, the run goes on

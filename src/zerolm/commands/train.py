@@ -1,12 +1,13 @@
 """`zerolm train` (and `python main_zero.py`): train a model from a YAML config.
 
-Exit codes (zerolm.exitcodes): 0 done; 2 bad config, data, checkpoint or launch flags, or a checkpoint
-or logging directory held by another run; 3 a non-finite loss or gradient norm (or, with
-train.skip_nonfinite, too many skipped updates in a row); 74 a checkpoint could not be saved (a full
-disk) or storage stopped answering; 75 stopped by SIGTERM (preemption) or Ctrl-C: a checkpoint of the step reached was saved, run
-again to resume; 76 a peer process of a multi-process run died: restart, the run resumes from the last
-complete checkpoint; 70 an error of zerolm's own (a bug), with its traceback; 130 a second Ctrl-C
-abandoned that save, or Ctrl-C before the first step.
+Exit codes (zerolm.exitcodes): 0 done; 2 bad config, data, checkpoint or launch flags, a checkpoint
+or logging directory held by another run, or a step that does not fit the device's memory; 3 a
+non-finite loss or gradient norm (or, with train.skip_nonfinite, too many skipped updates in a row);
+74 a checkpoint could not be saved (a full disk) or storage stopped answering; 75 stopped by SIGTERM
+(preemption) or Ctrl-C: a checkpoint of the step reached was saved, run again to resume; 76 a peer
+process of a multi-process run died: restart, the run resumes from the last complete checkpoint; 70 an
+error of zerolm's own (a bug), with its traceback; 130 a second Ctrl-C abandoned that save, or Ctrl-C
+before the first step.
 """
 
 from __future__ import annotations
