@@ -102,8 +102,13 @@ class DoesNotFit(ZerolmError):
 
 
 def is_out_of_memory(e: BaseException) -> bool:
-    """Whether `e` is XLA's refusal or failure for lack of device memory (compiling or running)."""
-    return "RESOURCE_EXHAUSTED" in str(e)
+    """Whether `e` is XLA's refusal or failure for lack of device memory, compiling or running (a TPU's
+    "Ran out of memory in memory space hbm", a GPU's "Out of memory while trying to allocate", the CPU's
+    "Out of memory allocating"). Not any RESOURCE_EXHAUSTED: a full disk under a checkpoint save is one too
+    (TensorStore's status), and that is a storage error (exit 74)."""
+    text = str(e)
+    return (isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in text
+            and "out of memory" in text.lower())
 
 
 def compile_step(zero: Zero1, micro_batch: int, seq_len: int, accum_steps: int, *,

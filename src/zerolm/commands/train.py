@@ -23,7 +23,7 @@ from zerolm import plot, train
 from zerolm.checkpoint import CheckpointError
 from zerolm.config import load_config
 from zerolm.errors import ZerolmError
-from zerolm.exitcodes import EXIT_INTERRUPTED
+from zerolm.exitcodes import EXIT_USAGE
 from zerolm.mesh import bound_shutdown, exit_peer_lost, initialize_distributed, is_peer_failure
 from zerolm.preemption import Preempted
 from zerolm.storage import StorageFault
@@ -72,7 +72,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """Errors: zerolm.commands.run_command prints a ZerolmError's line and returns its code; those raised
-    after orbax or the storage clients may still have threads at work exit here, quietly (see below)."""
+    after orbax or the storage clients may still have threads at work exit here, quietly (see below).
+    Ctrl-C before the first step goes up to zerolm.interrupts.guarded: one line, and the process ends at
+    once (an import it cut short can crash the interpreter's shutdown)."""
     try:
         if args.distributed or args.coordinator or args.num_processes is not None or args.process_id is not None:
             initialize_distributed(args.coordinator, args.num_processes, args.process_id,
@@ -88,10 +90,6 @@ def _run(args: argparse.Namespace) -> int:
         return e.exit_code
     except ZerolmError:
         raise
-    except KeyboardInterrupt:
-        print(f"zerolm: interrupted before the first step; nothing was saved; exiting with code {EXIT_INTERRUPTED}",
-              file=sys.stderr)
-        return EXIT_INTERRUPTED
     except Exception as e:
         if is_peer_failure(e):
             exit_peer_lost(e)
@@ -106,12 +104,15 @@ def _exit_after_checkpoint_error(message: str, code: int) -> None:
     flight, and their callbacks print 'Event loop is closed' tracebacks (not through sys.excepthook).
     The same after a failed save, from its background threads. They say nothing about the user's problem:
     from here on the process's stderr goes to /dev/null (however late a thread writes, and under load they
-    are late), and the message is written to the real one, the last line, after a moment to drain.
+    are late), and the message is written to the real one, the last line, after a moment to drain (after
+    a failed save on a line of its own: what a thread wrote before the redirect may end mid-line).
     """
     sys.stdout.flush()
     sys.stderr.flush()
     stderr = os.dup(2)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
     time.sleep(0.5)
-    os.write(stderr, (message + "\n").encode())
+    # A save that failed mid-run (not the user's input, exit 74) had threads writing: its line on a line of
+    # its own, as a thread's traceback may have been cut off mid-line by the redirect.
+    os.write(stderr, ("" if code == EXIT_USAGE else "\n").encode() + (message + "\n").encode())
     os._exit(code)
