@@ -13,8 +13,9 @@ import webdataset as wds
 from conftest import requires_devices, small_config
 from zerolm.data import packing
 from zerolm.data import prepare as prep
-from zerolm.data.loader import BatchLoader, SampleOrder
+from zerolm.data.loader import BatchLoader
 from zerolm.data.manifest import FORMAT
+from zerolm.data.order import SampleOrder
 from zerolm.data.shards import DataError, PreparedDataset
 from zerolm.data.sources import SourceError
 from zerolm.mesh import make_mesh

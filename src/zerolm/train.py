@@ -183,7 +183,8 @@ def _check_fits(cfg: Config, zero: Zero1, compiled: CompiledStep) -> str | None:
     if compiled.refused:
         name, refusal = next(iter(compiled.refused.items()))
         raise DoesNotFit(cfg, f"the compiler refused its {name} program: {refusal.strip().splitlines()[0][:300]}")
-    limit = memory_limit(jax.local_devices()[0])
+    device = jax.local_devices()[0]
+    limit = memory_limit(device)
     if not limit:
         return None
     memory = compiled.memory(zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps)
@@ -191,7 +192,7 @@ def _check_fits(cfg: Config, zero: Zero1, compiled: CompiledStep) -> str | None:
     peak = memory[name]["peak_bytes"]
     where = f"{peak / 2**30:.2f} GiB per device at its peak ({name}) of the {limit / 2**30:.2f} GiB"
     if peak > limit:
-        gpu = jax.local_devices()[0].platform in ("gpu", "cuda", "rocm")
+        gpu = device.platform in ("gpu", "cuda", "rocm")
         raise DoesNotFit(cfg, f"the compiled step needs {where} the device may allocate"
                          + (", XLA_PYTHON_CLIENT_MEM_FRACTION of its memory (0.75 unless set)" if gpu else ""))
     return f"device memory: the compiled step needs {where} the device may allocate"

@@ -27,7 +27,6 @@ import numpy as np
 from jax.sharding import Mesh
 
 from zerolm import sharding
-from zerolm.data.order import SampleOrder  # noqa: F401  (where it was)
 from zerolm.data.shards import DataError, Split
 from zerolm.mesh import DP, TP, compute_batch_size, this_host_has_first
 

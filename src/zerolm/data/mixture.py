@@ -6,7 +6,7 @@ dataset, n_i (BLOCK × weight_i, rounded by largest remainder so that they add u
 share n_i / BLOCK is within 1/BLOCK of the weight), in an order drawn from (seed, block). So position p
 of the stream is dataset i's sample number b·n_i + (its rank among dataset i's positions of its block):
 a pure function of p, with no state to save. Each dataset's own stream is then its epochs in its own
-shuffled order (zerolm.data.loader.SampleOrder, seeded by the run's seed and the dataset's index), so
+shuffled order (zerolm.data.order.SampleOrder, seeded by the run's seed and the dataset's index), so
 a small dataset repeats sooner than a large one, at the rate its weight asks for.
 """
 
@@ -17,6 +17,8 @@ import functools
 from collections.abc import Sequence
 
 import numpy as np
+
+from zerolm.data.order import SampleOrder
 
 BLOCK = 8192
 
@@ -79,7 +81,7 @@ class Mixture:
         self.location = "mixture of " + ", ".join(f"{n} ({w:g})" for n, w in zip(self.names, self.weights, strict=True))
         self.per_block = apportion(self.weights, BLOCK)
 
-    @property
+    @functools.cached_property
     def manifest(self):
         """The first dataset's manifest (the tokenizer and sequence length they all share), its training
         split's unigram entropy the datasets' weighted mean (the mixture's own is at least that)."""
@@ -147,8 +149,6 @@ class MixedOrder:
     then that dataset's own SampleOrder (seeded by the seed and the dataset's index)."""
 
     def __init__(self, split: MixedSplit, seed: int):
-        from zerolm.data.order import SampleOrder
-
         self.split, self.mixture = split, MixtureOrder(split.weights, seed)
         self.orders = [SampleOrder(s.sizes, seed + 1000003 * i) for i, s in enumerate(split.splits)]
 

@@ -339,8 +339,6 @@ class _PartsBuild:
     """One part of an N-part prepare: units go to `OUT/parts-of-N/`, shared by every part; the first part
     to start writes the settings there, every other part must bring the same."""
 
-    removed: list[str] = []
-
     @staticmethod
     def name(parts: int) -> str:
         return f"parts-of-{parts}"
@@ -349,10 +347,13 @@ class _PartsBuild:
         self.out, self.prefix = out, f"{self.name(parts)}/"
         self.directory = out / self.name(parts)
         where = self.directory / SETTINGS
+        self.removed: list[str] = []  # a part's leftovers are its own units: write_unit replaces them
+        self._locked: epath.Path | Path | None = None  # the finalize lock, while this part holds it
         mine = json.dumps(settings, indent=1, sort_keys=True)
+        ours = json.loads(mine)  # the settings as JSON has them (tuples are lists)
         theirs = json.loads(storage.create_once(where, mine))
-        if theirs != json.loads(mine):
-            key = next(k for k in sorted(set(theirs) | set(settings)) if theirs.get(k) != json.loads(mine).get(k))
+        if theirs != ours:
+            key = next(k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k))
             fix = ("prepare into another --out" if self.published() is not None
                    else f"or remove {self.directory} to start again")
             raise PrepareError(f"{where}: the parts already there were prepared with {key} = "
@@ -395,7 +396,7 @@ class _PartsBuild:
 
     def abandon(self) -> None:
         # The unit being packed removed itself; complete ones stay for the next run of this part.
-        if getattr(self, "_locked", None) is not None:
+        if self._locked is not None:
             storage.remove_tree(self._locked)
             self._locked = None
 
