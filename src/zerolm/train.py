@@ -8,6 +8,7 @@ holds that update's loss, and the checkpoint named s holds the state after it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 import time
@@ -15,6 +16,7 @@ from typing import Any
 
 import jax
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 import zerolm
@@ -23,10 +25,11 @@ from zerolm import model as gpt_model
 from zerolm.checkpoint import Checkpoints, remove_unfinished
 from zerolm.checkpoint_meta import CheckpointMeta
 from zerolm.config import Config
-from zerolm.data.dataset import dataset_identity, open_dataset, resolve_vocab
+from zerolm.data.dataset import PreparedDataset, dataset_identity, open_dataset, resolve_vocab
 from zerolm.data.loader import BatchLoader
 from zerolm.data.mixture import BLOCK as MIXTURE_BLOCK
-from zerolm.data.mixture import MixedOrder, Mixture
+from zerolm.data.mixture import MixedOrder, MixedSplit, Mixture
+from zerolm.data.shards import Split
 from zerolm.data.tokenizer import Tokenizer
 from zerolm.evaluate import make_evaluator
 from zerolm.hardware import memory_limit
@@ -72,6 +75,26 @@ def _train(cfg: Config, out, resume: str, overwrite: bool, credentials: str | No
     if credentials:
         say(credentials)
     compilation_cache.use(cfg.train.compilation_cache)
+    cfg, data = _open_data(cfg)
+    with contextlib.ExitStack() as held:
+        # Before the step is built and compiled: a directory in use is refused in seconds, not minutes.
+        lock = _lock_directories(cfg, held)
+        return _train_locked(cfg, mesh, data, out, say, lock, resume, overwrite)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Data:
+    """The run's data, opened and checked before anything is written."""
+
+    dataset: PreparedDataset | Mixture
+    train: Split | MixedSplit
+    val: Split | MixedSplit
+    entropy: float  # the train split's unigram entropy, nats per token
+    tokenizer: Tokenizer | None  # for samples (None: sample.tokens is 0)
+
+
+def _open_data(cfg: Config) -> tuple[Config, _Data]:
+    """The dataset (or mixture) and its splits, checked; the config with the vocabulary resolved from it."""
     dataset = open_dataset(cfg)
     cfg = resolve_vocab(cfg, dataset)
     train_split = dataset.split("train", cfg.data.skip_bad_samples)
@@ -80,6 +103,29 @@ def _train(cfg: Config, out, resume: str, overwrite: bool, credentials: str | No
     val_split.verify()
     entropy = dataset.manifest.splits["train"].unigram_entropy or 0.0  # None only for an empty split
     tokenizer = dataset.tokenizer() if cfg.sample.tokens else None  # fail now, not after training
+    return cfg, _Data(dataset, train_split, val_split, entropy, tokenizer)
+
+
+def _lock_directories(cfg: Config, held: contextlib.ExitStack) -> RunLock | None:
+    """Take the checkpoint directory's run lock and, when it is another directory, the logging directory's
+    (two runs writing one logging.dir would each rewrite the other's metrics.jsonl); `held` releases them.
+    Returns the checkpoint directory's lock (None on processes other than 0)."""
+    lock = on_process_0(lambda: RunLock.acquire(cfg.checkpoint_dir), (LockHeld, storage.StorageFault))
+    if lock is not None:
+        held.callback(lock.release)
+    if str(cfg.log_dir) != str(cfg.checkpoint_dir):
+        log_lock = on_process_0(lambda: RunLock.acquire(str(cfg.log_dir), what="logging directory"), (LockHeld,))
+        if log_lock is not None:
+            held.callback(log_lock.release)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("zerolm: checkpoint directory locked")
+    return lock
+
+
+def _train_locked(cfg: Config, mesh: Mesh, data: _Data, out, say, lock: RunLock | None, resume: str,
+                  overwrite: bool) -> dict[str, float]:
+    dataset, train_split, val_split, entropy, tokenizer = (data.dataset, data.train, data.val, data.entropy,
+                                                          data.tokenizer)
 
     model, zero, init_fn = build_step(cfg, mesh)
     abstract_params = zero.abstract_params
@@ -128,44 +174,30 @@ def _train(cfg: Config, out, resume: str, overwrite: bool, credentials: str | No
     sample = functools.partial(_sample_text, model, tokenizer, cfg) if tokenizer is not None else None
 
     data_id = dataset_identity(cfg, dataset)
-    lock = on_process_0(lambda: RunLock.acquire(cfg.checkpoint_dir), (LockHeld, storage.StorageFault))
+    with storage.faults(cfg.checkpoint_dir, "removing unfinished saves"):
+        removed = on_process_0(lambda: remove_unfinished(cfg.checkpoint_dir), (OSError,))
+    if removed:
+        say(f"checkpoints: removed {len(removed)} unfinished save(s) of an earlier run that died while saving: "
+            + ", ".join(removed))
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("zerolm: unfinished saves removed")
+    with _out_of_memory_as(cfg):
+        ckpts, state, wandb_id = start_state(cfg, zero, init_fn, data_id, resume, overwrite, say)
+    if lock is not None:
+        ckpts.health = lock.check
     try:
-        # Two runs writing one logging.dir would each rewrite the other's metrics.jsonl.
-        log_lock = (on_process_0(lambda: RunLock.acquire(str(cfg.log_dir), what="logging directory"), (LockHeld,))
-                    if str(cfg.log_dir) != str(cfg.checkpoint_dir) else None)
-    except BaseException:
-        if lock is not None:
-            lock.release()
-        raise
-    try:
-        with storage.faults(cfg.checkpoint_dir, "removing unfinished saves"):
-            removed = on_process_0(lambda: remove_unfinished(cfg.checkpoint_dir), (OSError,))
-        if removed:
-            say(f"checkpoints: removed {len(removed)} unfinished save(s) of an earlier run that died while saving: "
-                + ", ".join(removed))
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices("zerolm: checkpoint directory locked")
+        start = int(state.step)
+        if start >= cfg.train.steps:
+            say(f"nothing to do: {cfg.checkpoint_dir} is at step {start} and train.steps is {cfg.train.steps} "
+                "(raise train.steps to go on, or start over with --resume never --overwrite)")
+            return {"unigram_entropy": entropy}
+        loop = _Loop(cfg, zero, ckpts, train_split, data_id, wandb_id, out, evaluate=evaluate, sample=sample,
+                     accounting=accounting, facts=facts, lock=lock)
         with _out_of_memory_as(cfg):
-            ckpts, state, wandb_id = start_state(cfg, zero, init_fn, data_id, resume, overwrite, say)
-        if lock is not None:
-            ckpts.health = lock.check
-        try:
-            start = int(state.step)
-            if start >= cfg.train.steps:
-                say(f"nothing to do: {cfg.checkpoint_dir} is at step {start} and train.steps is {cfg.train.steps} "
-                    "(raise train.steps to go on, or start over with --resume never --overwrite)")
-                return {"unigram_entropy": entropy}
-            loop = _Loop(cfg, zero, ckpts, train_split, data_id, wandb_id, out, evaluate=evaluate, sample=sample,
-                         accounting=accounting, facts=facts, lock=lock)
-            with _out_of_memory_as(cfg):
-                state, summary = loop.run(state, start)
-            summary["unigram_entropy"] = entropy
-        finally:
-            ckpts.close()  # waits for a save in flight to be durable; an interrupted one is never listed
+            state, summary = loop.run(state, start)
+        summary["unigram_entropy"] = entropy
     finally:
-        for held in (log_lock, lock):
-            if held is not None:
-                held.release()
+        ckpts.close()  # waits for a save in flight to be durable; an interrupted one is never listed
 
     val = f", val loss {summary['val_loss']:.4f}" if "val_loss" in summary else ""
     say(f"done: train loss {summary['loss']:.4f}{val} (unigram entropy {entropy:.4f}); metrics in "
