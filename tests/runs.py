@@ -55,15 +55,36 @@ def logged_steps(run_dir) -> int:
 
 
 def start_and_wait(run_dir, cmd_env, until, timeout=240):
-    """Start a training process and return it once `until()` holds."""
+    """Start a training process and return once `until()` holds."""
     proc = subprocess.Popen(command(run_dir, **cmd_env.pop("kw", {})), env=cmd_env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait(proc, until, timeout)
+    return proc
+
+
+def start_held(run_dir, *extra_sets, before_step: int, until=None, extra_env=None, timeout=240, **kw):
+    """Start a run (tests/held_train.py) and return it once it is held before step `before_step` (and
+    `until()` holds, e.g. an asynchronous save has committed meanwhile): alive, at a known step, until
+    `release(run_dir)`."""
+    hold = run_dir / "held"
+    hold_env = env(ZEROLM_TEST_HOLD=str(hold), ZEROLM_TEST_HOLD_BEFORE_STEP=str(before_step), **(extra_env or {}))
+    proc = subprocess.Popen(command(run_dir, *extra_sets, script="held_train.py", **kw), env=hold_env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait(proc, lambda: hold.exists() and (until is None or until()), timeout)
+    return proc
+
+
+def release(run_dir) -> None:
+    """Let a run started by `start_held` go on."""
+    (run_dir / "held").unlink()
+
+
+def _wait(proc, until, timeout):
     deadline = time.time() + timeout
     while not until():
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         assert time.time() < deadline, "timed out waiting for the run"
         time.sleep(0.02)
-    return proc
 
 
 def checkpoint_params(run_dir, step: int):
@@ -101,15 +122,15 @@ def zerolm(*args, expect=0, devices=8, timeout=300, **env_extra):
     return proc
 
 
-def kill_9_after(run_dir, *extra_sets, steps_logged=9):
-    """Start a run, kill -9 it once `steps_logged` steps are logged and a checkpoint is committed."""
+def committed(run_dir) -> bool:
+    """Whether a checkpoint of the run has been committed (saves are asynchronous)."""
+    return any(p.name.isdigit() for p in (run_dir / "ckpt").glob("*"))
+
+
+def kill_9_after(run_dir, *extra_sets, before_step=10):
+    """Start a run, kill -9 it while it is held before step `before_step`, once a checkpoint is committed."""
     import signal
 
-    proc = subprocess.Popen(command(run_dir, *extra_sets), env=env(), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while not (logged_steps(run_dir) >= steps_logged and any(p.name.isdigit() for p in (run_dir / "ckpt").glob("*"))):
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
-        time.sleep(0.02)
+    proc = start_held(run_dir, *extra_sets, before_step=before_step, until=lambda: committed(run_dir))
     proc.send_signal(signal.SIGKILL)
     proc.wait()

@@ -17,7 +17,7 @@ import pytest
 
 import runs
 from conftest import REPO
-from runs import STEPS, command, env, logged_steps, losses, snapshot, start_and_wait, train
+from runs import STEPS, command, env, kill_9_after, losses, release, snapshot, start_and_wait, start_held, train
 from zerolm.checkpoint import SIZES_ONLY, Checkpoints
 from zerolm.data.prepare import prepare
 from zerolm.exitcodes import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED
@@ -35,14 +35,11 @@ def straight(tmp_path_factory):
 
 def test_kill_9_then_resume_is_bit_identical(straight, tmp_path):
     _, reference = straight
-    kill_after = int(np.random.default_rng().integers(6, 14))  # a random step after the first checkpoint
-    committed = lambda: any(p.name.isdigit() for p in (tmp_path / "ckpt").glob("*"))  # noqa: E731 (async saves)
-    proc = start_and_wait(tmp_path, env(), lambda: logged_steps(tmp_path) >= kill_after and committed())
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_before = int(np.random.default_rng().integers(6, 15))  # a random step after the first checkpoint
+    kill_9_after(tmp_path, before_step=kill_before)
     assert Checkpoints(tmp_path / "ckpt", read_only=True).latest_step() in (4, 8, 12)
     train(tmp_path)
-    assert losses(tmp_path) == reference, f"killed after {kill_after} logged steps"
+    assert losses(tmp_path) == reference, f"killed before step {kill_before}"
 
 
 def test_crash_during_a_save_leaves_the_previous_checkpoint_latest(straight, tmp_path):
@@ -219,8 +216,16 @@ def _lock_line(err: str, ckpt) -> str:
 
 def test_two_runs_racing_into_one_directory(straight, tmp_path):
     _, reference = straight
-    procs = [subprocess.Popen(command(tmp_path), env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+    # Both held before step 2: the winner is certainly alive when the loser asks for the directory.
+    hold_env = env(ZEROLM_TEST_HOLD=str(tmp_path / "held"), ZEROLM_TEST_HOLD_BEFORE_STEP="2")
+    procs = [subprocess.Popen(command(tmp_path, script="held_train.py"), env=hold_env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    deadline = time.time() + 240
+    while not (any(p.poll() is not None for p in procs) and (tmp_path / "held").exists()):
+        assert not all(p.poll() is not None for p in procs), [p.communicate()[1][-1500:] for p in procs]
+        assert time.time() < deadline, "timed out waiting for the runs"
+        time.sleep(0.02)
+    release(tmp_path)
     results = [(p.returncode, out, err) for p in procs for out, err in [p.communicate(timeout=300)]]
     assert sorted(code for code, _, _ in results) == [0, 2], [err[-1500:] for _, _, err in results]
     loser = next(err for code, _, err in results if code == 2)
@@ -233,12 +238,13 @@ def test_two_runs_racing_into_one_directory(straight, tmp_path):
 
 def test_overwrite_is_refused_while_a_run_is_live(tmp_path):
     ckpt = tmp_path / "ckpt"
-    live = start_and_wait(tmp_path, {**env(), "kw": {"steps": 400}},
-                          lambda: Checkpoints(ckpt, read_only=True).latest_step() is not None)
+    live = start_held(tmp_path, before_step=6, until=lambda: Checkpoints(ckpt, read_only=True).latest_step() is not None)
     refused = train(tmp_path, expect=2, args=["--resume", "never", "--overwrite"])
     assert f"pid {live.pid}," in _lock_line(refused.stderr, ckpt)
+    assert "collectives per step" not in refused.stdout  # refused before its step was built and compiled
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt.")] == []  # nothing moved aside
     live.send_signal(signal.SIGTERM)
+    release(tmp_path)
     _, err = live.communicate(timeout=120)
     assert live.returncode == EXIT_PREEMPTED, err[-2000:]  # the live run was untouched and saved its step
     assert Checkpoints(ckpt, read_only=True).latest_step() == int(err.split("checkpoint saved at step ")[1].split(";")[0])
@@ -284,15 +290,16 @@ def test_damaged_latest_checkpoint_resumes_from_the_one_before(straight, tmp_pat
 def test_a_stop_signal_saves_the_step_reached_and_exits_75(straight, tmp_path, sig, why):
     """SIGTERM (a preemption) and Ctrl-C alike: the step reached is saved, exit 75, resume is exact."""
     _, reference = straight
-    stop_after = int(np.random.default_rng().integers(2, 13))
-    proc = start_and_wait(tmp_path, env(), lambda: logged_steps(tmp_path) >= stop_after)
+    stop_before = int(np.random.default_rng().integers(3, 14))
+    proc = start_held(tmp_path, before_step=stop_before)
     proc.send_signal(sig)
+    release(tmp_path)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
     saved = Checkpoints(tmp_path / "ckpt", read_only=True).latest_step()
     assert err.strip().splitlines()[-1] == f"zerolm: {why}: checkpoint saved at step {saved}; exiting with code 75"
     assert "Traceback" not in err
-    assert stop_after < saved < STEPS  # the step it had reached, not the last periodic one
+    assert saved == stop_before  # the step it had reached, not the last periodic one
     wandb_id = Checkpoints(tmp_path / "ckpt", read_only=True).meta(saved).wandb_id
     train(tmp_path)
     assert losses(tmp_path) == reference
@@ -333,17 +340,15 @@ def test_overwrite_moves_the_old_runs_logs_aside_with_its_checkpoints(straight, 
 def test_two_runs_sharing_a_logging_dir(tmp_path):
     """Different checkpoint directories, one logging.dir: the second run is refused with one line while the
     first runs, and the first run's metrics are whole."""
-    first = subprocess.Popen(runs.command(tmp_path, "checkpoint.every=1000", steps=200), env=runs.env(), cwd=REPO,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while runs.logged_steps(tmp_path) < 3:
-        assert first.poll() is None and time.time() < deadline, first.communicate()[1][-2000:]
-        time.sleep(0.05)
+    first = start_held(tmp_path, "checkpoint.every=1000", before_step=5)  # alive until the second has answered
     second = subprocess.run(runs.command(tmp_path, f"checkpoint.dir={tmp_path / 'other'}", steps=4), env=runs.env(),
                             cwd=REPO, capture_output=True, text=True, timeout=300)
-    first.send_signal(signal.SIGTERM)
-    first.communicate(timeout=120)
+    release(tmp_path)
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err[-2000:]
     assert second.returncode == 2, second.stderr[-2000:]
+    assert "collectives per step" not in second.stdout  # refused before its step was built and compiled
+    assert not list((tmp_path / "other").glob("[0-9]*"))
     assert re.fullmatch(rf"error: {tmp_path / 'log'}: in use by another run \(host \S+, pid {first.pid}, since .+\); "
                         r"wait for it to end or stop it \(one run per logging directory\)", second.stderr.strip())
     steps = sorted(runs.losses(tmp_path))  # each step once: nothing of the second run's

@@ -17,7 +17,7 @@ import pytest
 import runs
 from conftest import REPO, TINY
 from gcs import FaultyProxy, GCSServer, environment
-from runs import command, env, logged_steps, losses, train, zerolm
+from runs import command, env, losses, start_held, train, zerolm
 from zerolm import storage
 from zerolm.exitcodes import EXIT_STORAGE, EXIT_USAGE
 from zerolm.runlock import LEASE_FILE, LockHeld, RunLock
@@ -55,19 +55,14 @@ def gs_run(gcs_module, tmp_path_factory, reference):
 def test_kill_9_then_resume_is_bit_identical_on_gs(gcs, reference, tmp_path):
     url = f"{gcs.url}/run"
     committed = lambda: any(n.endswith("/commit_success.txt") and n.count("/") == 2 for n in gcs.objects("run/"))  # noqa: E731
-    kill_after = int(np.random.default_rng().integers(6, 14))
-    proc = subprocess.Popen(command(tmp_path, f"checkpoint.dir={url}"), env=env(), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while not (logged_steps(tmp_path) >= kill_after and committed()):
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.05)
+    kill_before = int(np.random.default_rng().integers(6, 15))
+    proc = start_held(tmp_path, f"checkpoint.dir={url}", before_step=kill_before, until=committed)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert gcs.objects(f"run/{LEASE_FILE}")  # the dead run's lease is still there ...
     resumed = train(tmp_path, f"checkpoint.dir={url}")  # ... and taken over at once: its holder is gone from here
     assert f"resumed from {url}/" in resumed.stdout
-    assert losses(tmp_path) == reference, f"killed after {kill_after} logged steps"
+    assert losses(tmp_path) == reference, f"killed before step {kill_before}"
     quiet(resumed)
     assert not gcs.objects(f"run/{LEASE_FILE}")  # released at the end
     # Starting over moves the old run aside (server-side copies: GCS has no rename), never deletes it.

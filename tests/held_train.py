@@ -1,0 +1,36 @@
+"""`zerolm train`, held before one step until the test lets it go (test fault injection).
+
+    ZEROLM_TEST_HOLD=/path/held ZEROLM_TEST_HOLD_BEFORE_STEP=9 python tests/held_train.py --config ... --set ...
+
+Before it computes step N, the run writes its pid to the hold file and waits until the test removes the
+file (at most 120 s). A test then acts (a signal, kill -9, a second run) while the run is certainly alive,
+at a known step, however fast or slow the machine is: nothing races the clock.
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from zerolm.zero import Zero1
+
+HOLD = Path(os.environ["ZEROLM_TEST_HOLD"])
+BEFORE_STEP = int(os.environ["ZEROLM_TEST_HOLD_BEFORE_STEP"])
+_step = Zero1.step
+
+
+def _held_step(self, state, batch):
+    if int(state.step) + 1 == BEFORE_STEP:
+        HOLD.write_text(str(os.getpid()))
+        deadline = time.monotonic() + 120
+        while HOLD.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return _step(self, state, batch)
+
+
+Zero1.__call__ = _held_step
+
+from zerolm.commands import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(["train", *sys.argv[1:]]))
