@@ -1,4 +1,4 @@
-"""The largest micro-batch that fits a TPU slice, by the compiler: the planner's advice, checked.
+"""The largest micro-batch that fits a TPU slice or a GPU, by the compiler: the planner's advice, checked.
 
 `zerolm plan` advises a micro-batch from its model of the step's peak with a safety margin
 (plan.SAFETY_MARGIN), so its advice is never more than the compiler fits but may be less. `search`
@@ -14,10 +14,18 @@ from typing import Any
 
 from zerolm import aot
 from zerolm.data.dataset import load_planned
+from zerolm.hardware import GPU_TYPES
 from zerolm.plan import SAFETY_MARGIN
 
 # The planner's device preset for each TPU generation libtpu compiles for (zerolm.hardware).
 PRESETS = {"v3": "v3-core", "v4": "v4", "v5e": "v5e", "v5p": "v5p"}
+
+
+def preset_for(target: aot.Target) -> str | None:
+    """The planner's device preset for a target (zerolm.hardware.PRESETS), or None if it has none."""
+    if target.platform == "gpu":
+        return GPU_TYPES[target.generation].preset
+    return PRESETS.get(target.generation)
 
 
 @dataclasses.dataclass
@@ -42,7 +50,7 @@ def planned(config: str, sets: list[str], target: aot.Target, dp: int, tp: int) 
     from zerolm.hardware import preset
     from zerolm.plan import Parallelism, Planner, from_config
 
-    name = PRESETS.get(target.generation)
+    name = preset_for(target)
     if name is None:
         return None
     cfg = load_planned(config, [*sets, f"mesh.dp={dp}", f"mesh.tp={tp}", "train.micro_batch_size=1"])
@@ -91,9 +99,9 @@ def search(config: str, sets: list[str], target: aot.Target,
             if fits(b):
                 largest = b
                 break
-    return MicroBatchSearch(base.name, target.name, dp, per_rank, PRESETS.get(target.generation), advised, largest,
+    return MicroBatchSearch(base.name, target.name, dp, per_rank, preset_for(target), advised, largest,
                             compiled,
-                            aot.usable_bytes(devices[0]))
+                            aot.usable_bytes(target, devices[0]))
 
 
 def describe(s: MicroBatchSearch) -> list[str]:

@@ -1,19 +1,26 @@
-"""The training step compiled ahead of time for a TPU slice, on any machine: does it fit, and what does it send?
+"""The training step compiled ahead of time for a TPU slice or an NVIDIA GPU, on any machine: does it fit,
+and what does it send?
 
-libtpu's compiler runs without a TPU: `jax.experimental.topologies.get_topology_desc` gives a slice's
-devices, and the step's three programs (grad, reshard, update; zerolm.zero) are lowered with the run's
-abstract inputs and shardings on them and compiled. What comes back is the compiler's own:
+Both compilers run without their device. libtpu's: `jax.experimental.topologies.get_topology_desc` gives
+a slice's devices. XLA's GPU compiler (the `jax-cuda13` plugin, `pip install -e '.[gpu-compile]'`): the
+same call with XLA's own description of the GPU (zerolm/gpu_targets/, from XLA's source tree) gives one
+host's GPUs, under JAX_PLATFORMS=cpu. The step's three programs (grad, reshard, update; zerolm.zero) are
+lowered with the run's abstract inputs and shardings on them and compiled. What comes back is the
+compiler's own:
 
 - per program, per device: argument, output, temporary and aliased bytes (`memory_analysis()`);
 - the step's **peak** per device: for each program, arguments + outputs + temporaries − aliased, plus
   what lives outside that program while it runs (`zerolm.step.CompiledStep.memory`, the rule a run
   checks on its own device too). The peak is the largest of the three;
-- the usable HBM per device, as the compiler states it when a program exceeds it (measured by
-  compiling one program too large for any TPU: 15.48 GiB on a v3 core, 30.75 GiB on a v4 chip);
+- the usable memory per device: on a TPU, as the compiler states it when a program exceeds it
+  (measured by compiling one program too large for any TPU: 15.48 GiB on a v3 core, 30.75 GiB on a v4
+  chip); on a GPU, the share of its memory JAX's allocator takes (0.75, or XLA_PYTHON_CLIENT_MEM_FRACTION);
 - the collectives of each program (zerolm.comms), in or out of loops.
 
-A program whose temporaries exceed the HBM does not compile (RESOURCE_EXHAUSTED); it is reported with
-the compiler's figure for its temporaries, and the step does not fit.
+A TPU program whose temporaries exceed the HBM does not compile (RESOURCE_EXHAUSTED); it is reported with
+the compiler's figure for its temporaries, and the step does not fit. The GPU compiler accepts any size:
+the peak against the usable memory is the verdict. Without a GPU there is no autotuning: XLA then picks
+its default GEMM configurations (memory is the same either way; zerolm.census reads the bytes moved).
 """
 
 from __future__ import annotations
@@ -28,10 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerolm import census as census_lib
 from zerolm import comms
 from zerolm.config import Config
 from zerolm.errors import ZerolmError
-from zerolm.hardware import TPU_TYPES, grid
+from zerolm.hardware import GPU_TYPES, GPUS_PER_HOST, TPU_TYPES, gpu_memory_fraction, grid
 from zerolm.mesh import make_mesh
 from zerolm.plan.traffic import Prediction, step_predictions
 from zerolm.sharding import shard_bytes
@@ -43,32 +51,44 @@ class TargetError(ZerolmError):
 
 
 class CompilerUnavailable(ZerolmError):
-    """libtpu cannot be loaded on this machine."""
+    """The target's compiler (libtpu, or XLA's GPU compiler in the jax-cuda13 plugin) cannot be loaded here."""
 
 
-_EXAMPLES = "v2-8, v3-8, v3-32, v4-8, v4-64, v5litepod-16 (or v5e-16), v5p-128, v6e-64"
+_EXAMPLES = ("v2-8, v3-8, v3-32, v4-8, v4-64, v5litepod-16 (or v5e-16), v5p-128, v6e-64; or a GPU: "
+             + ", ".join(GPU_TYPES) + " (one GPU), h100-8 (eight of one host)")
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    name: str  # as given, e.g. v3-32
-    generation: str  # libtpu's: v2, v3, v4, v5e, v5p, v6e
-    topology: str  # libtpu's topology name, e.g. v3:4x4
-    chip_config: str  # default | megacore
-    devices: int  # JAX devices of the slice
+    name: str  # as given, e.g. v3-32, h100-8
+    platform: str  # "tpu" | "gpu"
+    generation: str  # TPU: libtpu's (v2, v3, v4, v5e, v5p, v6e); GPU: zerolm's GPU type (hardware.GPU_TYPES)
+    topology: str  # libtpu's topology name (v3:4x4), or the GPU plugin's (1x1x8: one host of 8 GPUs)
+    chip_config: str  # TPU: default | megacore; GPU: ""
+    devices: int  # JAX devices of the slice or host
 
 
 def parse_target(name: str) -> Target:
-    """A gcloud accelerator type (`v3-32`, `v5litepod-16`, ...) as a libtpu topology."""
-    m = re.fullmatch(rf"({'|'.join(TPU_TYPES)})-(\d+)", name.strip().lower())
+    """A gcloud TPU accelerator type (`v3-32`, `v5litepod-16`, ...) as a libtpu topology, or a GPU type
+    (`h100`, `h100-8`: GPUs of one host) as the GPU plugin's."""
+    text = name.strip().lower()
+    gpu = re.fullmatch(rf"({'|'.join(sorted(GPU_TYPES, key=len, reverse=True))})(?:-(\d+))?", text)
+    if gpu:
+        n = int(gpu[2] or 1)
+        if not 1 <= n <= GPUS_PER_HOST:
+            raise TargetError(f"--target: {name}: zerolm compiles for the GPUs of one host, 1 to {GPUS_PER_HOST} "
+                              f"(a multi-host GPU cluster is dp over hosts: compile one host's share)")
+        return Target(name, "gpu", gpu[1], f"1x1x{n}", "", n)
+    m = re.fullmatch(rf"({'|'.join(TPU_TYPES)})-(\d+)", text)
     if not m:
-        raise TargetError(f"--target: {name!r} is not a TPU accelerator type; valid ones look like {_EXAMPLES}")
+        raise TargetError(f"--target: {name!r} is not a TPU accelerator type or a GPU zerolm knows; valid ones look "
+                          f"like {_EXAMPLES}")
     kind, n = TPU_TYPES[m[1]], int(m[2])
     chips = n // 2 if kind.counts == "cores" else n
     shape = grid(chips, kind.dims) if (kind.counts == "chips" or n % 2 == 0) else None
     if shape is None or (kind.dims == 3 and chips < 4):
         raise TargetError(f"--target: {name}: no {m[1]} slice has {n} {kind.counts}; valid ones look like {_EXAMPLES}")
-    return Target(name, kind.generation, f"{kind.generation}:{'x'.join(map(str, shape))}", kind.chip_config,
+    return Target(name, "tpu", kind.generation, f"{kind.generation}:{'x'.join(map(str, shape))}", kind.chip_config,
                   kind.devices(n))
 
 
@@ -82,7 +102,11 @@ def _quiet_libtpu(target: Target) -> None:
 
 
 def target_devices(target: Target) -> list:
-    """The slice's devices, from libtpu's topology description (no TPU needed)."""
+    """The slice's or host's devices, from the compiler's topology description (no TPU or GPU needed)."""
+    return _gpu_devices(target) if target.platform == "gpu" else _tpu_devices(target)
+
+
+def _tpu_devices(target: Target) -> list:
     _quiet_libtpu(target)
     from jax.experimental import topologies
 
@@ -104,6 +128,25 @@ def target_devices(target: Target) -> list:
     return list(topology.devices)
 
 
+def _gpu_devices(target: Target) -> list:
+    from jax.experimental import topologies
+
+    try:
+        import jax_plugins.xla_cuda13  # noqa: F401  (only to say how to get it when it is missing)
+    except ImportError:
+        raise CompilerUnavailable("XLA's GPU compiler (the jax-cuda13 plugin) is not installed here: "
+                                  "pip install -e '.[gpu-compile]' (about 1.2 GB of wheels; no GPU needed)") from None
+    try:
+        topology = topologies.get_topology_desc(topology_name=target.name, platform="cuda", topology=target.topology,
+                                                target_config=GPU_TYPES[target.generation].target_config())
+    except Exception as e:
+        hint = ("" if os.environ.get("JAX_PLATFORMS") == "cpu" else
+                "; on a machine without a GPU, run with JAX_PLATFORMS=cpu so JAX registers the plugin without a driver")
+        raise CompilerUnavailable(f"XLA's GPU compiler cannot describe {target.name}: "
+                                  f"{str(e).strip().splitlines()[0][:200]}{hint}") from None
+    return list(topology.devices)
+
+
 _HBM = re.compile(r"exceeds available HBM \(([\d.]+)([KMGT]?)\)")
 _TEMPS = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\)")
 _UNIT = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -113,10 +156,18 @@ def _bytes(match: re.Match) -> int:
     return int(float(match[1]) * _UNIT[match[2]])
 
 
+def usable_bytes(target: Target, device) -> int:
+    """The memory a step may use on one device of `target`: on a GPU, the share JAX's allocator takes
+    (hardware.gpu_memory_fraction) of the memory XLA's description states; on a TPU, as the compiler
+    states it (`_tpu_usable_bytes`)."""
+    if target.platform == "gpu":
+        return int(GPU_TYPES[target.generation].memory() * gpu_memory_fraction())
+    return _tpu_usable_bytes(device)
+
+
 @functools.cache
-def usable_bytes(device) -> int:
-    """The HBM a program may use on one device, as the compiler states it: compile a program that
-    needs more temporaries than any TPU has, and read the figure from its refusal."""
+def _tpu_usable_bytes(device) -> int:
+    """Compile a program that needs more temporaries than any TPU has, and read the HBM from its refusal."""
     mesh = jax.sharding.Mesh(np.array([device]), ("x",))
     x = jax.ShapeDtypeStruct((2**17,), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, jax.P()))
     try:  # the sort makes the 64 GiB outer product a real buffer
@@ -130,9 +181,10 @@ def usable_bytes(device) -> int:
                               "it states no memory limit to check against")
 
 
-def compile_for(cfg: Config, target: Target, devices: list) -> CompileReport:
+def compile_for(cfg: Config, target: Target, devices: list, *, census: bool = False) -> CompileReport:
     """Compile `cfg`'s step (vocab resolved, mesh dp × tp = the slice's devices) for `target`."""
     mesh = make_mesh(cfg.dp, cfg.mesh.tp, devices)
+    usable = usable_bytes(target, devices[0])
     model, zero, _ = build_step(cfg, mesh)
     micro, seq, accum = cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps
     compiled = compile_step(zero, micro, seq, accum, keep_refusals=True)
@@ -157,7 +209,6 @@ def compile_for(cfg: Config, target: Target, devices: list) -> CompileReport:
     rows = comms.traffic(texts, dict(mesh.shape))
     predicted = step_predictions(cfg, model, zero)
     comms.compare(rows, predicted)
-    usable = usable_bytes(devices[0])
     peak_program = max(report_programs, key=lambda p: report_programs[p]["peak_bytes"])
     peak = report_programs[peak_program]["peak_bytes"]
     fits = peak <= usable and all(r["error"] is None for r in report_programs.values())
@@ -169,7 +220,9 @@ def compile_for(cfg: Config, target: Target, devices: list) -> CompileReport:
         peak_bytes_per_device=peak, usable_bytes_per_device=usable, fits=fits, collectives=rows, predicted=predicted,
         # Pallas kernels (Mosaic custom calls) per program: the flash attention's forward and backward.
         pallas_kernels={name: text.count('custom_call_target="tpu_custom_call"') for name, text in texts.items()},
-        compile_s=round(sum(r["compile_s"] for r in report_programs.values()), 2))
+        compile_s=round(sum(r["compile_s"] for r in report_programs.values()), 2),
+        memory_fraction=gpu_memory_fraction() if target.platform == "gpu" else None,
+        census=census_lib.merge(census_lib.census(t) for t in texts.values()) if census else None)
 
 
 @dataclasses.dataclass
@@ -200,11 +253,14 @@ class CompileReport:
     predicted: list[Prediction]
     pallas_kernels: dict[str, int]
     compile_s: float
+    memory_fraction: float | None  # GPU: the share of its memory JAX's allocator takes (the usable bytes')
+    census: census_lib.Census | None = None  # where the step's bytes go (--census)
 
     def to_json(self) -> dict:
         return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
                 "collectives": [r.as_dict() for r in self.collectives],
-                "predicted": [p.to_json() for p in self.predicted]}
+                "predicted": [p.to_json() for p in self.predicted],
+                "census": self.census.to_json() if self.census else None}
 
 
 def _gib(n: int | None) -> str:
@@ -238,7 +294,12 @@ def describe(report: CompileReport) -> list[str]:
             lines.append(f"  gradient reduction ({p.op} over {'+'.join(p.span or ['dp'])}): {found} bytes per device; "
                          f"zerolm plan predicts {p.bytes:,}"
                          + ("" if p.found_bytes is None else f" ({p.found_bytes / p.bytes:.1%})"))
+    if report.census is not None:
+        lines += census_lib.describe(report.census)
     verdict = "FITS" if r["fits"] else "DOES NOT FIT"
+    usable = (f" ({r['memory_fraction']:.2f} of its memory: JAX's allocator share, XLA_PYTHON_CLIENT_MEM_FRACTION)"
+              if r["memory_fraction"] is not None else "")
     lines.append(f"{verdict}: peak {_gib(r['peak_bytes_per_device'])} per device ({r['peak_program']}) of "
-                 f"{_gib(r['usable_bytes_per_device'])} usable on {r['device_kind']}; compiled in {r['compile_s']:.0f} s")
+                 f"{_gib(r['usable_bytes_per_device'])} usable on {r['device_kind']}{usable}; compiled in "
+                 f"{r['compile_s']:.0f} s")
     return lines

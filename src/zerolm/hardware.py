@@ -21,7 +21,9 @@ slowest link, `inter_bw` (the NIC share of one GPU).
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+from pathlib import Path
 
 from zerolm.errors import ZerolmError
 
@@ -62,6 +64,7 @@ CHIPS: tuple[Chip, ...] = (
     Chip("H100 PCIe", "gpu", 756e12, "NVIDIA H100 datasheet: 756 TFLOP/s dense BF16 (PCIe)"),
     Chip("H100", "gpu", 989e12, "NVIDIA H100 datasheet: 989 TFLOP/s dense BF16 (SXM)"),
     Chip("H200", "gpu", 989e12, "NVIDIA H200 datasheet: 989 TFLOP/s dense BF16 (SXM)"),
+    Chip("B200", "gpu", 2250e12, "NVIDIA HGX B200 datasheet: 2.25 PFLOP/s dense BF16 per GPU (4.5 sparse)"),
 )
 
 
@@ -130,6 +133,48 @@ def grid(chips: int, dims: int) -> tuple[int, ...] | None:
     while shape[0] * shape[1] * shape[2] < chips:
         shape[next(order)] *= 2
     return tuple(shape)
+
+
+# --- NVIDIA GPUs as XLA's GPU compiler describes them ---------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuType:
+    """A GPU `zerolm compile --target` compiles for: XLA's own description of it (a GpuTargetConfigProto in
+    text form, from XLA's `xla/backends/gpu/target_config/specs/`, shipped in `zerolm/gpu_targets/`)."""
+
+    name: str  # zerolm's target name: h100, h200, a100-80g, b200, ...
+    spec: str  # the description's file name in zerolm/gpu_targets/
+    preset: str | None  # the planner's device preset (PRESETS), if it has one
+
+    def target_config(self) -> str:
+        return (Path(__file__).parent / "gpu_targets" / self.spec).read_text()
+
+    def memory(self) -> int:
+        """The device's memory in bytes, as the description states it (`device_memory_size`)."""
+        m = re.search(r"device_memory_size:\s*(\d+)", self.target_config())
+        assert m, self.spec
+        return int(m.group(1))
+
+
+GPU_TYPES = {g.name: g for g in [
+    GpuType("h100", "h100_sxm.txtpb", "h100"), GpuType("h100-pcie", "h100_pcie.txtpb", None),
+    GpuType("h200", "h200.txtpb", "h200"), GpuType("a100-80g", "a100_sxm_80.txtpb", "a100"),
+    GpuType("a100-80g-pcie", "a100_pcie_80.txtpb", None), GpuType("b200", "b200.txtpb", None)]}
+GPUS_PER_HOST = 8  # an HGX/DGX server: the GPUs `zerolm compile --target h100-8` spreads dp over (NVLink)
+# JAX's GPU allocator takes this share of the device's memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says
+# otherwise (JAX's "GPU memory allocation" page): what a step may use.
+GPU_MEMORY_FRACTION = 0.75
+
+
+def gpu_memory_fraction() -> float:
+    """The share of a GPU's memory JAX lets programs allocate: XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75."""
+    value = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    try:
+        return float(value) if value else GPU_MEMORY_FRACTION
+    except ValueError:
+        raise UnknownDevice(f"XLA_PYTHON_CLIENT_MEM_FRACTION: {value!r} is not a number (JAX reads it as one, "
+                            "e.g. 0.9)") from None
 
 
 # --- The planner's device presets ---------------------------------------------------------------------

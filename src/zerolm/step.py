@@ -19,6 +19,7 @@ from zerolm import model as gpt_model
 from zerolm import sharding
 from zerolm.config import Config, ConfigError
 from zerolm.errors import ZerolmError
+from zerolm.mesh import TP
 from zerolm.optim import make_optimizer
 from zerolm.zero import Zero1
 
@@ -38,7 +39,18 @@ def build_model(cfg: Config, device: jax.Device | None = None) -> tuple[gpt_mode
 def build_step(cfg: Config, mesh: Mesh, rules=sharding.RULES) -> tuple[gpt_model.GPT, Zero1, functools.partial]:
     """The model, its ZeRO-1 step on `mesh` and its init function, as the config says (vocab resolved;
     the model's `auto` dtype and attention for the mesh's devices, which may be a TPU slice compiled for
-    ahead of time). `rules`: the logical-axis rule table (zerolm.sharding)."""
+    ahead of time). `rules`: the logical-axis rule table (zerolm.sharding).
+
+    cuDNN's attention does not compile with tensor parallelism inside the step (JAX runs its custom
+    partitioner under the step's partly manual shard_map, and it fails there): with mesh.tp > 1, `auto`
+    takes XLA's attention on a GPU, and an explicit cudnn is refused."""
+    if mesh.shape.get(TP, 1) > 1 and cfg.model.attention in ("auto", "cudnn"):
+        device = mesh.devices.flat[0]
+        if gpt_model.for_device(cfg.model, device).attention == "cudnn":
+            if cfg.model.attention == "cudnn":
+                raise ConfigError("model.attention: cudnn does not compile with mesh.tp > 1 in zerolm's step (JAX "
+                                  "cannot partition cuDNN's attention call there); use mesh.tp=1, or model.attention=xla")
+            cfg = cfg.resolve(model__attention="xla")
     model, init_fn = build_model(cfg, mesh.devices.flat[0])
     tx, schedule = make_optimizer(cfg.train)
     zero = Zero1(mesh, functools.partial(gpt_model.lm_loss, model), tx, jax.eval_shape(init_fn, jax.random.key(0)),

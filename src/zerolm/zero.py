@@ -103,12 +103,14 @@ class Zero1:
         self.state_shardings = TrainState(step=self.replicated, params=self.param_shardings,
                                           opt_state=self.opt_shardings)
 
-        # (1) accumulate: manual over dp; per-device gradients come out stacked on a leading dp axis.
+        # (1) accumulate: manual over dp; per-device gradients come out stacked on a leading dp axis. Without
+        # tensor parallelism it is manual over the whole mesh: nothing is left for the partitioner inside,
+        # where JAX cannot run a custom partitioner (cuDNN's attention has one) under a partly manual map.
         stacked = jax.tree.map(lambda _: P(DP), table.param_specs, is_leaf=lambda x: isinstance(x, P))
         accumulate = jax.shard_map(functools.partial(_accumulate, loss_fn=loss_fn, acc_dtype=jnp.dtype(accumulate_dtype),
                                                      out_dtype=self.param_dtype), mesh=mesh,
                                    in_specs=(P(), self.batch_sharding.spec), out_specs=(stacked, P(DP)),
-                                   axis_names=frozenset({DP}))
+                                   axis_names=frozenset(mesh.axis_names) if self.tp == 1 else frozenset({DP}))
         # (2) reduce: manual over dp and tp, each device reducing its own tp block (sharding.Table.reduction).
         tp_local, in_specs, out_specs = table.reduction(grad_reduce)
         self.scatter = scatter_lib.resolve_scatter(scatter, mesh)  # "collective", "two_stage" or "ring"

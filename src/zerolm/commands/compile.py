@@ -1,5 +1,6 @@
-"""`zerolm compile --config FILE --target TYPE`: the real step compiled for a TPU slice on this machine
-(no TPU needed); does it fit, and what does it send (zerolm.aot).
+"""`zerolm compile --config FILE --target TYPE`: the real step compiled for a TPU slice or an NVIDIA GPU on
+this machine (no TPU or GPU needed); does it fit, and what does it send (zerolm.aot)? `--census`: where
+its bytes go, kernel by kernel (zerolm.census).
 
 `--largest-micro-batch`: the largest micro-batch that fits instead, compiled up from the planner's advice
 (zerolm.advice); exit 4 if not even one sequence fits.
@@ -24,7 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="a zerolm YAML config")
     parser.add_argument("--target", required=True, metavar="TYPE",
                         help="a TPU accelerator type as gcloud names it: v2-8, v3-8, v3-32, v4-64, v5litepod-16 "
-                             "(or v5e-16), v5p-128, v6e-64, ...")
+                             "(or v5e-16), v5p-128, v6e-64, ...; or an NVIDIA GPU: h100, h100-pcie, h200, a100-80g, "
+                             "a100-80g-pcie, b200, and NAME-N for N of them in one host (h100-8)")
+    parser.add_argument("--census", action="store_true",
+                        help="also print where the step's bytes go: each kind of kernel, its executions and bytes")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     parser.add_argument("--largest-micro-batch", action="store_true",
                         help="find the largest micro-batch that fits: compile the planner's advice, then up while "
@@ -34,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     target = aot.parse_target(args.target)
+    if target.platform == "gpu":  # XLA's GPU compiler needs no GPU, but without one JAX must not try to open it
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
     cfg = load_config(args.config, args.set)
     if cfg.mesh.dp != "auto" and cfg.dp * cfg.mesh.tp != target.devices:
         raise ConfigError(f"mesh: dp × tp = {cfg.dp} × {cfg.mesh.tp} = {cfg.dp * cfg.mesh.tp} devices, but "
@@ -50,6 +58,6 @@ def run(args: argparse.Namespace) -> int:
         return 0 if found.largest is not None else EXIT_DOES_NOT_FIT
     cfg = load_planned(args.config, args.set, device_count=target.devices)
     devices = aot.target_devices(target)
-    report = aot.compile_for(cfg, target, devices)
+    report = aot.compile_for(cfg, target, devices, census=args.census)
     print_report(report, args.json, aot.describe)
     return 0 if report.fits else EXIT_DOES_NOT_FIT

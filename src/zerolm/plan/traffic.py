@@ -48,7 +48,7 @@ def predicted_collectives(table, grad_reduce: str, accum: int, activation: int =
     with "ring", dp − 1 collective-permutes of such a block; or an all-reduce of the whole block;
     and the loss's 4-byte all-reduce; with tp, Megatron's all-reduces of the `activation` bytes of a
     micro-batch, 2 forward and 2 backward per layer (3 forward with full remat), every micro-step.
-    update: the all-gather of the new parameters out of the optimizer layout."""
+    update: the all-gather of the new parameters out of the optimizer layout. On one device, none of these."""
     import jax
 
     from zerolm.sharding import is_layout
@@ -65,7 +65,9 @@ def predicted_collectives(table, grad_reduce: str, accum: int, activation: int =
     def row(program, op, span, nbytes, in_loop=False, runs=1) -> Prediction:
         return Prediction(program, op, span, in_loop, nbytes, nbytes * runs)
 
-    if grad_reduce == "all_reduce":
+    if dp == 1:  # nothing to reduce over dp, nor to gather
+        rows = []
+    elif grad_reduce == "all_reduce":
         rows = [row("grad", "all-reduce", [DP], grads + 4)]
     elif scatter == "ring":
         rows = [row("grad", "collective-permute", [DP], scattered * (dp - 1)), row("grad", "all-reduce", [DP], 4)]
@@ -83,7 +85,8 @@ def predicted_collectives(table, grad_reduce: str, accum: int, activation: int =
     if tp > 1 and activation:
         per_layer = 6 if remat else 4
         rows.append(row("grad", "all-reduce", [TP], per_layer * activation, True, accum * n_layer))
-    rows.append(row("update", "all-gather", None if tp > 1 else [DP], gathered))
+    if dp * tp > 1:
+        rows.append(row("update", "all-gather", None if tp > 1 else [DP], gathered))
     return rows
 
 

@@ -1,0 +1,105 @@
+"""`zerolm compile` for NVIDIA GPUs: XLA's own GPU compiler (the jax-cuda13 plugin), ahead of time, no GPU.
+
+The step of small configs compiled for an H100 (and eight of them): its peak against JAX's share of the
+GPU's memory, the exit codes and
+the census of its kernels."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from zerolm import aot
+from zerolm.exitcodes import EXIT_DOES_NOT_FIT, EXIT_USAGE
+from zerolm.hardware import GPU_TYPES
+
+pytestmark = pytest.mark.slow  # GPU compiles
+
+TINY = REPO / "configs" / "tiny.yaml"
+C1_3B = REPO / "configs" / "1_3b.yaml"
+H100_BYTES = 84942979072  # XLA's description of the H100 SXM (device_memory_size)
+# The tiny config in bfloat16, at a GPT-2 vocabulary's size class, four layers: compiles in seconds.
+SMALL = ["model.vocab_size=1024", "model.n_layer=4", "model.seq_len=128", "model.dtype=bfloat16"]
+
+
+def compile_cmd(*args, expect=0, **env):
+    proc = subprocess.run([sys.executable, "-m", "zerolm.cli", "compile", *map(str, args)], capture_output=True,
+                          text=True, cwd=REPO, timeout=600, env={**_env(), **env})
+    assert proc.returncode == expect, proc.stderr[-3000:]
+    return proc
+
+
+def _env():
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # the command needs no help to find none
+
+
+@pytest.mark.parametrize("name, kind, devices", [("h100", "h100", 1), ("H100-8", "h100", 8), ("h100-pcie-2", "h100-pcie", 2),
+                                                 ("a100-80g", "a100-80g", 1), ("b200-4", "b200", 4), ("h200", "h200", 1)])
+def test_gpu_targets_are_one_host_of_n_gpus(name, kind, devices):
+    t = aot.parse_target(name)
+    assert (t.platform, t.generation, t.devices, t.topology) == ("gpu", kind, devices, f"1x1x{devices}")
+
+
+@pytest.mark.parametrize("name, message", [("h300", "is not a TPU accelerator type or a GPU zerolm knows"),
+                                           ("h100-9", "zerolm compiles for the GPUs of one host, 1 to 8")])
+def test_an_unknown_gpu_target_is_refused(name, message):
+    with pytest.raises(aot.TargetError, match=message):
+        aot.parse_target(name)
+
+
+def test_every_gpu_description_loads_and_states_its_memory():
+    for gpu in GPU_TYPES.values():
+        devices = aot.target_devices(aot.parse_target(gpu.name))
+        assert devices[0].platform == "gpu" and gpu.memory() > 70e9, gpu.name
+
+
+def test_a_small_config_compiled_for_an_h100_states_its_peak_and_fits():
+    r = json.loads(compile_cmd("--config", TINY, "--target", "h100", *[a for s in SMALL for a in ("--set", s)],
+                               "--json").stdout)
+    assert r["device_kind"] == "NVIDIA H100 80GB HBM3" and r["devices"] == 1 and r["fits"]
+    assert r["attention"] == "cudnn"  # auto on a GPU
+    assert r["usable_bytes_per_device"] == int(0.75 * H100_BYTES) and r["memory_fraction"] == 0.75
+    grad = r["programs"]["grad"]
+    assert grad["peak_bytes"] == (grad["argument_bytes"] + grad["output_bytes"] + grad["temp_bytes"]
+                                  - grad["alias_bytes"] + grad["live_outside_bytes"])
+    assert 0 < r["peak_bytes_per_device"] < 2**30
+    half = json.loads(compile_cmd("--config", TINY, "--target", "h100", "--set", "model.vocab_size=1024", "--json",
+                                  XLA_PYTHON_CLIENT_MEM_FRACTION="0.5").stdout)
+    assert half["usable_bytes_per_device"] == int(0.5 * H100_BYTES)
+
+
+def test_eight_gpus_of_a_host_reduce_once_per_step_and_print_the_census():
+    proc = compile_cmd("--config", TINY, "--target", "h100-8", "--set", "model.vocab_size=1024", "--census")
+    lines = proc.stdout.splitlines()
+    assert "mesh dp=8 × tp=1" in lines[0] and "attention cudnn" in lines[0]
+    grad = next(line for line in lines if line.strip().startswith("grad:"))
+    assert re.fullmatch(r"\s*grad: 1 all-reduce over dp \(4 B\) once per step; 1 reduce-scatter over dp \([\d.]+ MiB\) once "
+                        r"per step", grad), grad
+    assert any(line.startswith("bytes moved per step: ") for line in lines) and lines[-1].startswith("FITS: peak ")
+    r = json.loads(compile_cmd("--config", TINY, "--target", "h100-8", "--set", "model.vocab_size=1024", "--census",
+                               "--json").stdout)
+    kinds = {row["kind"]: row for row in r["census"]["rows"]}
+    # cuDNN's flash attention, forward and backward, once per layer and micro-step (nothing recomputed)
+    assert kinds["custom-call __cudnn$fmhaSoftmax"]["executions"] == 4 * r["accum_steps"]
+    assert kinds["custom-call __cudnn$fmhaSoftmaxBackward"]["executions"] == 4 * r["accum_steps"]
+    assert r["census"]["bytes"] == sum(row["bytes"] for row in r["census"]["rows"]) > 0
+
+
+def test_a_step_too_large_for_an_h100_exits_4():
+    proc = compile_cmd("--config", C1_3B, "--target", "h100", "--set", "model.remat=none", "--set",
+                       "train.micro_batch_size=64", "--set", "train.global_batch_size=128", expect=EXIT_DOES_NOT_FIT)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("DOES NOT FIT: peak ") and "of 59.33 GiB usable on NVIDIA H100 80GB HBM3" in last
+
+
+def test_an_unknown_gpu_is_one_line_and_exit_2():
+    proc = compile_cmd("--config", TINY, "--target", "h300", expect=EXIT_USAGE)
+    assert proc.stderr.startswith("error: --target: 'h300' is not a TPU accelerator type or a GPU zerolm knows; "
+                                  "valid ones look like v2-8") and len(proc.stderr.strip().splitlines()) == 1
