@@ -1,8 +1,8 @@
 """`zerolm compile` for NVIDIA GPUs: XLA's own GPU compiler (the jax-cuda13 plugin), ahead of time, no GPU.
 
 The step of small configs compiled for an H100 (and eight of them): its peak against JAX's share of the
-GPU's memory, the exit codes and
-the census of its kernels."""
+GPU's memory, the exit codes, the layer loop's stacked activations counted in the compiled HLO, and
+model.remat auto's choice by the compiled peak."""
 
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ import sys
 import pytest
 
 from conftest import REPO
-from zerolm import aot
+from zerolm import aot, census, hlo
+from zerolm.config import load_config
 from zerolm.exitcodes import EXIT_DOES_NOT_FIT, EXIT_USAGE
 from zerolm.hardware import GPU_TYPES
+from zerolm.mesh import make_mesh
+from zerolm.step import REMAT_ORDER, build_and_compile, build_step, compile_step
 
 pytestmark = pytest.mark.slow  # GPU compiles
 
@@ -64,7 +67,7 @@ def test_a_small_config_compiled_for_an_h100_states_its_peak_and_fits():
     r = json.loads(compile_cmd("--config", TINY, "--target", "h100", *[a for s in SMALL for a in ("--set", s)],
                                "--json").stdout)
     assert r["device_kind"] == "NVIDIA H100 80GB HBM3" and r["devices"] == 1 and r["fits"]
-    assert r["attention"] == "cudnn"  # auto on a GPU
+    assert r["attention"] == "cudnn" and not r["scan_layers"]  # auto on a GPU: cuDNN, the layer loop unrolled
     assert r["usable_bytes_per_device"] == int(0.75 * H100_BYTES) and r["memory_fraction"] == 0.75
     grad = r["programs"]["grad"]
     assert grad["peak_bytes"] == (grad["argument_bytes"] + grad["output_bytes"] + grad["temp_bytes"]
@@ -103,3 +106,53 @@ def test_an_unknown_gpu_is_one_line_and_exit_2():
     proc = compile_cmd("--config", TINY, "--target", "h300", expect=EXIT_USAGE)
     assert proc.stderr.startswith("error: --target: 'h300' is not a TPU accelerator type or a GPU zerolm knows; "
                                   "valid ones look like v2-8") and len(proc.stderr.strip().splitlines()) == 1
+
+
+def _stacked_zero_fills(text: str, n_layer: int, seq_len: int) -> list[str]:
+    """Buffers of the accumulation loop that are stacked over the layers, hold activations (a dimension of
+    seq_len tokens) and are filled with a constant (zeros) each time round: what a layer scan's
+    backward pass reads its saved activations from."""
+    comps = {name: census.parse(lines) for name, lines in hlo._computations(text).items()}
+    loops = hlo._loop_computations(hlo._computations(text), hlo._callees(hlo._computations(text)))
+    found = []
+    for name in loops:
+        for ins in comps.get(name, []):
+            m = re.match(r"\w+\[([\d,]+)\]", ins.result)
+            dims = [int(d) for d in m.group(1).split(",")] if m else []
+            if len(dims) < 3 or dims[0] != n_layer or seq_len not in dims:
+                continue
+            fused = comps.get(c.group(1), []) if (c := re.search(r"calls=%?([\w.\-]+)", ins.attributes)) else []
+            if ins.opcode == "broadcast" or (fused and fused[-1].opcode == "broadcast"
+                                             and any(f.opcode == "constant" for f in fused)):
+                found.append(ins.name)
+    return found
+
+
+def test_the_unrolled_layer_loop_holds_no_stacked_zero_filled_activations():
+    """On an H100 the layers run unrolled (model.scan_layers: auto): nothing stacked is zero-filled every
+    micro-step for the backward pass. The layers in a scan, the control, do it."""
+    devices = aot.target_devices(aot.parse_target("h100"))
+    found = {}
+    for scan in ("auto", "true"):
+        cfg = load_config(TINY, [*SMALL, f"model.scan_layers={scan}", "mesh.dp=1", "train.global_batch_size=4",
+                                 "train.micro_batch_size=2"], device_count=1)
+        _, zero, _ = build_step(cfg, make_mesh(1, 1, devices))
+        text = compile_step(zero, 2, 128, 2).texts["grad"]
+        found[scan] = _stacked_zero_fills(text, 4, 128)
+    assert found["auto"] == [] and len(found["true"]) >= 4, found
+
+
+def test_remat_auto_takes_the_least_recomputed_policy_that_fits():
+    devices = aot.target_devices(aot.parse_target("h100"))
+    cfg = load_config(TINY, [*SMALL, "model.remat=auto", "mesh.dp=1", "train.global_batch_size=32",
+                             "train.micro_batch_size=16"], device_count=1)
+    mesh = make_mesh(1, 1, devices)
+    assert build_and_compile(cfg, mesh, None).cfg.model.remat == "none"  # no limit (a CPU): the first
+    every = build_and_compile(cfg, mesh, 1)  # nothing fits: each tried, the last taken
+    assert list(every.tried) == list(REMAT_ORDER) and every.cfg.model.remat == "full"
+    peaks = every.tried
+    assert peaks["full"] < peaks["none"]
+    limit = (peaks["none"] + peaks["full"]) // 2
+    chosen = build_and_compile(cfg, mesh, limit)
+    taken = chosen.cfg.model.remat
+    assert peaks[taken] <= limit and all(peaks[r] > limit for r in REMAT_ORDER[:REMAT_ORDER.index(taken)])

@@ -47,13 +47,27 @@ def _loss_and_grads(*overrides):
 
 
 @pytest.mark.slow
-def test_every_remat_policy_gives_the_same_loss_and_gradients():
-    l0, g0 = _loss_and_grads("model.remat=none")
-    for policy in ("full", "dots", "attention", "dots_attention"):
-        l1, g1 = _loss_and_grads(f"model.remat={policy}")
-        assert float(l0) == float(l1), policy
-        jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7, err_msg=policy), g0, g1)
+@pytest.mark.parametrize("attention", ["xla", "blockwise"])
+def test_every_remat_policy_and_layer_loop_gives_the_same_loss_and_gradients(attention):
+    """Each remat policy, with the layers in a scan and unrolled: the loss and gradients of no remat in a scan."""
+    l0, g0 = _loss_and_grads("model.remat=none", "model.scan_layers=true", f"model.attention={attention}",
+                             "model.attention_block=8")
+    for policy in ("none", "full", "dots", "attention", "dots_attention"):
+        for scan in ("true", "false"):
+            l1, g1 = _loss_and_grads(f"model.remat={policy}", f"model.scan_layers={scan}", f"model.attention={attention}",
+                                     "model.attention_block=8")
+            what = f"{policy}, scan_layers={scan}"
+            np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6, err_msg=what)
+            jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7, err_msg=what), g0, g1)
     assert small_config("model.remat=true").model.remat == "full"  # the old boolean still reads
+
+
+def test_the_layer_loop_keeps_the_parameter_layout():
+    """Unrolled or scanned, the layers' parameters are the same tree, stacked along `layers`: checkpoints,
+    sharding rules and the export are the same for both."""
+    trees = [jax.tree.map(lambda a: (a.shape, a.dtype), small_model(small_config(f"model.scan_layers={s}").model)[3])
+             for s in ("true", "false")]
+    assert trees[0] == trees[1] and trees[0]["h"]["mlp"]["c_fc"]["kernel"][0][0] == 2  # n_layer 2, stacked
 
 
 def test_chunked_loss_equals_the_plain_loss_and_its_gradient():

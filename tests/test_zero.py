@@ -49,11 +49,17 @@ def _rel(a_tree, b_tree):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-@pytest.mark.parametrize("mode, chunk", [("all_reduce", 0), ("reduce_scatter", 0), ("reduce_scatter", 12)])
-def test_sgd_step_matches_single_device(mode, chunk):
+@pytest.mark.parametrize("mode, chunk, model", [
+    ("all_reduce", 0, ()), ("reduce_scatter", 0, ()), ("reduce_scatter", 12, ()),
+    ("reduce_scatter", 12, ("model.scan_layers=false",)),
+    ("reduce_scatter", 12, ("model.scan_layers=false", "model.attention=blockwise", "model.attention_block=8")),
+    ("reduce_scatter", 12, ("model.scan_layers=false", "model.remat=full"))],
+    ids=lambda v: "-".join(s.split("=")[-1] for s in v) if isinstance(v, tuple) else str(v))
+def test_sgd_step_matches_single_device(mode, chunk, model):
     """chunk 12: the fused, chunked loss inside shard_map (2 × 16 targets per micro-step, a padded chunk)
-    against the plain loss on one device."""
-    cfg = small_config("train.global_batch_size=32", "train.micro_batch_size=2", f"model.loss_chunk={chunk}")
+    against the plain loss on one device (its layers in a scan, XLA's attention). `model`: the layers
+    unrolled, with XLA's or the blockwise attention, with full remat."""
+    cfg = small_config("train.global_batch_size=32", "train.micro_batch_size=2", f"model.loss_chunk={chunk}", *model)
     zero, state, _ = _zero(cfg, optax.sgd(0.1), mode)
     loss_fn = small_model(small_config("model.loss_chunk=0").model)[2]
     rows = _rows(32, cfg)

@@ -43,7 +43,7 @@ from zerolm.hardware import GPU_TYPES, GPUS_PER_HOST, TPU_TYPES, gpu_memory_frac
 from zerolm.mesh import make_mesh
 from zerolm.plan.traffic import Prediction, step_predictions
 from zerolm.sharding import shard_bytes
-from zerolm.step import build_step, compile_step, live_outside
+from zerolm.step import build_and_compile, describe_remat_choice, live_outside
 
 
 class TargetError(ZerolmError):
@@ -185,9 +185,9 @@ def compile_for(cfg: Config, target: Target, devices: list, *, census: bool = Fa
     """Compile `cfg`'s step (vocab resolved, mesh dp × tp = the slice's devices) for `target`."""
     mesh = make_mesh(cfg.dp, cfg.mesh.tp, devices)
     usable = usable_bytes(target, devices[0])
-    model, zero, _ = build_step(cfg, mesh)
+    built = build_and_compile(cfg, mesh, usable)  # model.remat auto: the least recomputed that fits
+    cfg, model, zero, compiled = built.cfg, built.model, built.zero, built.compiled
     micro, seq, accum = cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps
-    compiled = compile_step(zero, micro, seq, accum, keep_refusals=True)
     memory = compiled.memory(zero, micro, seq, accum)
     outside = live_outside(zero, micro, seq, accum)
     report_programs: dict[str, dict[str, Any]] = {}
@@ -222,6 +222,7 @@ def compile_for(cfg: Config, target: Target, devices: list, *, census: bool = Fa
         pallas_kernels={name: text.count('custom_call_target="tpu_custom_call"') for name, text in texts.items()},
         compile_s=round(sum(r["compile_s"] for r in report_programs.values()), 2),
         memory_fraction=gpu_memory_fraction() if target.platform == "gpu" else None,
+        scan_layers=bool(model.cfg.scan_layers), remat_choice=describe_remat_choice(built, usable),
         census=census_lib.merge(census_lib.census(t) for t in texts.values()) if census else None)
 
 
@@ -254,6 +255,8 @@ class CompileReport:
     pallas_kernels: dict[str, int]
     compile_s: float
     memory_fraction: float | None  # GPU: the share of its memory JAX's allocator takes (the usable bytes')
+    scan_layers: bool  # the layer loop compiled: a scan, or unrolled (model.scan_layers as the target resolves it)
+    remat_choice: str | None  # model.remat auto: what each policy needed and which was taken
     census: census_lib.Census | None = None  # where the step's bytes go (--census)
 
     def to_json(self) -> dict:
@@ -275,7 +278,8 @@ def describe(report: CompileReport) -> list[str]:
     r = report.to_json()
     lines = [f"compile: {r['config']} for {r['target']} ({r['topology']}, {r['devices']} × {r['device_kind']}), "
              f"mesh {' × '.join(f'{k}={v}' for k, v in r['mesh'].items())}, micro-batch {r['micro_batch']} × "
-             f"{r['accum_steps']} accumulation step(s), remat {r['remat']}, attention {r['attention']}, "
+             f"{r['accum_steps']} accumulation step(s), remat {r['remat']}, layers "
+             f"{'in a scan' if r['scan_layers'] else 'unrolled'}, attention {r['attention']}, "
              f"precision {r['precision']}, grad_reduce={r['grad_reduce']}"
              + (_SCATTER[r["scatter"]].format(**r) if r["grad_reduce"] == "reduce_scatter" else ""),
              "per device      arguments      outputs  temporaries      aliased  live outside         peak   compile"]
@@ -294,6 +298,8 @@ def describe(report: CompileReport) -> list[str]:
             lines.append(f"  gradient reduction ({p.op} over {'+'.join(p.span or ['dp'])}): {found} bytes per device; "
                          f"zerolm plan predicts {p.bytes:,}"
                          + ("" if p.found_bytes is None else f" ({p.found_bytes / p.bytes:.1%})"))
+    if report.remat_choice:
+        lines.append(report.remat_choice)
     if report.census is not None:
         lines += census_lib.describe(report.census)
     verdict = "FITS" if r["fits"] else "DOES NOT FIT"

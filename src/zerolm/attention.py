@@ -40,12 +40,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 IMPLEMENTATIONS = ("xla", "cudnn", "pallas", "blockwise")
 BLOCK = 512  # positions per query/key block of the blockwise and Pallas attentions
 PALLAS_LANES = 128  # the Pallas kernel's blocks are multiples of the TPU's 128 lanes
 _MASKED = -1e30  # finite, so that a fully masked block's max minus itself is 0, not nan
+# The names of what an attention's backward pass starts from (its output, and its softmax statistics), so
+# that a remat policy can keep them (zerolm.model.REMAT_POLICIES) rather than run the attention again.
+SAVED = ("attention_out", "attention_stats")
 
 
 def causal_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array, implementation: str,
@@ -54,8 +58,9 @@ def causal_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.
         same_Bx1xTxT = None
         if segment_ids_BxT is not None:  # XLA's applies it as a mask, cuDNN's as an additive bias
             same_Bx1xTxT = segment_ids_BxT[:, None, :, None] == segment_ids_BxT[:, None, None, :]
-        return jax.nn.dot_product_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask=same_Bx1xTxT, is_causal=True,
-                                            implementation=cast(Literal["xla", "cudnn"], implementation))
+        return checkpoint_name(jax.nn.dot_product_attention(
+            q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask=same_Bx1xTxT, is_causal=True,
+            implementation=cast(Literal["xla", "cudnn"], implementation)), SAVED[0])
     if implementation == "blockwise":
         return blockwise_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT,
                                    block_size(q_BxTxHxK.shape[1], block))
@@ -133,7 +138,8 @@ def _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, block):
         return None, ((acc / l[..., None]).astype(q_BxHxCxK.dtype), m + jnp.log(l))
 
     _, (out_NxBxHxCxK, lse_NxBxHxC) = lax.scan(query_block, None, (jnp.arange(qs.shape[0]), qs))
-    out = _unblocks(out_NxBxHxCxK)
+    out = checkpoint_name(_unblocks(out_NxBxHxCxK), SAVED[0])
+    lse_NxBxHxC = checkpoint_name(lse_NxBxHxC, SAVED[1])
     return out, (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, out, lse_NxBxHxC)
 
 
@@ -241,6 +247,7 @@ def _pallas_forward(q, k, v, ids, block):
     # save_residuals=True: the output and the per-row softmax statistics the backward pass starts from.
     o, l, m = _unchecked(lambda q, k, v, ids: flash._flash_attention(
         q, k, v, None, _pallas_segments(flash, ids), True, True, scale, sizes, False), q, k, v, ids)
+    o, l, m = checkpoint_name(o, SAVED[0]), checkpoint_name(l, SAVED[1]), checkpoint_name(m, SAVED[1])
     return o, (q, k, v, ids, o, l, m)
 
 

@@ -286,7 +286,7 @@ def _first_line(error: Exception) -> str:
 
 
 # Keys that change how the model computes, not what its parameters are.
-_COMPUTE_ONLY = {"dtype", "attention", "attention_block", "remat", "loss_chunk",
+_COMPUTE_ONLY = {"dtype", "attention", "attention_block", "remat", "scan_layers", "loss_chunk",
                  "eot_id"}  # the tokenizer's: the data's identity (its sha256) already pins it
 _MODEL_DEFAULTS = {name: field.default for name, field in ModelConfig.model_fields.items() if not field.is_required()}
 

@@ -54,7 +54,10 @@ class ModelConfig(_Section):
     attention: Literal["auto", "xla", "cudnn", "pallas", "blockwise"]  # see zerolm.attention
     attention_block: int = PositiveInt  # positions per query/key block of the blockwise and Pallas attentions
     # What the backward pass recomputes instead of storing (see model.REMAT_POLICIES).
-    remat: Literal["none", "full", "dots", "attention", "dots_attention"]
+    remat: Literal["none", "full", "dots", "attention", "dots_attention", "auto"]  # auto: zerolm.step.REMAT_ORDER
+    # The layer loop: a scan over the stacked layers (compile time flat in depth) or unrolled (no stacked
+    # activations for the backward pass); auto: the device's choice (zerolm.model.resolve_auto).
+    scan_layers: bool | Literal["auto"] = "auto"
     loss_chunk: int = Field(ge=0)  # tokens per chunk of the output layer + loss; 0: the whole micro-batch at once
     # Attention stays inside each document of a packed sample (documents end with end-of-text, token eot_id);
     # positions count from each document's start ("restart") or from the sample's ("continue").

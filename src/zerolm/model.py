@@ -19,25 +19,39 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
-from zerolm.attention import BLOCK, causal_attention, pallas_available, pallas_fits
+from zerolm.attention import BLOCK, SAVED, causal_attention, pallas_available, pallas_fits
 from zerolm.config import ModelConfig
 from zerolm.hardware import tpu_generation
 
 LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon
 
 # model.remat -> what each block's backward pass may keep from its forward pass (the rest is recomputed).
-# "dots" keeps the outputs of the weight matmuls (dots without batch dimensions), which cost the most to
-# recompute per byte; "attention" keeps the attention output (a fused flash-attention call is not a
-# dot, so "dots" alone would run it again).
+# Every policy keeps the block's input. "none" recomputes no matmul and no attention, only what costs no
+# FLOPs worth counting: the LayerNorms' and the GELU's outputs and intermediates are rebuilt from the kept
+# matmul outputs instead of being stored (1_3b on an H100 at micro-batch 8: 41.5 GiB against 56.6 stored;
+# docs/performance-notes.md). "dots" keeps the outputs of the weight matmuls (dots without batch
+# dimensions), which cost the most to recompute per byte; "attention" keeps what the attention's backward
+# pass starts from (its output and softmax statistics: `attention.SAVED`, and cuDNN's forward call whole),
+# so flash attention runs once.
+
+
+def _attention_saved(prim, *_, **params) -> bool:
+    """The attention's outputs and softmax statistics: zerolm's attentions name them (attention.SAVED);
+    cuDNN's, inside jax.nn.dot_product_attention, is one primitive whose outputs are both."""
+    if prim.name == "name":
+        return params["name"] in SAVED
+    return prim.name == "dot_product_attention_fwd_wrapper"
+
+
 _cp = jax.checkpoint_policies
 REMAT_POLICIES = {
+    # Every matmul's output (XLA's attention is batched dots: its scores and output) and the attention's.
+    "none": _cp.save_from_both_policies(_cp.dots_saveable, _attention_saved),
     "full": _cp.nothing_saveable,
     "dots": _cp.dots_with_no_batch_dims_saveable,
-    "attention": _cp.save_only_these_names("attention_out"),
-    "dots_attention": _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable,
-                                                  _cp.save_only_these_names("attention_out")),
+    "attention": _attention_saved,
+    "dots_attention": _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable, _attention_saved),
 }
 
 
@@ -51,7 +65,18 @@ def for_device(cfg: ModelConfig, device: jax.Device | None = None) -> ModelConfi
     device = device or jax.devices()[0]
     dtype, attention = resolve_auto(cfg.dtype, cfg.attention, device.platform, device.device_kind, cfg.seq_len,
                                     cfg.attention_block)
-    return cfg.model_copy(update={"dtype": dtype, "attention": attention})
+    return cfg.model_copy(update={"dtype": dtype, "attention": attention,
+                                  "scan_layers": resolve_scan_layers(cfg.scan_layers, device.platform)})
+
+
+def resolve_scan_layers(scan_layers: bool | str, platform: str) -> bool:
+    """`model.scan_layers: auto` on `platform`: unrolled on a GPU, where the compiled step of a scan keeps
+    stacked buffers of the layers' activations, zero-filled every micro-step, and moves more bytes (1_3b
+    on an H100 at micro-batch 8: 1.25× the bytes of the unrolled step); a scan on a TPU, where unrolling
+    1_3b costs 7× the compile time and more memory (docs/performance-notes.md), and on a CPU."""
+    if scan_layers != "auto":
+        return bool(scan_layers)
+    return platform.lower() not in ("gpu", "cuda", "rocm")
 
 
 def unrunnable_attention(cfg: ModelConfig, device: jax.Device) -> str | None:
@@ -90,6 +115,10 @@ def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
     return jnp.dtype(for_device(cfg).dtype if cfg.dtype == "auto" else cfg.dtype)
 
 
+def scan_layers(cfg: ModelConfig) -> bool:
+    return bool(for_device(cfg).scan_layers) if cfg.scan_layers == "auto" else bool(cfg.scan_layers)
+
+
 def attention_implementation(cfg: ModelConfig) -> str:
     return for_device(cfg).attention if cfg.attention == "auto" else cfg.attention
 
@@ -119,7 +148,6 @@ class Attention(nn.Module):
                                  segment_ids_BxT)
         else:
             y = self._cached_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, start)
-        y = checkpoint_name(y, "attention_out")
         # GPT-2 scales the residual projections' init by 1/sqrt(2 * n_layer).
         proj_init = nn.initializers.normal(0.02 / math.sqrt(2 * self.cfg.n_layer))
         return nn.Dense(D, dtype=self.dtype, kernel_init=_named(proj_init, "heads", "embed"),
@@ -200,10 +228,17 @@ class GPT(nn.Module):
             positions = wpe_TxD[:T]
         x_BxTxD = (jnp.take(wte_VxD, tokens_BxT, axis=0) + positions).astype(dtype)
 
-        block = (Block if cfg.remat == "none"
-                 else nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat]))
+        # The layers' parameters are stacked along `layers` either way; unrolled, the loop is written out
+        # (scan's unroll), so no activation is stacked for the backward pass. Inside a scan the loop keeps
+        # XLA from merging a rematerialised forward pass with the first one; unrolled, the remat must.
+        # remat auto is resolved where the step is compiled (zerolm.step.build_and_compile); a model outside
+        # the step (evaluation, sampling) takes no gradient, so any policy computes the same.
+        scanned = scan_layers(cfg)
+        policy = REMAT_POLICIES["none" if cfg.remat == "auto" else cfg.remat]
+        block = nn.remat(Block, prevent_cse=not scanned, policy=policy)
         blocks = nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
-                         in_axes=nn.broadcast, length=cfg.n_layer, metadata_params={nn.PARTITION_NAME: "layers"})
+                         in_axes=nn.broadcast, length=cfg.n_layer, unroll=1 if scanned else cfg.n_layer,
+                         metadata_params={nn.PARTITION_NAME: "layers"})
         x_BxTxD, _ = blocks(cfg, dtype, attention_implementation(cfg), name="h")(x_BxTxD, start, segment_ids_BxT)
         x_BxTxD = nn.LayerNorm(epsilon=LN_EPS, dtype=dtype, name="ln_f", scale_init=_named(nn.initializers.ones, "embed"),
                                bias_init=_named(nn.initializers.zeros, "embed"))(x_BxTxD)
@@ -298,10 +333,11 @@ def _fused_forward(x_BxTxD, wte_VxD, targets_BxT, vocab_size, chunk):
         lse_K = jax.nn.logsumexp(logits_KxV, axis=-1)
         target_K = jnp.take_along_axis(logits_KxV, t_K[:, None], axis=-1)[:, 0]
         loss = jnp.sum(jnp.where(real_K, lse_K - target_K, 0.0))
-        # d(mean loss)/d logits = (softmax - one_hot(target)) / n, zero on padding rows.
-        d_KxV = jnp.exp(logits_KxV - lse_K[:, None])
-        d_KxV = d_KxV.at[jnp.arange(t_K.shape[0]), t_K].add(-1.0)
-        d_KxV = (d_KxV * (real_K[:, None] / n)).astype(x_KxD.dtype)
+        # d(mean loss)/d logits = (softmax - one_hot(target)) / n, zero on padding rows: one elementwise pass
+        # over the logits (the one-hot as a comparison, not a scatter), written in the compute dtype.
+        p_KxV = jnp.exp(logits_KxV - lse_K[:, None])
+        one_hot_KxV = jnp.arange(logits_KxV.shape[1])[None, :] == t_K[:, None]
+        d_KxV = (jnp.where(one_hot_KxV, p_KxV - 1.0, p_KxV) * (real_K[:, None] / n)).astype(x_KxD.dtype)
         dx_KxD = jnp.einsum("kv,vd->kd", d_KxV, wte_c, preferred_element_type=jnp.float32)
         dwte_VxD = dwte_VxD + jnp.einsum("kv,kd->vd", d_KxV, x_KxD, preferred_element_type=jnp.float32)
         return dwte_VxD, (loss, dx_KxD)

@@ -101,6 +101,59 @@ def live_outside(zero: Zero1, micro_batch: int, seq_len: int, accum_steps: int) 
             "update": sharding.shard_bytes(x.params)}
 
 
+# model.remat: auto tries these in turn and takes the first whose compiled step fits the device: the least
+# recomputed first (none rebuilds only LayerNorms and GELUs; dots_attention also XLA's attention scores;
+# dots runs the attention forward again; attention every weight matmul; full the whole block).
+REMAT_ORDER = ("none", "dots_attention", "dots", "attention", "full")
+
+
+@dataclasses.dataclass
+class BuiltStep:
+    """The step built and compiled for a run's shapes (`build_and_compile`)."""
+
+    cfg: Config  # as compiled: model.remat resolved
+    model: gpt_model.GPT
+    zero: Zero1
+    init_fn: functools.partial
+    compiled: CompiledStep
+    tried: dict[str, int | None]  # model.remat auto: each policy tried -> its compiled peak (None: refused)
+
+
+def step_peak(compiled: CompiledStep, zero: Zero1, cfg: Config) -> int | None:
+    """The compiled step's peak bytes per device (the largest of its programs'), None if a program was refused."""
+    if compiled.refused:
+        return None
+    memory = compiled.memory(zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps)
+    return max(m["peak_bytes"] for m in memory.values())
+
+
+def build_and_compile(cfg: Config, mesh: Mesh, limit: int | None, rules=sharding.RULES) -> BuiltStep:
+    """`build_step` and `compile_step` (refusals kept) for the config's shapes. With model.remat auto, the
+    policies of REMAT_ORDER in turn until one's compiled peak fits `limit` (bytes per device; None: no limit,
+    so the first); if none does, the last (the caller's fit check says it does not fit)."""
+    candidates = REMAT_ORDER if cfg.model.remat == "auto" else (cfg.model.remat,)
+    tried: dict[str, int | None] = {}
+    for remat in candidates:
+        this = cfg.resolve(model__remat=remat) if remat != cfg.model.remat else cfg
+        model, zero, init_fn = build_step(this, mesh, rules)
+        compiled = compile_step(zero, this.train.micro_batch_size, this.model.seq_len, this.accum_steps,
+                                keep_refusals=True)
+        peak = tried[remat] = step_peak(compiled, zero, this)
+        if remat == candidates[-1] or (peak is not None and (limit is None or peak <= limit)):
+            return BuiltStep(this, model, zero, init_fn, compiled, tried if len(candidates) > 1 else {})
+    raise AssertionError("unreachable")
+
+
+def describe_remat_choice(built: BuiltStep, limit: int | None) -> str | None:
+    """The header line of model.remat auto: what each policy tried needed, and which one runs."""
+    if not built.tried:
+        return None
+    gib = lambda n: "refused by the compiler" if n is None else f"{n / 2**30:.2f} GiB"  # noqa: E731
+    tries = ", ".join(f"{r} {gib(p)}" for r, p in built.tried.items())
+    against = f" of {limit / 2**30:.2f} GiB" if limit else " (no device limit: the first)"
+    return f"remat auto: {built.cfg.model.remat} ({tries}{against})"
+
+
 class DoesNotFit(ZerolmError):
     """The step needs more memory than the device has (the compiler refused a program, the compiled peak
     is over the device's limit, or the device ran out): one line naming the keys that size it."""

@@ -42,7 +42,7 @@ from zerolm.resume import start_state
 from zerolm.runlock import LockHeld, RunLock
 from zerolm.sample import Sampling, generate
 from zerolm.sharding import abstract_views, shard_bytes, with_shardings
-from zerolm.step import CompiledStep, DoesNotFit, build_step, compile_step, is_out_of_memory
+from zerolm.step import CompiledStep, DoesNotFit, build_and_compile, describe_remat_choice, is_out_of_memory
 from zerolm.zero import TrainState, Zero1
 
 # Settings that name a place; logging.dir must be local (see check_storage).
@@ -127,7 +127,11 @@ def _train_locked(cfg: Config, mesh: Mesh, data: _Data, out, say, lock: RunLock 
     dataset, train_split, val_split, entropy, tokenizer = (data.dataset, data.train, data.val, data.entropy,
                                                           data.tokenizer)
 
-    model, zero, init_fn = build_step(cfg, mesh)
+    # Compiled once, here: the step runs these executables, and the summary reads their collectives.
+    hits, t0 = compilation_cache.Hits.listen().hits, time.perf_counter()
+    limit = memory_limit(jax.local_devices()[0])
+    built = build_and_compile(cfg, mesh, limit)
+    cfg, model, zero, init_fn, compiled = built.cfg, built.model, built.zero, built.init_fn, built.compiled
     abstract_params = zero.abstract_params
     n_params = gpt_model.count_params(abstract_params)
     accounting = Accounting(flops_per_token(gpt_model.count_params(abstract_params, exclude_positions=True),
@@ -137,16 +141,15 @@ def _train_locked(cfg: Config, mesh: Mesh, data: _Data, out, say, lock: RunLock 
              "processes": jax.process_count(), "mesh": {"dp": cfg.dp, "tp": cfg.mesh.tp},
              "accum_steps": cfg.accum_steps, "tokens_per_step": cfg.train.global_batch_size * cfg.model.seq_len,
              "flops_per_token": accounting.flops_per_token, "zerolm_version": zerolm.__version__}
-    # Compiled once, here: the step runs these executables, and the summary reads their collectives.
-    hits, t0 = compilation_cache.Hits.listen().hits, time.perf_counter()
-    compiled = compile_step(zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps, keep_refusals=True)
-    memory = _check_fits(cfg, zero, compiled)
+    memory = _check_fits(cfg, zero, compiled, limit)
     zero.use(compiled.executables)
     texts = compiled.texts
     for line in _startup_summary(cfg, zero, accounting, n_params, texts):
         say(line)
     if memory:
         say(memory)
+    if remat := describe_remat_choice(built, limit):
+        say(remat)
     if cache := compilation_cache.directory(cfg.train.compilation_cache):
         loaded = compilation_cache.Hits.hits - hits
         say(f"compiled the step in {time.perf_counter() - t0:.1f} s; "
@@ -207,7 +210,7 @@ def _train_locked(cfg: Config, mesh: Mesh, data: _Data, out, say, lock: RunLock 
     return summary
 
 
-def _check_fits(cfg: Config, zero: Zero1, compiled: CompiledStep) -> str | None:
+def _check_fits(cfg: Config, zero: Zero1, compiled: CompiledStep, limit: int | None) -> str | None:
     """Stop before anything is written when the step cannot fit this device (DoesNotFit): the compiler
     refused a program (a TPU's does), or the compiled peak (`CompiledStep.memory`, `zerolm compile`'s rule)
     is over the allocator's limit (a GPU's: its compiler accepts any size). The header line, or None where
@@ -215,8 +218,6 @@ def _check_fits(cfg: Config, zero: Zero1, compiled: CompiledStep) -> str | None:
     if compiled.refused:
         name, refusal = next(iter(compiled.refused.items()))
         raise DoesNotFit(cfg, f"the compiler refused its {name} program: {refusal.strip().splitlines()[0][:300]}")
-    device = jax.local_devices()[0]
-    limit = memory_limit(device)
     if not limit:
         return None
     memory = compiled.memory(zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps)
@@ -224,7 +225,7 @@ def _check_fits(cfg: Config, zero: Zero1, compiled: CompiledStep) -> str | None:
     peak = memory[name]["peak_bytes"]
     where = f"{peak / 2**30:.2f} GiB per device at its peak ({name}) of the {limit / 2**30:.2f} GiB"
     if peak > limit:
-        gpu = device.platform in ("gpu", "cuda", "rocm")
+        gpu = jax.local_devices()[0].platform in ("gpu", "cuda", "rocm")
         raise DoesNotFit(cfg, f"the compiled step needs {where} the device may allocate"
                          + (", XLA_PYTHON_CLIENT_MEM_FRACTION of its memory (0.75 unless set)" if gpu else ""))
     return f"device memory: the compiled step needs {where} the device may allocate"
