@@ -140,3 +140,29 @@ def test_document_masked_training_resumes_exactly_after_kill_9(tmp_path):
     assert runs.losses(killed) == reference
     runs.train(tmp_path / "plain")
     assert runs.losses(tmp_path / "plain") != reference  # the mask changes what the model computes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention, dp", [("xla", 8), ("blockwise", 1), ("blockwise", 8)])
+def test_document_masking_through_the_zero1_step_equals_xlas_masked_attention(attention, dp):
+    """The mask where it runs: inside the real ZeRO-1 step (its shard_map over dp, the layers in a scan and
+    unrolled), the loss and the gradient norm on `dp` devices are XLA's masked attention's on one device."""
+    from conftest import small_step
+    from zerolm.data.loader import to_accum_layout
+
+    sets = ["model.seq_len=64", "model.vocab_size=128", f"model.attention={attention}", "model.attention_block=16",
+            "model.document_mask=true", "model.document_positions=restart", f"model.eot_id={EOT}",
+            "train.global_batch_size=16", "train.micro_batch_size=1"]
+    rows = np.stack([_packed(seed)[0] for seed in range(16)])
+    reference = small_config(*[s for s in sets if not s.startswith("model.attention=")], "model.attention=xla")
+    model, init_fn, loss_fn, _ = small_model(reference.model)
+    params = init_fn(jax.random.key(0))
+    grads = jax.grad(loss_fn)(params, jnp.asarray(rows))
+    for scan in ("true", "false"):
+        cfg, _, zero, _ = small_step(*sets, f"model.scan_layers={scan}", dp=dp)
+        state = zero.init_from_params(params)
+        batch = jax.device_put(to_accum_layout(rows, dp, 16 // dp, 1), zero.batch_sharding)
+        state, metrics = zero(state, batch)
+        assert float(metrics["loss"]) == pytest.approx(float(loss_fn(params, jnp.asarray(rows))), rel=1e-5)
+        np.testing.assert_allclose(np.asarray(metrics["grad_norm"]),
+                                   float(jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads)))), rtol=1e-4)

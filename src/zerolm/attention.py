@@ -131,9 +131,9 @@ def _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, block):
             pv = jnp.einsum("bhqs,bhsk->bhqk", p.astype(vs.dtype), vs[j], preferred_element_type=jnp.float32)
             return m_new, l_BxHxC, acc_BxHxCxK * correction[..., None] + pv
 
-        # *_like: inside shard_map the carries must be as device-varying as the queries.
-        row = jnp.zeros_like(q_BxHxCxK[..., 0], jnp.float32)
-        init = (row + _MASKED, row, jnp.zeros_like(q_BxHxCxK, jnp.float32))
+        # Inside shard_map the carries must vary over the mesh axes as the values the loop reads do.
+        row = _varying(jnp.zeros(q_BxHxCxK.shape[:-1], jnp.float32), q_BxHxCxK, ks, vs, segs)
+        init = (row + _MASKED, row, _varying(jnp.zeros(q_BxHxCxK.shape, jnp.float32), row))
         m, l, acc = lax.fori_loop(0, i + 1, key_block, init)  # key blocks 0..i: the causal ones
         return None, ((acc / l[..., None]).astype(q_BxHxCxK.dtype), m + jnp.log(l))
 
@@ -167,15 +167,25 @@ def _backward(block, residuals, dout_BxTxHxK):
             dk = jnp.einsum("bhqs,bhqk->bhsk", ds, q_BxHxCxK, preferred_element_type=jnp.float32)
             return dq_BxHxCxK, dk_acc.at[j].add(dk), dv_acc.at[j].add(dv)
 
-        dq = jnp.zeros_like(q_BxHxCxK, jnp.float32)
+        dq = _varying(jnp.zeros(q_BxHxCxK.shape, jnp.float32), dk_acc)
         dq, dk_acc, dv_acc = lax.fori_loop(0, i + 1, key_block, (dq, dk_acc, dv_acc))
         return (dk_acc, dv_acc), dq
 
-    zeros = jnp.zeros_like(ks, jnp.float32)
+    zeros = _varying(jnp.zeros(ks.shape, jnp.float32), qs, ks, vs, dos, segs, lse_NxBxHxC, d_NxBxHxC)
     (dk, dv), dq = lax.scan(query_block, (zeros, zeros),
                             (jnp.arange(qs.shape[0]), qs, dos, lse_NxBxHxC, d_NxBxHxC))
     grads = tuple(_unblocks(g).astype(x.dtype) for g, x in ((dq, q_BxTxHxK), (dk, k_BxTxHxK), (dv, v_BxTxHxK)))
     return (*grads, _no_gradient(segment_ids_BxT))
+
+
+def _varying(x, *like):
+    """`x` made to vary over every manual mesh axis (inside a `shard_map`) that any of `like` varies over: a
+    loop's carry must vary as the values its body combines into it. The custom VJPs' inputs need not say
+    how they vary (the differentiated ones arrive unvarying, the segment ids varying), so all are asked.
+    Outside a shard_map, `x`."""
+    axes = frozenset().union(*(jax.typeof(y).manual_axis_type.varying for y in like if y is not None))
+    missing = tuple(sorted(axes - jax.typeof(x).manual_axis_type.varying))
+    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _no_gradient(ids):
@@ -214,13 +224,7 @@ def _unchecked(f, *args):
     if not jax.sharding.get_abstract_mesh().manual_axes:
         return f(*args)
     out = jax.shard_map(f, in_specs=P(), out_specs=P(), axis_names=frozenset(), check_vma=False)(*args)
-    axes = jax.typeof(args[0]).manual_axis_type.varying
-
-    def like_args(x):
-        missing = tuple(sorted(axes - jax.typeof(x).manual_axis_type.varying))
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(like_args, out)
+    return jax.tree.map(lambda x: _varying(x, args[0]), out)
 
 
 def _pallas_settings(q_BxHxTxK, block):
