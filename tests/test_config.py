@@ -138,3 +138,21 @@ def test_command_line_mistakes_are_one_line(args, message, tmp_path):
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(message), proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.mixture=[]"], "(--set data.mixture): data.mixture: Tuple should have at least 1 item after validation, not 0"),
+    (["data.mixture=[{dataset: default, weight: 1}, {dataset: other, weight: 0.00001}]"],
+     "(--set data.mixture): data.mixture.1.weight: 1e-05 gives other none of every 8192 samples (weights are shares "
+     "of their sum); raise it or leave the dataset out"),
+    (["data.dataset=mine", "data.mixture=[{dataset: default, weight: 1}]"],
+     "(--set data.dataset): data.dataset: 'mine' is set beside data.mixture, which a run reads instead; put it in "
+     "the mixture, or drop data.mixture"),
+    (["model.document_positions=restart"],
+     "(--set model.document_positions): model.document_positions: restart counts positions from each document's "
+     "start, which needs model.document_mask: true (without it a sample is one sequence)"),
+])
+def test_an_option_that_would_do_nothing_or_be_ignored_is_refused(overrides, message):
+    """Settings that were accepted silently: an empty mixture (a traceback), a dataset whose weight rounds to no
+    sample, data.dataset beside data.mixture, restarted positions without the document mask."""
+    assert _error(TINY, overrides) == f"{TINY} {message}"

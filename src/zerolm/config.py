@@ -74,6 +74,10 @@ class ModelConfig(_Section):
     def _heads_divide(self) -> ModelConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        if self.document_positions == "restart" and not self.document_mask:
+            raise _KeyError("model.document_positions", "restart counts positions from each document's start, "
+                            "which needs model.document_mask: true (without it a sample is one sequence)",
+                            related=("model.document_mask",))
         if self.attention == "pallas":
             from zerolm.attention import PALLAS_LANES, block_size, pallas_fits
 
@@ -162,12 +166,28 @@ class MixtureEntry(_Section):
 
 class DataConfig(_Section):
     dataset: str  # "default" (the embedded corpus, prepared on first use) or a prepared dataset dir / URL
-    # Several datasets, interleaved by weight (zerolm.data.mixture); data.dataset is then not used.
-    mixture: tuple[MixtureEntry, ...] | None = None
+    # Several datasets, interleaved by weight (zerolm.data.mixture); data.dataset must then stay "default".
+    mixture: tuple[MixtureEntry, ...] | None = Field(default=None, min_length=1)
     tokenizer: str | None  # optional tokenizer file the dataset must have been prepared with
     default_vocab_size: int = Field(ge=257)  # BPE size for the default dataset: 256 bytes + end-of-text at least
     skip_bad_samples: bool  # replace unreadable samples by a neighbour and count them, instead of stopping
     prefetch: int = Field(ge=1)  # batches read ahead on a background thread
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if self.mixture is None:
+            return self
+        if self.dataset != "default":
+            raise _KeyError("data.dataset", f"{self.dataset!r} is set beside data.mixture, which a run reads instead; "
+                            "put it in the mixture, or drop data.mixture", related=("data.mixture",))
+        from zerolm.data.mixture import BLOCK, apportion
+
+        for i, (entry, seats) in enumerate(zip(self.mixture, apportion([e.weight for e in self.mixture], BLOCK),
+                                               strict=True)):
+            if seats == 0:
+                raise _KeyError(f"data.mixture.{i}.weight", f"{entry.weight:g} gives {entry.dataset} none of every "
+                                f"{BLOCK} samples (weights are shares of their sum); raise it or leave the dataset out")
+        return self
 
 
 class CheckpointConfig(_Section):
