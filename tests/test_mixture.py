@@ -90,6 +90,15 @@ def test_a_mixture_trains_resumes_exactly_after_kill_9_and_logs_its_shares(tmp_p
     runs.train(killed, mixture)
     assert runs.losses(killed) == reference
 
+    # A mixture's checkpoint is used as a single dataset's is: eval gives the validation loss training
+    # logged (the mixture's validation set), and sample and export-hf find the datasets' shared tokenizer.
+    logged = [r["val_loss"] for r in shares if "val_loss" in r][-1]
+    result = json.loads(runs.zerolm("eval", "--checkpoint", straight / "ckpt", "--json").stdout)
+    assert result["loss"] == pytest.approx(logged, abs=1e-5) and result["dataset"].startswith("mixture of bible (0.75)")
+    assert runs.zerolm("sample", "--checkpoint", straight / "ckpt", "--prompt", "In the beginning", "--max-new-tokens", "4").stdout
+    runs.zerolm("export-hf", "--checkpoint", straight / "ckpt", "--out", tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").exists()
+
 
 @pytest.mark.parametrize("mixture, message", [
     ("[{dataset: default, weight: 0}]", "data.mixture.0.weight: Input should be greater than 0"),

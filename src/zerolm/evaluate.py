@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from zerolm import model as gpt_model
+from zerolm.data.dataset import recorded_dataset
 from zerolm.data.shards import DataError, PreparedDataset
 from zerolm.metrics import perplexity
 from zerolm.sharding import rows as row_sharding
@@ -52,9 +53,11 @@ def evaluate_checkpoint(model_run, data: str | None, split: str, sequences: int 
     location = data or model_run.meta.dataset_location
     flag = "--data" if data else f"{model_run.where}: the run's dataset"
     try:
-        dataset = PreparedDataset(location)
+        # The run's own data by default: its dataset, or its mixture (the validation set training logged).
+        dataset = PreparedDataset(data) if data else recorded_dataset(model_run.config, location)
     except DataError as e:
         raise DataError(f"{flag}: {e}") from None
+    location = dataset.location
     if dataset.seq_len != model_cfg.seq_len:
         raise DataError(f"{flag}: {location} has sequences of {dataset.seq_len} tokens, the model "
                         f"{model_cfg.seq_len} (model.seq_len)")
@@ -69,7 +72,7 @@ def evaluate_checkpoint(model_run, data: str | None, split: str, sequences: int 
     mesh = model_run.mesh
     evaluate = make_evaluator(functools.partial(gpt_model.token_losses, model_run.model),
                               jax.tree.map(lambda x: x.sharding, model_run.params), row_sharding(mesh),
-                              rows.read(np.arange(n)), mesh.size * model_run.config["train"]["micro_batch_size"])
+                              rows.head(n), mesh.size * model_run.config["train"]["micro_batch_size"])
     loss = evaluate(model_run.params)
     return {"checkpoint": str(model_run.where.parent), "step": model_run.step, "dataset": str(dataset.location),
             "split": split, "sequences": n, "tokens": n * dataset.seq_len, "loss": loss,

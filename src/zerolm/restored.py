@@ -25,7 +25,8 @@ from zerolm import model as gpt_model
 from zerolm.checkpoint import CheckpointError, Checkpoints, DamagedCheckpoint, quiet_orbax
 from zerolm.checkpoint_meta import CheckpointMeta
 from zerolm.config import ModelConfig
-from zerolm.data.shards import DataError, PreparedDataset
+from zerolm.data.dataset import recorded_dataset
+from zerolm.data.shards import DataError
 from zerolm.data.tokenizer import Tokenizer, TokenizerError, from_file
 from zerolm.mesh import make_mesh
 from zerolm.sharding import with_shardings
@@ -59,9 +60,7 @@ class Restored:
         else:
             location = self.meta.dataset_location
             try:
-                if location is None:
-                    raise DataError("the checkpoint does not record where its dataset was")
-                tok = PreparedDataset(location).tokenizer()
+                tok = recorded_dataset(self.config, location).tokenizer()
             except (DataError, OSError) as e:
                 raise CheckpointError(f"{self.where}: unknown tokenizer: the run's dataset {location} cannot "
                                       f"give it ({_first_line(e)}); pass the tokenizer file with --tokenizer") from None

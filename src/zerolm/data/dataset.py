@@ -44,6 +44,19 @@ def open_dataset(cfg: Config) -> PreparedDataset | Mixture:
     return Mixture(datasets, [e.weight for e in cfg.data.mixture], names)
 
 
+def recorded_dataset(config: dict, location: str | None) -> PreparedDataset | Mixture:
+    """The data a run trained on, as its checkpoint records it: the dataset at `location` (where the run read
+    it), or the run's mixture, opened again from its config's data.mixture (DataError if it cannot be)."""
+    if config.get("data", {}).get("mixture"):
+        try:
+            return open_dataset(Config.model_validate(config))
+        except (ConfigError, ValueError) as e:
+            raise DataError(f"the run's mixture cannot be opened: {str(e).splitlines()[0]}") from None
+    if location is None:
+        raise DataError("the checkpoint does not record where its dataset was")
+    return PreparedDataset(location)
+
+
 def _open(cfg: Config, location: str | Path, key: str) -> PreparedDataset:
     if location == "default":
         location = default_dataset_dir(cfg)
