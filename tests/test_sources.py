@@ -203,3 +203,56 @@ def test_a_zst_corpus_on_gs_prepares_like_the_same_files_here(gcs, tmp_path):
     assert _hashes(tmp_path / "remote") == _hashes(tmp_path / "local")
     err = _cli("--source", f"jsonl:{gcs.url}/none/*.zst", "--out", tmp_path / "x", *flags, expect=EXIT_USAGE).stderr
     assert err.strip() == f"error: jsonl:{gcs.url}/none/*.zst: no files match '{gcs.url}/none/*.zst'"
+
+
+def _descendants(pid: int) -> set[int]:
+    """The live processes below `pid` (read from /proc)."""
+    from pathlib import Path
+
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(") ", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if fields[0] != "Z":
+            parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.slow
+def test_kill_9_of_prepare_leaves_no_worker_behind(tmp_path):
+    """prepare --workers 2 killed with kill -9: its spawned workers (and multiprocessing's resource tracker,
+    which they hold open) are gone within seconds, not left running with parent 1."""
+    import signal
+    import time
+
+    docs = tmp_path / "d.jsonl"
+    docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in _texts(60000)))
+    proc = subprocess.Popen([sys.executable, "-m", "zerolm.cli", "prepare", "--source", f"jsonl:{docs}", "--out",
+                             str(tmp_path / "ds"), "--seq-len", "16", "--vocab-size", "300", "--workers", "2",
+                             "--unit-mb", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    deadline = time.time() + 120
+    # The tracker and two workers, at work: a unit's first shard is being written.
+    while len(children := _descendants(proc.pid)) < 3 or not list(tmp_path.glob(".ds.partial-*/unit-*/*.tar")):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 15
+    while any(map(_alive, children)) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in children if _alive(p)], "prepare's workers outlived it"
+

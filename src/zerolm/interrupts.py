@@ -11,6 +11,7 @@ reaches `guarded` is one line and exit code 130, never a traceback (and the proc
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -20,6 +21,16 @@ from collections.abc import Callable
 from zerolm.exitcodes import EXIT_INTERRUPTED
 
 _interrupted = False
+
+
+def die_with_parent() -> None:
+    """In a child process: SIGTERM when the process that started it dies, however it dies (`kill -9`
+    included: Linux's prctl PR_SET_PDEATHSIG); elsewhere, nothing. The launcher's processes and prepare's
+    workers call it, so that none outlives its parent."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the parent's own handlers are all there is
+        pass
 
 
 def _on_sigint(signum, frame):

@@ -27,7 +27,6 @@ process also writes `<logging.dir>/process-<i>.log`.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -38,17 +37,10 @@ import time
 from pathlib import Path
 
 from zerolm.exitcodes import EXIT_PEER_LOST, EXIT_PREEMPTED
+from zerolm.interrupts import die_with_parent
 
 # Signals that mean "killed from outside": the run can be restarted as it is.
 _EXTERNAL = {signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT}
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the launcher dies (Linux prctl PR_SET_PDEATHSIG)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the launcher's own handlers are all there is
-        pass
 
 
 def _free_port() -> int:
@@ -80,7 +72,7 @@ def launch(processes: int, devices: int, train_args: list[str], log_dir: Path, g
         proc = subprocess.Popen(cmd, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True,  # own process group: Ctrl-C reaches the launcher only
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=die_with_parent)
         procs.append(proc)
         logs.append(log)
     done = threading.Event()

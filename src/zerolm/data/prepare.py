@@ -60,6 +60,7 @@ from zerolm.data.packing import Encoded
 from zerolm.data.sources import Skipped
 from zerolm.data.tokenizer import MIN_BPE_VOCAB, Tokenizer, from_bytes, load_tokenizer
 from zerolm.errors import ZerolmError
+from zerolm.interrupts import die_with_parent
 
 # The default BPE trains on at most this many MiB of the source's text (`bpe_sample`).
 BPE_SAMPLE_MB = 100
@@ -221,7 +222,8 @@ class Encoder:
             from concurrent.futures import ProcessPoolExecutor
 
             self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=_worker_init, initargs=(tok.filename, tok.file_bytes, text_field))
+                                            initializer=_worker_init,
+                                            initargs=(tok.filename, tok.file_bytes, text_field, os.getpid()))
 
     def __enter__(self) -> Encoder:
         return self
@@ -270,9 +272,13 @@ def _encode(chunk: sources.Chunk, tok: Tokenizer, text_field: str) -> Encoded:
 _WORKER: dict[str, Any] = {}
 
 
-def _worker_init(name: str, data: bytes, text_field: str) -> None:
-    """A worker process: one thread of the tokenizer's (the processes are the parallelism), and Ctrl-C
-    left to the parent, which stops the pool."""
+def _worker_init(name: str, data: bytes, text_field: str, parent: int) -> None:
+    """A worker process: one thread of the tokenizer's (the processes are the parallelism), Ctrl-C left
+    to the parent, which stops the pool, and gone when the parent is (kill -9 included, also before the
+    worker was ready)."""
+    die_with_parent()
+    if os.getppid() != parent:  # the parent died while this worker started
+        os._exit(1)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER.update(tok=from_bytes(name, data), text_field=text_field)
