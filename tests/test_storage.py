@@ -144,6 +144,29 @@ def test_prepare_over_a_gs_dataset_replaces_it_only_when_the_new_one_is_complete
     assert rows.shape == (5, 17)
 
 
+def test_ctrl_c_of_a_prepare_into_gs_is_one_line(gcs, tmp_path):
+    """Ctrl-C while shards are uploading: the interrupt's line alone, no "Exception ignored" traceback from a
+    shard's tar stream flushing into an upload already abandoned, and the bucket left as it was."""
+    import signal
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"document number {i} " * 20}) + "\n" for i in range(40000)))
+    proc = subprocess.Popen([sys.executable, "-m", "zerolm.cli", "prepare", "--source", f"jsonl:{docs}", "--vocab-size",
+                             "300", "--seq-len", "16", "--samples-per-shard", "200", "--workers", "1", "--out",
+                             f"{gcs.url}/ds"], env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 120
+    while not [n for n in gcs.objects() if n.endswith(".tar")]:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Exception ignored" not in err and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(f"prepare: interrupted; {gcs.url}/ds is unchanged")
+    assert not gcs.objects()
+
+
 def test_commands_on_a_gs_run(gs_run, tmp_path):
     bucket, url, run_dir = gs_run
     listing = zerolm("checkpoints", url).stdout

@@ -171,6 +171,20 @@ class ShardWriter:
         self._tar = self._file = None
         self._in_shard = 0
 
+    def abandon(self) -> None:
+        """Drop the shard being written and write nothing more (a unit that fails or is interrupted is removed
+        whole): its tar stream is marked closed and its file discarded, so that neither flushes into a file
+        already gone when collected (a gs:// upload's buffer printed "Exception ignored" tracebacks)."""
+        if self._tar is None:
+            return
+        tar = self._tar.tarstream
+        tar.closed = True
+        if hasattr(tar.fileobj, "closed"):  # tarfile's stream adapter (mode "w|"), which closes on collection
+            tar.fileobj.closed = True
+        discard = getattr(self._file, "discard", None)  # fsspec's buffered files: drop the pending upload
+        (discard or self._file.close)()
+        self._tar = self._file = None
+
     def close(self) -> tuple[ShardInfo, ...]:
         """The shards written; the last partial sample (fewer than seq_len + 1 tokens) stays in `leftover`."""
         if self._tar is not None:
@@ -205,6 +219,8 @@ def write_unit(root: AnyPath, index: int, files: list[str] | None, encoded: Iter
                             skipped.first if skipped else "", round(time.perf_counter() - start, 3), shards)
         storage.write_atomic(directory / UNIT_RECORD, record.dumps())
     except BaseException:
+        for w in writers.values():
+            w.abandon()
         storage.remove_tree(directory)
         raise
     return record
