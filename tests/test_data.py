@@ -274,7 +274,7 @@ def test_prepare_cli(tmp_path):
            "--seq-len", "16", "--vocab-size", "300"]
     ok = subprocess.run(cmd, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
-    assert ok.stdout.startswith(f"prepared {tmp_path / 'o'}: train ") and "tok/s" in ok.stderr
+    assert ok.stdout.startswith(f"prepared {tmp_path / 'o'}: train ") and "B/s" in ok.stderr and " tokens]" in ok.stderr
     again = subprocess.run(cmd, capture_output=True, text=True)
     assert again.returncode == 2
     assert again.stderr.strip() == f"error: {tmp_path / 'o'}: already holds a prepared dataset; pass --overwrite to replace it"

@@ -5,6 +5,7 @@ workers, gives the same bytes."""
 import gzip
 import hashlib
 import json
+import re
 import subprocess
 import sys
 
@@ -256,3 +257,41 @@ def test_kill_9_of_prepare_leaves_no_worker_behind(tmp_path):
         time.sleep(0.1)
     assert not [p for p in children if _alive(p)], "prepare's workers outlived it"
 
+
+def test_prepare_says_what_it_does_and_how_far_it_is(tmp_path):
+    """The tokenizer's training is announced (it took 18 s of a silent bar on 81 MB), and the bar counts the
+    source's bytes against its total: a percentage and an ETA, tokens beside."""
+    import os
+    import pty
+
+    docs = tmp_path / "d.jsonl.gz"
+    docs.write_bytes(gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in _texts(3000)).encode()))
+    import fcntl
+    import struct
+    import termios
+
+    terminal, tty = pty.openpty()  # stderr on a terminal (120 columns), as a person running it sees it
+    fcntl.ioctl(tty, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "zerolm.cli", "prepare", "--source", f"jsonl:{docs}", "--out",
+                             str(tmp_path / "ds"), "--seq-len", "16", "--vocab-size", "300", "--workers", "1"],
+                            stdout=subprocess.PIPE, stderr=tty, text=True, cwd=REPO)
+    os.close(tty)
+    seen = b""
+    while True:
+        try:
+            data = os.read(terminal, 65536)
+        except OSError:  # the terminal closed: the process ended
+            break
+        if not data:
+            break
+        seen += data
+    assert proc.wait(timeout=300) == 0, seen.decode()[-2000:]
+    stdout = proc.stdout.read()
+    os.close(terminal)
+    stderr = seen.decode().replace("\r\n", "\n")
+    assert stderr.startswith("prepare: training the tokenizer (byte-level BPE, 300 tokens) on up to 100 MiB "
+                                  "of the source's text\nprepare: tokenizer ready (")
+    assert stdout.startswith(f"prepared {tmp_path / 'ds'}: train ")  # the result's line alone
+    final = stderr.replace("\r", "\n").strip().splitlines()[-1]
+    assert re.fullmatch(r"prepare: 100%\|█+\| (\d+k)/\1 \[\S+, \S+B/s, [\d,]+ tokens\]", final), final
+    assert abs(int(final.split("| ")[1].split("k/")[0]) - docs.stat().st_size / 1024) <= 1  # its bytes as stored

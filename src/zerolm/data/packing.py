@@ -60,6 +60,7 @@ class Encoded:
     tokens: np.ndarray
     lengths: np.ndarray
     bad: list[sources.SourceError]
+    stored: int = 0  # the chunk's bytes of the source as stored (sources.Chunk.stored): progress
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +100,7 @@ def plan_units(source: str, unit_bytes: int = UNIT_BYTES) -> list[list[str] | No
     size = 0
     for path in files:
         current.append(path)
-        size += storage.size(path) if storage.is_remote(path) else Path(path).stat().st_size
+        size += sources.stored_size(path)
         if size >= unit_bytes:
             units.append(current)
             current, size = [], 0
@@ -209,7 +210,7 @@ def write_unit(root: AnyPath, index: int, files: list[str] | None, encoded: Iter
             val = np.repeat((documents + np.arange(n)) % val_every == val_every - 1, chunk.lengths)
             writers["train"].add(chunk.tokens[~val])
             writers["val"].add(chunk.tokens[val])
-            progress(len(chunk.tokens))
+            progress(chunk)
             documents += n
         shards = {s: w.close() for s, w in writers.items()}
         for split, w in writers.items():

@@ -44,6 +44,7 @@ import re
 import shutil
 import signal
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,13 +113,23 @@ def prepare_part(source: str, out: str | os.PathLike, *, tokenizer: str = "defau
     stop = _StopSignals((signal.SIGINT, signal.SIGTERM) if catch_sigterm else (signal.SIGINT,))
 
     with stop:
+        # What it is doing, on a terminal (stderr, as the bar; stdout is the result's line; a bad input's
+        # error must be the first line a script reads).
+        say = progress and sys.stderr.isatty()
         if tokenizer == "default":
+            if say:
+                print(f"prepare: training the tokenizer (byte-level BPE, {vocab_size:,} tokens) on up to "
+                      f"{bpe_sample_mb:,} MiB of the source's text", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
             # The sample's skipped records are counted by the pass that tokenizes, not twice.
             texts = bpe_sample(source, bpe_sample_mb * 2**20, val_every, text_field=text_field,
                                tfds_data_dir=tfds_data_dir, skipped=Skipped() if skip_bad else None, stop=stop)
             if not texts:
                 raise PrepareError(f"{source}: empty source: no document with text in {_files_of(source)}")
             tok = load_tokenizer("default", vocab_size, texts)
+            if say:
+                print(f"prepare: tokenizer ready ({sum(map(len, texts)) / 2**20:,.1f} MiB of text, "
+                      f"{time.perf_counter() - t0:.1f} s); tokenizing", file=sys.stderr, flush=True)
             del texts
         else:
             tok = load_tokenizer(tokenizer)
@@ -134,17 +145,29 @@ def prepare_part(source: str, out: str | os.PathLike, *, tokenizer: str = "defau
         if build.removed and progress:
             print(f"prepare: removed {', '.join(build.removed)}, left by a prepare that was killed", flush=True)
         mine = range(len(units)) if part is None else range(part[0] - 1, len(units), part[1])
-        bar = tqdm(desc="prepare", unit="tok", unit_scale=True, disable=not progress, mininterval=0.5)
+        # Progress over the source's bytes as stored (a total, so a percentage and an ETA), tokens beside.
+        stored = [sum(map(sources.stored_size, units[u] or ())) for u in mine]
+        bar = tqdm(desc="prepare", unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
+                   mininterval=0.5, total=sum(stored) or None)
+        tokens = 0
+
+        def advance(encoded) -> None:
+            nonlocal tokens
+            tokens += len(encoded.tokens)
+            bar.update(encoded.stored)
+            bar.set_postfix_str(f"{tokens:,} tokens", refresh=False)
+
         try:
             with bar, Encoder(tok, workers, text_field) as encoder:
                 for u in mine:
                     if part is not None and packing.read_unit(build.directory, u) is not None:
+                        bar.update(sum(map(sources.stored_size, units[u] or ())))
                         continue  # packed by an earlier run of this part
                     skipped = Skipped() if skip_bad else None
                     chunks = _checked(sources.chunks(source, text_field=text_field, tfds_data_dir=tfds_data_dir,
                                                      only=units[u]), stop)
                     packing.write_unit(build.directory, u, units[u], encoder.encode(chunks, skipped), tok.vocab_size,
-                                       seq_len, val_every, samples_per_shard, skipped, bar.update)
+                                       seq_len, val_every, samples_per_shard, skipped, advance)
             stop.check()
             records = [packing.read_unit(build.directory, u) for u in range(len(units))]
             complete = [r for r in records if r is not None]
@@ -266,7 +289,7 @@ def _encode(chunk: sources.Chunk, tok: Tokenizer, text_field: str) -> Encoded:
     for x in ids:
         tokens[at:at + len(x)] = x
         at += len(x) + 1
-    return Encoded(tokens, lengths, [d for d in docs if isinstance(d, sources.SourceError)])
+    return Encoded(tokens, lengths, [d for d in docs if isinstance(d, sources.SourceError)], chunk.stored)
 
 
 _WORKER: dict[str, Any] = {}

@@ -60,6 +60,7 @@ class Chunk:
     where: str  # the file (or the source spec)
     first: int  # the first record's line (jsonl, from 1) or row (parquet, from 0)
     records: list[Any]  # text: [bytes]; jsonl: lines as bytes; parquet: values; docs: str
+    stored: int = 0  # bytes of the file as stored (compressed, if it is) read for these records: progress
 
 
 def parse(spec: str) -> tuple[str, str]:
@@ -176,24 +177,34 @@ def _doc_chunks(spec: str, docs: Iterator[str]) -> Iterator[Chunk]:
         batch.append(d)
         size += len(d)
         if size >= CHUNK_BYTES:
-            yield Chunk("docs", spec, 0, batch)
+            yield Chunk("docs", spec, 0, batch, size)
             batch, size = [], 0
     if batch:
-        yield Chunk("docs", spec, 0, batch)
+        yield Chunk("docs", spec, 0, batch, size)
+
+
+def stored_size(path: str) -> int:
+    """The file's size as stored."""
+    return storage.size(path) if storage.is_remote(path) else Path(path).stat().st_size
 
 
 def _open(path: str):
     """The file's bytes as a stream, decompressed by its suffix."""
+    return _open_raw(path)[0]
+
+
+def _open_raw(path: str):
+    """(the file's bytes as a stream, decompressed by its suffix; the stored file under it)."""
     try:
         raw = storage.path(path).open("rb") if storage.is_remote(path) else open(path, "rb")  # noqa: SIM115
     except OSError as e:
         raise SourceError(f"{path}: cannot open ({e.strerror or e})") from None
     codec = COMPRESSED.get(Path(path).suffix)
     if codec == "gzip":
-        return gzip.GzipFile(fileobj=raw, mode="rb")
+        return gzip.GzipFile(fileobj=raw, mode="rb"), raw
     if codec == "zstd":
-        return io.BufferedReader(_ZstdReader(raw), buffer_size=CHUNK_BYTES)
-    return raw
+        return io.BufferedReader(_ZstdReader(raw), buffer_size=CHUNK_BYTES), raw
+    return raw, raw
 
 
 class _ZstdReader(io.RawIOBase):
@@ -255,10 +266,12 @@ def _file_chunks(kind: str, path: str, text_field: str) -> Iterator[Chunk]:
 
     errors = (OSError, EOFError, zlib.error, zstandard.ZstdError)
     lineno = 0
-    with _open(path) as f:
+    total, done = stored_size(path), 0
+    f, raw = _open_raw(path)
+    with f:
         try:
             if kind == "text":
-                yield Chunk("text", path, 0, [f.read()])
+                yield Chunk("text", path, 0, [f.read()], total)
                 return
             batch: list[bytes] = []
             size, first = 0, 1
@@ -266,10 +279,11 @@ def _file_chunks(kind: str, path: str, text_field: str) -> Iterator[Chunk]:
                 batch.append(line)
                 size += len(line)
                 if size >= CHUNK_BYTES:
-                    yield Chunk("jsonl", path, first, batch)
-                    batch, size, first = [], 0, lineno + 1
+                    at = min(raw.tell(), total)  # how far into the stored file its reader is
+                    yield Chunk("jsonl", path, first, batch, at - done)
+                    batch, size, first, done = [], 0, lineno + 1, at
             if batch:
-                yield Chunk("jsonl", path, first, batch)
+                yield Chunk("jsonl", path, first, batch, total - done)
         except errors as e:
             raise _corrupt(path, e, lineno) from None
 
@@ -288,12 +302,14 @@ def _parquet_chunks(path: str, text_field: str) -> Iterator[Chunk]:
             shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
             raise SourceError(f"{path}: no column {text_field!r} (it has {shown}); name the text column with "
                               "--text-field")
-        row = 0
+        row, total, rows, done = 0, stored_size(path), max(pf.metadata.num_rows, 1), 0
         try:
             for batch in pf.iter_batches(batch_size=1024, columns=[text_field]):
                 values = batch.column(0).to_pylist()
-                yield Chunk("parquet", path, row, values)
                 row += len(values)
+                at = total * row // rows  # rows read, as a share of the file
+                yield Chunk("parquet", path, row - len(values), values, at - done)
+                done = at
         except (pa.ArrowException, OSError) as e:
             raise SourceError(f"{path}: corrupt parquet data after row {row} ({str(e).splitlines()[0]})") from None
 
