@@ -263,3 +263,14 @@ def test_the_search_walks_down_from_advice_the_compiler_refuses():
     found = advice.search(str(C125M), SMALL_NO_REMAT, aot.parse_target("v3-8"), known=known)
     assert (found.advised, found.largest, set(found.compiled)) == (16, 8, {8, 16})
     assert "largest micro-batch of 125m on v3-8 (dp 8, 32 sequences per rank): 8" in advice.describe(found)[0]
+
+
+@pytest.mark.parametrize("target, attention", [("v3-8", "blockwise"), ("v5e-8", "pallas")])
+def test_a_document_masked_step_compiles_for_the_tpu_attentions(target, attention):
+    """model.document_mask through the real step, compiled by libtpu for the attention `auto` takes there
+    (the blockwise one on v3, Pallas's on v5e: the sweep found the blockwise one failing inside the step)."""
+    r = json.loads(compile_cmd("--config", TINY, "--target", target, "--set", "model.vocab_size=1024", "--set",
+                               "model.document_mask=true", "--json").stdout)
+    assert r["attention"] == attention and r["fits"]
+    kernels = r["pallas_kernels"]["grad"]  # Pallas's forward, dk/dv and dq kernels
+    assert kernels >= 3 if attention == "pallas" else kernels == 0
