@@ -148,11 +148,15 @@ def test_command_line_mistakes_are_one_line(args, message, tmp_path):
     (["data.dataset=mine", "data.mixture=[{dataset: default, weight: 1}]"],
      "(--set data.dataset): data.dataset: 'mine' is set beside data.mixture, which a run reads instead; put it in "
      "the mixture, or drop data.mixture"),
+    (["zero.grad_reduce=all_reduce", "zero.scatter=ring"],
+     "(--set zero.grad_reduce): zero.scatter: ring is how a reduce-scatter runs, and zero.grad_reduce is all_reduce, "
+     "which runs none; set zero.grad_reduce=reduce_scatter, or leave scatter auto"),
     (["model.document_positions=restart"],
      "(--set model.document_positions): model.document_positions: restart counts positions from each document's "
      "start, which needs model.document_mask: true (without it a sample is one sequence)"),
 ])
 def test_an_option_that_would_do_nothing_or_be_ignored_is_refused(overrides, message):
     """Settings that were accepted silently: an empty mixture (a traceback), a dataset whose weight rounds to no
-    sample, data.dataset beside data.mixture, restarted positions without the document mask."""
+    sample, data.dataset beside data.mixture, a reduce-scatter's algorithm without a reduce-scatter, restarted
+    positions without the document mask."""
     assert _error(TINY, overrides) == f"{TINY} {message}"

@@ -157,6 +157,14 @@ class ZeroConfig(_Section):
     accumulate_dtype: Literal["float32", "bfloat16"]  # each device's gradient sum over its micro-batches
     scatter: Literal["auto", "collective", "two_stage", "ring"]  # how reduce_scatter runs (zerolm.zero.Zero1)
 
+    @model_validator(mode="after")
+    def _scatter_needs_reduce_scatter(self) -> ZeroConfig:
+        if self.scatter != "auto" and self.grad_reduce == "all_reduce":
+            raise _KeyError("zero.scatter", f"{self.scatter} is how a reduce-scatter runs, and zero.grad_reduce is "
+                            "all_reduce, which runs none; set zero.grad_reduce=reduce_scatter, or leave scatter auto",
+                            related=("zero.grad_reduce",))
+        return self
+
 
 class MixtureEntry(_Section):
     dataset: str  # a prepared dataset dir / URL (or "default")
