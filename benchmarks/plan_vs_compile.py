@@ -1,4 +1,4 @@
-"""`zerolm plan`'s step peak per device against the TPU compiler's (`zerolm compile`), config by config.
+"""`zerolm plan`'s step peak per device against the TPU or GPU compiler's (`zerolm compile`), config by config.
 
     python benchmarks/plan_vs_compile.py [--configs 125m 350m 760m 1_3b] [--targets v3-32 v4-32 v5e-64 v5p-64]
         [--settings 1:full 4:full 1:none ...] [--cache runs/plan_vs_compile.jsonl] [--write BENCHMARKS.md]
@@ -32,7 +32,6 @@ from zerolm.model import for_device  # noqa: E402
 from zerolm.plan import SAFETY_MARGIN  # noqa: E402
 from zerolm.scatter import resolve_scatter  # noqa: E402
 
-PRESET = {"v2": "v2-core", "v3": "v3-core", "v4": "v4", "v5p": "v5p", "v5e": "v5e", "v6e": "v6e"}
 BEGIN, END = "<!-- plan_vs_compile:begin -->", "<!-- plan_vs_compile:end -->"
 
 
@@ -76,8 +75,8 @@ def store(cache: Path, config: str, target: str, micro: int, remat: str, r: dict
 def planned(config: str, target: str, micro: int, remat: str, dp: int, attention: str) -> dict:
     parser = argparse.ArgumentParser()
     commands_plan.add_arguments(parser)
-    generation = aot.parse_target(target).generation
-    args = parser.parse_args(["--config", f"configs/{config}.yaml", "--device", PRESET[generation], "--dp", str(dp),
+    preset = zerolm_advice.preset_for(aot.parse_target(target))
+    args = parser.parse_args(["--config", f"configs/{config}.yaml", "--device", preset, "--dp", str(dp),
                               "--micro-batch", str(micro), "--remat", remat, "--set", f"model.attention={attention}"])
     return commands_plan.build(args).step_peak(micro)
 

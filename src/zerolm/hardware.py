@@ -194,7 +194,8 @@ class Device:
     inter_latency: float  # s per ring hop between nodes; an assumption
     source: str
     # Bytes one program may use, as the TPU compiler states it (zerolm.aot.usable_bytes, libtpu 0.0.42.1):
-    # what `zerolm compile` checks against. None (GPUs): memory × the planner's --memory-fraction.
+    # what `zerolm compile` checks against. None (GPUs, whose memory is XLA's description of them, as the
+    # GPU compiler's): memory × --memory-fraction, else JAX's allocator share (gpu_memory_fraction).
     usable: float | None = None
 
     def describe(self) -> str:
@@ -235,13 +236,13 @@ PRESETS: dict[str, Device] = {d.name: d for d in [
     Device("v5p", "tpu", 95 * GiB, _peak("TPU v5p"), 1200e9 / 2, 1200e9 / 2, 8960, **_TPU_LAT,
            source=_TPU_DOCS + "v5p (95 GiB, 459 TFLOP/s, ICI 1200 GB/s bidirectional per chip, 8960-chip pod)",
            usable=102800042229),
-    Device("a100", "gpu", 80 * GB, _peak("A100"), 600e9 / 2, 200e9 / 8, 8, **_GPU_LAT,
+    Device("a100", "gpu", GPU_TYPES["a100-80g"].memory(), _peak("A100"), 600e9 / 2, 200e9 / 8, 8, **_GPU_LAT,
            source="NVIDIA A100 datasheet (80 GB SXM, 312 TFLOP/s bf16, NVLink 600 GB/s bidirectional); "
                   "DGX A100: one 200 Gbit/s HDR InfiniBand NIC per GPU"),
-    Device("h100", "gpu", 80 * GB, _peak("H100"), 900e9 / 2, 400e9 / 8, 8, **_GPU_LAT,
+    Device("h100", "gpu", GPU_TYPES["h100"].memory(), _peak("H100"), 900e9 / 2, 400e9 / 8, 8, **_GPU_LAT,
            source="NVIDIA H100 datasheet (80 GB SXM, 989 TFLOP/s dense bf16, NVLink 900 GB/s bidirectional); "
                   "DGX H100: one 400 Gbit/s NDR InfiniBand NIC per GPU"),
-    Device("h200", "gpu", 141 * GB, _peak("H200"), 900e9 / 2, 400e9 / 8, 8, **_GPU_LAT,
+    Device("h200", "gpu", GPU_TYPES["h200"].memory(), _peak("H200"), 900e9 / 2, 400e9 / 8, 8, **_GPU_LAT,
            source="NVIDIA H200 datasheet (141 GB SXM, 989 TFLOP/s dense bf16, NVLink 900 GB/s bidirectional); "
                   "DGX H200: one 400 Gbit/s NDR InfiniBand NIC per GPU"),
 ]}

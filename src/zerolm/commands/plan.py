@@ -13,7 +13,6 @@ from zerolm.config import load_config
 from zerolm.data.dataset import load_planned
 from zerolm.hardware import preset
 from zerolm.plan import (
-    GPU_MEMORY_FRACTION,
     PRECISIONS,
     STAGES,
     AnalyticStates,
@@ -52,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="share of the peak FLOP/s the compute reaches (default: %(default)s)")
     where.add_argument("--memory-fraction", type=float,
                        help="share of device memory a plan may use (default: on a TPU preset what the TPU compiler "
-                            f"allows, as `zerolm compile` checks; else {GPU_MEMORY_FRACTION}. JAX preallocates 75%% "
-                            "of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise)")
+                            "allows, as `zerolm compile` checks; on a GPU, the share JAX's allocator takes: 0.75 unless "
+                            "XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise)")
     where.add_argument("--stage", type=int, choices=STAGES, default=1, help="stage for the step time (default: 1)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 

@@ -13,13 +13,13 @@ The planner, along its seams:
 
 from zerolm.plan.build import from_config, model_from_params
 from zerolm.plan.planner import SAFETY_MARGIN, Planner
-from zerolm.plan.report import GPU_MEMORY_FRACTION, PlanReport, describe
+from zerolm.plan.report import PlanReport, describe
 from zerolm.plan.spec import PRECISIONS, STAGES, BytesPerParam, Model, Parallelism, PlanError
 from zerolm.plan.states import AnalyticStates, ExactStates
 from zerolm.plan.timing import ring_time, tree_time
 from zerolm.plan.traffic import Prediction, naive_predictions, predicted_collectives, step_predictions
 
-__all__ = ["GPU_MEMORY_FRACTION", "PRECISIONS", "SAFETY_MARGIN", "STAGES", "AnalyticStates", "BytesPerParam", "ExactStates",
+__all__ = ["PRECISIONS", "SAFETY_MARGIN", "STAGES", "AnalyticStates", "BytesPerParam", "ExactStates",
            "Model",
            "Parallelism", "PlanError", "PlanReport", "Planner", "Prediction", "describe", "from_config",
            "model_from_params", "naive_predictions", "predicted_collectives", "ring_time", "step_predictions",

@@ -21,24 +21,27 @@ from zerolm.attention import PALLAS_LANES
 from zerolm.plan.spec import Model
 
 # Elements of the compute dtype per token and model width: what a block keeps for its backward pass
-# without remat, and what one block's rebuild and backward pass hold under full remat. Read from the TPU
-# compiler's figures for zerolm's step (125m–1_3b, v3 and v5p, micro-batch 1–8; BENCHMARKS.md): the buffer
-# assignment of the 125m block shows the kept set (LayerNorms' float32 statistics, q/k/v, the MLP's 4h
-# pre-activation and the tanh-GELU's 4h-wide intermediates). Without remat, over two or more micro-steps,
-# the compiler keeps 41–73 (more at micro-batch 1, fewer at 4–8): 60 is counted, and plan.SAFETY_MARGIN
-# covers the rows above it (a lower count would advise one micro-batch more for 350m, but under-count
-# the micro-batch-1 steps by up to 20%).
-KEPT_PER_LAYER = 60
-REBUILT_LAYER = 56
-# With one micro-step per step the accumulation loop is a scan of length one, which XLA inlines, and
-# without remat the compiler then keeps about twice the kept set: 120-123 elements per token and width
-# per layer (125m on v5e-64 and v5p-64, 350m on v5p-64, micro-batch 4-8: BENCHMARKS.md). The buffer
-# assignment of 125m on v5e-64 at micro-batch 4 holds ten stacked 4h-wide activation buffers
-# (bf16[12,4,2048,3072]) where micro-batch 2 over two micro-steps holds six, and 14 float32 stacks of
-# width h against 9. A loop XLA cannot inline (an opaque trip count) keeps the single set (19.88 → 9.88
-# GiB there), but with full remat it adds the float32 accumulator the inlined step folds away (1_3b on
-# v4-32 at micro-batch 32: 28.15 → 38.38 GiB), so zerolm's step keeps the scan (docs/performance-notes.md).
-KEPT_PER_LAYER_ONE_MICRO_STEP = 122
+# without remat (every matmul's output and the attention's, zerolm.model.REMAT_POLICIES["none"]), and what
+# one block's rebuild and backward pass hold under full remat. Read from the compilers' figures for
+# zerolm's step (125m-1_3b; BENCHMARKS.md "The planner's step peak against the compilers'", fitted there):
+# with the layers in a scan (TPU: v3-32, v4-32, v5e-64, v5p-64, micro-batch 1-4), KEPT_PER_LAYER, and
+# KEPT_PER_LAYER_ONE_MICRO_STEP with one micro-step per step (XLA inlines the accumulation loop, and keeps
+# less); unrolled (GPU: h100-8, micro-batch 1-8), KEPT_PER_LAYER_UNROLLED. In a scan over two or more
+# micro-steps each layer also holds LAYER_WEIGHTS_KEPT·h² elements whatever the micro-batch (the compiled
+# step keeps per-layer copies of the block's 12·h² weights in the compute dtype and other layouts; the
+# kept bytes grow with the width at a fixed micro-batch). The counts are the ones that keep the largest
+# under-count of a step that fits within plan.SAFETY_MARGIN with the least mean error over 104 compiles
+# (BENCHMARKS.md; largest under-count 14.5%, mean error 7%). Unrolled, the step keeps about its saved
+# set: q, k, v, the attention's output, the block's input, the MLP's 4h pre-activation and the two
+# projections' outputs (11 elements; 9 counted, the compiler reusing some buffers). Full remat rebuilds
+# one layer at a time: REBUILT_LAYER in a scan, REBUILT_LAYER_UNROLLED unrolled (where the rest of the
+# count already covers it: the GPU compiles hold less than it).
+KEPT_PER_LAYER = 14
+KEPT_PER_LAYER_ONE_MICRO_STEP = 6
+KEPT_PER_LAYER_UNROLLED = 9
+LAYER_WEIGHTS_KEPT = 12
+REBUILT_LAYER = 64
+REBUILT_LAYER_UNROLLED = 8
 
 
 def activation_bytes(m: Model, micro: int, tp: int, remat: str, flash: bool) -> int:
@@ -56,15 +59,15 @@ def activation_bytes(m: Model, micro: int, tp: int, remat: str, flash: bool) -> 
     return layers + 2 * sbh * e + loss
 
 
-def step_activation_bytes(m: Model, micro: int, tp: int, attention: str, accum_steps: int) -> int:
+def step_activation_bytes(m: Model, micro: int, tp: int, attention: str, accum_steps: int, platform: str = "tpu") -> int:
     """What zerolm's gradient program allocates for one micro-batch besides the model states, with the
     attention zerolm runs (`attention`), as counted in the TPU compiler's buffer assignment of zerolm's
     step (125m, v3; docs/performance-notes.md):
 
     - per layer, kept for the backward pass without remat, KEPT_PER_LAYER·s·b·h elements of the
-      compute dtype (KEPT_PER_LAYER_ONE_MICRO_STEP with one micro-step per step, `accum_steps` 1):
-      the LayerNorms' float32 statistics and normalized inputs, q, k, v, the attention output, the
-      MLP's input, its 4h-wide pre-activation and the tanh-GELU's 4h-wide intermediates;
+      compute dtype (KEPT_PER_LAYER_ONE_MICRO_STEP with one micro-step per step, `accum_steps` 1;
+      KEPT_PER_LAYER_UNROLLED with the layers unrolled, `scanned` False): every matmul's output and
+      the attention's (the LayerNorms and the GELU are rebuilt in the backward pass);
       XLA's attention adds its T×T probabilities and float32 scores, Pallas's its softmax statistics
       (2·a·s·b·128 float32: the kernel pads a row's max and sum to the TPU's 128 lanes), and once
       a relayouted copy of the stacked c_attn kernel (L·3h²); with model.document_mask, the segment ids
@@ -75,6 +78,9 @@ def step_activation_bytes(m: Model, micro: int, tp: int, attention: str, accum_s
     - the loss: the output layer's float32 gradient as it is summed and the embedding's (2·V·h·4),
       and a chunk's float32 logits with their gradient in the compute dtype (the micro-batch's, if
       smaller; without chunking, loss_chunk 0, autodiff keeps three float32 copies)."""
+    from zerolm.model import resolve_scan_layers
+
+    scanned = resolve_scan_layers(m.scan_layers, platform)  # the layer loop zerolm compiles on `platform`
     b, t = micro, tp
     s, h, a, e, L = m.seq_len, m.d_model, m.n_head, m.act_bytes, m.n_layer
     sbh = s * b * h
@@ -95,10 +101,17 @@ def step_activation_bytes(m: Model, micro: int, tp: int, attention: str, accum_s
         scores += s * b * 4 + (s * s * b if attention == "xla" else 0)
         mask_once = s * s * b * e if attention == "cudnn" else 0
     if m.remat == "none":
-        kept = KEPT_PER_LAYER_ONE_MICRO_STEP if accum_steps == 1 else KEPT_PER_LAYER
-        layers = L * (kept * sbh * e // t + scores) + pallas_once + mask_once
+        kept = (KEPT_PER_LAYER_UNROLLED if not scanned else
+                KEPT_PER_LAYER_ONE_MICRO_STEP if accum_steps == 1 else KEPT_PER_LAYER)
+        weights = LAYER_WEIGHTS_KEPT * h * h * e // t if scanned and accum_steps > 1 else 0
+        layers = L * (kept * sbh * e // t + weights + scores) + pallas_once + mask_once
     else:
-        layers = L * sbh * e + REBUILT_LAYER * sbh * e // t + scores + pallas_once + mask_once
+        rebuilt = REBUILT_LAYER if scanned else REBUILT_LAYER_UNROLLED
+        layers = L * sbh * e + rebuilt * sbh * e // t + scores + pallas_once + mask_once
     tokens = b * s
-    logits = min(tokens, m.loss_chunk) * m.vocab * (4 + e) if m.loss_chunk else 3 * tokens * m.vocab * 4
+    # The fused loss's chunk: its float32 logits, and the gradient of them in the compute dtype where the
+    # compiler writes it out for the two matmuls that read it (a GPU's cuBLAS does; the TPU compiler fuses
+    # its one elementwise pass into them).
+    gradient = 0 if platform == "tpu" else e
+    logits = min(tokens, m.loss_chunk) * m.vocab * (4 + gradient) if m.loss_chunk else 3 * tokens * m.vocab * 4
     return layers + 2 * m.vocab * h * 4 + logits

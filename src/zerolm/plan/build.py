@@ -53,7 +53,9 @@ def from_config(cfg, dp: int, tp: int) -> tuple[Model, Any]:
     from zerolm.sharding import Table, param_spec
     from zerolm.step import build_model
 
-    gpt, init_fn = build_model(cfg)  # what build_step builds, on no devices
+    # What build_step builds, on no devices: only the parameters' shapes are read, which no attention
+    # changes (cuDNN's would be traced in this machine's float32 and refuse it).
+    gpt, init_fn = build_model(cfg.resolve(model__attention="xla"))
     abstract = jax.eval_shape(init_fn, jax.random.key(0))
     axes = gpt_model.logical_axes(gpt)
     tx, _ = make_optimizer(cfg.train)
@@ -70,5 +72,6 @@ def from_config(cfg, dp: int, tp: int) -> tuple[Model, Any]:
                   cfg.model.loss_chunk, "full" if cfg.model.remat == "full" else "none", source=f"config {cfg.name}",
                   param_bytes=2 if cfg.zero.precision == "mixed" else 4,
                   acc_bytes=2 if cfg.zero.accumulate_dtype == "bfloat16" else 4, attention=cfg.model.attention,
-                  attention_block=cfg.model.attention_block, document_mask=cfg.model.document_mask)
+                  attention_block=cfg.model.attention_block, document_mask=cfg.model.document_mask,
+                  scan_layers=cfg.model.scan_layers)
     return model, states

@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from zerolm.hardware import Device
+from zerolm.hardware import Device, gpu_memory_fraction
 from zerolm.mfu import flops_per_token
 from zerolm.plan.activations import activation_bytes, step_activation_bytes
-from zerolm.plan.report import GPU_MEMORY_FRACTION, PlanReport
+from zerolm.plan.report import PlanReport
 from zerolm.plan.spec import PRECISIONS, STAGES, BytesPerParam, Model, Parallelism
 from zerolm.plan.timing import StepTime, bucketed, ring_time, tree_time
 
@@ -37,10 +37,11 @@ class Planner:
     @property
     def usable(self) -> float:
         """Bytes a device may hold: memory × memory_fraction if given; else what the TPU compiler allows
-        (the TPU presets), or 90% of a GPU's memory."""
+        (the TPU presets), or the share of a GPU's memory JAX's allocator takes (hardware.gpu_memory_fraction:
+        what `zerolm compile` checks too)."""
         if self.memory_fraction is None and self.device.usable is not None:
             return self.device.usable
-        return self.device.memory * (self.memory_fraction or GPU_MEMORY_FRACTION)
+        return self.device.memory * (self.memory_fraction or gpu_memory_fraction())
 
     def memory(self, stage: int, micro: int) -> dict[str, Any]:
         st = self.states(stage, self.precision)
@@ -103,7 +104,8 @@ class Planner:
                 "activation_bytes": acts, "fits": self.fits(programs[program])}
 
     def step_activation_bytes(self, micro: int) -> int:
-        return step_activation_bytes(self.model, micro, self.layout.tp, self.attention, self.layout.per_rank // micro)
+        return step_activation_bytes(self.model, micro, self.layout.tp, self.attention, self.layout.per_rank // micro,
+                                     self.device.platform)
 
     def micro_batches(self) -> list[int]:
         per_rank = self.layout.per_rank

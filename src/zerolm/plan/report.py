@@ -5,9 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from zerolm.hardware import Device
-
-GPU_MEMORY_FRACTION = 0.9  # of a device without a compiler-stated limit (Device.usable), unless told otherwise
+from zerolm.hardware import Device, gpu_memory_fraction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +56,8 @@ def describe(report: PlanReport) -> list[str]:
              f"fits means at most {r['usable_bytes'] / 2**30:.2f} GiB per device ("
              + (f"{r['memory_fraction']:.0%} of {dev['memory'] / 2**30:.1f} GiB)" if r["memory_fraction"] is not None
                 else "what the TPU compiler allows, as `zerolm compile` checks)" if dev["usable"] is not None
-                else f"{GPU_MEMORY_FRACTION:.0%} of {dev['memory'] / 2**30:.1f} GiB)")
+                else f"{gpu_memory_fraction():.0%} of {dev['memory'] / 2**30:.1f} GiB: JAX's allocator share, "
+                     "XLA_PYTHON_CLIENT_MEM_FRACTION)")
              + f", after a {r['safety_margin']:.0%} margin on the planned peak (more than the planner's largest measured "
                "under-count against the compiler: BENCHMARKS.md)",
              ""]

@@ -47,6 +47,7 @@ class Model:
     attention: str = "auto"  # model.attention (auto: the device's choice, as zerolm.model.for_device)
     attention_block: int = 512  # model.attention_block
     document_mask: bool = False  # model.document_mask: segment ids beside each layer's attention
+    scan_layers: bool | str = "auto"  # model.scan_layers (auto: the device's choice, zerolm.model.resolve_scan_layers)
 
     @property
     def flops_params(self) -> int:
