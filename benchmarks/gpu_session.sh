@@ -5,10 +5,11 @@
 #
 # PART: a = 125m (profile, cold/warm compilation cache, ZeRO-1 vs naive) and PyTorch 125m at micro-batch
 #           16 and 32;
-#       b = 1_3b (full remat at 8, dots_attention at 4; ZeRO-1 vs naive) and PyTorch 1_3b at 8;
-#       c = 350m and 760m (no remat and full remat), then XLA GPU flags one at a time on 125m.
-# The candidates are what fits an 80 GB H100 (measured 2026-11-24: 125m at 32 without remat, 1_3b at 8
-# without remat and 350m/760m at 16 without remat ran out of memory; BENCHMARKS.md "H100").
+#       b = 1_3b (no remat at 8 and 16, full remat at 8; ZeRO-1 vs naive) and PyTorch 1_3b at 8;
+#       c = 350m and 760m (no remat at two micro-batches), then XLA GPU flags one at a time on 125m.
+# The candidates are what fits an 80 GB H100 by XLA's GPU compiler (compiled on the CPU machine for an
+# H100, 2026-11-25, with the unrolled layer loop and the block that keeps only matmul and attention outputs:
+# 125m none/32 and 1_3b none/16 fit 59.3 GiB; `zerolm compile --target h100` says so before any GPU time).
 # Results go to OUT_DIR (default: $OUT, else runs/gpu): JSON lines, markdown tables, the profile
 # summary and the whole log. Python packages the machine lacks are installed from .whl/ when present
 # (benchmarks/gpu_env.sh).
@@ -39,7 +40,7 @@ torch_run() {  # CONFIG MICRO
 
 case $part in
   a)
-    mfu 125m 125m --candidates none:16 --steps 25 --warmup 5 --profile 21-23 --repeat-best
+    mfu 125m 125m --candidates none:16 none:32 --steps 25 --warmup 5 --profile 21-23 --repeat-best
     for d in "$work"/125m/125m-none-*; do
       [ -d "$d/log/profile" ] && python3 benchmarks/profile_summary.py "$d/log/profile" | tee -a "$out/profile-$part.txt"
     done
@@ -47,14 +48,14 @@ case $part in
     torch_run 125m 32
     ;;
   b)
-    mfu 1_3b 1_3b --candidates full:8 dots_attention:4 --steps 20 --warmup 5 --profile 17-18
-    d=$(ls -d "$work"/1_3b/1_3b-full-8 2>/dev/null)
+    mfu 1_3b 1_3b --candidates none:8 none:16 full:8 --steps 20 --warmup 5 --profile 17-18
+    d=$(ls -d "$work"/1_3b/1_3b-none-8 2>/dev/null)
     [ -n "$d" ] && python3 benchmarks/profile_summary.py "$d/log/profile" | tee -a "$out/profile-$part.txt"
     torch_run 1_3b 8
     ;;
   c)
-    mfu 350m 350m --candidates full:32 none:8 --steps 12 --warmup 4 --no-structure
-    mfu 760m 760m --candidates full:16 none:4 --steps 12 --warmup 4 --no-structure
+    mfu 350m 350m --candidates none:16 none:32 --steps 12 --warmup 4 --no-structure
+    mfu 760m 760m --candidates none:8 none:16 --steps 12 --warmup 4 --no-structure
     for flag in --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_latency_hiding_scheduler=true \
                 --xla_gpu_enable_command_buffer= --xla_gpu_enable_while_loop_double_buffering=true; do
       XLA_FLAGS="$flag" mfu 125m "flag${flag//[^a-z]/}" --candidates none:16 --steps 15 --warmup 4 --no-structure

@@ -66,17 +66,19 @@ def for_device(cfg: ModelConfig, device: jax.Device | None = None) -> ModelConfi
     dtype, attention = resolve_auto(cfg.dtype, cfg.attention, device.platform, device.device_kind, cfg.seq_len,
                                     cfg.attention_block)
     return cfg.model_copy(update={"dtype": dtype, "attention": attention,
-                                  "scan_layers": resolve_scan_layers(cfg.scan_layers, device.platform)})
+                                  "scan_layers": resolve_scan_layers(cfg.scan_layers, device.platform, cfg.remat)})
 
 
-def resolve_scan_layers(scan_layers: bool | str, platform: str) -> bool:
-    """`model.scan_layers: auto` on `platform`: unrolled on a GPU, where the compiled step of a scan keeps
-    stacked buffers of the layers' activations, zero-filled every micro-step, and moves more bytes (1_3b
-    on an H100 at micro-batch 8: 1.25× the bytes of the unrolled step); a scan on a TPU, where unrolling
-    1_3b costs 7× the compile time and more memory (docs/performance-notes.md), and on a CPU."""
+def resolve_scan_layers(scan_layers: bool | str, platform: str, remat: str = "none") -> bool:
+    """`model.scan_layers: auto` on `platform`, with `model.remat`: unrolled on a GPU without remat, where
+    the compiled step of a scan keeps stacked buffers of the layers' activations, zero-filled every
+    micro-step, and moves more bytes (1_3b on an H100 at micro-batch 8: 1.24× the bytes of the unrolled
+    step); a scan with a remat policy that recomputes (unrolled, XLA may undo the recomputation: 760m on
+    eight H100s at one micro-step, full remat, 73.5 GiB unrolled against 12.7 in a scan), on a TPU (unrolling
+    1_3b cost 6× the compile time and 5 GiB more) and on a CPU. docs/performance-notes.md has the figures."""
     if scan_layers != "auto":
         return bool(scan_layers)
-    return platform.lower() not in ("gpu", "cuda", "rocm")
+    return platform.lower() not in ("gpu", "cuda", "rocm") or remat not in ("none", "auto")
 
 
 def unrunnable_attention(cfg: ModelConfig, device: jax.Device) -> str | None:

@@ -23,22 +23,23 @@ from zerolm.plan.spec import Model
 # Elements of the compute dtype per token and model width: what a block keeps for its backward pass
 # without remat (every matmul's output and the attention's, zerolm.model.REMAT_POLICIES["none"]), and what
 # one block's rebuild and backward pass hold under full remat. Read from the compilers' figures for
-# zerolm's step (125m-1_3b; BENCHMARKS.md "The planner's step peak against the compilers'", fitted there):
-# with the layers in a scan (TPU: v3-32, v4-32, v5e-64, v5p-64, micro-batch 1-4), KEPT_PER_LAYER, and
-# KEPT_PER_LAYER_ONE_MICRO_STEP with one micro-step per step (XLA inlines the accumulation loop, and keeps
-# less); unrolled (GPU: h100-8, micro-batch 1-8), KEPT_PER_LAYER_UNROLLED. In a scan over two or more
-# micro-steps each layer also holds LAYER_WEIGHTS_KEPT·h² elements whatever the micro-batch (the compiled
-# step keeps per-layer copies of the block's 12·h² weights in the compute dtype and other layouts; the
-# kept bytes grow with the width at a fixed micro-batch). The counts are the ones that keep the largest
-# under-count of a step that fits within plan.SAFETY_MARGIN with the least mean error over 104 compiles
-# (BENCHMARKS.md; largest under-count 14.5%, mean error 7%). Unrolled, the step keeps about its saved
-# set: q, k, v, the attention's output, the block's input, the MLP's 4h pre-activation and the two
-# projections' outputs (11 elements; 9 counted, the compiler reusing some buffers). Full remat rebuilds
-# one layer at a time: REBUILT_LAYER in a scan, REBUILT_LAYER_UNROLLED unrolled (where the rest of the
-# count already covers it: the GPU compiles hold less than it).
+# zerolm's step (125m-1_3b on v3-32, v4-32, v5e-64, v5p-64 with libtpu and on h100-8 with XLA's GPU
+# compiler, micro-batch 1-32; BENCHMARKS.md "The planner's step peak against the compilers'"): with the
+# layers in a scan, KEPT_PER_LAYER over two or more micro-steps, plus LAYER_WEIGHTS_KEPT·h² per layer
+# whatever the micro-batch (the compiled step keeps per-layer copies of the block's 12·h² weights in other
+# layouts: the kept bytes grew with the width at a fixed micro-batch); KEPT_PER_LAYER_ONE_MICRO_STEP at one
+# micro-step per step, where XLA inlines the accumulation loop; unrolled (a GPU without remat),
+# KEPT_PER_LAYER_UNROLLED, about the saved set (q, k, v, the attention's output, the block's input, the
+# MLP's 4h pre-activation and the two projections: 11 elements, 9 counted, the compiler reusing some),
+# and KEPT_PER_LAYER_UNROLLED_ONE_MICRO_STEP at one micro-step. Full remat rebuilds one layer at a time:
+# REBUILT_LAYER in a scan, REBUILT_LAYER_UNROLLED unrolled. Each count is the one that keeps the largest
+# under-count of a step that fits within plan.SAFETY_MARGIN with the least mean error over the 120
+# compiles (largest under-count 14.5%, mean error 9%; over-counts, which only make advice cautious, up to
+# 60%, on a GPU with full remat).
 KEPT_PER_LAYER = 14
-KEPT_PER_LAYER_ONE_MICRO_STEP = 6
+KEPT_PER_LAYER_ONE_MICRO_STEP = 12
 KEPT_PER_LAYER_UNROLLED = 9
+KEPT_PER_LAYER_UNROLLED_ONE_MICRO_STEP = 12
 LAYER_WEIGHTS_KEPT = 12
 REBUILT_LAYER = 64
 REBUILT_LAYER_UNROLLED = 8
@@ -80,7 +81,7 @@ def step_activation_bytes(m: Model, micro: int, tp: int, attention: str, accum_s
       smaller; without chunking, loss_chunk 0, autodiff keeps three float32 copies)."""
     from zerolm.model import resolve_scan_layers
 
-    scanned = resolve_scan_layers(m.scan_layers, platform)  # the layer loop zerolm compiles on `platform`
+    scanned = resolve_scan_layers(m.scan_layers, platform, m.remat)  # the layer loop zerolm compiles there
     b, t = micro, tp
     s, h, a, e, L = m.seq_len, m.d_model, m.n_head, m.act_bytes, m.n_layer
     sbh = s * b * h
@@ -101,8 +102,9 @@ def step_activation_bytes(m: Model, micro: int, tp: int, attention: str, accum_s
         scores += s * b * 4 + (s * s * b if attention == "xla" else 0)
         mask_once = s * s * b * e if attention == "cudnn" else 0
     if m.remat == "none":
-        kept = (KEPT_PER_LAYER_UNROLLED if not scanned else
-                KEPT_PER_LAYER_ONE_MICRO_STEP if accum_steps == 1 else KEPT_PER_LAYER)
+        one = accum_steps == 1
+        kept = ((KEPT_PER_LAYER_UNROLLED_ONE_MICRO_STEP if one else KEPT_PER_LAYER_UNROLLED) if not scanned else
+                KEPT_PER_LAYER_ONE_MICRO_STEP if one else KEPT_PER_LAYER)
         weights = LAYER_WEIGHTS_KEPT * h * h * e // t if scanned and accum_steps > 1 else 0
         layers = L * (kept * sbh * e // t + weights + scores) + pallas_once + mask_once
     else:
