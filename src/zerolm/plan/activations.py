@@ -35,7 +35,7 @@ from zerolm.plan.spec import Model
 # REBUILT_LAYER in a scan, REBUILT_LAYER_UNROLLED unrolled. Each count is the one that keeps the largest
 # under-count of a step that fits within plan.SAFETY_MARGIN with the least mean error over the 120
 # compiles (largest under-count 14.5%, mean error 9%; over-counts, which only make advice cautious, up to
-# 60%, on a GPU with full remat).
+# 76%, on a GPU with full remat).
 KEPT_PER_LAYER = 14
 KEPT_PER_LAYER_ONE_MICRO_STEP = 12
 KEPT_PER_LAYER_UNROLLED = 9
