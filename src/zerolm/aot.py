@@ -38,7 +38,7 @@ import numpy as np
 from zerolm import census as census_lib
 from zerolm import comms
 from zerolm.config import Config
-from zerolm.errors import ZerolmError
+from zerolm.errors import ZerolmError, first_line
 from zerolm.hardware import GPU_TYPES, GPUS_PER_HOST, TPU_TYPES, gpu_memory_fraction, grid
 from zerolm.mesh import make_mesh
 from zerolm.plan.traffic import Prediction, step_predictions
@@ -121,7 +121,7 @@ def _tpu_devices(target: Target) -> list:
                                                 chips_per_host_bounds=(2, 2, 1), num_slices=1)
     except Exception as e:  # libtpu's own error, e.g. a version that does not know the generation
         raise CompilerUnavailable(f"libtpu cannot describe {target.name} ({target.topology}): "
-                                  f"{str(e).splitlines()[0]}") from None
+                                  f"{first_line(e)}") from None
     if len(topology.devices) != target.devices:
         raise CompilerUnavailable(f"libtpu describes {target.name} with {len(topology.devices)} devices, "
                                   f"not {target.devices}")
@@ -143,7 +143,7 @@ def _gpu_devices(target: Target) -> list:
         hint = ("" if os.environ.get("JAX_PLATFORMS") == "cpu" else
                 "; on a machine without a GPU, run with JAX_PLATFORMS=cpu so JAX registers the plugin without a driver")
         raise CompilerUnavailable(f"XLA's GPU compiler cannot describe {target.name}: "
-                                  f"{str(e).strip().splitlines()[0][:200]}{hint}") from None
+                                  f"{first_line(e, 200)}{hint}") from None
     return list(topology.devices)
 
 
@@ -201,7 +201,7 @@ def compile_for(cfg: Config, target: Target, devices: list, *, census: bool = Fa
             if temps is None:
                 raise RuntimeError(refusal)
             row.update(argument_bytes=shard_bytes(args), output_bytes=None, temp_bytes=_bytes(temps),
-                       alias_bytes=None, live_outside_bytes=outside[name], error=refusal.splitlines()[0].strip())
+                       alias_bytes=None, live_outside_bytes=outside[name], error=first_line(refusal))
             row["peak_bytes"] = row["argument_bytes"] + row["temp_bytes"] + outside[name]  # at least
         row["compile_s"] = round(compiled.seconds[name], 2)
         report_programs[name] = row

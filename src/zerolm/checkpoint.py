@@ -42,7 +42,7 @@ from etils import epath
 from zerolm import storage
 from zerolm.checkpoint_meta import FORMAT, CheckpointMeta
 from zerolm.config import ModelConfig
-from zerolm.errors import ZerolmError
+from zerolm.errors import ZerolmError, first_line
 from zerolm.sharding import with_shardings
 from zerolm.zero import TrainState, Zero1
 
@@ -168,7 +168,7 @@ class Checkpoints:
                 raise SaveFailed(f"{e}; the save of step {step} is abandoned and {kept}") from None
             what = (f"recording the files of the checkpoint of step {step} (complete)" if complete else
                     f"saving the checkpoint of step {step}")
-            raise SaveFailed(f"{self.directory}: {what} failed ({_first_line(e)}); "
+            raise SaveFailed(f"{self.directory}: {what} failed ({first_line(e)}); "
                              f"{_free_space(self.directory)}; {kept}; stopping the run") from None
 
     def wait(self) -> None:
@@ -223,7 +223,7 @@ class Checkpoints:
                 step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]))
         except Exception as e:  # orbax raises many types for a damaged directory
             raise DamagedCheckpoint(step, self.directory / str(step), "cannot read its metadata "
-                                    f"({type(e).__name__}: {_first_line(e)})") from None
+                                    f"({type(e).__name__}: {first_line(e)})") from None
 
     def readable_meta(self, step: int) -> CheckpointMeta:
         """The metadata of a checkpoint in the format this zerolm reads."""
@@ -246,7 +246,7 @@ class Checkpoints:
             return self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
         except Exception as e:
             raise DamagedCheckpoint(step, self.directory / str(step), "cannot restore its parameters "
-                                    f"({type(e).__name__}: {_first_line(e)})") from None
+                                    f"({type(e).__name__}: {first_line(e)})") from None
 
     def restore(self, step: int, zero: Zero1, model_config: dict) -> tuple[TrainState, CheckpointMeta]:
         """Restore `step` into `zero`'s mesh and shardings. Checks the model first; writes nothing."""
@@ -274,15 +274,10 @@ class Checkpoints:
             restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         except Exception as e:
             raise DamagedCheckpoint(step, where, "cannot restore it "
-                                    f"({type(e).__name__}: {_first_line(e)})") from None
+                                    f"({type(e).__name__}: {first_line(e)})") from None
         state = restored["state"]
         state = state.replace(opt_state=repack(state.opt_state))
         return state, meta
-
-
-def _first_line(error: Exception) -> str:
-    """The useful head of a library error (TensorStore appends pages of spec)."""
-    return str(error).splitlines()[0].split(" See full")[0][:300]
 
 
 # Keys that change how the model computes, not what its parameters are.

@@ -20,3 +20,11 @@ class ZerolmError(Exception):
 
 class UsageError(ZerolmError):
     """A command-line flag with a value the command cannot use; the message names the flag."""
+
+
+def first_line(error: object, limit: int = 300) -> str:
+    """The useful head of a library's error, for a one-line message (several libraries append pages of
+    detail, orbax a "See full ..." pointer): its first line, at most `limit` characters, or the error's
+    type where it says nothing."""
+    text = str(error).strip().splitlines()
+    return (text[0] if text else type(error).__name__).split(" See full")[0][:limit]

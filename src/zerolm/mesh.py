@@ -11,7 +11,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 
-from zerolm.errors import ZerolmError
+from zerolm.errors import ZerolmError, first_line
 from zerolm.exitcodes import EXIT_PEER_LOST
 
 T = TypeVar("T")
@@ -99,7 +99,7 @@ def exit_peer_lost(error: BaseException) -> None:
     import os
     import sys
 
-    first = str(error).strip().splitlines()[0][:240] if str(error).strip() else type(error).__name__
+    first = first_line(error, 240)
     print(f"\nerror: process {jax.process_index()} lost a peer process of the run ({first}); the last complete "
           f"checkpoint stays the latest; exiting with code {EXIT_PEER_LOST} (restart the run to resume)",
           file=sys.stderr, flush=True)

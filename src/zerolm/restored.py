@@ -28,6 +28,7 @@ from zerolm.config import ModelConfig
 from zerolm.data.dataset import recorded_dataset
 from zerolm.data.shards import DataError
 from zerolm.data.tokenizer import Tokenizer, TokenizerError, from_file
+from zerolm.errors import first_line
 from zerolm.mesh import make_mesh
 from zerolm.sharding import with_shardings
 
@@ -63,16 +64,12 @@ class Restored:
                 tok = recorded_dataset(self.config, location).tokenizer()
             except (DataError, OSError) as e:
                 raise CheckpointError(f"{self.where}: unknown tokenizer: the run's dataset {location} cannot "
-                                      f"give it ({_first_line(e)}); pass the tokenizer file with --tokenizer") from None
+                                      f"give it ({first_line(e)}); pass the tokenizer file with --tokenizer") from None
             source = f"{self.where}: the tokenizer of the run's dataset {location}"
         if tok.sha256 != self.tokenizer_sha256:
             raise CheckpointError(f"{source} (sha256 {tok.sha256[:12]}) is not the tokenizer this model was trained "
                                   f"with (sha256 {self.tokenizer_sha256[:12]})")
         return tok
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def locate(path: str) -> tuple[Checkpoints, int]:

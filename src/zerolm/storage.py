@@ -43,7 +43,7 @@ os.environ.setdefault("EPATH_USE_TF", "false")
 import fsspec  # noqa: E402
 from etils import epath  # noqa: E402  (after the variables above: gcsfs reads them when imported)
 
-from zerolm.errors import ZerolmError  # noqa: E402
+from zerolm.errors import ZerolmError, first_line  # noqa: E402
 from zerolm.exitcodes import EXIT_STORAGE  # noqa: E402
 
 # gcsfs caches directory listings for good by default, so what another process (another host of the run,
@@ -194,12 +194,6 @@ def _client_for(emulator: str | None):
 
 def _http_message(error) -> str:
     return f"HTTP {getattr(error, 'code', '?')}: {first_line(getattr(error, 'message', error))}"
-
-
-def first_line(error: object) -> str:
-    """The useful head of a library's error (several of them append pages of detail)."""
-    text = str(error).strip().splitlines()
-    return (text[0] if text else type(error).__name__).split(" See full")[0][:300]
 
 
 # --- files --------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from zerolm.data.mixture import Mixture
 from zerolm.data.prepare import PrepareError, prepare
 from zerolm.data.shards import DataError, PreparedDataset
 from zerolm.data.tokenizer import TokenizerError, cache_dir, from_file
+from zerolm.errors import first_line
 
 
 def default_dataset_dir(cfg: Config) -> Path:
@@ -51,7 +52,7 @@ def recorded_dataset(config: dict, location: str | None) -> PreparedDataset | Mi
         try:
             return open_dataset(Config.model_validate(config))
         except (ConfigError, ValueError) as e:
-            raise DataError(f"the run's mixture cannot be opened: {str(e).splitlines()[0]}") from None
+            raise DataError(f"the run's mixture cannot be opened: {first_line(e)}") from None
     if location is None:
         raise DataError("the checkpoint does not record where its dataset was")
     return PreparedDataset(location)

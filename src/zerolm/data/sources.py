@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from zerolm import storage
 from zerolm.data.corpus import default_documents
-from zerolm.errors import ZerolmError
+from zerolm.errors import ZerolmError, first_line
 
 CHUNK_BYTES = 1 << 20  # raw bytes of records per chunk: a worker's unit of work
 COMPRESSED = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
@@ -296,7 +296,7 @@ def _parquet_chunks(path: str, text_field: str) -> Iterator[Chunk]:
         try:
             pf = pq.ParquetFile(f)
         except (pa.ArrowException, OSError) as e:
-            raise SourceError(f"{path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
+            raise SourceError(f"{path}: not a readable parquet file ({first_line(e)})") from None
         names = pf.schema_arrow.names
         if text_field not in names:
             shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
@@ -311,7 +311,7 @@ def _parquet_chunks(path: str, text_field: str) -> Iterator[Chunk]:
                 yield Chunk("parquet", path, row - len(values), values, at - done)
                 done = at
         except (pa.ArrowException, OSError) as e:
-            raise SourceError(f"{path}: corrupt parquet data after row {row} ({str(e).splitlines()[0]})") from None
+            raise SourceError(f"{path}: corrupt parquet data after row {row} ({first_line(e)})") from None
 
 
 def _tfds(arg: str, field: str, data_dir: str | None) -> Iterator[str]:
@@ -323,7 +323,7 @@ def _tfds(arg: str, field: str, data_dir: str | None) -> Iterator[str]:
         source = tfds.data_source(name, split=split or "train", data_dir=data_dir, download=False)
     except Exception as e:  # TFDS raises many types for a missing dataset
         where = data_dir or "the default TFDS data_dir"
-        raise SourceError(f"tfds:{arg}: cannot open from {where} ({type(e).__name__}: {e})".splitlines()[0]) from None
+        raise SourceError(f"tfds:{arg}: cannot open from {where} ({type(e).__name__}: {first_line(e)})") from None
     for i in range(len(source)):
         record = source[i]
         text = record.get(field) if isinstance(record, dict) else None
