@@ -49,7 +49,7 @@ compiled = compile_step(zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg
 seconds = time.perf_counter() - t0
 peak = step_peak(compiled, zero, cfg)
 print(json.dumps({"seconds": seconds, "peak": peak, "loaded": compilation_cache.Hits.hits - hits,
-                  "programs": len(compiled.executables), "remat": cfg.model.remat}))
+                  "programs": len(compiled.programs.items()), "remat": cfg.model.remat}))
 """
 
 

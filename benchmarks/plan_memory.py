@@ -42,9 +42,9 @@ def main() -> None:
                 f"model.remat={args.remat}"]
         cfg = load_config("configs/tiny.yaml", sets, device_count=1)
         _, zero, _ = build_step(cfg, make_mesh(1, 1, [device]))
-        params = with_shardings(zero.abstract_params, zero.param_shardings)
-        batch = jax.ShapeDtypeStruct((1, micro, cfg.model.seq_len + 1), np.int32, sharding=zero.batch_sharding)
-        xla = zero.grad.lower(params, batch).compile().memory_analysis()
+        params = with_shardings(zero.abstract_params, zero.table.param_shardings)
+        batch = jax.ShapeDtypeStruct((1, micro, cfg.model.seq_len + 1), np.int32, sharding=zero.table.batch_sharding)
+        xla = zero.programs.grad.lower(params, batch).compile().memory_analysis()
         parser = argparse.ArgumentParser()
         commands_plan.add_arguments(parser)
         planned = commands_plan.build(parser.parse_args(["--config", "configs/tiny.yaml", "--dp", "1", "--device", "v4",

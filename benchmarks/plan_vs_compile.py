@@ -27,8 +27,8 @@ from zerolm import advice as zerolm_advice  # noqa: E402
 from zerolm import aot  # noqa: E402
 from zerolm.commands import plan as commands_plan  # noqa: E402
 from zerolm.config import load_config  # noqa: E402
+from zerolm.device_policy import for_device  # noqa: E402
 from zerolm.mesh import make_mesh  # noqa: E402
-from zerolm.model import for_device  # noqa: E402
 from zerolm.plan import SAFETY_MARGIN  # noqa: E402
 from zerolm.scatter import resolve_scatter  # noqa: E402
 

@@ -17,17 +17,21 @@ from __future__ import annotations
 import argparse
 import collections
 import platform
+import sys
 import time
+from pathlib import Path
 
-import jax
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # helpers.py
 
-from zerolm import hlo, sharding
-from zerolm.config import load_config
-from zerolm.data.loader import to_accum_layout
-from zerolm.mesh import make_mesh
-from zerolm.sharding import with_shardings
-from zerolm.step import build_step
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from helpers import to_accum_layout  # noqa: E402
+from zerolm import hlo, sharding  # noqa: E402
+from zerolm.config import load_config  # noqa: E402
+from zerolm.mesh import make_mesh  # noqa: E402
+from zerolm.sharding import with_shardings  # noqa: E402
+from zerolm.step import build_step  # noqa: E402
 
 
 def shard_bytes(abstract, shardings) -> int:
@@ -68,16 +72,16 @@ def main() -> None:
                                           rules=sharding.VOCAB_PARALLEL_RULES if args.vocab_parallel else sharding.RULES)
         abstract = zero.abstract_params
         T1 = cfg.model.seq_len + 1
-        params = with_shardings(abstract, zero.param_shardings)
-        batch = jax.ShapeDtypeStruct((accum, dp * args.micro_batch, T1), np.int32, sharding=zero.batch_sharding)
-        grad = zero.grad.lower(params, batch).compile()
+        params = with_shardings(abstract, zero.table.param_shardings)
+        batch = jax.ShapeDtypeStruct((accum, dp * args.micro_batch, T1), np.int32, sharding=zero.table.batch_sharding)
+        grad = zero.programs.grad.lower(params, batch).compile()
         grads = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                             jax.eval_shape(zero.grad, params, batch)[0], grad.output_shardings[0])
-        views = with_shardings(jax.eval_shape(zero.reshard, params), zero.view_shardings)
-        opt = with_shardings(jax.eval_shape(zero.tx.init, views), zero.opt_shardings)
-        step = jax.ShapeDtypeStruct((), np.int32, sharding=zero.replicated)
-        programs = {"grad": grad, "reshard": zero.reshard.lower(params).compile(),
-                    "update": zero.update.lower(grads, views, opt, step).compile()}
+                             jax.eval_shape(zero.programs.grad, params, batch)[0], grad.output_shardings[0])
+        views = with_shardings(jax.eval_shape(zero.programs.reshard, params), zero.table.view_shardings)
+        opt = with_shardings(jax.eval_shape(zero.tx.init, views), zero.table.opt_shardings)
+        step = jax.ShapeDtypeStruct((), np.int32, sharding=zero.table.replicated)
+        programs = {"grad": grad, "reshard": zero.programs.reshard.lower(params).compile(),
+                    "update": zero.programs.update.lower(grads, views, opt, step).compile()}
         comms = collections.Counter()
         for name, compiled in programs.items():
             for c in hlo.collectives(compiled.as_text()):
@@ -85,14 +89,14 @@ def main() -> None:
                 key = (name, c.op, axes, "in loop" if c.in_loop else "after loop" if name == "grad" else "")
                 comms[key + ("n",)] += 1
                 comms[key + ("bytes",)] += c.bytes
-        rows.append(dict(layout=f"({dp}, {tp})", params=shard_bytes(abstract, zero.param_shardings),
+        rows.append(dict(layout=f"({dp}, {tp})", params=shard_bytes(abstract, zero.table.param_shardings),
                          grads=shard_bytes(jax.tree.leaves(grads), [g.sharding for g in jax.tree.leaves(grads)]),
                          opt=shard_bytes(jax.tree.leaves(opt), [o.sharding for o in jax.tree.leaves(opt)]),
                          program=max(memory_of(c) for c in programs.values()), comms=comms))
         if not args.memory_only:
             state = zero.init(init_fn, jax.random.key(0))
             data = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (args.global_batch, T1))
-            b = jax.device_put(to_accum_layout(data.astype(np.int32), dp, accum, args.micro_batch), zero.batch_sharding)
+            b = jax.device_put(to_accum_layout(data.astype(np.int32), dp, accum, args.micro_batch), zero.table.batch_sharding)
             for _ in range(2):
                 state, m = zero(state, b)
             jax.block_until_ready(m)

@@ -42,17 +42,20 @@ from pathlib import Path
 # The search compiles in this process while the candidates run in subprocesses: hold no device memory here.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # helpers.py
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from helpers import to_accum_layout  # noqa: E402
+from zerolm import losses  # noqa: E402
 from zerolm import model as gpt_model  # noqa: E402
 from zerolm.config import load_config  # noqa: E402
-from zerolm.data.loader import to_accum_layout  # noqa: E402
 from zerolm.hardware import memory_limit  # noqa: E402
 from zerolm.mesh import make_mesh  # noqa: E402
 from zerolm.mfu import flops_per_token, mfu, peak_for  # noqa: E402
 from zerolm.naive import naive_data_parallel_step  # noqa: E402
-from zerolm.step import build_step
+from zerolm.step import build_step  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = ("none", "dots_attention", "dots", "attention", "full")  # from the most memory to the least
@@ -84,10 +87,10 @@ def search(args, config: str) -> list[dict]:
         best = None
         for micro in sorted(args.micro_batches):
             cfg, model, abstract, zero = load(args, config, micro, remat)
-            params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=zero.replicated), abstract)
-            batch = jax.ShapeDtypeStruct((args.accum, micro, args.seq_len + 1), np.int32, sharding=zero.batch_sharding)
+            params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=zero.table.replicated), abstract)
+            batch = jax.ShapeDtypeStruct((args.accum, micro, args.seq_len + 1), np.int32, sharding=zero.table.batch_sharding)
             t = time.perf_counter()
-            compiled = zero.grad.lower(params, batch).compile()
+            compiled = zero.programs.grad.lower(params, batch).compile()
             compile_s = time.perf_counter() - t
             opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
                 jax.eval_shape(zero.tx.init, abstract)))
@@ -151,7 +154,7 @@ def structure_cost(args, cand: dict) -> dict:
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch_size, args.seq_len + 1)).astype(np.int32)
             for _ in range(2)]
-    batches = [jax.device_put(to_accum_layout(r, 1, cfg.accum_steps, cfg.train.micro_batch_size), zero.batch_sharding)
+    batches = [jax.device_put(to_accum_layout(r, 1, cfg.accum_steps, cfg.train.micro_batch_size), zero.table.batch_sharding)
                for r in rows]
     init_fn = functools.partial(gpt_model.init_params, model)
 
@@ -165,8 +168,8 @@ def structure_cost(args, cand: dict) -> dict:
         return float(np.median(times[args.warmup:]))
 
     zero_s = median_step(zero.step, zero.init(init_fn, jax.random.key(0)))
-    naive = naive_data_parallel_step(zero.mesh, zero_loss := functools.partial(gpt_model.lm_loss, model), zero.tx)
-    params = jax.jit(init_fn, out_shardings=zero.replicated)(jax.random.key(0))
+    naive = naive_data_parallel_step(zero.mesh, zero_loss := functools.partial(losses.lm_loss, model), zero.tx)
+    params = jax.jit(init_fn, out_shardings=zero.table.replicated)(jax.random.key(0))
 
     def naive_step(state, batch):
         p, o, m = naive(*state, batch)
@@ -222,7 +225,7 @@ def main() -> None:
             if not ok:
                 continue
             best = min(ok, key=lambda r: r["step_s"] / r["micro"])
-            cfg, _, abstract, _ = load(args, config, best["micro"], best["remat"])
+            cfg, model, abstract, _ = load(args, config, best["micro"], best["remat"])
             fpt = flops_per_token(gpt_model.count_params(abstract, exclude_positions=True), cfg.model.n_layer,
                                   cfg.model.d_model, cfg.model.seq_len)
             tokens = cfg.train.global_batch_size * cfg.model.seq_len
@@ -232,8 +235,8 @@ def main() -> None:
             if not args.no_structure:
                 best.update(structure_cost(args, best))
             best.update(fpt=fpt, tokens_per_s=tokens / best["step_s"],
-                        dtype=gpt_model.compute_dtype(cfg.model).name,
-                        attention=gpt_model.attention_implementation(cfg.model),
+                        dtype=model.cfg.dtype,
+                        attention=model.cfg.attention,
                         others=", ".join(f"{r['remat']}/{r['micro']}: {r['micro'] * args.accum * args.seq_len / r['step_s']:,.0f}"
                                          for r in ok if r is not best))
             best["mfu"] = mfu(best["tokens_per_s"], fpt, device.device_kind)

@@ -19,21 +19,25 @@ from __future__ import annotations
 import argparse
 import functools
 import re
+import sys
 import time
+from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # helpers.py
 
-from zerolm import comms, hlo, naive
-from zerolm import model as gpt_model
-from zerolm.config import load_config
-from zerolm.mesh import DP, make_mesh
-from zerolm.scatter import two_stage_inner, two_stage_reduce_scatter
-from zerolm.step import build_step, compile_step
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from helpers import ops_in_loops  # noqa: E402
+from zerolm import comms, hlo, losses, naive  # noqa: E402
+from zerolm.config import load_config  # noqa: E402
+from zerolm.mesh import DP, make_mesh  # noqa: E402
+from zerolm.scatter import two_stage_inner, two_stage_reduce_scatter  # noqa: E402
+from zerolm.step import build_step, compile_step  # noqa: E402
 
 
 def collectives(text: str, mesh) -> str:
@@ -126,9 +130,9 @@ def question_4(mesh) -> None:
     for accum in (1, 2):
         cfg = _cfg(4, accum, mesh.shape[DP])
         model, zero, _ = build_step(cfg, mesh)
-        text = naive.naive_text(zero, functools.partial(gpt_model.lm_loss, model), cfg.train.micro_batch_size,
+        text = naive.naive_text(zero, functools.partial(losses.lm_loss, model), cfg.train.micro_batch_size,
                                 cfg.model.seq_len, accum)
-        inside, outside = hlo.ops_in_loops(text, "sqrt")
+        inside, outside = ops_in_loops(text, "sqrt")
         loops = len(re.findall(r"\bwhile\(", text))
         print(f"   accumulation {accum}: {loops} while loop(s); collectives: {collectives(text, mesh)}; "
               f"Adam's sqrt: {inside} inside a loop, {outside} after the loops")

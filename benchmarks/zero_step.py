@@ -16,23 +16,27 @@ from __future__ import annotations
 import argparse
 import functools
 import platform
+import sys
 import time
+from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # helpers.py
 
-from zerolm import hlo
-from zerolm import model as gpt_model
-from zerolm.config import load_config
-from zerolm.data.loader import to_accum_layout
-from zerolm.mesh import make_mesh
-from zerolm.mfu import flops_per_token as model_flops_per_token
-from zerolm.mfu import peak_for
-from zerolm.naive import naive_data_parallel_step
-from zerolm.optim import make_optimizer
-from zerolm.sharding import bytes_per_device, with_shardings
-from zerolm.step import build_step
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from helpers import bytes_per_device, to_accum_layout  # noqa: E402
+from zerolm import hlo, losses  # noqa: E402
+from zerolm import model as gpt_model  # noqa: E402
+from zerolm.config import load_config  # noqa: E402
+from zerolm.mesh import make_mesh  # noqa: E402
+from zerolm.mfu import flops_per_token as model_flops_per_token  # noqa: E402
+from zerolm.mfu import peak_for  # noqa: E402
+from zerolm.naive import naive_data_parallel_step  # noqa: E402
+from zerolm.optim import make_optimizer  # noqa: E402
+from zerolm.sharding import with_shardings  # noqa: E402
+from zerolm.step import build_step  # noqa: E402
 
 
 def peak_flops() -> tuple[float, str]:
@@ -95,7 +99,7 @@ def main() -> None:
         cfg = cfg.resolve(model__vocab_size=cfg.data.default_vocab_size)
     mesh = make_mesh(cfg.dp, cfg.mesh.tp)
     model, _, init_fn = build_step(cfg, mesh)
-    loss_fn = functools.partial(gpt_model.lm_loss, model)
+    loss_fn = functools.partial(losses.lm_loss, model)
     abstract = jax.eval_shape(init_fn, jax.random.key(0))
     tx, _ = make_optimizer(cfg.train)
     G, T = cfg.train.global_batch_size, cfg.model.seq_len
@@ -109,11 +113,11 @@ def main() -> None:
         variant_cfg = cfg.resolve(zero__grad_reduce="reduce_scatter" if variant == "naive" else variant)
         _, zero, _ = build_step(variant_cfg, mesh)
         batches = [jax.device_put(to_accum_layout(r, cfg.dp, cfg.accum_steps, cfg.train.micro_batch_size),
-                                  zero.batch_sharding) for r in rows]
+                                  zero.table.batch_sharding) for r in rows]
         if variant == "naive":
             naive = naive_data_parallel_step(mesh, loss_fn, tx)
-            params = jax.jit(init_fn, out_shardings=zero.replicated)(jax.random.key(0))
-            state = (params, jax.jit(tx.init, out_shardings=zero.replicated)(params))
+            params = jax.jit(init_fn, out_shardings=zero.table.replicated)(jax.random.key(0))
+            state = (params, jax.jit(tx.init, out_shardings=zero.table.replicated)(params))
             compiled = naive.lower(*state, batches[0]).compile()
             programs, state_bytes = [compiled], held_bytes(state)
 
@@ -122,12 +126,12 @@ def main() -> None:
                 return (p_, o_), m_
         else:
             state = zero.init(init_fn, jax.random.key(0))
-            grads = jax.eval_shape(zero.grad, state.params, batches[0])[0]
-            grads_view = jax.eval_shape(zero.reshard, grads) if variant == "all_reduce" else grads
-            programs = [zero.grad.lower(state.params, batches[0]).compile(),
-                        zero.reshard.lower(state.params).compile(),
-                        zero.update.lower(with_shardings(grads_view, zero.view_shardings),
-                                          with_shardings(jax.eval_shape(zero.reshard, state.params), zero.view_shardings),
+            grads = jax.eval_shape(zero.programs.grad, state.params, batches[0])[0]
+            grads_view = jax.eval_shape(zero.programs.reshard, grads) if variant == "all_reduce" else grads
+            programs = [zero.programs.grad.lower(state.params, batches[0]).compile(),
+                        zero.programs.reshard.lower(state.params).compile(),
+                        zero.programs.update.lower(with_shardings(grads_view, zero.table.view_shardings),
+                                          with_shardings(jax.eval_shape(zero.programs.reshard, state.params), zero.table.view_shardings),
                                           state.opt_state, state.step).compile()]
             state_bytes = held_bytes(state)
             del grads, grads_view
@@ -148,7 +152,7 @@ def main() -> None:
     print(f"\nconfig {args.config} {' '.join(args.set)}: {gpt_model.count_params(abstract) / 1e6:.2f}M params, "
           f"{jax.device_count()} × {jax.devices()[0].device_kind} ({platform.processor() or platform.machine()}), "
           f"dp={cfg.dp}, global batch {G} × {T} tokens, {cfg.accum_steps} accumulation step(s) of "
-          f"{cfg.train.micro_batch_size}, compute {gpt_model.compute_dtype(cfg.model).name}, jax {jax.__version__}")
+          f"{cfg.train.micro_batch_size}, compute {jnp.dtype(model.cfg.dtype).name}, jax {jax.__version__}")
     print(f"MFU peak: {peak_note}; {fpt / 1e6:.2f} MFLOP/token\n")
     print("| variant | step time (s) | tokens/s | vs all_reduce | MFU | state held per device (MiB) "
           "| largest program per device (MiB) | collectives inside the loop |")

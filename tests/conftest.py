@@ -15,8 +15,10 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from zerolm import losses  # noqa: E402
 from zerolm import model as gpt_model  # noqa: E402
 from zerolm.config import load_config  # noqa: E402
+from zerolm.device_policy import for_device  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -71,9 +73,9 @@ def small_step(*overrides: str, dp: int = 8, tp: int = 1, devices=None, device_c
 
 @functools.cache
 def small_model(cfg_model):
-    model = gpt_model.GPT(cfg_model)
+    model = gpt_model.GPT(for_device(cfg_model))  # resolved for this process's devices
     init_fn = functools.partial(gpt_model.init_params, model)
-    return model, init_fn, functools.partial(gpt_model.lm_loss, model), jax.eval_shape(init_fn, jax.random.key(0))
+    return model, init_fn, functools.partial(losses.lm_loss, model), jax.eval_shape(init_fn, jax.random.key(0))
 
 
 @pytest.fixture(scope="session")

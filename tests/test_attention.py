@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conftest import small_config, small_model
-from zerolm import model as gpt_model
+from zerolm import device_policy
 from zerolm.attention import block_size, blockwise_attention, causal_attention
 from zerolm.config import ConfigError
 from zerolm.mesh import make_mesh
@@ -98,10 +98,10 @@ def test_pallas_equals_xla_attention_inside_the_steps_shard_map():
 def test_pallas_is_asked_for_only_where_it_runs():
     """auto picks Pallas on TPU v4+ (when the sequence cuts into 128-lane blocks), blockwise on v2/v3; asking
     for it with blocks it cannot take, or on a CPU, is a one-line config error."""
-    assert gpt_model.resolve_auto("auto", "auto", "tpu", "TPU v4", 2048) == ("bfloat16", "pallas")
-    assert gpt_model.resolve_auto("auto", "auto", "tpu", "TPU v5 lite", 2048)[1] == "pallas"
-    assert gpt_model.resolve_auto("auto", "auto", "tpu", "TPU v3", 2048)[1] == "blockwise"
-    assert gpt_model.resolve_auto("auto", "auto", "tpu", "TPU v4", 200)[1] == "blockwise"
+    assert device_policy.resolve_auto("auto", "auto", "tpu", "TPU v4", 2048) == ("bfloat16", "pallas")
+    assert device_policy.resolve_auto("auto", "auto", "tpu", "TPU v5 lite", 2048)[1] == "pallas"
+    assert device_policy.resolve_auto("auto", "auto", "tpu", "TPU v3", 2048)[1] == "blockwise"
+    assert device_policy.resolve_auto("auto", "auto", "tpu", "TPU v4", 200)[1] == "blockwise"
     with pytest.raises(ConfigError, match=r"model.attention: pallas cuts the sequence into blocks of a multiple "
                                           r"of 128 positions; seq_len 16 and attention_block 512 give 16"):
         small_config("model.attention=pallas")

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from conftest import small_config, small_model
 from zerolm import model as gpt_model
 from zerolm.attention import causal_attention
+from zerolm.losses import token_losses
 from zerolm.plan.activations import step_activation_bytes
 
 EOT = 3
@@ -45,7 +46,7 @@ def test_a_packed_samples_losses_and_gradients_are_each_documents_alone(attentio
     model, init_fn, _, _ = small_model(cfg.model)
     params = init_fn(jax.random.key(0))
     sample, starts = _packed()
-    losses = lambda p, rows: gpt_model.token_losses(model, p, rows)  # noqa: E731
+    losses = lambda p, rows: token_losses(model, p, rows)  # noqa: E731
     packed = losses(params, jnp.array(sample[None]))[0]
     total = jax.grad(lambda p: jnp.sum(losses(p, jnp.array(sample[None]))[0][:starts[-1]]))(params)
     alone_grads = []
@@ -62,8 +63,8 @@ def test_a_packed_samples_losses_and_gradients_are_each_documents_alone(attentio
     for x, y in zip(jax.tree.leaves(total), jax.tree.leaves(summed), strict=True):
         np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-6)
     # The control: without the mask the later documents see the earlier ones.
-    plain = gpt_model.GPT(cfg.model.model_copy(update={"document_mask": False}))
-    unmasked = gpt_model.token_losses(plain, params, jnp.array(sample[None]))[0]
+    plain = gpt_model.GPT(model.cfg.model_copy(update={"document_mask": False}))
+    unmasked = token_losses(plain, params, jnp.array(sample[None]))[0]
     assert not np.allclose(unmasked[starts[1]:starts[3]], packed[starts[1]:starts[3]], atol=1e-3)
 
 
@@ -148,7 +149,7 @@ def test_document_masking_through_the_zero1_step_equals_xlas_masked_attention(at
     """The mask where it runs: inside the real ZeRO-1 step (its shard_map over dp, the layers in a scan and
     unrolled), the loss and the gradient norm on `dp` devices are XLA's masked attention's on one device."""
     from conftest import small_step
-    from zerolm.data.loader import to_accum_layout
+    from helpers import to_accum_layout
 
     sets = ["model.seq_len=64", "model.vocab_size=128", f"model.attention={attention}", "model.attention_block=16",
             "model.document_mask=true", "model.document_positions=restart", f"model.eot_id={EOT}",
@@ -161,7 +162,7 @@ def test_document_masking_through_the_zero1_step_equals_xlas_masked_attention(at
     for scan in ("true", "false"):
         cfg, _, zero, _ = small_step(*sets, f"model.scan_layers={scan}", dp=dp)
         state = zero.init_from_params(params)
-        batch = jax.device_put(to_accum_layout(rows, dp, 16 // dp, 1), zero.batch_sharding)
+        batch = jax.device_put(to_accum_layout(rows, dp, 16 // dp, 1), zero.table.batch_sharding)
         state, metrics = zero(state, batch)
         assert float(metrics["loss"]) == pytest.approx(float(loss_fn(params, jnp.asarray(rows))), rel=1e-5)
         np.testing.assert_allclose(np.asarray(metrics["grad_norm"]),

@@ -1,4 +1,4 @@
-"""Mesh helpers: this_host_has_first, submesh and compute_batch_size (docs/design.md)."""
+"""Mesh helpers: this_host_has_first, submesh and host_reads (docs/design.md)."""
 
 import types
 
@@ -8,7 +8,7 @@ import pytest
 
 from conftest import requires_devices
 from zerolm import mesh as zmesh
-from zerolm.mesh import DP, TP, compute_batch_size, make_mesh, this_host_has_first
+from zerolm.mesh import DP, TP, host_reads, make_mesh, this_host_has_first
 
 
 def _fake_mesh(host_of):
@@ -19,8 +19,8 @@ def _fake_mesh(host_of):
     return types.SimpleNamespace(devices=devices, axis_names=(DP, TP))
 
 
-# Seed note 004, "Different Mesh Configurations": mesh -> per host (should_load, local_shards).
-SEED_004 = {
+# docs/design.md, "Data on a (dp, tp) mesh": mesh (the host of each device) -> per host (reads, dp blocks).
+HOST_READS = {
     "1x2": ([[0, 1]], [(True, 1), (False, 0)]),
     "2x1": ([[0], [1]], [(True, 1), (True, 1)]),
     "2x2": ([[0, 1], [0, 1]], [(True, 2), (False, 0)]),
@@ -28,11 +28,11 @@ SEED_004 = {
 }
 
 
-@pytest.mark.parametrize("name", SEED_004)
-def test_compute_batch_size_matches_seed_004(name):
-    host_of, expected = SEED_004[name]
+@pytest.mark.parametrize("name", HOST_READS)
+def test_host_reads_per_mesh(name):
+    host_of, expected = HOST_READS[name]
     mesh = _fake_mesh(host_of)
-    assert [compute_batch_size(mesh, process_index=h) for h in range(len(expected))] == expected
+    assert [host_reads(mesh, process_index=h) for h in range(len(expected))] == expected
     assert [this_host_has_first(mesh, DP, process_index=h) for h in range(len(expected))] == [e[0] for e in expected]
 
 

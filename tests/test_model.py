@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import small_config, small_model
+from zerolm import losses
 from zerolm import model as gpt_model
 
 
@@ -85,7 +86,7 @@ def test_chunked_per_token_losses_and_bfloat16_match_the_plain_ones():
 
     def weighted(chunk, dtype="float32"):
         model, init_fn, _, _ = small_model(small_config(f"model.loss_chunk={chunk}", f"model.dtype={dtype}").model)
-        fn = lambda p: jnp.sum(gpt_model.token_losses(model, p, tokens) * weights)  # noqa: E731
+        fn = lambda p: jnp.sum(losses.token_losses(model, p, tokens) * weights)  # noqa: E731
         return jax.value_and_grad(fn)(init_fn(jax.random.key(0)))
 
     (l0, g0), (l1, g1) = weighted(0), weighted(5)

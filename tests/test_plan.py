@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from conftest import REPO, TINY, requires_devices
+from helpers import bytes_per_device
 from runs import zerolm
 from zerolm import plan
 from zerolm.commands import plan as commands_plan
 from zerolm.data.dataset import load_planned
 from zerolm.hardware import GPU_TYPES, PRESETS
 from zerolm.mesh import make_mesh
-from zerolm.sharding import bytes_per_device
 from zerolm.step import build_step
 
 C125M = REPO / "configs" / "125m.yaml"

@@ -8,6 +8,7 @@ import pytest
 from conftest import small_config
 from zerolm import model as gpt_model
 from zerolm import sample
+from zerolm.device_policy import for_device
 from zerolm.errors import UsageError
 from zerolm.sample import Sampling, generate
 
@@ -15,7 +16,7 @@ from zerolm.sample import Sampling, generate
 @pytest.fixture(scope="module")
 def model_and_params():
     cfg = small_config("model.seq_len=48", "model.vocab_size=100")
-    model = gpt_model.GPT(cfg.model)
+    model = gpt_model.GPT(for_device(cfg.model))
     params = gpt_model.init_params(model, jax.random.key(3))
     # A random init at GPT-2's scale predicts nearly the same token everywhere; larger weights make each
     # position's argmax depend on the tokens and positions before it, which is what is compared.

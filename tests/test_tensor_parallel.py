@@ -9,10 +9,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import REPO, TINY, requires_devices, small_config
+from helpers import to_accum_layout
 from zerolm import hlo, sharding
 from zerolm import model as gpt_model
 from zerolm.config import ConfigError, load_config
-from zerolm.data.loader import to_accum_layout
 from zerolm.mesh import make_mesh
 from zerolm.sharding import is_layout
 from zerolm.step import build_step
@@ -48,7 +48,7 @@ def test_tp_layouts_match_dp8_and_one_device(mode, rules):
             assert state.params["h"]["attn"]["c_attn"]["kernel"].sharding.spec == P(None, None, None, "tp")
         losses = []
         for r in rows:
-            state, metrics = zero(state, jax.device_put(to_accum_layout(r, dp, 16 // (2 * dp), 2), zero.batch_sharding))
+            state, metrics = zero(state, jax.device_put(to_accum_layout(r, dp, 16 // (2 * dp), 2), zero.table.batch_sharding))
             losses.append(float(metrics["loss"]))
         results[(dp, tp)] = losses, _flat(state.params)
     ref_losses, ref_params = results[(8, 1)]
@@ -63,8 +63,8 @@ def test_tp_layouts_match_dp8_and_one_device(mode, rules):
 def test_one_dp_reduction_after_the_loop_and_tp_collectives_inside_it(dp, tp):
     cfg = small_config(f"train.global_batch_size={dp * 4}", "train.micro_batch_size=1")
     zero, state = _setup(cfg, dp, tp)
-    batch = jax.device_put(to_accum_layout(np.zeros((dp * 4, 17), np.int32), dp, 4, 1), zero.batch_sharding)
-    ops = hlo.collectives(hlo.compiled_text(zero.grad, state.params, batch))
+    batch = jax.device_put(to_accum_layout(np.zeros((dp * 4, 17), np.int32), dp, 4, 1), zero.table.batch_sharding)
+    ops = hlo.collectives(hlo.compiled_text(zero.programs.grad, state.params, batch))
     mesh_shape = dict(zero.mesh.shape)
     by_axis = [(c, hlo.axis_of(c, mesh_shape)) for c in ops]
     assert not [c for c, axes in by_axis if c.in_loop and "dp" in axes], "a dp collective inside the accumulation loop"
@@ -74,11 +74,11 @@ def test_one_dp_reduction_after_the_loop_and_tp_collectives_inside_it(dp, tp):
     # Each device reduces its own tp block of a tp-split leaf, the whole of the others: nothing is first
     # gathered over tp.
     per_device = sum(np.prod(lay.view_shape) // (tp if lay.tp_axis is not None and lay.axis is not None else 1)
-                     for lay in jax.tree.leaves(zero.layouts, is_leaf=is_layout))
+                     for lay in jax.tree.leaves(zero.table.layouts, is_leaf=is_layout))
     assert sum(c.elements for c in dp_reductions) * dp == per_device
     # The one exception: a tp-split leaf with no axis dp divides beside its tp axis is blockified, and its
     # gradient is gathered whole over tp first (the biases at n_layer 2 on dp 4; docs/zero-questions.md).
-    blockified = [lay for lay in jax.tree.leaves(zero.layouts, is_leaf=is_layout)
+    blockified = [lay for lay in jax.tree.leaves(zero.table.layouts, is_leaf=is_layout)
                   if lay.tp_axis is not None and lay.axis is None]
     tp_after = [c for c, axes in by_axis if not c.in_loop and axes == ("tp",)]
     assert {c.op for c in tp_after} <= {"all-gather"}
@@ -94,12 +94,12 @@ def test_two_stage_reduce_scatter_over_dp_with_tp():
     grads = {}
     for scatter in ("collective", "two_stage"):
         zero, state = _setup(cfg, 4, 2, scatter=scatter)
-        batch = jax.device_put(to_accum_layout(rows, 4, 4, 1), zero.batch_sharding)
-        grads[scatter] = _flat(zero.grad(state.params, batch)[0])
+        batch = jax.device_put(to_accum_layout(rows, 4, 4, 1), zero.table.batch_sharding)
+        grads[scatter] = _flat(zero.programs.grad(state.params, batch)[0])
     assert zero.scatter_inner == 2
     np.testing.assert_allclose(grads["two_stage"], grads["collective"], rtol=1e-6,
                                atol=1e-6 * np.abs(grads["collective"]).max())
-    ops = hlo.collectives(hlo.compiled_text(zero.grad, state.params, batch))
+    ops = hlo.collectives(hlo.compiled_text(zero.programs.grad, state.params, batch))
     mesh_shape = dict(zero.mesh.shape)
     dp_reductions = [c for c in ops if c.op == "reduce-scatter"]
     assert {hlo.axes_label(c, mesh_shape) for c in dp_reductions} == {("dp(2/4)",)}
@@ -110,7 +110,7 @@ def test_two_stage_reduce_scatter_over_dp_with_tp():
 def _opt_bytes_per_device(zero) -> int:
     """Bytes of AdamW's moments one device holds, from the shardings (nothing is allocated)."""
     total = 0
-    for lay, view in zip(jax.tree.leaves(zero.layouts, is_leaf=is_layout), jax.tree.leaves(zero.view_shardings), strict=True):
+    for lay, view in zip(jax.tree.leaves(zero.table.layouts, is_leaf=is_layout), jax.tree.leaves(zero.table.view_shardings), strict=True):
         total += 2 * 4 * int(np.prod(view.shard_shape(lay.view_shape)))
     return total
 
@@ -123,7 +123,7 @@ def test_125m_optimizer_state_is_one_dp_tp_th_per_device(dp, tp):
     whole = 2 * 4 * gpt_model.count_params(zero.abstract_params)
     assert _opt_bytes_per_device(zero) <= whole / (dp * tp) * 1.01
     # Every leaf, tp-split or not, is split over all 8 devices: each holds 1/8 of its (padded) view.
-    for lay, view in zip(jax.tree.leaves(zero.layouts, is_leaf=is_layout), jax.tree.leaves(zero.view_shardings), strict=True):
+    for lay, view in zip(jax.tree.leaves(zero.table.layouts, is_leaf=is_layout), jax.tree.leaves(zero.table.view_shardings), strict=True):
         assert np.prod(view.shard_shape(lay.view_shape)) * 8 == np.prod(lay.view_shape), lay
 
 

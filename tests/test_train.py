@@ -85,11 +85,11 @@ def test_validation_loss_of_a_checkpoint_is_the_same_on_1_2_and_8_devices(tmp_pa
 
     import jax
 
-    from zerolm import model as gpt_model
     from zerolm.checkpoint import Checkpoints
     from zerolm.data.dataset import default_dataset_dir
     from zerolm.data.shards import PreparedDataset
     from zerolm.evaluate import make_evaluator
+    from zerolm.losses import token_losses
     from zerolm.mesh import make_mesh
     from zerolm.step import build_step
 
@@ -104,8 +104,8 @@ def test_validation_loss_of_a_checkpoint_is_the_same_on_1_2_and_8_devices(tmp_pa
         model, zero, _ = build_step(cfg, make_mesh(n, 1, jax.devices()[:n]))
         state, _ = Checkpoints(tmp_path / "ckpt", read_only=True).restore(4, zero, cfg.model.model_dump())
         rows = PreparedDataset(default_dataset_dir(cfg)).split("val").read(np.arange(37))  # 37: a padded last batch
-        evaluate = make_evaluator(functools.partial(gpt_model.token_losses, model), zero.param_shardings,
-                                  zero.row_sharding, rows, n * cfg.train.micro_batch_size)
+        evaluate = make_evaluator(functools.partial(token_losses, model), zero.table.param_shardings,
+                                  zero.table.row_sharding, rows, n * cfg.train.micro_batch_size)
         losses[n] = evaluate(state.params)
     assert losses[8] == pytest.approx(summary["val_loss"], rel=1e-6)  # what training logged
     assert losses[1] == pytest.approx(losses[8], rel=1e-5) and losses[2] == pytest.approx(losses[8], rel=1e-5), losses

@@ -11,15 +11,16 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from conftest import REPO, requires_devices, small_config, small_model
+from helpers import bytes_per_device, to_accum_layout
 from zerolm import hlo
 from zerolm import model as gpt_model
 from zerolm.config import load_config
-from zerolm.data.loader import to_accum_layout
+from zerolm.device_policy import for_device
 from zerolm.mesh import make_mesh
 from zerolm.naive import naive_data_parallel_step
 from zerolm.optim import make_optimizer
 from zerolm.scatter import resolve_scatter, two_stage_reduce_scatter
-from zerolm.sharding import bytes_per_device, is_layout, plan_layout
+from zerolm.sharding import is_layout, plan_layout
 from zerolm.zero import Zero1
 
 
@@ -41,7 +42,7 @@ def _zero(cfg, tx, mode, dp=8):
 
 
 def _batch(zero, rows, accum, micro):
-    return jax.device_put(to_accum_layout(rows, zero.dp, accum, micro), zero.batch_sharding)
+    return jax.device_put(to_accum_layout(rows, zero.table.dp, accum, micro), zero.table.batch_sharding)
 
 
 def _rel(a_tree, b_tree):
@@ -130,7 +131,7 @@ def test_exactly_one_gradient_reduction_per_step(mode, accum, chunk):
     batch = _batch(zero, _rows(8 * accum, cfg), accum, 1)
     n_params = gpt_model.count_params(state.params)
 
-    grad_ops = hlo.collectives(hlo.compiled_text(zero.grad, state.params, batch))
+    grad_ops = hlo.collectives(hlo.compiled_text(zero.programs.grad, state.params, batch))
     assert not [c for c in grad_ops if c.in_loop], "a collective inside the accumulation loop"
     reductions = [c for c in grad_ops if c.op in ("all-reduce", "reduce-scatter") and c.elements > 1]
     if mode == "all_reduce":
@@ -140,18 +141,18 @@ def test_exactly_one_gradient_reduction_per_step(mode, accum, chunk):
     else:
         # One reduce-scatter per parameter leaf: together, one reduction of the whole gradient.
         assert {c.op for c in reductions} == {"reduce-scatter"}
-        padded = sum(np.prod(lay.view_shape) for lay in jax.tree.leaves(zero.layouts, is_leaf=is_layout))
-        assert sum(c.elements for c in reductions) * zero.dp == padded
+        padded = sum(np.prod(lay.view_shape) for lay in jax.tree.leaves(zero.table.layouts, is_leaf=is_layout))
+        assert sum(c.elements for c in reductions) * zero.table.dp == padded
         assert len(reductions) == len(jax.tree.leaves(state.params))
     assert all(c.elements == 1 for c in grad_ops if c not in reductions)  # only the scalar loss mean
 
-    assert hlo.collectives(hlo.compiled_text(zero.reshard, state.params)) == []
-    grads, _ = zero.grad(state.params, batch)
-    grads = zero.reshard(grads) if mode == "all_reduce" else grads
-    update_ops = hlo.collectives(hlo.compiled_text(zero.update, grads, zero.reshard(state.params),
+    assert hlo.collectives(hlo.compiled_text(zero.programs.reshard, state.params)) == []
+    grads, _ = zero.programs.grad(state.params, batch)
+    grads = zero.programs.reshard(grads) if mode == "all_reduce" else grads
+    update_ops = hlo.collectives(hlo.compiled_text(zero.programs.update, grads, zero.programs.reshard(state.params),
                                                    state.opt_state, state.step))
     gathered = sum(c.elements for c in update_ops if c.op == "all-gather")
-    assert gathered >= n_params * (zero.dp - 1) / zero.dp  # the new params, gathered back to every device
+    assert gathered >= n_params * (zero.table.dp - 1) / zero.table.dp  # the new params, gathered back to every device
 
 
 @pytest.mark.slow
@@ -192,7 +193,7 @@ def test_indivisible_shapes_put_one_dpth_of_optimizer_state_on_each_device():
 @pytest.mark.parametrize("dp", [8, 16, 64])
 def test_125m_padding_under_one_percent(dp):
     cfg = load_config(REPO / "configs" / "125m.yaml", ["train.micro_batch_size=1"], device_count=dp)
-    model = gpt_model.GPT(cfg.model)
+    model = gpt_model.GPT(for_device(cfg.model))
     abstract = jax.eval_shape(functools.partial(gpt_model.init_params, model), jax.random.key(0))
     layouts = jax.tree.leaves(plan(abstract, dp), is_leaf=is_layout)
     total = sum(lay.size for lay in layouts)
@@ -272,17 +273,17 @@ def test_mixed_precision_reduces_and_gathers_in_bfloat16_once_per_step():
     cfg = small_config("train.global_batch_size=32", "train.micro_batch_size=1")
     zero, state, _ = _mixed(cfg, optax.adamw(1e-3))
     batch = _batch(zero, _rows(32, cfg), 4, 1)
-    assert not [c for c in hlo.collectives(hlo.compiled_text(zero.grad, state.params, batch)) if c.in_loop]
-    grad_ops = hlo.collectives(zero.grad.lower(state.params, batch).as_text(dialect="hlo"))
+    assert not [c for c in hlo.collectives(hlo.compiled_text(zero.programs.grad, state.params, batch)) if c.in_loop]
+    grad_ops = hlo.collectives(zero.programs.grad.lower(state.params, batch).as_text(dialect="hlo"))
     reductions = [c for c in grad_ops if c.elements > 1]
     assert {c.op for c in reductions} == {"reduce-scatter"}
     assert len(reductions) == len(jax.tree.leaves(state.params))
     assert all(c.result_type.startswith("bf16") for c in reductions)
-    padded = sum(np.prod(lay.view_shape) for lay in jax.tree.leaves(zero.layouts, is_leaf=is_layout))
-    assert sum(c.bytes for c in reductions) * zero.dp == 2 * padded
+    padded = sum(np.prod(lay.view_shape) for lay in jax.tree.leaves(zero.table.layouts, is_leaf=is_layout))
+    assert sum(c.bytes for c in reductions) * zero.table.dp == 2 * padded
     # The update's all-gather is the partitioner's (not in the program before compiling): its dtype
     # is checked on the TPU compiler.
-    assert "reshard" not in zero.programs(1, cfg.model.seq_len, 4)  # the master weights replace the params' view
+    assert "reshard" not in zero.program_inputs(1, cfg.model.seq_len, 4)  # the master weights replace the params' view
 
 
 @pytest.mark.slow
@@ -293,7 +294,7 @@ def test_bfloat16_accumulation_is_one_rounding_per_micro_step():
     results = {}
     for dtype in (jnp.float32, jnp.bfloat16):
         zero, state, _ = _mixed(cfg, optax.sgd(0.1), accumulate_dtype=dtype)
-        grads, metrics = zero.grad(state.params, _batch(zero, rows, 8, 1))
+        grads, metrics = zero.programs.grad(state.params, _batch(zero, rows, 8, 1))
         results[dtype] = _flat(zero.table, grads)
     f32, bf16 = results[jnp.float32], results[jnp.bfloat16]
     assert 0 < np.linalg.norm(bf16 - f32) / np.linalg.norm(f32) < 2e-2
@@ -310,18 +311,18 @@ def test_ring_reduce_scatter_is_the_same_sum_in_neighbour_exchanges(precision):
         zero = Zero1(make_mesh(8), loss_fn, optax.sgd(0.1), abstract, precision=precision, scatter=scatter)
         state = zero.init(init_fn, jax.random.key(0))
         batch = _batch(zero, _rows(32, cfg), 4, 1)
-        grads[scatter] = _flat(zero.table, zero.grad(state.params, batch)[0])
+        grads[scatter] = _flat(zero.table, zero.programs.grad(state.params, batch)[0])
     assert zero.scatter == "ring"
     tol = 1e-6 if precision == "fp32" else 1e-2
     np.testing.assert_allclose(grads["ring"], grads["collective"], rtol=tol, atol=tol * np.abs(grads["collective"]).max())
-    ops = hlo.collectives(hlo.compiled_text(zero.grad, state.params, batch))
+    ops = hlo.collectives(hlo.compiled_text(zero.programs.grad, state.params, batch))
     assert not [c for c in ops if c.in_loop]
     permutes = [c for c in ops if c.op == "collective-permute"]
     assert not [c for c in ops if c.elements > 1 and c not in permutes]  # no reduce-scatter, no all-reduce
-    assert len(permutes) == (zero.dp - 1) * len(jax.tree.leaves(state.params))
+    assert len(permutes) == (zero.table.dp - 1) * len(jax.tree.leaves(state.params))
     assert {hlo.axis_of(c, dict(zero.mesh.shape)) for c in permutes} == {("dp",)}
-    padded = sum(np.prod(lay.view_shape) for lay in jax.tree.leaves(zero.layouts, is_leaf=is_layout))
-    assert sum(c.elements for c in permutes) * zero.dp == padded * (zero.dp - 1)
+    padded = sum(np.prod(lay.view_shape) for lay in jax.tree.leaves(zero.table.layouts, is_leaf=is_layout))
+    assert sum(c.elements for c in permutes) * zero.table.dp == padded * (zero.table.dp - 1)
 
 
 @pytest.mark.parametrize("inner", [1, 2, 4, 8])
@@ -356,12 +357,12 @@ def test_two_stage_reduce_scatter_in_the_step():
         zero = Zero1(make_mesh(8), loss_fn, optax.sgd(0.1), abstract, scatter=scatter)
         state = zero.init(init_fn, jax.random.key(0))
         batch = _batch(zero, _rows(32, cfg), 4, 1)
-        grads[scatter] = _flat(zero.table, zero.grad(state.params, batch)[0])
+        grads[scatter] = _flat(zero.table, zero.programs.grad(state.params, batch)[0])
     assert (zero.scatter, zero.scatter_inner) == ("two_stage", 4)
     assert resolve_scatter("auto", zero.mesh) == "collective"  # on CPU (and GPU): the one-stage collective
     np.testing.assert_allclose(grads["two_stage"], grads["collective"], rtol=1e-6,
                                atol=1e-6 * np.abs(grads["collective"]).max())
-    ops = hlo.collectives(hlo.compiled_text(zero.grad, state.params, batch))
+    ops = hlo.collectives(hlo.compiled_text(zero.programs.grad, state.params, batch))
     assert not [c for c in ops if c.in_loop]
     mesh_shape = dict(zero.mesh.shape)
     stages = {label: [c for c in ops if c.op == "reduce-scatter" and hlo.axes_label(c, mesh_shape) == (label,)]
@@ -369,7 +370,7 @@ def test_two_stage_reduce_scatter_in_the_step():
     leaves = len(jax.tree.leaves(state.params))
     assert [len(s) for s in stages.values()] == [leaves, leaves]
     assert not [c for c in ops if c.elements > 1 and c.op != "reduce-scatter"]  # no all-reduce of the gradient
-    padded = sum(np.prod(lay.view_shape) for lay in jax.tree.leaves(zero.layouts, is_leaf=is_layout))
+    padded = sum(np.prod(lay.view_shape) for lay in jax.tree.leaves(zero.table.layouts, is_leaf=is_layout))
     assert sum(c.elements for c in stages["dp(2/8)"]) == padded // 2
     assert sum(c.elements for c in stages["dp(4/8)"]) == padded // 8
     predicted = plan_predicted(zero)

@@ -191,9 +191,9 @@ def compile_for(cfg: Config, target: Target, devices: list, *, census: bool = Fa
     memory = compiled.memory(zero, micro, seq, accum)
     outside = live_outside(zero, micro, seq, accum)
     report_programs: dict[str, dict[str, Any]] = {}
-    for name, (_, args) in zero.programs(micro, seq, accum).items():
+    for name, args in zero.program_inputs(micro, seq, accum).items():
         row: dict[str, Any] = {"error": None}
-        if name in compiled.executables:
+        if name not in compiled.refused:
             row.update(memory[name])
         else:  # the compiler's refusal of a program too large is the answer, not a crash
             refusal = compiled.refused[name]

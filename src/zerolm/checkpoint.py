@@ -267,8 +267,8 @@ class Checkpoints:
                 "mixed keeps float32 master weights in it; zerolm does not change a run's precision mid-way)")
         saved_dp, saved_tp = meta.dp, meta.tp
         opt_target, repack = zero.table.restore_target(saved_dp, saved_tp)
-        target = TrainState(step=jax.ShapeDtypeStruct((), np.int32, sharding=zero.replicated),
-                            params=with_shardings(zero.working_params, zero.param_shardings),
+        target = TrainState(step=jax.ShapeDtypeStruct((), np.int32, sharding=zero.table.replicated),
+                            params=with_shardings(zero.working_params, zero.table.param_shardings),
                             opt_state=opt_target)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))

@@ -121,8 +121,7 @@ class CommsReport:
 
 def report(cfg, devices: list[jax.Device], step: str = "zerolm") -> CommsReport:
     """Compile `cfg`'s step on `devices` and put every collective beside the planner's prediction."""
-    from zerolm import model as gpt_model
-    from zerolm import naive
+    from zerolm import losses, naive
     from zerolm.mesh import make_mesh
     from zerolm.step import build_step, compile_step
 
@@ -132,7 +131,7 @@ def report(cfg, devices: list[jax.Device], step: str = "zerolm") -> CommsReport:
     if step == "naive":
         if cfg.mesh.tp > 1:
             raise UsageError("--step naive: the naive baseline is data parallel only; set mesh.tp=1")
-        texts = {"step": naive.naive_text(zero, functools.partial(gpt_model.lm_loss, model), micro, seq, accum)}
+        texts = {"step": naive.naive_text(zero, functools.partial(losses.lm_loss, model), micro, seq, accum)}
         predicted = naive_predictions(zero.abstract_params, accum)
     else:
         texts = compile_step(zero, micro, seq, accum).texts

@@ -16,7 +16,7 @@ import functools
 import jax
 import numpy as np
 
-from zerolm import model as gpt_model
+from zerolm import losses
 from zerolm.data.dataset import recorded_dataset
 from zerolm.data.shards import DataError, PreparedDataset
 from zerolm.metrics import perplexity
@@ -70,7 +70,7 @@ def evaluate_checkpoint(model_run, data: str | None, split: str, sequences: int 
     if n == 0:
         raise DataError(f"{flag}: {location} has no {split} sequences")
     mesh = model_run.mesh
-    evaluate = make_evaluator(functools.partial(gpt_model.token_losses, model_run.model),
+    evaluate = make_evaluator(functools.partial(losses.token_losses, model_run.model),
                               jax.tree.map(lambda x: x.sharding, model_run.params), row_sharding(mesh),
                               rows.head(n), mesh.size * model_run.config["train"]["micro_batch_size"])
     loss = evaluate(model_run.params)

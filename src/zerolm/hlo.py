@@ -111,17 +111,6 @@ def _loop_computations(comps: dict[str, list[str]], callees: dict[str, set[str]]
     return in_loop
 
 
-def ops_in_loops(hlo_text: str, opcode: str) -> tuple[int, int]:
-    """(instructions of `opcode` inside a while body or what it calls, instructions of it elsewhere)."""
-    comps = _computations(hlo_text)
-    in_loop = _loop_computations(comps, _callees(comps))
-    pattern = re.compile(rf"\s{re.escape(opcode)}\(")
-    counts = [0, 0]
-    for name, lines in comps.items():
-        counts[name not in in_loop] += sum(1 for line in lines if pattern.search(line))
-    return counts[0], counts[1]
-
-
 def _runs(hlo_text: str, comps: dict[str, list[str]], callees: dict[str, set[str]]) -> dict[str, int | None]:
     """Times each computation runs per execution of the entry computation: a while body runs its
     `known_trip_count` times per run of its caller (unknown trip count: None)."""

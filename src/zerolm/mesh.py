@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import jax
 import numpy as np
@@ -65,16 +65,23 @@ def is_first_host(mesh: Mesh) -> bool:
     return submesh(mesh)[:1, :1].devices.flat[0].process_index == jax.process_index()
 
 
-def compute_batch_size(mesh: Mesh, process_index: int | None = None) -> tuple[bool, int]:
-    """(should_load, local_shards) for this host on a (dp, tp) mesh (docs/design.md, "Data on a (dp, tp) mesh").
+class HostReads(NamedTuple):
+    """Whether a host reads training data from storage, and how many dp blocks of each batch it reads."""
 
-    Only devices at tp = 0 are fed from storage; a host reads `batch_size × local_shards` rows, one
-    block per distinct dp index it holds at tp = 0. Hosts with none feed zeros and receive the real
-    rows over the tp axis.
+    reads: bool
+    dp_blocks: int
+
+
+def host_reads(mesh: Mesh, process_index: int | None = None) -> HostReads:
+    """What this host reads on a (dp, tp) mesh (docs/design.md, "Data on a (dp, tp) mesh").
+
+    Only devices at tp = 0 are fed from storage; a host reads `micro_batch × accum × dp_blocks` rows of
+    each step, one block per distinct dp index it holds at tp = 0. Hosts with none feed zeros and receive
+    the real rows over the tp axis.
     """
     dp_axis, tp_axis = mesh.axis_names.index(DP), mesh.axis_names.index(TP)
-    local_shards = len({c[dp_axis] for c, _ in _coords(mesh, process_index) if c[tp_axis] == 0})
-    return local_shards > 0, local_shards
+    blocks = len({c[dp_axis] for c, _ in _coords(mesh, process_index) if c[tp_axis] == 0})
+    return HostReads(blocks > 0, blocks)
 
 
 class DistributedError(ZerolmError):

@@ -17,12 +17,10 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from zerolm.attention import BLOCK, SAVED, causal_attention, pallas_available, pallas_fits
+from zerolm.attention import SAVED, causal_attention
 from zerolm.config import ModelConfig
-from zerolm.hardware import tpu_generation
 
 LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon
 
@@ -53,76 +51,6 @@ REMAT_POLICIES = {
     "attention": _attention_saved,
     "dots_attention": _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable, _attention_saved),
 }
-
-
-def for_device(cfg: ModelConfig, device: jax.Device | None = None) -> ModelConfig:
-    """`dtype: auto` and `attention: auto` made concrete for the device the model will run on (default:
-    this process's first): a TPU slice compiled for ahead of time is not this machine's backend.
-
-    dtype: bfloat16 on GPU and TPU, float32 on CPU. attention: cuDNN flash attention on a GPU with 16-bit
-    compute; Pallas's flash attention on TPU v4 and later, the blockwise attention on TPU v2/v3 (neither
-    holds T×T scores; zerolm.attention); XLA's on CPU."""
-    device = device or jax.devices()[0]
-    dtype, attention = resolve_auto(cfg.dtype, cfg.attention, device.platform, device.device_kind, cfg.seq_len,
-                                    cfg.attention_block)
-    return cfg.model_copy(update={"dtype": dtype, "attention": attention,
-                                  "scan_layers": resolve_scan_layers(cfg.scan_layers, device.platform, cfg.remat)})
-
-
-def resolve_scan_layers(scan_layers: bool | str, platform: str, remat: str = "none") -> bool:
-    """`model.scan_layers: auto` on `platform`, with `model.remat`: unrolled on a GPU without remat, where
-    the compiled step of a scan keeps stacked buffers of the layers' activations, zero-filled every
-    micro-step, and moves more bytes (1_3b on an H100 at micro-batch 8: 1.24× the bytes of the unrolled
-    step); a scan with a remat policy that recomputes (unrolled, XLA may undo the recomputation: 760m on
-    eight H100s at one micro-step, full remat, 73.5 GiB unrolled against 12.7 in a scan), on a TPU (unrolling
-    1_3b cost 6× the compile time and 5 GiB more) and on a CPU. docs/performance-notes.md has the figures."""
-    if scan_layers != "auto":
-        return bool(scan_layers)
-    return platform.lower() not in ("gpu", "cuda", "rocm") or remat not in ("none", "auto")
-
-
-def unrunnable_attention(cfg: ModelConfig, device: jax.Device) -> str | None:
-    """Why `cfg`'s attention cannot run on `device` (a one-line error naming the key), or None."""
-    if cfg.attention == "pallas" and (device.platform != "tpu" or (tpu_generation(device.device_kind) or 0) < 4):
-        return (f"model.attention: pallas runs on TPU v4 and later, not on {device.device_kind} ({device.platform}); "
-                "use auto or blockwise")
-    if cfg.attention == "cudnn" and device.platform not in ("gpu", "cuda"):
-        return f"model.attention: cudnn runs on NVIDIA GPUs, not on {device.device_kind} ({device.platform}); use auto"
-    return None
-
-
-def resolve_auto(dtype: str, attention: str, platform: str, device_kind: str = "", seq_len: int | None = None,
-                 block: int = BLOCK) -> tuple[str, str]:
-    """The rule behind `for_device` (and the planner's device presets): (dtype, attention) on `platform`
-    (a JAX platform name: cpu, gpu/cuda/rocm, tpu) and `device_kind` (a TPU's generation; a preset name
-    will do). On TPU v4+ auto takes Pallas when this JAX has its kernel and the sequence cuts into blocks
-    of whole 128-lane multiples, the blockwise attention otherwise."""
-    platform = platform.lower()
-    gpu = platform in ("gpu", "cuda", "rocm")
-    if dtype == "auto":
-        dtype = "bfloat16" if gpu or platform == "tpu" else "float32"
-    if attention == "auto":
-        if gpu:
-            attention = "cudnn" if dtype in ("bfloat16", "float16") else "xla"
-        elif platform == "tpu":
-            pallas = ((tpu_generation(device_kind) or 0) >= 4 and pallas_available()
-                      and (seq_len is None or pallas_fits(seq_len, block)))
-            attention = "pallas" if pallas else "blockwise"
-        else:
-            attention = "xla"
-    return dtype, attention
-
-
-def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
-    return jnp.dtype(for_device(cfg).dtype if cfg.dtype == "auto" else cfg.dtype)
-
-
-def scan_layers(cfg: ModelConfig) -> bool:
-    return bool(for_device(cfg).scan_layers) if cfg.scan_layers == "auto" else bool(cfg.scan_layers)
-
-
-def attention_implementation(cfg: ModelConfig) -> str:
-    return for_device(cfg).attention if cfg.attention == "auto" else cfg.attention
 
 
 def _named(init, *axes: str):
@@ -202,7 +130,17 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    """`cfg` resolved for the device it runs on (zerolm.device_policy.for_device): no `auto` dtype,
+    attention or layer loop, so that tracing reads no global device."""
+
     cfg: ModelConfig
+
+    def __post_init__(self):
+        unresolved = [k for k in ("dtype", "attention", "scan_layers") if getattr(self.cfg, k) == "auto"]
+        if unresolved:
+            raise ValueError(f"GPT needs a config resolved for its device (zerolm.device_policy.for_device): "
+                             f"model.{', model.'.join(unresolved)} is auto")
+        super().__post_init__()
 
     @nn.compact
     def __call__(self, tokens_BxT: jax.Array, *, hidden_only: bool = False,
@@ -214,7 +152,7 @@ class GPT(nn.Module):
         `start`: decode with a KV cache (the mutable `cache` collection, see `init_cache`): the tokens
         sit at positions start .. start+T-1 and attend to the cached positions before them."""
         cfg = self.cfg
-        dtype = compute_dtype(cfg)
+        dtype = jnp.dtype(cfg.dtype)
         V, D = cfg.padded_vocab_size, cfg.d_model
         T = tokens_BxT.shape[1]
         wte_VxD = self.param("wte", _named(nn.initializers.normal(0.02), "vocab", "embed"), (V, D), jnp.float32)
@@ -235,13 +173,13 @@ class GPT(nn.Module):
         # XLA from merging a rematerialised forward pass with the first one; unrolled, the remat must.
         # remat auto is resolved where the step is compiled (zerolm.step.build_and_compile); a model outside
         # the step (evaluation, sampling) takes no gradient, so any policy computes the same.
-        scanned = scan_layers(cfg)
+        scanned = bool(cfg.scan_layers)
         policy = REMAT_POLICIES["none" if cfg.remat == "auto" else cfg.remat]
         block = nn.remat(Block, prevent_cse=not scanned, policy=policy)
         blocks = nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
                          in_axes=nn.broadcast, length=cfg.n_layer, unroll=1 if scanned else cfg.n_layer,
                          metadata_params={nn.PARTITION_NAME: "layers"})
-        x_BxTxD, _ = blocks(cfg, dtype, attention_implementation(cfg), name="h")(x_BxTxD, start, segment_ids_BxT)
+        x_BxTxD, _ = blocks(cfg, dtype, cfg.attention, name="h")(x_BxTxD, start, segment_ids_BxT)
         x_BxTxD = nn.LayerNorm(epsilon=LN_EPS, dtype=dtype, name="ln_f", scale_init=_named(nn.initializers.ones, "embed"),
                                bias_init=_named(nn.initializers.zeros, "embed"))(x_BxTxD)
         if hidden_only:
@@ -269,125 +207,6 @@ def output_logits(x_NxD: jax.Array, wte_VxD: jax.Array, vocab_size: int) -> jax.
     dtype), the vocabulary's padding masked to -inf-like."""
     logits = jnp.einsum("...d,vd->...v", x_NxD, wte_VxD.astype(x_NxD.dtype), preferred_element_type=jnp.float32)
     return jnp.where(jnp.arange(wte_VxD.shape[0]) < vocab_size, logits, -1e30)
-
-
-def token_cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
-    """Per-token next-token loss, gathering the target logit instead of building a one-hot over the vocabulary."""
-    lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
-    target_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
-    return lse_BxT - target_BxT
-
-
-def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
-    return jnp.mean(token_cross_entropy(logits_BxTxV, targets_BxT))
-
-
-def _chunks(x_BxTxD: jax.Array, targets_BxT: jax.Array, chunk: int):
-    """Flatten tokens and split them into chunks (the last padded), with a mask of the real ones."""
-    B, T, D = x_BxTxD.shape
-    n = B * T
-    pad = -n % chunk
-    x_CxKxD = jnp.pad(x_BxTxD.reshape(n, D), ((0, pad), (0, 0))).reshape(-1, chunk, D)
-    t_CxK = jnp.pad(targets_BxT.reshape(n), (0, pad)).reshape(-1, chunk)
-    real_CxK = (jnp.arange(n + pad) < n).reshape(-1, chunk)
-    return x_CxKxD, t_CxK, real_CxK
-
-
-def chunked_token_cross_entropy(x_BxTxD: jax.Array, wte_VxD: jax.Array, targets_BxT: jax.Array, vocab_size: int,
-                                chunk: int) -> jax.Array:
-    """`token_cross_entropy(output_logits(x))`, `chunk` tokens at a time.
-
-    Each chunk's logits are made, reduced to a loss and dropped; the backward pass makes them again
-    (`jax.checkpoint`), so at most one chunk of float32 logits exists, never the micro-batch's
-    tokens × vocabulary."""
-    B, T, _ = x_BxTxD.shape
-    x_CxKxD, t_CxK, _ = _chunks(x_BxTxD, targets_BxT, chunk)
-
-    @jax.checkpoint
-    def chunk_losses(x_KxD, t_K):
-        return token_cross_entropy(output_logits(x_KxD, wte_VxD, vocab_size), t_K)
-
-    losses_CxK = lax.map(lambda xt: chunk_losses(*xt), (x_CxKxD, t_CxK))
-    return losses_CxK.reshape(-1)[:B * T].reshape(B, T)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def fused_mean_cross_entropy(x_BxTxD: jax.Array, wte_VxD: jax.Array, targets_BxT: jax.Array, vocab_size: int,
-                             chunk: int) -> jax.Array:
-    """`mean(token_cross_entropy(output_logits(x)))` with its gradient made in the same pass.
-
-    Chunk by chunk, the float32 logits give the loss and, while they exist, the gradient of the mean
-    with respect to x and the output layer (softmax − one-hot, times the other operand). Nothing of
-    the size tokens × vocabulary outlives its chunk, and the backward pass only scales the saved
-    gradients by the incoming cotangent: no logits are recomputed (as they would be under
-    `jax.checkpoint`, at 2·V·d more FLOPs per token)."""
-    return _fused_forward(x_BxTxD, wte_VxD, targets_BxT, vocab_size, chunk)[0]
-
-
-def _fused_forward(x_BxTxD, wte_VxD, targets_BxT, vocab_size, chunk):
-    x_CxKxD, t_CxK, real_CxK = _chunks(x_BxTxD, targets_BxT, chunk)
-    n = targets_BxT.size
-    wte_c = wte_VxD.astype(x_BxTxD.dtype)
-
-    def one(dwte_VxD, xtm):
-        x_KxD, t_K, real_K = xtm
-        logits_KxV = output_logits(x_KxD, wte_VxD, vocab_size)
-        lse_K = jax.nn.logsumexp(logits_KxV, axis=-1)
-        target_K = jnp.take_along_axis(logits_KxV, t_K[:, None], axis=-1)[:, 0]
-        loss = jnp.sum(jnp.where(real_K, lse_K - target_K, 0.0))
-        # d(mean loss)/d logits = (softmax - one_hot(target)) / n, zero on padding rows: one elementwise pass
-        # over the logits (the one-hot as a comparison, not a scatter), written in the compute dtype.
-        p_KxV = jnp.exp(logits_KxV - lse_K[:, None])
-        one_hot_KxV = jnp.arange(logits_KxV.shape[1])[None, :] == t_K[:, None]
-        d_KxV = (jnp.where(one_hot_KxV, p_KxV - 1.0, p_KxV) * (real_K[:, None] / n)).astype(x_KxD.dtype)
-        dx_KxD = jnp.einsum("kv,vd->kd", d_KxV, wte_c, preferred_element_type=jnp.float32)
-        dwte_VxD = dwte_VxD + jnp.einsum("kv,kd->vd", d_KxV, x_KxD, preferred_element_type=jnp.float32)
-        return dwte_VxD, (loss, dx_KxD)
-
-    # zeros_like, not zeros: inside shard_map the carry must be as device-varying as wte's gradient.
-    dwte, (losses_C, dx_CxKxD) = lax.scan(one, jnp.zeros_like(wte_VxD, jnp.float32), (x_CxKxD, t_CxK, real_CxK))
-    dx_BxTxD = dx_CxKxD.reshape(-1, x_BxTxD.shape[-1])[:n].reshape(x_BxTxD.shape).astype(x_BxTxD.dtype)
-    return jnp.sum(losses_C) / n, (dx_BxTxD, dwte.astype(wte_VxD.dtype), targets_BxT)
-
-
-def _fused_backward(vocab_size, chunk, residuals, g):
-    dx_BxTxD, dwte_VxD, targets_BxT = residuals
-    zero_targets = np.zeros(targets_BxT.shape, jax.dtypes.float0)  # integer input: no gradient
-    return (dx_BxTxD * g.astype(dx_BxTxD.dtype), dwte_VxD * g.astype(dwte_VxD.dtype), zero_targets)
-
-
-fused_mean_cross_entropy.defvjp(_fused_forward, _fused_backward)
-
-
-def token_losses(model: GPT, params, tokens_BxT1: jax.Array) -> jax.Array:
-    """(B, seq_len) losses of a packed batch of seq_len + 1 tokens: inputs are [:-1], targets [1:]."""
-    inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
-    chunk = model.cfg.loss_chunk
-    if not chunk or chunk >= targets_BxT.size:
-        return token_cross_entropy(_apply(model, params, inputs_BxT), targets_BxT)
-    x_BxTxD = _apply(model, params, inputs_BxT, hidden_only=True)
-    return chunked_token_cross_entropy(x_BxTxD, params["wte"], targets_BxT, model.cfg.vocab, chunk)
-
-
-def _apply(model: GPT, params, inputs_BxT: jax.Array, **kw) -> jax.Array:
-    """The model's output (logits, or hidden states with hidden_only), no state mutated."""
-    out = model.apply({"params": params}, inputs_BxT, **kw)
-    assert isinstance(out, jax.Array)
-    return out
-
-
-def lm_loss(model: GPT, params, tokens_BxT1: jax.Array) -> jax.Array:
-    """Mean loss of a packed batch of seq_len + 1 tokens: the training loss (fused, and chunked when the
-    micro-batch has more tokens than model.loss_chunk; plain autodiff when it is 0)."""
-    inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
-    chunk = model.cfg.loss_chunk
-    if not chunk:
-        return jnp.mean(token_losses(model, params, tokens_BxT1))
-    # A micro-batch of at most one chunk is one chunk: still fused, so autodiff keeps no extra copy of
-    # the float32 logits (the TPU compiler's buffer assignment showed three).
-    x_BxTxD = model.apply({"params": params}, inputs_BxT, hidden_only=True)
-    return fused_mean_cross_entropy(x_BxTxD, params["wte"], targets_BxT, model.cfg.vocab_size,
-                                    min(chunk, targets_BxT.size))
 
 
 def init_params(model: GPT, rng: jax.Array):

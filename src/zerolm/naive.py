@@ -42,9 +42,9 @@ def naive_text(zero: Zero1, loss_fn, micro_batch: int, seq_len: int, accum_steps
     """The optimized HLO of the naive step on zero's mesh, for a run's shapes: params and optimizer state
     replicated, the batch split over dp."""
     def replicated(tree):
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=zero.replicated), tree)
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=zero.table.replicated), tree)
 
-    batch = jax.ShapeDtypeStruct((accum_steps, zero.dp * micro_batch, seq_len + 1), np.int32,
-                                 sharding=zero.batch_sharding)
+    batch = jax.ShapeDtypeStruct((accum_steps, zero.table.dp * micro_batch, seq_len + 1), np.int32,
+                                 sharding=zero.table.batch_sharding)
     return hlo.compiled_text(naive_data_parallel_step(zero.mesh, loss_fn, zero.tx), replicated(zero.abstract_params),
                              replicated(jax.eval_shape(zero.tx.init, zero.abstract_params)), batch)

@@ -21,6 +21,7 @@ from etils import epath
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerolm import device_policy
 from zerolm import model as gpt_model
 from zerolm.checkpoint import CheckpointError, Checkpoints, DamagedCheckpoint, quiet_orbax
 from zerolm.checkpoint_meta import CheckpointMeta
@@ -119,9 +120,9 @@ def load(path: str, devices: list[jax.Device] | None = None) -> Restored:
             # Checkpoints from before model.attention_block (a compute-only key) did not record it.
             cfg = ModelConfig.model_validate({"attention_block": 512, **meta.model})
             devices = devices or jax.local_devices()
-            if gpt_model.unrunnable_attention(cfg, devices[0]):  # trained with a kernel this machine lacks
+            if device_policy.unrunnable_attention(cfg, devices[0]):  # trained with a kernel this machine lacks
                 cfg = cfg.model_copy(update={"attention": "auto"})  # compute only: the parameters are the same
-            model = gpt_model.GPT(cfg)
+            model = gpt_model.GPT(device_policy.for_device(cfg, devices[0]))
             mesh = make_mesh(len(devices), 1, devices)
             abstract = jax.eval_shape(functools.partial(gpt_model.init_params, model), jax.random.key(0))
             replicated = jax.tree.map(lambda _: NamedSharding(mesh, P()), abstract)

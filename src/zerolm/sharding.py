@@ -163,7 +163,9 @@ def rows(mesh: Mesh | AbstractMesh) -> NamedSharding:
 
 
 class Table:
-    """The shardings of one mesh, parameter tree and optimizer."""
+    """The shardings of one mesh, parameter tree and optimizer: every name ending in `_shardings` (or
+    `_sharding`) holds `NamedSharding`s; `layouts` the optimizer state's `Layout`s; `param_specs` the
+    parameters' `PartitionSpec`s."""
 
     def __init__(self, mesh: Mesh | AbstractMesh, abstract_params: PyTree, logical_axes: PyTree | None,
                  tx: optax.GradientTransformation, rules=RULES):
@@ -176,19 +178,19 @@ class Table:
         self.param_specs = jax.tree.map(lambda logical: param_spec(logical, rules), logical_axes,
                                         is_leaf=lambda x: isinstance(x, P))
         self.replicated = NamedSharding(mesh, P())
-        self.batch, self.rows = batch(mesh), rows(mesh)
-        self.params = jax.tree.map(lambda s: NamedSharding(mesh, s), self.param_specs,
-                                   is_leaf=lambda x: isinstance(x, P))
+        self.batch_sharding, self.row_sharding = batch(mesh), rows(mesh)
+        self.param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.param_specs,
+                                            is_leaf=lambda x: isinstance(x, P))
         self.layouts = self.plan(self.dp, self.tp)
-        self.views = jax.tree.map(lambda lay: NamedSharding(mesh, lay.spec), self.layouts, is_leaf=is_layout)
-        self.opt = self.opt_shardings(self.layouts, self.views)
+        self.view_shardings = jax.tree.map(lambda lay: NamedSharding(mesh, lay.spec), self.layouts, is_leaf=is_layout)
+        self.opt_shardings = self._opt_shardings(self.layouts, self.view_shardings)
 
     def plan(self, dp: int, tp: int) -> PyTree:
         """The layouts on a (dp, tp) mesh: this one's, or the one a checkpoint was saved on."""
         return jax.tree.map(lambda a, s: plan_layout(a.shape, dp, tp, _tp_axis(s) if tp > 1 else None),
                             self.abstract_params, self.param_specs, is_leaf=lambda x: isinstance(x, P))
 
-    def opt_shardings(self, layouts: PyTree, view_shardings: PyTree) -> PyTree:
+    def _opt_shardings(self, layouts: PyTree, view_shardings: PyTree) -> PyTree:
         abstract_opt = jax.eval_shape(self.tx.init, abstract_views(layouts, self.abstract_params))
         return optax.tree_map_params(self.tx, lambda _, sharding: sharding, abstract_opt, view_shardings,
                                      transform_non_params=lambda _: self.replicated)
@@ -218,7 +220,7 @@ class Table:
         saved = self.plan(saved_dp, saved_tp)
         saved_opt = jax.eval_shape(self.tx.init, abstract_views(saved, self.abstract_params))
         same = jax.tree.map(lambda old, new: old.view_shape == new.view_shape, saved, self.layouts, is_leaf=is_layout)
-        target_views = jax.tree.map(lambda s, sh: sh if s else self.replicated, same, self.views)
+        target_views = jax.tree.map(lambda s, sh: sh if s else self.replicated, same, self.view_shardings)
         target = optax.tree_map_params(self.tx, lambda _, sh: sh, saved_opt, target_views,
                                        transform_non_params=lambda _: self.replicated)
 
@@ -227,19 +229,9 @@ class Table:
                 return opt_state
             return jax.jit(lambda opt: optax.tree_map_params(
                 self.tx, lambda v, old, new: new.to_view(old.from_view(v)), opt, saved, self.layouts,
-                transform_non_params=lambda x: x, is_leaf=is_layout), out_shardings=self.opt)(opt_state)
+                transform_non_params=lambda x: x, is_leaf=is_layout), out_shardings=self.opt_shardings)(opt_state)
 
         return with_shardings(saved_opt, target), repack
-
-
-def bytes_per_device(tree: PyTree) -> dict[jax.Device, int]:
-    """Bytes of a (sharded) pytree that each local device actually holds."""
-    per_device: dict[jax.Device, int] = {}
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-    return per_device
-
 
 
 def shard_bytes(abstract: PyTree) -> int:

@@ -15,24 +15,21 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from zerolm import device_policy, losses, sharding
 from zerolm import model as gpt_model
-from zerolm import sharding
 from zerolm.config import Config, ConfigError
-from zerolm.errors import ZerolmError
+from zerolm.errors import ZerolmError, first_line
 from zerolm.mesh import TP
 from zerolm.optim import make_optimizer
-from zerolm.zero import Zero1
+from zerolm.zero import Programs, Zero1
 
 
-def build_model(cfg: Config, device: jax.Device | None = None) -> tuple[gpt_model.GPT, functools.partial]:
-    """The model and its init function, as the config says (vocab resolved); `device`: resolve the model's
-    `auto` dtype and attention for it (None: as configured, for a plan on no devices)."""
-    model_cfg = cfg.model
-    if device is not None:
-        if (why := gpt_model.unrunnable_attention(model_cfg, device)) is not None:
-            raise ConfigError(why)
-        model_cfg = gpt_model.for_device(model_cfg, device)
-    model = gpt_model.GPT(model_cfg)
+def build_model(cfg: Config, device: jax.Device) -> tuple[gpt_model.GPT, functools.partial]:
+    """The model and its init function, as the config says (vocab resolved), its `auto` dtype, attention
+    and layer loop resolved for `device` (zerolm.device_policy); an attention `device` cannot run is refused."""
+    if (why := device_policy.unrunnable_attention(cfg.model, device)) is not None:
+        raise ConfigError(why)
+    model = gpt_model.GPT(device_policy.for_device(cfg.model, device))
     return model, functools.partial(gpt_model.init_params, model)
 
 
@@ -46,14 +43,14 @@ def build_step(cfg: Config, mesh: Mesh, rules=sharding.RULES) -> tuple[gpt_model
     takes XLA's attention on a GPU, and an explicit cudnn is refused."""
     if mesh.shape.get(TP, 1) > 1 and cfg.model.attention in ("auto", "cudnn"):
         device = mesh.devices.flat[0]
-        if gpt_model.for_device(cfg.model, device).attention == "cudnn":
+        if device_policy.for_device(cfg.model, device).attention == "cudnn":
             if cfg.model.attention == "cudnn":
                 raise ConfigError("model.attention: cudnn does not compile with mesh.tp > 1 in zerolm's step (JAX "
                                   "cannot partition cuDNN's attention call there); use mesh.tp=1, or model.attention=xla")
             cfg = cfg.resolve(model__attention="xla")
     model, init_fn = build_model(cfg, mesh.devices.flat[0])
     tx, schedule = make_optimizer(cfg.train)
-    zero = Zero1(mesh, functools.partial(gpt_model.lm_loss, model), tx, jax.eval_shape(init_fn, jax.random.key(0)),
+    zero = Zero1(mesh, functools.partial(losses.lm_loss, model), tx, jax.eval_shape(init_fn, jax.random.key(0)),
                  logical_axes=gpt_model.logical_axes(model), grad_reduce=cfg.zero.grad_reduce, lr_schedule=schedule,
                  precision=cfg.zero.precision, accumulate_dtype=cfg.zero.accumulate_dtype,
                  scatter=cfg.zero.scatter, rules=rules)
@@ -64,7 +61,7 @@ def build_step(cfg: Config, mesh: Mesh, rules=sharding.RULES) -> tuple[gpt_model
 class CompiledStep:
     """The step's programs compiled ahead of time for a run's shapes (`compile_step`)."""
 
-    executables: dict[str, Any]  # jax.stages.Compiled
+    programs: Programs  # jax.stages.Compiled each (None: not run by the step, or refused)
     seconds: dict[str, float]  # compile time per program
     refused: dict[str, str]  # programs the compiler refused for their size (keep_refusals): its message
 
@@ -74,7 +71,7 @@ class CompiledStep:
         − aliased + outside. The step's peak is the largest; `zerolm compile` reports it, a run checks it."""
         outside = live_outside(zero, micro_batch, seq_len, accum_steps)
         rows = {}
-        for name, executable in self.executables.items():
+        for name, executable in self.programs.items():
             m = executable.memory_analysis()
             row = {"argument_bytes": int(m.argument_size_in_bytes), "output_bytes": int(m.output_size_in_bytes),
                    "temp_bytes": int(m.temp_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes),
@@ -87,7 +84,7 @@ class CompiledStep:
     @property
     def texts(self) -> dict[str, str]:
         """The optimized HLO of each compiled program (zerolm.hlo reads their collectives)."""
-        return {name: executable.as_text() or "" for name, executable in self.executables.items()}
+        return {name: executable.as_text() or "" for name, executable in self.programs.items()}
 
 
 def live_outside(zero: Zero1, micro_batch: int, seq_len: int, accum_steps: int) -> dict[str, int]:
@@ -154,6 +151,28 @@ def describe_remat_choice(built: BuiltStep, limit: int | None) -> str | None:
     return f"remat auto: {built.cfg.model.remat} ({tries}{against})"
 
 
+def check_fits(built: BuiltStep, limit: int | None) -> str | None:
+    """Stop before anything is written when the step cannot fit this device (DoesNotFit): the compiler
+    refused a program (a TPU's does), or the compiled peak (`CompiledStep.memory`, `zerolm compile`'s rule)
+    is over the allocator's `limit` (a GPU's: its compiler accepts any size). The header's line, or None where
+    the backend states no limit (CPU)."""
+    cfg, compiled = built.cfg, built.compiled
+    if compiled.refused:
+        name, refusal = next(iter(compiled.refused.items()))
+        raise DoesNotFit(cfg, f"the compiler refused its {name} program: {first_line(refusal)}")
+    if not limit:
+        return None
+    memory = compiled.memory(built.zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps)
+    name = max(memory, key=lambda n: memory[n]["peak_bytes"])
+    peak = memory[name]["peak_bytes"]
+    where = f"{peak / 2**30:.2f} GiB per device at its peak ({name}) of the {limit / 2**30:.2f} GiB"
+    if peak > limit:
+        gpu = jax.local_devices()[0].platform in ("gpu", "cuda", "rocm")
+        raise DoesNotFit(cfg, f"the compiled step needs {where} the device may allocate"
+                         + (", XLA_PYTHON_CLIENT_MEM_FRACTION of its memory (0.75 unless set)" if gpu else ""))
+    return f"device memory: the compiled step needs {where} the device may allocate"
+
+
 class DoesNotFit(ZerolmError):
     """The step needs more memory than the device has (the compiler refused a program, the compiled peak
     is over the device's limit, or the device ran out): one line naming the keys that size it."""
@@ -178,18 +197,21 @@ def is_out_of_memory(e: BaseException) -> bool:
 
 def compile_step(zero: Zero1, micro_batch: int, seq_len: int, accum_steps: int, *,
                  keep_refusals: bool = False) -> CompiledStep:
-    """Compile each of the step's programs (`Zero1.programs`) for a run's shapes: what training runs
-    (`Zero1.use`), what `zerolm comms` and the run's header read, what `zerolm compile` measures. With
+    """Compile each of the step's programs (`Zero1.program_inputs`) for a run's shapes: what training runs
+    (`Zero1.using`), what `zerolm comms` and the run's header read, what `zerolm compile` measures. With
     `keep_refusals`, a program the compiler refuses for its size (RESOURCE_EXHAUSTED: its temporaries exceed
     the device) is recorded, not raised: that refusal is `zerolm compile`'s answer."""
-    compiled = CompiledStep({}, {}, {})
-    for name, (fn, args) in zero.programs(micro_batch, seq_len, accum_steps).items():
+    executables: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+    refused: dict[str, str] = {}
+    for name, args in zero.program_inputs(micro_batch, seq_len, accum_steps).items():
         t0 = time.perf_counter()
         try:
-            compiled.executables[name] = fn.lower(*args).compile()
+            executables[name] = getattr(zero.programs, name).lower(*args).compile()
         except Exception as e:
             if not (keep_refusals and is_out_of_memory(e)):
                 raise
-            compiled.refused[name] = str(e)
-        compiled.seconds[name] = time.perf_counter() - t0
-    return compiled
+            refused[name] = str(e)
+        seconds[name] = time.perf_counter() - t0
+    programs = Programs(**{name: executables.get(name) for name in Programs.NAMES})
+    return CompiledStep(programs, seconds, refused)

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 import zerolm
-from zerolm import comms, compilation_cache, library_log, storage
+from zerolm import comms, compilation_cache, device_policy, library_log, losses, storage
 from zerolm import model as gpt_model
 from zerolm.checkpoint import Checkpoints, remove_unfinished
 from zerolm.checkpoint_meta import CheckpointMeta
@@ -142,7 +142,7 @@ def _train_locked(cfg: Config, mesh: Mesh, data: _Data, out, say, lock: RunLock 
              "accum_steps": cfg.accum_steps, "tokens_per_step": cfg.train.global_batch_size * cfg.model.seq_len,
              "flops_per_token": accounting.flops_per_token, "zerolm_version": zerolm.__version__}
     memory = _check_fits(cfg, zero, compiled, limit)
-    zero.use(compiled.executables)
+    zero = zero.using(compiled.programs)
     texts = compiled.texts
     for line in _startup_summary(cfg, zero, accounting, n_params, texts):
         say(line)
@@ -165,8 +165,8 @@ def _train_locked(cfg: Config, mesh: Mesh, data: _Data, out, say, lock: RunLock 
     evaluate = None
     n_val = min(cfg.train.eval_sequences, len(val_split))
     if n_val:
-        evaluate = make_evaluator(functools.partial(gpt_model.token_losses, model), zero.param_shardings,
-                                  zero.row_sharding, val_split.head(n_val),
+        evaluate = make_evaluator(functools.partial(losses.token_losses, model), zero.table.param_shardings,
+                                  zero.table.row_sharding, val_split.head(n_val),
                                   cfg.dp * cfg.train.micro_batch_size)
         if n_val < cfg.train.eval_sequences:
             say(f"note: evaluating on all {n_val} validation samples (train.eval_sequences asks for "
@@ -254,9 +254,9 @@ def _sample_text(model: gpt_model.GPT, tokenizer: Tokenizer, cfg: Config, params
 def _startup_summary(cfg: Config, zero: Zero1, accounting: Accounting, n_params: int,
                      texts: dict[str, str]) -> list[str]:
     """What a run costs before it starts: sizes, per-device bytes, FLOPs and the compiled step's collectives."""
-    params = with_shardings(zero.working_params, zero.param_shardings)
-    opt = with_shardings(jax.eval_shape(zero.tx.init, abstract_views(zero.layouts, zero.abstract_params)),
-                         zero.opt_shardings)
+    params = with_shardings(zero.working_params, zero.table.param_shardings)
+    opt = with_shardings(jax.eval_shape(zero.tx.init, abstract_views(zero.table.layouts, zero.abstract_params)),
+                         zero.table.opt_shardings)
     accumulator = shard_bytes(jax.tree.map(
         lambda p: jax.ShapeDtypeStruct(p.shape, cfg.zero.accumulate_dtype, sharding=p.sharding), params))
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
@@ -266,7 +266,8 @@ def _startup_summary(cfg: Config, zero: Zero1, accounting: Accounting, n_params:
              f"{cfg.accum_steps} accumulation step(s) of {cfg.train.micro_batch_size} sequence(s) per device, "
              f"{cfg.train.global_batch_size} sequences = {tokens:,} tokens per step, grad_reduce={cfg.zero.grad_reduce}"
              + (f" ({zero.scatter})" if cfg.zero.grad_reduce == "reduce_scatter" and zero.scatter != "collective" else "")
-             + f", precision={cfg.zero.precision}, attention {gpt_model.attention_implementation(cfg.model)}",
+             + f", precision={cfg.zero.precision}, attention "
+             f"{device_policy.for_device(cfg.model, zero.mesh.devices.flat[0]).attention}",
              f"per device: params {mib(shard_bytes(params))}, gradient accumulator {mib(accumulator)}, optimizer state "
              f"{mib(shard_bytes(opt))} (1/{cfg.dp * cfg.mesh.tp} of it, plus padding"
              + (", master weights included" if zero.mixed else "") + "); activations not counted",

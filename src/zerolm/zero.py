@@ -23,6 +23,7 @@ update needs no reshard of the parameters: the master weights are its view. docs
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -68,11 +69,28 @@ class StepInputs:
     step: jax.ShapeDtypeStruct
 
 
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """The step's three programs: jitted (`Zero1.programs`), or compiled ahead of time for a run's shapes
+    (zerolm.step.compile_step; a program the step does not run, or the compiler refused, is None)."""
+
+    grad: Any  # (params, batch) -> (gradient, in the optimizer-state layout or the params' sharding; metrics)
+    reshard: Any  # params or gradient -> their view in the optimizer-state layout
+    update: Any  # (gradient view, params view, opt_state, step) -> (params, opt_state, step, metrics)
+
+    NAMES = ("grad", "reshard", "update")
+
+    def items(self) -> list[tuple[str, Any]]:
+        """(name, program) of the programs present, in the order a step runs them."""
+        return [(name, program) for name in self.NAMES if (program := getattr(self, name)) is not None]
+
+
 class Zero1:
     """The ZeRO-1 training step for one mesh, model loss, optimizer and accumulation count.
 
     `step(state, batch) -> (state, metrics)` is a pure function of its inputs; `batch` is the global
-    array of shape (accum_steps, dp * micro_batch, seq_len + 1) sharded by `batch_sharding`.
+    array of shape (accum_steps, dp * micro_batch, seq_len + 1) sharded by `table.batch_sharding`;
+    `table` (zerolm.sharding.Table) holds every sharding the step uses.
 
     `precision`: "fp32" keeps float32 parameters and reduces and gathers in float32. "mixed" is the ZeRO
     paper's stage-1 layout: the working parameters are bfloat16 (replicated, 2 bytes per parameter), the
@@ -95,13 +113,9 @@ class Zero1:
         self.tx = tx = with_master_weights(tx) if precision == "mixed" else tx
         self.abstract_params = abstract_params  # float32: the model's (and the master weights')
         self.working_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, self.param_dtype), abstract_params)
-        self.table = table = sharding.Table(mesh, abstract_params, logical_axes, tx, rules)
-        self.dp, self.tp, self.layouts = table.dp, table.tp, table.layouts
-        # What the three programs take and give (read these; zerolm.sharding derives them).
-        self.replicated, self.batch_sharding, self.row_sharding = table.replicated, table.batch, table.rows
-        self.param_shardings, self.view_shardings, self.opt_shardings = table.params, table.views, table.opt
-        self.state_shardings = TrainState(step=self.replicated, params=self.param_shardings,
-                                          opt_state=self.opt_shardings)
+        self.table = table = sharding.Table(mesh, abstract_params, logical_axes, tx, rules)  # every sharding
+        self.state_shardings = TrainState(step=table.replicated, params=table.param_shardings,
+                                          opt_state=table.opt_shardings)
 
         # (1) accumulate: manual over dp; per-device gradients come out stacked on a leading dp axis. Without
         # tensor parallelism it is manual over the whole mesh: nothing is left for the partitioner inside,
@@ -109,26 +123,28 @@ class Zero1:
         stacked = jax.tree.map(lambda _: P(DP), table.param_specs, is_leaf=lambda x: isinstance(x, P))
         accumulate = jax.shard_map(functools.partial(_accumulate, loss_fn=loss_fn, acc_dtype=jnp.dtype(accumulate_dtype),
                                                      out_dtype=self.param_dtype), mesh=mesh,
-                                   in_specs=(P(), self.batch_sharding.spec), out_specs=(stacked, P(DP)),
-                                   axis_names=frozenset(mesh.axis_names) if self.tp == 1 else frozenset({DP}))
+                                   in_specs=(P(), table.batch_sharding.spec), out_specs=(stacked, P(DP)),
+                                   axis_names=frozenset(mesh.axis_names) if table.tp == 1 else frozenset({DP}))
         # (2) reduce: manual over dp and tp, each device reducing its own tp block (sharding.Table.reduction).
         tp_local, in_specs, out_specs = table.reduction(grad_reduce)
         self.scatter = scatter_lib.resolve_scatter(scatter, mesh)  # "collective", "two_stage" or "ring"
         self.scatter_inner = scatter_lib.two_stage_inner(mesh) if self.scatter == "two_stage" else None
-        reduce = jax.shard_map(functools.partial(_reduce, layouts=self.layouts, tp_local=tp_local,
-                                                 grad_reduce=grad_reduce, dp=self.dp, tp=self.tp,
+        reduce = jax.shard_map(functools.partial(_reduce, layouts=table.layouts, tp_local=tp_local,
+                                                 grad_reduce=grad_reduce, dp=table.dp, tp=table.tp,
                                                  scatter=self.scatter, inner=self.scatter_inner),
                                mesh=mesh, in_specs=(in_specs, P(DP)), out_specs=(out_specs, P()))
 
         def grad_step(params, batch):
             return reduce(*accumulate(params, batch))
 
-        self.grad = jax.jit(grad_step)
-        self.reshard = jax.jit(functools.partial(to_views, self.layouts), out_shardings=self.view_shardings)
-        self.update = jax.jit(
-            functools.partial(_update, tx=tx, layouts=self.layouts, lr_schedule=lr_schedule),
-            out_shardings=(self.param_shardings, self.opt_shardings, self.replicated, self.replicated),
-            donate_argnums=(2,))  # the optimizer state; grads and the param view change shape
+        # What a step runs; zerolm.step.compile_step gives them compiled for a run's shapes (`using`).
+        self.programs = Programs(
+            grad=jax.jit(grad_step),
+            reshard=jax.jit(functools.partial(to_views, table.layouts), out_shardings=table.view_shardings),
+            update=jax.jit(functools.partial(_update, tx=tx, layouts=table.layouts, lr_schedule=lr_schedule),
+                           out_shardings=(table.param_shardings, table.opt_shardings, table.replicated,
+                                          table.replicated),
+                           donate_argnums=(2,)))  # the optimizer state; grads and the param view change shape
 
     @property
     def mixed(self) -> bool:
@@ -136,56 +152,60 @@ class Zero1:
 
     def inputs(self, micro_batch: int, seq_len: int, accum_steps: int) -> StepInputs:
         """The step's inputs for a run's shapes, as abstract arrays with their shardings."""
+        table = self.table
         return StepInputs(
-            params=sharding.with_shardings(self.working_params, self.param_shardings),
-            batch=jax.ShapeDtypeStruct((accum_steps, self.dp * micro_batch, seq_len + 1), jnp.int32,
-                                       sharding=self.batch_sharding),
-            views=sharding.with_shardings(sharding.abstract_views(self.layouts, self.working_params),
-                                          self.view_shardings),
+            params=sharding.with_shardings(self.working_params, table.param_shardings),
+            batch=jax.ShapeDtypeStruct((accum_steps, table.dp * micro_batch, seq_len + 1), jnp.int32,
+                                       sharding=table.batch_sharding),
+            views=sharding.with_shardings(sharding.abstract_views(table.layouts, self.working_params),
+                                          table.view_shardings),
             opt_state=sharding.with_shardings(jax.eval_shape(self.tx.init, sharding.abstract_views(
-                self.layouts, self.abstract_params)), self.opt_shardings),
-            step=jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated))
+                table.layouts, self.abstract_params)), table.opt_shardings),
+            step=jax.ShapeDtypeStruct((), jnp.int32, sharding=table.replicated))
 
-    def programs(self, micro_batch: int, seq_len: int, accum_steps: int) -> dict[str, tuple[Any, tuple]]:
-        """The jitted programs a step runs, each with its abstract inputs (to compile ahead of time:
-        zerolm.step.compile_step). `reshard` is there when the step runs it: on the parameters (fp32: the
-        update reads their view) and on an all-reduced gradient; mixed precision with reduce_scatter needs
+    def program_inputs(self, micro_batch: int, seq_len: int, accum_steps: int) -> dict[str, tuple]:
+        """Each program a step runs, by name, with its abstract inputs for a run's shapes (to compile ahead
+        of time: zerolm.step.compile_step). `reshard` is there when the step runs it: on the parameters (fp32:
+        the update reads their view) and on an all-reduced gradient; mixed precision with reduce_scatter needs
         neither."""
         x = self.inputs(micro_batch, seq_len, accum_steps)
-        programs: dict[str, tuple[Any, tuple]] = {"grad": (self.grad, (x.params, x.batch))}
+        inputs: dict[str, tuple] = {"grad": (x.params, x.batch)}
         if not self.mixed or self.grad_reduce == "all_reduce":
-            programs["reshard"] = (self.reshard, (x.params,))
-        programs["update"] = (self.update, (x.views, None if self.mixed else x.views, x.opt_state, x.step))
-        return programs
+            inputs["reshard"] = (x.params,)
+        inputs["update"] = (x.views, None if self.mixed else x.views, x.opt_state, x.step)
+        return inputs
 
-    def use(self, executables: dict[str, jax.stages.Compiled]) -> None:
-        """Run these executables (compiled ahead of time for the run's shapes) from now on: each program
-        is compiled once, not once ahead of time and again at its first call."""
-        for name, executable in executables.items():
-            setattr(self, name, executable)
+    def using(self, programs: Programs) -> Zero1:
+        """This step running `programs` (compiled ahead of time for the run's shapes) instead of the jitted
+        ones: each program is compiled once, not once ahead of time and again at its first call."""
+        twin = copy.copy(self)
+        twin.programs = programs
+        return twin
 
     def init(self, init_fn: Callable[[jax.Array], PyTree], rng: jax.Array) -> TrainState:
         """Create the state already sharded: the optimizer state never exists in one piece."""
-        params = jax.jit(init_fn, out_shardings=self.param_shardings)(rng)
+        params = jax.jit(init_fn, out_shardings=self.table.param_shardings)(rng)
         return self.init_from_params(params)
 
     def init_from_params(self, params: PyTree) -> TrainState:
         """The state of float32 `params` (in mixed precision they become the master weights)."""
-        params = jax.device_put(params, self.param_shardings)
-        opt_state = jax.jit(lambda p: self.tx.init(to_views(self.layouts, p)),
-                            out_shardings=self.opt_shardings)(params)
+        table = self.table
+        params = jax.device_put(params, table.param_shardings)
+        opt_state = jax.jit(lambda p: self.tx.init(to_views(table.layouts, p)),
+                            out_shardings=table.opt_shardings)(params)
         if self.mixed:
             params = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.param_dtype), p),
-                             out_shardings=self.param_shardings)(params)
-        return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), self.replicated),
+                             out_shardings=table.param_shardings)(params)
+        return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), table.replicated),
                           params=params, opt_state=opt_state)
 
     def step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
-        grads, metrics = self.grad(state.params, batch)
-        params_view = None if self.mixed else self.reshard(state.params)
+        run = self.programs
+        grads, metrics = run.grad(state.params, batch)
+        params_view = None if self.mixed else run.reshard(state.params)
         if self.grad_reduce == "all_reduce":
-            grads = self.reshard(grads)
-        params, opt_state, step, update_metrics = self.update(grads, params_view, state.opt_state, state.step)
+            grads = run.reshard(grads)
+        params, opt_state, step, update_metrics = run.update(grads, params_view, state.opt_state, state.step)
         return TrainState(step=step, params=params, opt_state=opt_state), {**metrics, **update_metrics}
 
     __call__ = step

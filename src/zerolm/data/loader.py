@@ -27,21 +27,16 @@ import numpy as np
 from jax.sharding import Mesh
 
 from zerolm import sharding
+from zerolm.data.mixture import MixedSplit
 from zerolm.data.shards import DataError, Split
-from zerolm.mesh import DP, TP, compute_batch_size, this_host_has_first
-
-
-def to_accum_layout(rows: np.ndarray, n_devices: int, accum: int, micro: int) -> np.ndarray:
-    """(n_devices · accum · micro, T) rows -> (accum, n_devices · micro, T): device d's contiguous block
-    of rows, split into `accum` micro-batches of `micro`."""
-    T = rows.shape[-1]
-    return rows.reshape(n_devices, accum, micro, T).transpose(1, 0, 2, 3).reshape(accum, n_devices * micro, T)
+from zerolm.mesh import DP, TP, host_reads, this_host_has_first
 
 
 class BatchLoader:
     """Global batches for optimizer steps, each process reading only its own devices' rows."""
 
-    def __init__(self, split: Split, mesh: Mesh, global_batch_size: int, micro_batch_size: int, seed: int):
+    def __init__(self, split: Split | MixedSplit, mesh: Mesh, global_batch_size: int, micro_batch_size: int,
+                 seed: int):
         if len(split) < global_batch_size:
             raise DataError(f"{split.dataset.location} ({split.name}): {len(split)} samples, fewer than one "
                              f"global batch of {global_batch_size}; use a smaller train.global_batch_size or more data")
@@ -54,20 +49,19 @@ class BatchLoader:
         self.sharding = sharding.batch(mesh)
         # Staging array with a leading tp axis: device (dp i, tp j) holds slot j of dp block i. Only
         # slot 0 is read from storage, so a host reads the blocks of its tp = 0 devices: exactly
-        # compute_batch_size(mesh)'s local_shards of them. The sum over tp hands them to the rest.
+        # host_reads(mesh).dp_blocks of them. The sum over tp hands them to the rest.
         # (jax.make_array_from_process_local_data would need every host to read the rows of all its
         # devices, tp ≠ 0 ones included: this keeps "only tp = 0 hosts read".)
         self._staging = sharding.batch_staging(mesh)
         self._staged_shape = (self.tp, *self.shape)
         self._sum_tp = jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=self.sharding)
-        # The dp blocks this host reads: those of its tp = 0 devices (compute_batch_size).
+        # The dp blocks this host reads: those of its tp = 0 devices (host_reads).
         self._devices = [(d, (idx[0].start or 0, (idx[2].start or 0) // self.micro))
                          for d, idx in self._staging.addressable_devices_indices_map(self._staged_shape).items()
                          if idx is not None]
         self.reads = this_host_has_first(mesh, DP)  # a host at tp = 0 loads data
-        _, local_shards = compute_batch_size(mesh)
         self._read_blocks = sorted({dp for _, (tp, dp) in self._devices if tp == 0})
-        assert len(self._read_blocks) == local_shards and self.reads == bool(local_shards)
+        assert (self.reads, len(self._read_blocks)) == host_reads(mesh)
 
     def device_rows(self, step: int, dp_index: int) -> np.ndarray:
         """The (accum, micro, T+1) rows of dp block `dp_index` at `step`, read from storage."""

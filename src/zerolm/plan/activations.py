@@ -79,7 +79,7 @@ def step_activation_bytes(m: Model, micro: int, tp: int, attention: str, accum_s
     - the loss: the output layer's float32 gradient as it is summed and the embedding's (2·V·h·4),
       and a chunk's float32 logits with their gradient in the compute dtype (the micro-batch's, if
       smaller; without chunking, loss_chunk 0, autodiff keeps three float32 copies)."""
-    from zerolm.model import resolve_scan_layers
+    from zerolm.device_policy import resolve_scan_layers
 
     scanned = resolve_scan_layers(m.scan_layers, platform, m.remat)  # the layer loop zerolm compiles there
     b, t = micro, tp

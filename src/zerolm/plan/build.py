@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -51,11 +52,11 @@ def from_config(cfg, dp: int, tp: int) -> tuple[Model, Any]:
     from zerolm.mesh import DP, TP
     from zerolm.optim import make_optimizer
     from zerolm.sharding import Table, param_spec
-    from zerolm.step import build_model
 
-    # What build_step builds, on no devices: only the parameters' shapes are read, which no attention
-    # changes (cuDNN's would be traced in this machine's float32 and refuse it).
-    gpt, init_fn = build_model(cfg.resolve(model__attention="xla"))
+    # What build_step builds, on no devices: only the parameters' shapes are read, which neither the
+    # compute dtype, the attention nor the layer loop changes.
+    gpt = gpt_model.GPT(cfg.model.model_copy(update={"dtype": "float32", "attention": "xla", "scan_layers": True}))
+    init_fn = functools.partial(gpt_model.init_params, gpt)
     abstract = jax.eval_shape(init_fn, jax.random.key(0))
     axes = gpt_model.logical_axes(gpt)
     tx, _ = make_optimizer(cfg.train)

@@ -66,9 +66,9 @@ class Planner:
 
     @property
     def attention(self) -> str:
-        """The attention zerolm runs on this device preset (zerolm.model.resolve_auto, the rule training
+        """The attention zerolm runs on this device preset (zerolm.device_policy.resolve_auto, the rule training
         applies to its devices), or the config's."""
-        from zerolm.model import resolve_auto
+        from zerolm.device_policy import resolve_auto
 
         m = self.model
         return resolve_auto("bfloat16" if m.act_bytes == 2 else "float32", m.attention, self.device.platform,

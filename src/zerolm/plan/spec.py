@@ -44,10 +44,10 @@ class Model:
     source: str = ""
     param_bytes: int = 4  # of the working parameters (zero.precision: fp32 4, mixed 2)
     acc_bytes: int = 4  # of the gradient accumulator (zero.accumulate_dtype)
-    attention: str = "auto"  # model.attention (auto: the device's choice, as zerolm.model.for_device)
+    attention: str = "auto"  # model.attention (auto: the device's choice, as zerolm.device_policy.for_device)
     attention_block: int = 512  # model.attention_block
     document_mask: bool = False  # model.document_mask: segment ids beside each layer's attention
-    scan_layers: bool | str = "auto"  # model.scan_layers (auto: the device's choice, zerolm.model.resolve_scan_layers)
+    scan_layers: bool | str = "auto"  # model.scan_layers (auto: the device's choice, zerolm.device_policy.resolve_scan_layers)
 
     @property
     def flops_params(self) -> int:

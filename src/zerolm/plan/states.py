@@ -52,15 +52,15 @@ class ExactStates:
         def cast(tree, dtype):
             return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype, sharding=a.sharding), tree)
 
-        params = with_shardings(table.abstract_params, table.params)
-        views = with_shardings(abstract_views(table.layouts, table.abstract_params), table.views)
+        params = with_shardings(table.abstract_params, table.param_shardings)
+        views = with_shardings(abstract_views(table.layouts, table.abstract_params), table.view_shardings)
         self._full = {np.dtype(d).itemsize: shard_bytes(cast(params, d)) for d in (np.float32, jax.numpy.bfloat16)}
         self._sharded = {np.dtype(d).itemsize: shard_bytes(cast(views, d)) for d in (np.float32, jax.numpy.bfloat16)}
         opt_whole = jax.eval_shape(table.tx.init, table.abstract_params)
         opt_whole = with_shardings(opt_whole, optax.tree_map_params(
-            table.tx, lambda _, s: s, opt_whole, table.params, transform_non_params=lambda _: table.replicated))
+            table.tx, lambda _, s: s, opt_whole, table.param_shardings, transform_non_params=lambda _: table.replicated))
         opt_sharded = with_shardings(jax.eval_shape(table.tx.init, abstract_views(table.layouts, table.abstract_params)),
-                                     table.opt)
+                                     table.opt_shardings)
         self._adam = {False: shard_bytes(opt_whole), True: shard_bytes(opt_sharded)}
 
     def __call__(self, stage: int, p: BytesPerParam) -> StateBytes:
