@@ -41,7 +41,6 @@ from etils import epath
 
 from zerolm import storage
 from zerolm.checkpoint_meta import FORMAT, CheckpointMeta
-from zerolm.config import ModelConfig
 from zerolm.errors import ZerolmError, first_line
 from zerolm.sharding import with_shardings
 from zerolm.zero import TrainState, Zero1
@@ -252,8 +251,7 @@ class Checkpoints:
         """Restore `step` into `zero`'s mesh and shardings. Checks the model first; writes nothing."""
         meta = self.readable_meta(step)
         where = self.directory / str(step)
-        # Keys a checkpoint of an older zerolm lacks had their default then.
-        saved_model = {**_MODEL_DEFAULTS, **meta.model}
+        saved_model = meta.model
         differs = [f"model.{k}: checkpoint {saved_model.get(k)!r}, config {v!r}"
                    for k, v in model_config.items() if saved_model.get(k) != v and k not in _COMPUTE_ONLY]
         if differs:
@@ -283,7 +281,6 @@ class Checkpoints:
 # Keys that change how the model computes, not what its parameters are.
 _COMPUTE_ONLY = {"dtype", "attention", "attention_block", "remat", "scan_layers", "loss_chunk",
                  "eot_id"}  # the tokenizer's: the data's identity (its sha256) already pins it
-_MODEL_DEFAULTS = {name: field.default for name, field in ModelConfig.model_fields.items() if not field.is_required()}
 
 
 def directory_size(path: epath.Path) -> int:

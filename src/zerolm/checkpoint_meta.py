@@ -13,6 +13,14 @@ from typing import Any
 
 FORMAT = 2
 
+# Config keys an older zerolm did not record in its checkpoints, and what they were then (each one's
+# behaviour before the key existed): a checkpoint's config is read through these, here and nowhere else.
+BEFORE_RECORDED: dict[str, dict[str, Any]] = {
+    "model": {"attention_block": 512, "scan_layers": "auto", "document_mask": False, "document_positions": "continue",
+              "eot_id": "auto"},
+    "zero": {"precision": "fp32"},
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointMeta:
@@ -42,8 +50,9 @@ class CheckpointMeta:
 
     @property
     def model(self) -> dict[str, Any]:
-        """The `model` section of the run's config (what the parameters' shapes follow)."""
-        return self.config["model"]
+        """The `model` section of the run's config (what the parameters' shapes follow), keys an older
+        zerolm did not record read as they were then (BEFORE_RECORDED)."""
+        return {**BEFORE_RECORDED["model"], **self.config["model"]}
 
     @property
     def train(self) -> dict[str, Any]:
@@ -52,7 +61,7 @@ class CheckpointMeta:
     @property
     def precision(self) -> str:
         """zero.precision (fp32 before mixed precision existed): what the optimizer state holds."""
-        return self.config.get("zero", {}).get("precision", "fp32")
+        return {**BEFORE_RECORDED["zero"], **self.config.get("zero", {})}["precision"]
 
     @property
     def tokenizer_sha256(self) -> str:

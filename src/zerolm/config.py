@@ -1,8 +1,10 @@
 """The typed, frozen config tree: YAML files (with `extends:`) plus `--set section.key=value` overrides.
 
 `configs/defaults.yaml` holds every key with its default; a model-size file extends it and changes
-what differs. The schema below has no defaults of its own, so a key missing from the merged YAML is an
-error, and the YAML is the one place a default lives. Validation is pydantic's: an unknown key, a wrong
+what differs. The schema below has no defaults of its own (but None for the optional `name` of a
+mixture entry, which YAML cannot default inside a list), so a key missing from the merged YAML is an
+error, and the YAML is the one place a default lives; what older checkpoints' configs lacked is read
+through zerolm.checkpoint_meta.BEFORE_RECORDED. Validation is pydantic's: an unknown key, a wrong
 type or an impossible combination fails at load, before any device work, with one line that names the
 file and the key.
 """
@@ -44,6 +46,16 @@ class _Section(BaseModel):
 PositiveInt = Field(gt=0)
 
 
+def tp_split_problem(n_head: int, d_model: int, tp: int) -> str | None:
+    """Why tensor parallelism over `tp` devices cannot split this model (it splits whole attention heads and
+    the MLP's 4·d_model hidden units), or None."""
+    if n_head % tp:
+        return f"does not divide model.n_head={n_head} (tensor parallelism splits whole attention heads)"
+    if (4 * d_model) % tp:
+        return f"does not divide the MLP width 4 × model.d_model = {4 * d_model}"
+    return None
+
+
 class ModelConfig(_Section):
     vocab_size: int | Literal["auto"]  # "auto": the tokenizer's vocabulary size
     n_layer: int = PositiveInt
@@ -56,14 +68,14 @@ class ModelConfig(_Section):
     # What the backward pass recomputes instead of storing (see model.REMAT_POLICIES).
     remat: Literal["none", "full", "dots", "attention", "dots_attention", "auto"]  # auto: zerolm.step.REMAT_ORDER
     # The layer loop: a scan over the stacked layers (compile time flat in depth) or unrolled (no stacked
-    # activations for the backward pass); auto: the device's choice (zerolm.model.resolve_auto).
-    scan_layers: bool | Literal["auto"] = "auto"
+    # activations for the backward pass); auto: the device's choice (zerolm.device_policy.resolve_auto).
+    scan_layers: bool | Literal["auto"]
     loss_chunk: int = Field(ge=0)  # tokens per chunk of the output layer + loss; 0: the whole micro-batch at once
     # Attention stays inside each document of a packed sample (documents end with end-of-text, token eot_id);
     # positions count from each document's start ("restart") or from the sample's ("continue").
-    document_mask: bool = False
-    document_positions: Literal["continue", "restart"] = "continue"
-    eot_id: int | Literal["auto"] = "auto"  # auto: the dataset tokenizer's end-of-text
+    document_mask: bool
+    document_positions: Literal["continue", "restart"]
+    eot_id: int | Literal["auto"]  # auto: the dataset tokenizer's end-of-text
 
     @field_validator("remat", mode="before")
     @classmethod
@@ -175,7 +187,7 @@ class MixtureEntry(_Section):
 class DataConfig(_Section):
     dataset: str  # "default" (the embedded corpus, prepared on first use) or a prepared dataset dir / URL
     # Several datasets, interleaved by weight (zerolm.data.mixture); data.dataset must then stay "default".
-    mixture: tuple[MixtureEntry, ...] | None = Field(default=None, min_length=1)
+    mixture: tuple[MixtureEntry, ...] | None = Field(min_length=1)
     tokenizer: str | None  # optional tokenizer file the dataset must have been prepared with
     default_vocab_size: int = Field(ge=257)  # BPE size for the default dataset: 256 bytes + end-of-text at least
     skip_bad_samples: bool  # replace unreadable samples by a neighbour and count them, instead of stopping
@@ -202,7 +214,7 @@ class CheckpointConfig(_Section):
     dir: str | None  # null: checkpoints/<name>; a local path or gs://
     every: int = PositiveInt  # steps between saves (and one at the end)
     keep: int = PositiveInt  # the last `keep` checkpoints are kept ...
-    keep_every: int | None = Field(default=None, gt=0)  # ... plus every keep_every-th step, if set
+    keep_every: int | None = Field(gt=0)  # ... plus every keep_every-th step, if set
 
 
 class LoggingConfig(_Section):
@@ -249,24 +261,32 @@ class Config(_Section):
     logging: LoggingConfig
     sample: SampleConfig
 
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_dp(cls, data: Any, info: ValidationInfo) -> Any:
+        """`mesh.dp: auto` is every device tp does not use, where the device count is known (the one place
+        it is resolved)."""
+        device_count = (info.context or {}).get("device_count")
+        mesh = data.get("mesh") if isinstance(data, dict) else None
+        if device_count is None or not isinstance(mesh, dict) or mesh.get("dp") != "auto":
+            return data
+        tp = mesh.get("tp", 1)
+        if not (isinstance(tp, int) and tp > 0):
+            return data  # the field's own check names it
+        if device_count % tp:
+            raise _KeyError("mesh.tp", f"tp={tp} does not divide the {device_count} devices")
+        return {**data, "mesh": {**mesh, "dp": device_count // tp}}
+
     @model_validator(mode="after")
     def _batch_and_mesh(self, info: ValidationInfo) -> Config:
         device_count = (info.context or {}).get("device_count")
         dp = self.mesh.dp
-        if dp == "auto" and device_count is not None:
-            if device_count % self.mesh.tp:
-                raise _KeyError("mesh.tp", f"tp={self.mesh.tp} does not divide the {device_count} devices")
-            dp = device_count // self.mesh.tp
         if device_count is not None and dp * self.mesh.tp != device_count:
             raise _KeyError("mesh.dp", f"dp × tp = {dp} × {self.mesh.tp} = {dp * self.mesh.tp}, "
                             f"but there are {device_count} devices")
         tp = self.mesh.tp
-        if self.model.n_head % tp:
-            raise _KeyError("mesh.tp", f"tp={tp} does not divide model.n_head={self.model.n_head} (tensor "
-                            "parallelism splits whole attention heads)", related=("model.n_head",))
-        if (4 * self.model.d_model) % tp:
-            raise _KeyError("mesh.tp", f"tp={tp} does not divide the MLP width 4 × model.d_model = "
-                            f"{4 * self.model.d_model}", related=("model.d_model",))
+        if (why := tp_split_problem(self.model.n_head, self.model.d_model, tp)) is not None:
+            raise _KeyError("mesh.tp", f"tp={tp} {why}", related=("model.n_head" if "n_head" in why else "model.d_model",))
         if dp != "auto":
             per_step = self.train.micro_batch_size * dp
             if self.train.global_batch_size % per_step:
@@ -385,10 +405,6 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), device_count: i
         key, value = parse_override(text)
         _set_dotted(data, key, value)
         overridden.add(key)
-    if device_count is not None and data.get("mesh", {}).get("dp") == "auto":
-        tp = data["mesh"].get("tp", 1)
-        if isinstance(tp, int) and tp > 0 and device_count % tp == 0:
-            data["mesh"]["dp"] = device_count // tp
     try:
         return Config.model_validate(data, context={"device_count": device_count})
     except ValidationError as e:

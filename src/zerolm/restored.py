@@ -117,8 +117,7 @@ def load(path: str, devices: list[jax.Device] | None = None) -> Restored:
     with quiet_orbax():
         try:
             meta = ckpts.readable_meta(step)
-            # Checkpoints from before model.attention_block (a compute-only key) did not record it.
-            cfg = ModelConfig.model_validate({"attention_block": 512, **meta.model})
+            cfg = ModelConfig.model_validate(meta.model)
             devices = devices or jax.local_devices()
             if device_policy.unrunnable_attention(cfg, devices[0]):  # trained with a kernel this machine lacks
                 cfg = cfg.model_copy(update={"attention": "auto"})  # compute only: the parameters are the same

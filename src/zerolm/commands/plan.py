@@ -4,25 +4,11 @@ before launching (zerolm.plan)."""
 from __future__ import annotations
 
 import argparse
-import functools
-import math
+import dataclasses
 import os
 
 from zerolm.commands import print_report
-from zerolm.config import load_config
-from zerolm.data.dataset import load_planned
-from zerolm.hardware import preset
-from zerolm.plan import (
-    PRECISIONS,
-    STAGES,
-    AnalyticStates,
-    Parallelism,
-    PlanError,
-    Planner,
-    describe,
-    from_config,
-    model_from_params,
-)
+from zerolm.plan import PRECISIONS, STAGES, Planner, PlanRequest, describe, planner_for
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,56 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build(args) -> Planner:
-    """The planner the command line asks for; PlanError / ConfigError for bad input."""
-    device = preset(args.device)
-    for flag in ("params", "dp", "tp", "global_batch", "micro_batch", "layers", "width", "heads", "seq_len", "vocab"):
-        value = getattr(args, flag)
-        if value is not None and not math.isfinite(value):
-            raise PlanError(f"--{flag.replace('_', '-')}: {value} is not a number of parameters, devices or sequences")
-        if value is not None and value <= 0:
-            raise PlanError(f"--{flag.replace('_', '-')}: {value:g} is not positive")
-    if not 0 < args.efficiency <= 1:
-        raise PlanError(f"--efficiency: {args.efficiency} is not in (0, 1]")
-    if args.memory_fraction is not None and not 0 < args.memory_fraction <= 1:
-        raise PlanError(f"--memory-fraction: {args.memory_fraction} is not in (0, 1]")
-    if (args.config is None) == (args.params is None):
-        raise PlanError("give the model as --config FILE or as --params N (one of them)")
-    if args.set and args.config is None:
-        raise PlanError("--set needs --config")
-    cfg = load_config(args.config, args.set) if args.config is not None else None
-    tp = args.tp or (cfg.mesh.tp if cfg else 1)
-    if cfg is not None and (cfg.model.n_head % tp or (4 * cfg.model.d_model) % tp):
-        raise PlanError(f"--tp: {tp} does not divide the {cfg.model.n_head} heads and the MLP width "
-                        f"{4 * cfg.model.d_model} of {args.config}")
-    dp = args.dp or (cfg.mesh.dp if cfg and cfg.mesh.dp != "auto" else max(1, device.per_node // tp))
-    global_batch = args.global_batch or (cfg.train.global_batch_size if cfg else 256)
-    if global_batch % dp:
-        why = "" if args.dp else f" (dp defaults to one {device.name} node of {device.per_node} devices; give --dp)"
-        raise PlanError(f"--dp: the global batch of {global_batch} sequences does not divide over dp = {dp}{why}")
-    per_rank = global_batch // dp
-    if args.micro_batch:
-        micro = args.micro_batch
-        if per_rank % micro:
-            raise PlanError(f"--micro-batch: {micro} does not divide the {per_rank} sequences of each of the "
-                            f"dp = {dp} ranks (global batch {global_batch})")
-    else:  # the configured micro-batch, or the largest below it that divides a rank's share
-        wanted = cfg.train.micro_batch_size if cfg else 1
-        micro = max(b for b in range(1, min(wanted, per_rank) + 1) if per_rank % b == 0)
-    if cfg is not None:
-        sets = [f"mesh.dp={dp}", f"mesh.tp={tp}", f"train.global_batch_size={global_batch}",
-                f"train.micro_batch_size={micro}"] + ([f"model.remat={args.remat}"] if args.remat else [])
-        cfg = load_planned(args.config, [*args.set, *sets])
-        model, factory = from_config(cfg, dp, tp)
-    else:
-        model = model_from_params(int(args.params), args.layers, args.width, args.heads, args.seq_len, args.vocab,
-                                  args.remat or "none")
-        if model.n_head % tp or (4 * model.d_model) % tp:
-            raise PlanError(f"--tp: {tp} does not divide the {model.n_head} heads and the MLP width "
-                            f"{4 * model.d_model}")
-        factory = functools.partial(AnalyticStates, model)
-    precision = args.precision or (cfg.zero.precision if cfg is not None else "fp32")
-    return Planner(model, factory, device, Parallelism(dp, tp, global_batch), precision, micro,
-                   efficiency=args.efficiency, memory_fraction=args.memory_fraction)
+    """The planner the command line asks for (zerolm.plan.planner_for); PlanError / ConfigError for bad input."""
+    fields = {f.name for f in dataclasses.fields(PlanRequest)} - {"sets"}
+    return planner_for(PlanRequest(sets=tuple(args.set), **{name: getattr(args, name) for name in fields}))
 
 
 def run(args: argparse.Namespace) -> int:

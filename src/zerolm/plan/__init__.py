@@ -8,12 +8,14 @@ The planner, along its seams:
   traffic.py      the step's collectives as the planner counts them (`zerolm comms`, `zerolm compile`)
   planner.py      the Planner: memory, the step peak, the micro-batch that fits, the step time, scaling
   build.py        a plan's model from a config or from a parameter count
+  request.py      what `zerolm plan` asks, checked, and the Planner for it
   report.py       the report, as JSON and as the lines `zerolm plan` prints
 """
 
 from zerolm.plan.build import from_config, model_from_params
 from zerolm.plan.planner import SAFETY_MARGIN, Planner
 from zerolm.plan.report import PlanReport, describe
+from zerolm.plan.request import PlanRequest, planner_for
 from zerolm.plan.spec import PRECISIONS, STAGES, BytesPerParam, Model, Parallelism, PlanError
 from zerolm.plan.states import AnalyticStates, ExactStates
 from zerolm.plan.timing import ring_time, tree_time
@@ -21,6 +23,6 @@ from zerolm.plan.traffic import Prediction, naive_predictions, predicted_collect
 
 __all__ = ["PRECISIONS", "SAFETY_MARGIN", "STAGES", "AnalyticStates", "BytesPerParam", "ExactStates",
            "Model",
-           "Parallelism", "PlanError", "PlanReport", "Planner", "Prediction", "describe", "from_config",
-           "model_from_params", "naive_predictions", "predicted_collectives", "ring_time", "step_predictions",
+           "Parallelism", "PlanError", "PlanReport", "PlanRequest", "Planner", "Prediction", "describe", "from_config",
+           "model_from_params", "naive_predictions", "planner_for", "predicted_collectives", "ring_time", "step_predictions",
            "tree_time"]
