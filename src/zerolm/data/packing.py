@@ -193,8 +193,18 @@ class ShardWriter:
         return tuple(ShardInfo(**s) for s in self.shards)
 
 
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """How a dataset is cut: samples of seq_len + 1 tokens, every val_every-th document to validation,
+    per_shard samples a shard."""
+
+    seq_len: int
+    val_every: int
+    per_shard: int
+
+
 def write_unit(root: AnyPath, index: int, files: list[str] | None, encoded: Iterator[Encoded], vocab_size: int,
-               seq_len: int, val_every: int, per_shard: int, skipped: sources.Skipped | None, progress) -> UnitRecord:
+               shape: Shape, skipped: sources.Skipped | None, progress) -> UnitRecord:
     """Pack one unit's documents (`encoded`, in order) into `root/unit-NNNNN/`; its record last. What a
     failure or an interrupt left of the unit is removed (the unit is written again, whole, next time)."""
     directory = root / unit_name(index)
@@ -202,7 +212,8 @@ def write_unit(root: AnyPath, index: int, files: list[str] | None, encoded: Iter
     if not storage.is_remote(directory):
         directory.mkdir(parents=True)
     dtype = token_dtype(vocab_size)
-    writers = {s: ShardWriter(directory, s, seq_len, dtype, per_shard, vocab_size) for s in SPLITS}
+    seq_len, val_every = shape.seq_len, shape.val_every
+    writers = {s: ShardWriter(directory, s, seq_len, dtype, shape.per_shard, vocab_size) for s in SPLITS}
     start, documents = time.perf_counter(), 0
     try:
         for chunk in encoded:
@@ -235,11 +246,11 @@ def read_unit(root: AnyPath, index: int) -> UnitRecord | None:
         return None
 
 
-def finalize(root: AnyPath, records: list[UnitRecord], tokenizer: TokenizerInfo, seq_len: int, val_every: int,
-             per_shard: int, source: str) -> Manifest:
+def finalize(root: AnyPath, records: list[UnitRecord], tokenizer: TokenizerInfo, shape: Shape, source: str) -> Manifest:
     """The dataset of complete units (`records`, in unit order): the tail packed from their leftovers,
     validation held out if the rule gave none, and the manifest (names relative to `root`). Writes only
     under `root/tail/`, from scratch: running it again gives the same bytes."""
+    seq_len, val_every, per_shard = shape.seq_len, shape.val_every, shape.per_shard
     tail = root / TAIL
     storage.remove_tree(tail)
     if not storage.is_remote(tail):
