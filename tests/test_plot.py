@@ -73,7 +73,7 @@ def test_step_time_is_the_step_not_the_host_work_between_steps(monkeypatch):
         def update(self, n):
             pass
 
-    emitter = StepMetrics(Writer(), Bar(), {}, 100, Accounting(1.0, 1, "cpu"), every=1000, max_skips=None)
+    emitter = StepMetrics(Writer(), Bar(), 100, Accounting(1.0, 1, "cpu"), every=1000, max_skips=None)
     metrics = {"loss": np.float32(2.0), "grad_norm": np.float32(1.0)}
     emitter.push(1, metrics, 0.0)
     clock[0] = 2.0  # step 1 (compiling) ends

@@ -118,6 +118,7 @@ class Checkpoints:
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         self._unrecorded: list[int] = []  # saves whose file list is written once they are durable
         self._failed = False  # a save failed (SaveFailed raised): nothing more to wait for
+        self._closed = False
         # Raises StorageFault once the storage is known to have failed (the run lock's lease could not be
         # renewed): a wait for a save in flight stops then, instead of for as long as the clients retry.
         self.health: Callable[[], None] = lambda: None
@@ -191,6 +192,9 @@ class Checkpoints:
     def close(self) -> None:
         """Wait for the save in flight, then close. After a failed save nothing is waited for: orbax's
         threads may still be retrying a storage that is gone, and the process is about to exit."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.wait()
         finally:

@@ -145,8 +145,9 @@ class StepMetrics:
     end of this one: the step itself, its wait for data included, but not the saves, evaluations and
     samples between steps (`save_s` and `eval_s` have those). tokens/s and MFU follow from it."""
 
-    def __init__(self, writer, bar, summary, tokens_per_step, accounting: Accounting, every, max_skips: int | None):
-        self.writer, self.bar, self.summary = writer, bar, summary
+    def __init__(self, writer, bar, tokens_per_step, accounting: Accounting, every, max_skips: int | None):
+        self.writer, self.bar = writer, bar
+        self._last: dict[str, float] = {}  # the last emitted step's values
         self.tokens_per_step, self.accounting = tokens_per_step, accounting
         self.every, self.max_skips = every, max_skips
         self.pending: tuple[int, dict[str, Any], float] | None = None
@@ -155,6 +156,10 @@ class StepMetrics:
     def push(self, step, metrics, waited):
         self.flush()
         self.pending = (step, metrics, waited)
+
+    def summary(self) -> dict[str, float]:
+        """The last emitted step's values (loss, tokens_per_s, ...): what a finished run reports."""
+        return dict(self._last)
 
     def restart_clock(self):
         """After host work between steps (a save, an evaluation): the next step is timed from now."""
@@ -190,7 +195,7 @@ class StepMetrics:
             raise NonFiniteError(f"step {step}: the last {int(values['skipped_in_a_row'])} updates were all skipped "
                                  f"(non-finite gradients; train.max_consecutive_skips is {self.max_skips}); stopping "
                                  "without saving: lower train.lr, or check the data")
-        self.summary.update(values)
+        self._last = values
         self.bar.update(1)
         if step % self.every == 0:
             postfix = {"loss": f"{values['loss']:.3f}", "tok_s": f"{values['tokens_per_s']:,.0f}"}

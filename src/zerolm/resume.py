@@ -7,6 +7,7 @@ and logs aside with `--resume never --overwrite`; refuses a resume whose data or
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from pathlib import Path
 
@@ -21,66 +22,104 @@ from zerolm.runlock import LEASE_FILE, LOCK_FILE
 from zerolm.zero import TrainState, Zero1
 
 
-def start_state(cfg: Config, zero: Zero1, init_fn, data_id: dict, resume: str, overwrite: bool,
-                say) -> tuple[Checkpoints, TrainState, str]:
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """Where a run starts: its checkpoints (open; the caller closes them), the state and its step, and the
+    wandb run it continues."""
+
+    checkpoints: Checkpoints
+    state: TrainState
+    wandb_id: str
+
+    @property
+    def step(self) -> int:
+        return int(self.state.step)
+
+
+def start_state(cfg: Config, zero: Zero1, init_fn, data_id: dict, resume: str, overwrite: bool, say) -> Start:
     """The run's checkpoints, and a fresh sharded state or the newest intact checkpoint's.
 
     Refuses to start over existing checkpoints without --overwrite. A damaged checkpoint is moved
     aside and the one before it taken (`--resume auto`), or stops the run (`--resume strict`).
     Needs the directory's run lock. Closes the checkpoints if it raises."""
-    directory = cfg.checkpoint_dir
+    places = _Places(cfg)
+    ckpts = places.open()
+    try:
+        latest = ckpts.latest_step()
+        if latest is not None and resume == "never":
+            ckpts, latest = _start_over(places, ckpts, latest, overwrite, say), None
+        restored = None
+        while latest is not None and resume != "never" and restored is None:
+            ckpts, latest, restored = _restore_or_move_aside(places, ckpts, latest, zero, resume, say)
+        if restored is None:
+            return Start(ckpts, zero.init(init_fn, jax.random.key(cfg.train.seed)), secrets.token_hex(4))
+        state, meta = restored
+        _check_resumable(cfg, meta, data_id, ckpts.directory / str(latest))
+    except BaseException:
+        ckpts.close()
+        raise
+    _say_resumed(cfg, meta, ckpts.directory / str(latest), say)
+    return Start(ckpts, state, meta.wandb_id)
 
-    def open_checkpoints() -> Checkpoints:
-        return Checkpoints(directory, keep=cfg.checkpoint.keep, keep_every=cfg.checkpoint.keep_every)
 
-    def on_every_process(what: str, fn):
+@dataclasses.dataclass(frozen=True)
+class _Places:
+    """The run's checkpoint and logging directories, and the work on them every process waits for."""
+
+    cfg: Config
+
+    def open(self) -> Checkpoints:
+        return Checkpoints(self.cfg.checkpoint_dir, keep=self.cfg.checkpoint.keep,
+                           keep_every=self.cfg.checkpoint.keep_every)
+
+    def on_every_process(self, what: str, fn):
+        """`fn` on process 0 (its errors raised on every process), then every process waits for it."""
         result = on_process_0(fn, (CheckpointError, OSError))
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"zerolm: {what}")
         return result
 
-    ckpts = open_checkpoints()
+
+def _start_over(places: _Places, ckpts: Checkpoints, latest: int, overwrite: bool, say) -> Checkpoints:
+    """--resume never: refused without --overwrite; with it, the old run's checkpoints and logs moved aside."""
+    directory = places.cfg.checkpoint_dir
+    if not overwrite:
+        raise CheckpointError(f"{directory}: already holds checkpoints (latest step {latest}); "
+                              "resume with --resume auto, or pass --overwrite to start over "
+                              "(the old checkpoints are moved aside, not deleted)")
+    ckpts.close()
+    aside = places.on_every_process("old checkpoints moved aside",
+                                    lambda: move_aside(directory, keep=(LOCK_FILE, LEASE_FILE)))
+    logs_aside = places.on_every_process("old logs moved aside", lambda: _move_logs_aside(places.cfg.log_dir))
+    say(f"checkpoints: moved the old run aside to {aside}"
+        + (f"; its metrics and logs ({', '.join(logs_aside[1])}) to {logs_aside[0]}" if logs_aside else ""))
+    return places.open()
+
+
+def _restore_or_move_aside(places: _Places, ckpts: Checkpoints, latest: int, zero: Zero1, resume: str, say):
+    """(checkpoints, step, (state, meta)) of checkpoint `latest` restored; if it is damaged, it is moved aside
+    (--resume auto) and the step before it returned with None, or the run stops (--resume strict)."""
     try:
-        latest = ckpts.latest_step()
-        if latest is not None and resume == "never":
-            if not overwrite:
-                raise CheckpointError(f"{directory}: already holds checkpoints (latest step {latest}); "
-                                      "resume with --resume auto, or pass --overwrite to start over "
-                                      "(the old checkpoints are moved aside, not deleted)")
-            ckpts.close()
-            aside = on_every_process("old checkpoints moved aside",
-                                     lambda: move_aside(directory, keep=(LOCK_FILE, LEASE_FILE)))
-            logs_aside = on_every_process("old logs moved aside", lambda: _move_logs_aside(cfg.log_dir))
-            say(f"checkpoints: moved the old run aside to {aside}"
-                + (f"; its metrics and logs ({', '.join(logs_aside[1])}) to {logs_aside[0]}" if logs_aside else ""))
-            ckpts, latest = open_checkpoints(), None
-        state = meta = None
-        while latest is not None and resume != "never":
-            try:
-                ckpts.verify(latest)
-                state, meta = ckpts.restore(latest, zero, cfg.model.model_dump())
-                break
-            except DamagedCheckpoint as e:
-                if resume == "strict":
-                    raise CheckpointError(f"{e} (--resume strict; --resume auto moves it aside and takes the "
-                                          "newest intact checkpoint before it)") from None
-                ckpts.close()
-                target = on_every_process("damaged checkpoint moved aside",
-                                          lambda step=latest: move_damaged(directory, step))
-                ckpts = open_checkpoints()
-                before = ckpts.latest_step()
-                say(f"checkpoints: step {latest} is damaged ({e.reason}); moved it aside to {target}; "
-                    + (f"resuming from step {before}" if before is not None else "no intact checkpoint is left, "
-                       "starting from scratch"))
-                latest = before
-        if state is None or meta is None:
-            return ckpts, zero.init(init_fn, jax.random.key(cfg.train.seed)), secrets.token_hex(4)
-        _check_resumable(cfg, meta, data_id, ckpts.directory / str(latest))
-    except BaseException:
+        ckpts.verify(latest)
+        return ckpts, latest, ckpts.restore(latest, zero, places.cfg.model.model_dump())
+    except DamagedCheckpoint as e:
+        if resume == "strict":
+            raise CheckpointError(f"{e} (--resume strict; --resume auto moves it aside and takes the "
+                                  "newest intact checkpoint before it)") from None
         ckpts.close()
-        raise
-    saved_tp = meta.tp
-    say(f"resumed from {ckpts.directory / str(latest)} (step {latest}, saved on dp={meta.dp} tp={saved_tp})")
+        target = places.on_every_process("damaged checkpoint moved aside",
+                                         lambda: move_damaged(places.cfg.checkpoint_dir, latest))
+        ckpts = places.open()
+        before = ckpts.latest_step()
+        say(f"checkpoints: step {latest} is damaged ({e.reason}); moved it aside to {target}; "
+            + (f"resuming from step {before}" if before is not None else "no intact checkpoint is left, "
+               "starting from scratch"))
+        return ckpts, before, None
+
+
+def _say_resumed(cfg: Config, meta: CheckpointMeta, where, say) -> None:
+    """Where the run resumed from, and what changed since the checkpoint was saved."""
+    say(f"resumed from {where} (step {meta.step}, saved on dp={meta.dp} tp={meta.tp})")
     saved_train = meta.train
     saved_schedule = saved_train["schedule_steps"] or saved_train["steps"]
     if saved_schedule != cfg.train.schedule_length:
@@ -89,9 +128,8 @@ def start_state(cfg: Config, zero: Zero1, init_fn, data_id: dict, resume: str, o
     if meta.accum_steps != cfg.accum_steps or meta.dp != cfg.dp:
         say(f"  device count changed: dp {meta.dp} -> {cfg.dp}; accumulation steps recomputed "
             f"{meta.accum_steps} -> {cfg.accum_steps} (same global batch of {cfg.train.global_batch_size})")
-    if saved_tp != cfg.mesh.tp:
-        say(f"  tensor parallelism changed: tp {saved_tp} -> {cfg.mesh.tp}; parameters and optimizer state resharded")
-    return ckpts, state, meta.wandb_id
+    if meta.tp != cfg.mesh.tp:
+        say(f"  tensor parallelism changed: tp {meta.tp} -> {cfg.mesh.tp}; parameters and optimizer state resharded")
 
 
 def _move_logs_aside(log_dir: Path) -> tuple[Path, list[str]] | None:

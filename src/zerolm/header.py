@@ -1,0 +1,77 @@
+"""What a run says before its first step: its sizes, per-device bytes, FLOPs, the compiled step's collectives,
+its memory against the device and the remat auto chose; and the facts of the run its metrics record."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+import zerolm
+from zerolm import comms
+from zerolm.config import Config
+from zerolm.mfu import Accounting, flops_per_token
+from zerolm.model import count_params
+from zerolm.sharding import abstract_views, shard_bytes, with_shardings
+from zerolm.step import BuiltStep, describe_remat_choice
+from zerolm.zero import Zero1
+
+
+def accounting_for(cfg: Config, zero: Zero1) -> Accounting:
+    """The run's FLOP accounting (6·N + 12·L·d·T per token, N without the position table) on these devices."""
+    n = count_params(zero.abstract_params, exclude_positions=True)
+    return Accounting(flops_per_token(n, cfg.model.n_layer, cfg.model.d_model, cfg.model.seq_len),
+                      jax.device_count(), jax.devices()[0].device_kind)
+
+
+def run_facts(cfg: Config, zero: Zero1, accounting: Accounting) -> dict[str, Any]:
+    """What metrics.jsonl's header and wandb's run config record of the run beside its config."""
+    return {"params": count_params(zero.abstract_params), "devices": jax.device_count(),
+            "device_kind": accounting.device_kind, "processes": jax.process_count(),
+            "mesh": {"dp": cfg.dp, "tp": cfg.mesh.tp}, "accum_steps": cfg.accum_steps,
+            "tokens_per_step": cfg.train.global_batch_size * cfg.model.seq_len,
+            "flops_per_token": accounting.flops_per_token, "zerolm_version": zerolm.__version__}
+
+
+def describe_step(built: BuiltStep, accounting: Accounting, memory: str | None, limit: int | None) -> list[str]:
+    """The header's lines about the step: sizes, bytes per device, FLOPs, documents, collectives per step,
+    the compiled peak against the device (`memory`, zerolm.step.check_fits) and remat auto's choice."""
+    lines = _sizes(built, accounting)
+    if built.cfg.model.document_mask:
+        m = built.cfg.model
+        lines.append(f"documents: attention stays inside each document of a sample (end-of-text {m.eot}), "
+                     f"positions {'restart per document' if m.document_positions == 'restart' else 'continue'}")
+    texts = built.compiled.texts
+    try:
+        traffic = comms.traffic(texts, dict(built.zero.mesh.shape))
+        lines += ["collectives per step: " + line for line in comms.describe(traffic, list(texts))]
+    except ValueError as e:  # HLO this zerolm cannot read: the header says so, the run goes on
+        lines.append(f"collectives per step: not read ({e})")
+    if memory:
+        lines.append(memory)
+    if remat := describe_remat_choice(built, limit):
+        lines.append(remat)
+    return lines
+
+
+def _sizes(built: BuiltStep, accounting: Accounting) -> list[str]:
+    cfg, zero = built.cfg, built.zero
+    table = zero.table
+    params = with_shardings(zero.working_params, table.param_shardings)
+    opt = with_shardings(jax.eval_shape(zero.tx.init, abstract_views(table.layouts, zero.abstract_params)),
+                         table.opt_shardings)
+    accumulator = shard_bytes(jax.tree.map(
+        lambda p: jax.ShapeDtypeStruct(p.shape, cfg.zero.accumulate_dtype, sharding=p.sharding), params))
+    tokens = cfg.train.global_batch_size * cfg.model.seq_len
+    scatter = f" ({zero.scatter})" if cfg.zero.grad_reduce == "reduce_scatter" and zero.scatter != "collective" else ""
+    mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+    return [f"zerolm: {cfg.name}: {count_params(zero.abstract_params) / 1e6:.2f}M params, {jax.device_count()} "
+            f"{accounting.device_kind} device(s) in {jax.process_count()} process(es), mesh dp={cfg.dp} "
+            f"tp={cfg.mesh.tp}, {cfg.accum_steps} accumulation step(s) of {cfg.train.micro_batch_size} sequence(s) "
+            f"per device, {cfg.train.global_batch_size} sequences = {tokens:,} tokens per step, "
+            f"grad_reduce={cfg.zero.grad_reduce}{scatter}, precision={cfg.zero.precision}, attention "
+            f"{built.model.cfg.attention}",
+            f"per device: params {mib(shard_bytes(params))}, gradient accumulator {mib(accumulator)}, optimizer state "
+            f"{mib(shard_bytes(opt))} (1/{cfg.dp * cfg.mesh.tp} of it, plus padding"
+            + (", master weights included" if zero.mixed else "") + "); activations not counted",
+            accounting.describe()]
