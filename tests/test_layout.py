@@ -93,3 +93,47 @@ def test_the_checks_see_the_old_circle_and_wrong_arrow(graph):
     assert arrows == {"zerolm.cli", "zerolm.comms"} and any(map(is_command, arrows))
     old = {"zerolm.cli": {"zerolm.train"}, "zerolm.train": {"zerolm.comms"}, "zerolm.comms": {"zerolm.train"}}
     assert find_circle(old) == ["zerolm.train", "zerolm.comms", "zerolm.train"]
+
+
+# The floors, top to bottom (docs/layout.md): a module imports only from its own floor or below. A module
+# takes the floor of the longest prefix named here.
+FLOORS = {
+    "commands": ("zerolm.cli", "zerolm.commands"),
+    "run": ("zerolm.train", "zerolm.resume", "zerolm.preemption", "zerolm.metrics", "zerolm.profiling",
+            "zerolm.compilation_cache", "zerolm.library_log", "zerolm.launch", "zerolm.evaluate", "zerolm.sample",
+            "zerolm.export", "zerolm.restored", "zerolm.plot", "zerolm.aot", "zerolm.advice", "zerolm.comms",
+            "zerolm.census", "zerolm.plan", "zerolm.checkpoint", "zerolm.header", "zerolm.run_data"),
+    "step": ("zerolm.step", "zerolm.zero", "zerolm.scatter", "zerolm.optim", "zerolm.naive", "zerolm.model",
+             "zerolm.losses", "zerolm.device_policy"),
+    "parts": ("zerolm", "zerolm.config", "zerolm.storage", "zerolm.mesh", "zerolm.sharding", "zerolm.attention",
+              "zerolm.runlock", "zerolm.hardware", "zerolm.checkpoint_meta", "zerolm.hlo", "zerolm.mfu",
+              "zerolm.interrupts", "zerolm.exitcodes", "zerolm.errors", "zerolm.data"),
+}
+ORDER = list(FLOORS)  # index 0 is the top
+
+
+def floor_of(module: str) -> str:
+    named = [(prefix, floor) for floor, prefixes in FLOORS.items() for prefix in prefixes
+             if module == prefix or module.startswith(prefix + ".")]
+    return max(named, key=lambda pf: len(pf[0]))[1]
+
+
+def upward(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Each module's imports from a floor above its own."""
+    wrong = {m: sorted(d for d in deps if ORDER.index(floor_of(d)) < ORDER.index(floor_of(m)))
+             for m, deps in graph.items()}
+    return {m: d for m, d in wrong.items() if d}
+
+
+def test_every_module_has_a_floor_and_imports_only_down(graph):
+    assert all(floor_of(m) for m in graph)
+    assert upward(graph) == {}
+
+
+def test_the_floor_check_sees_the_old_upward_arrows(graph):
+    """The check is live: the arrows the layout had before it was held (checkpoint down among the parts,
+    importing the step; the loader importing the step's shardings from above) are caught."""
+    old = {**graph, "zerolm.config": {"zerolm.model"}, "zerolm.data.loader": {"zerolm.zero"},
+           "zerolm.storage": {"zerolm.checkpoint"}}
+    assert upward(old) == {"zerolm.config": ["zerolm.model"], "zerolm.data.loader": ["zerolm.zero"],
+                           "zerolm.storage": ["zerolm.checkpoint"]}
