@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 CONFIG ?= configs/tiny.yaml
 TRAIN_ARGS ?=
-# 8 fake CPU devices so the data-parallel and ZeRO paths run on any laptop.
+# 8 fake CPU devices so the data-parallel and ZeRO paths run on any laptop (tests/conftest.py adds the rest of
+# the tests' XLA flags: tests/xla_flags.py).
 TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 WANDB_MODE=disabled JAX_PLATFORMS=cpu
 
 .PHONY: install install-test train lint test test-fast bench clean

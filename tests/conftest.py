@@ -2,9 +2,13 @@
 
 import os
 
+from xla_flags import FAST_COMPILE
+
 # Must happen before jax is imported anywhere.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+if FAST_COMPILE not in os.environ["XLA_FLAGS"]:  # tests/xla_flags.py says why; subprocesses inherit it
+    os.environ["XLA_FLAGS"] += " " + FAST_COMPILE
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["WANDB_MODE"] = "disabled"
 

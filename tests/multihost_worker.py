@@ -11,6 +11,8 @@ import argparse
 import os
 import sys
 
+from xla_flags import cpu_flags
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -23,7 +25,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--resume-step", type=int, default=3)
     args = p.parse_args()
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    os.environ["XLA_FLAGS"] = cpu_flags(args.devices)
     os.environ["JAX_PLATFORMS"] = "cpu"
 
     import jax

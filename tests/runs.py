@@ -8,6 +8,7 @@ import sys
 import time
 
 from conftest import REPO, TINY
+from xla_flags import cpu_flags
 
 STEPS = 16
 SMALL = ["model.n_layer=2", "model.d_model=32", "model.n_head=4", "model.seq_len=32", "model.dtype=float32",
@@ -23,7 +24,7 @@ def command(run_dir, *extra_sets, steps=STEPS, script="main_zero.py", args=()):
 
 
 def env(devices=8, **extra):
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "PYTHONUNBUFFERED": "1",
+    return {**os.environ, "XLA_FLAGS": cpu_flags(devices), "PYTHONUNBUFFERED": "1",
             **extra}
 
 

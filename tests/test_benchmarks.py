@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from conftest import REPO
+from xla_flags import cpu_flags
 
 pytestmark = pytest.mark.slow  # the benchmarks run end to end
 
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.slow  # the benchmarks run end to end
 def test_train_mfu_benchmark_runs_on_cpu_and_writes_its_table(tmp_path):
     out = tmp_path / "B.md"
     out.write_text("# Benchmarks\n\nkept text\n")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_flags(1)}
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "train_mfu.py"), "--configs", "tiny",
                            "--seq-len", "64", "--vocab-size", "2048", "--micro-batches", "2", "4", "--remat", "dots",
                            "--steps", "5", "--warmup", "1", "--write", str(out)],
@@ -47,7 +48,7 @@ def test_attention_mask_benchmark_checks_every_implementation_it_runs(tmp_path):
     import json
 
     out = tmp_path / "attn.jsonl"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_flags(1)}
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "attention_mask.py"), "--batch", "2",
                            "--seq-len", "256", "--heads", "2", "--head-dim", "32", "--docs", "4", "--repeat", "2",
                            "--json", str(out)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)

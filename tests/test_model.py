@@ -44,7 +44,7 @@ def test_loss_of_untrained_model_is_near_uniform():
 def _loss_and_grads(*overrides):
     tokens = np.random.default_rng(0).integers(0, 100, (2, 17))
     _, init_fn, loss_fn, _ = small_model(small_config(*overrides).model)
-    return jax.value_and_grad(loss_fn)(init_fn(jax.random.key(0)), tokens)
+    return jax.jit(jax.value_and_grad(loss_fn))(init_fn(jax.random.key(0)), tokens)
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import pytest
 
 import runs
 from conftest import REPO, TINY, small_config
+from xla_flags import cpu_flags
 from zerolm.config import ConfigError
 from zerolm.data.corpus import default_documents
 from zerolm.data.prepare import prepare
@@ -117,7 +118,7 @@ def test_a_restart_loads_the_train_step_from_the_compilation_cache(tmp_path):
     cmd = [sys.executable, str(REPO / "main_zero.py"), "--config", str(TINY), "--set", "train.steps=2",
            "--set", "train.warmup_steps=1", "--set", f"logging.dir={tmp_path / 'log'}", "--set", "sample.tokens=0",
            "--set", f"train.compilation_cache={tmp_path / 'xla'}"]
-    env = {**os.environ, "JAX_LOG_COMPILES": "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, "JAX_LOG_COMPILES": "1", "XLA_FLAGS": cpu_flags(2)}
     runs = [subprocess.run([*cmd, "--set", f"checkpoint.dir={tmp_path / f'ckpt{i}'}"], capture_output=True, text=True,
                            cwd=REPO, env=env, timeout=300) for i in range(2)]
     assert [r.returncode for r in runs] == [0, 0], runs[1].stderr[-2000:]
