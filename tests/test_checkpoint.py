@@ -198,8 +198,8 @@ def test_checkpoints_command_lists_the_run(straight):
     assert [line.split()[0] for line in lines[1:-2]] == ["8", "12", "16"]  # keep: 3
     assert "4,096" in lines[1]  # tokens seen at step 8: 8 steps x 16 sequences x 32 tokens
     assert lines[-2] == "`--resume auto` would take step 16"
-    assert lines[-1].startswith("ok: every file is there with the size it had when saved, and the metadata reads; "
-                                "the arrays' contents are checked only by a restore")
+    assert lines[-1].startswith("(a step marked ok has every file with the size it had when saved, and its metadata "
+                                "reads; the arrays' contents are checked only by a restore")
     one = subprocess.run([sys.executable, "-m", "zerolm.cli", "checkpoints", str(run_dir / "ckpt" / "12")],
                          capture_output=True, text=True, cwd=REPO)
     assert one.returncode == 0, one.stderr

@@ -160,3 +160,10 @@ def test_an_option_that_would_do_nothing_or_be_ignored_is_refused(overrides, mes
     sample, data.dataset beside data.mixture, a reduce-scatter's algorithm without a reduce-scatter, restarted
     positions without the document mask."""
     assert _error(TINY, overrides) == f"{TINY} {message}"
+
+
+def test_an_unknown_key_in_a_mixture_entry_is_the_whole_line():
+    """The sweep found it behind "[and 1 more problem(s)]": the mixture's own errors that only follow from it
+    (not None; a tuple left too short by its failed entry) are not more problems."""
+    assert _error(TINY, ["data.mixture=[{dataset: default, weight: 1, bogus: 2}]"]) == \
+        f"{TINY} (--set data.mixture): data.mixture.0.bogus: unknown key"

@@ -92,14 +92,14 @@ def test_a_part_killed_then_run_again_or_run_twice_loses_and_duplicates_nothing(
     first = record.stat().st_mtime_ns
     again = _prepare("--source", source, "--out", out, *FLAGS, "--part", "1/2")
     assert record.stat().st_mtime_ns == first  # complete: not packed again
-    assert again.stdout.strip() == f"prepared part 1/2 of {out}; units still missing: 1 (the part that packs the " \
-                                   "last of them publishes the dataset)"
+    assert again.stdout.strip() == f"prepared part 1/2 of {out}; 1 unit(s) still to pack by other parts: unit 1 " \
+                                   "(the part that packs the last of them publishes the dataset)"
     last = _prepare("--source", source, "--out", out, *FLAGS, "--part", "2/2")
     assert "(part 2/2 published it)" in last.stdout
     _same_dataset(tmp_path / "single", out)
     before = _hashes(out)
     twice = _prepare("--source", source, "--out", out, *FLAGS, "--part", "2/2")  # after it was published
-    assert "(part 2/2 published it)" in twice.stdout and _hashes(out) == before
+    assert "(already published by an earlier run of a part: nothing changed)" in twice.stdout and _hashes(out) == before
 
 
 def test_parts_with_other_settings_or_out_of_range_stop_in_one_line(tmp_path):

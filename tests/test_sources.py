@@ -108,7 +108,7 @@ def test_bad_records_in_workers_stop_at_the_first_or_are_counted(tmp_path):
     m = prep.prepare(f"jsonl:{path}", tmp_path / "o", seq_len=32, vocab_size=300, progress=False, workers=2,
                      skip_bad=True)
     assert (m.skipped, m.skipped_first, m.documents) == (2, f"{path}:301: not valid JSON (Expecting property name "
-                                                            "enclosed in double quotes)", 600)
+                                                            "enclosed in double quotes, column 2)", 600)
     assert not list(tmp_path.glob(".o.partial-*"))
 
 

@@ -178,6 +178,7 @@ def test_commands_on_a_gs_run(gs_run, tmp_path):
     assert text.startswith("And God")
     out = zerolm("export-hf", "--checkpoint", url, "--out", f"{bucket.url}/hf").stdout
     assert f"exported step 16 of {url} to {bucket.url}/hf" in out
+    assert "from_pretrained('LOCAL_DIR') after copying it to a local directory" in out  # transformers reads no gs://
     assert set(bucket.objects("hf/")) == {f"hf/{n}" for n in ("config.json", "generation_config.json",
                                                                 "model.safetensors", "tokenizer.json",
                                                                 "tokenizer_config.json")}

@@ -343,8 +343,8 @@ def move_damaged(directory: str | epath.Path, step: int) -> epath.Path:
     return target
 
 
-SIZES_ONLY = ("ok: every file is there with the size it had when saved, and the metadata reads; the arrays' "
-              "contents are checked only by a restore (a same-size corruption shows then, and --resume auto "
+SIZES_ONLY = ("(a step marked ok has every file with the size it had when saved, and its metadata reads; the "
+              "arrays' contents are checked only by a restore: a same-size corruption shows then, and --resume auto "
               "moves that step aside and takes the one before)")
 
 

@@ -412,8 +412,14 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), device_count: i
 
 
 def _describe(path: Path, error: ValidationError, overridden: set[str]) -> str:
-    """One line for the first problem, naming the file and the dotted key; a count of the rest."""
-    first = error.errors()[0]
+    """One line for the first problem, naming the file and the dotted key; a count of the rest. What only
+    follows from another problem is none of its own: a key that may be None (data.mixture) reports that it is
+    not None, and a list whose entry failed that it is too short."""
+    locs = [e["loc"] for e in error.errors()]
+    errors = [e for e in error.errors() if e["type"] != "none_required"
+              and not any(len(other) > len(e["loc"]) and other[:len(e["loc"])] == e["loc"] for other in locs)]
+    errors = errors or error.errors()
+    first = errors[0]
     cause = first.get("ctx", {}).get("error")
     related: tuple[str, ...] = ()
     if isinstance(cause, _KeyError):
@@ -429,5 +435,5 @@ def _describe(path: Path, error: ValidationError, overridden: set[str]) -> str:
             message = f"{message} (got {first['input']!r})"
     hits = sorted(o for o in overridden for k in (key, *related) if o == k or o.startswith(k + ".") or k.startswith(o + "."))
     where = f"{path} (--set {hits[0]})" if hits else str(path)
-    more = len(error.errors()) - 1
+    more = len(errors) - 1
     return f"{where}: {key}: {message}" + (f" [and {more} more problem(s)]" if more else "")

@@ -35,6 +35,9 @@ def run(args: argparse.Namespace) -> int:
     model_run = restored.load(args.checkpoint, jax.local_devices()[:1])
     tokenizer = model_run.tokenizer(args.tokenizer)
     export(model_run, tokenizer, out, overwrite=args.overwrite)
+    local = "LOCAL_DIR" if is_remote(out) else str(out)
     print(f"exported step {model_run.step} of {model_run.where.parent} to {out}: load it with "
-          f"transformers.GPT2LMHeadModel.from_pretrained({str(out)!r})")
+          f"transformers.GPT2LMHeadModel.from_pretrained({local!r})"
+          + (f" after copying it to a local directory (`gcloud storage cp -r {out} LOCAL_DIR`): transformers reads "
+             "no gs://" if local != str(out) else ""))
     return 0

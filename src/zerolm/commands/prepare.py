@@ -52,7 +52,7 @@ def _part(text: str) -> tuple[int, int]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        manifest = prepare_part(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+        manifest, published = prepare_part(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                                 seq_len=args.seq_len, text_field=args.text_field, tfds_data_dir=args.tfds_data_dir,
                                 val_every=args.val_every, samples_per_shard=args.samples_per_shard,
                                 overwrite=args.overwrite, skip_bad=args.skip_bad, workers=args.workers,
@@ -66,11 +66,14 @@ def run(args: argparse.Namespace) -> int:
     if manifest is None:
         i, n = args.part
         missing = missing_units(args.out, n)
-        print(f"prepared part {i}/{n} of {args.out}; units still missing: {', '.join(map(str, missing))} (the part "
-              "that packs the last of them publishes the dataset)")
+        print(f"prepared part {i}/{n} of {args.out}; {len(missing)} unit(s) still to pack by other parts: "
+              f"unit {', '.join(map(str, missing))} (the part that packs the last of them publishes the dataset)")
         return 0
     t, v = manifest.splits["train"], manifest.splits["val"]
-    by = f" (part {args.part[0]}/{args.part[1]} published it)" if args.part else ""
+    by = ""
+    if args.part:
+        by = (f" (part {args.part[0]}/{args.part[1]} published it)" if published else
+              " (already published by an earlier run of a part: nothing changed)")
     print(f"prepared {args.out}{by}: train {t.samples} samples in {len(t.shards)} shard(s), "
           f"val {v.samples} samples; {t.tokens + v.tokens:,} tokens of {manifest.dtype}, "
           f"tokenizer {manifest.tokenizer.name} ({manifest.tokenizer.vocab_size} tokens)"

@@ -46,7 +46,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from etils import epath
 from tqdm import tqdm
@@ -120,16 +120,23 @@ class PrepareSettings:
                 "text_field": self.text_field, "skip_bad": self.skip_bad, "unit_mb": self.unit_mb}
 
 
+class Prepared(NamedTuple):
+    """What a prepare (or one part of one) did: the dataset's manifest, None while other parts still pack
+    their units; and whether this prepare published it (False: a part run again after it was published)."""
+
+    manifest: Manifest | None
+    published: bool
+
+
 def prepare(source: str, out: str | os.PathLike, **settings: Any) -> Manifest:
     """Prepare `source` into `out` on this machine; returns the manifest (settings: PrepareSettings')."""
-    manifest = prepare_part(source, out, **settings)
+    manifest = prepare_part(source, out, **settings).manifest
     assert manifest is not None  # one part of one: every unit is this process's
     return manifest
 
 
-def prepare_part(source: str, out: str | os.PathLike, **settings: Any) -> Manifest | None:
-    """Prepare `source` into `out` (settings: PrepareSettings'); returns the manifest, or None for a part
-    (`part=(I, N)`) that finished its units while other parts' are still missing."""
+def prepare_part(source: str, out: str | os.PathLike, **settings: Any) -> Prepared:
+    """Prepare `source` into `out` (settings: PrepareSettings'), or one part of it (`part=(I, N)`)."""
     s = PrepareSettings(**settings)
     s.check(source)
     if storage.is_remote(out):
@@ -213,16 +220,16 @@ def _pack(source: str, s: PrepareSettings, units: list, tok: Tokenizer, build: B
                                packing.Shape(s.seq_len, s.val_every, s.samples_per_shard), skipped, advance)
 
 
-def _publish(source: str, s: PrepareSettings, units: list, tok: Tokenizer, build: Build) -> Manifest | None:
-    """Once every unit is complete: the tokenizer, the manifest, and the dataset published; None while a part's
-    fellow parts still pack theirs."""
+def _publish(source: str, s: PrepareSettings, units: list, tok: Tokenizer, build: Build) -> Prepared:
+    """Once every unit is complete: the tokenizer, the manifest, and the dataset published; no manifest while
+    a part's fellow parts still pack theirs."""
     records = [packing.read_unit(build.directory, u) for u in range(len(units))]
     complete = [r for r in records if r is not None]
     if len(complete) < len(units):
         assert s.part is not None  # one machine packs every unit
-        return None
+        return Prepared(None, False)
     if isinstance(build, PartsBuild) and not build.may_finalize():
-        return build.published()  # already published, or another part is publishing it now
+        return Prepared(build.published(), False)  # already published, or another part is publishing it now
     tok.save(build.directory)
     manifest = packing.finalize(build.directory, complete, TokenizerInfo(**tok.identity, file=tok.filename),
                                 packing.Shape(s.seq_len, s.val_every, s.samples_per_shard), source)
@@ -232,7 +239,7 @@ def _publish(source: str, s: PrepareSettings, units: list, tok: Tokenizer, build
                            "use a smaller seq_len or more text")
     manifest = manifest.under(build.prefix)
     build.publish(manifest.dumps())
-    return manifest
+    return Prepared(manifest, True)
 
 
 def missing_units(out: str | os.PathLike, parts: int) -> list[int]:

@@ -130,7 +130,9 @@ def documents(chunk: Chunk, text_field: str = "text") -> list[str | SourceError]
             out.append(SourceError(f"{chunk.where}:{lineno}: not UTF-8 ({e.reason} at byte {e.start})"))
             continue
         except json.JSONDecodeError as e:
-            out.append(SourceError(f"{chunk.where}:{lineno}: not valid JSON ({e.msg})"))
+            # e.msg may end mid-phrase ("Invalid control character at"): the column completes it.
+            out.append(SourceError(f"{chunk.where}:{lineno}: not valid JSON ({e.msg.removesuffix(' at')}, column "
+                                   f"{e.colno})"))
             continue
         if not isinstance(record, dict) or text_field not in record:
             out.append(SourceError(f"{chunk.where}:{lineno}: no text field {text_field!r}"))
