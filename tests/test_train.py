@@ -22,7 +22,7 @@ from zerolm.train import run
 
 @pytest.mark.slow
 def test_main_zero_trains_logs_and_samples(tmp_path):
-    env = {**os.environ, "WANDB_MODE": "disabled"}
+    env = {**os.environ, "WANDB_MODE": "disabled", "XLA_FLAGS": cpu_flags(8, fast_compile=False)}  # 40 steps
     proc = subprocess.run(
         [sys.executable, str(REPO / "main_zero.py"), "--config", str(TINY), "--set", "train.steps=40",
          "--set", "train.eval_every=20", "--set", "train.warmup_steps=5", "--set", f"logging.dir={tmp_path}",

@@ -8,6 +8,7 @@ set its flags before jax is imported."""
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 
-def cpu_flags(devices: int) -> str:
-    """XLA_FLAGS for a test process with `devices` fake CPU devices."""
-    return f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
+def cpu_flags(devices: int, *, fast_compile: bool = True) -> str:
+    """XLA_FLAGS for a test process with `devices` fake CPU devices; `fast_compile=False` for the few that
+    compute more than they compile (a run of many steps), which -O0 code would slow down."""
+    return f"--xla_force_host_platform_device_count={devices}" + (f" {FAST_COMPILE}" if fast_compile else "")
