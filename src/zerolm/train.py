@@ -30,6 +30,7 @@ from zerolm.config import Config
 from zerolm.data.dataset import dataset_identity
 from zerolm.data.loader import BatchLoader
 from zerolm.data.mixture import MixedOrder
+from zerolm.errors import first_line
 from zerolm.evaluate import make_evaluator
 from zerolm.hardware import memory_limit
 from zerolm.header import accounting_for, describe_step, run_facts
@@ -211,8 +212,8 @@ def _out_of_memory_as(cfg: Config):
     except Exception as e:
         if not is_out_of_memory(e):
             raise
-        xla = str(e).split("RESOURCE_EXHAUSTED:", 1)[-1].strip().split(" with allocator")[0].splitlines()[0]
-        raise DoesNotFit(cfg, f"the device ran out: {xla[:200]}") from None
+        xla = str(e).split("RESOURCE_EXHAUSTED:", 1)[-1].split(" with allocator")[0]
+        raise DoesNotFit(cfg, f"the device ran out: {first_line(xla, 200)}") from None
 
 
 @dataclasses.dataclass(frozen=True)
