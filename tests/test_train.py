@@ -215,3 +215,19 @@ def test_ctrl_c_inside_a_gc_callback_is_delivered_again_outside_it():
     finally:
         signal.signal(signal.SIGINT, previous)
         interrupts._interrupted = False
+
+
+def test_hooks_run_at_their_every_the_last_step_and_a_stop():
+    """Evaluation runs every N and at the last step; a save also at a preemption's step; a sample never at the
+    last step (the run's closing line is one)."""
+    from zerolm.train import Hook
+
+    def steps(hook, n=10, stop=None):
+        return [s for s in range(1, n + 1) if hook.due(s, s == n, s == stop)]
+
+    nothing = lambda *a: {}  # noqa: E731
+    assert steps(Hook(4, nothing)) == [4, 8, 10]
+    assert steps(Hook(4, nothing, at_last=False)) == [4, 8]
+    assert steps(Hook(5, nothing, at_last=False)) == [5]
+    assert steps(Hook(4, nothing, at_stop=True), stop=6) == [4, 6, 8, 10]
+    assert steps(Hook(0, nothing, at_last=False)) == []

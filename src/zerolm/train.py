@@ -218,20 +218,19 @@ def _out_of_memory_as(cfg: Config):
 
 @dataclasses.dataclass(frozen=True)
 class Hook:
-    """Host work between two steps: at every `every`-th step (0: never); at the last step too if `at_last`,
-    or never there if `not_at_last` (the run's end does it); at the step a preemption stops at if `at_stop`.
+    """Host work between two steps: at every `every`-th step (0: never); at the last step too (`at_last`
+    True), or never there (False: the run's end does it); at the step a preemption stops at if `at_stop`.
     `run(step, state, stopping)` returns what it adds to the run's summary."""
 
     every: int
     run: Callable[[int, TrainState, bool], dict[str, float]]
     at_last: bool = True
-    not_at_last: bool = False
     at_stop: bool = False
 
     def due(self, step: int, last: bool, stopping: bool) -> bool:
-        if last and self.not_at_last:
-            return False
-        return (self.every > 0 and step % self.every == 0) or (last and self.at_last) or (stopping and self.at_stop)
+        if last:
+            return self.at_last
+        return (self.every > 0 and step % self.every == 0) or (stopping and self.at_stop)
 
 
 class _Loop:
@@ -251,8 +250,8 @@ class _Loop:
         if opened.evaluate is not None:
             hooks.append(Hook(cfg.train.eval_every, functools.partial(self.evaluate, writer, bar)))
         if opened.sample is not None and cfg.sample.every:
-            hooks.append(Hook(cfg.sample.every, functools.partial(self.sample, writer, bar), at_last=False,
-                              not_at_last=True))  # the run's last sample is its closing line
+            # at_last=False: the run's last sample is its closing line
+            hooks.append(Hook(cfg.sample.every, functools.partial(self.sample, writer, bar), at_last=False))
         hooks.append(Hook(cfg.checkpoint.every, functools.partial(self.save, writer, emitter), at_stop=True))
         return hooks
 
