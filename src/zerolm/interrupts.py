@@ -1,10 +1,11 @@
 """Ctrl-C before a command's own handlers are in place (while JAX and the rest are imported, say).
 
 Python's default handler raises KeyboardInterrupt wherever the main thread is; raised inside a
-callback that swallows exceptions (JAX's garbage-collection callback does), it is lost and the run
+library function that swallows exceptions (JAX's garbage-collection callback and its plugin discovery do), it
+is lost and the run
 goes on as if nothing happened. `guarded(main)` installs a handler first that also *records* the
 interrupt, so a lost one is still seen: the training loop asks `interrupted_early()` before its first
-step. A Ctrl-C that lands inside such a callback is not raised there (Python would print an
+step. A Ctrl-C that lands inside such a function is not raised there (Python would print an
 "Exception ignored" traceback and drop it) but delivered again a moment later, outside it. A Ctrl-C that
 reaches `guarded` is one line and exit code 130, never a traceback (and the process ends there, at once).
 """
@@ -36,17 +37,24 @@ def die_with_parent() -> None:
 def _on_sigint(signum, frame):
     global _interrupted
     _interrupted = True
-    if _in_gc_callback(frame):  # raised here it would be printed and lost: deliver it again, outside
+    if _in_swallowing_frame(frame):  # raised here it would be printed and lost: deliver it again, outside
         threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
         return
     raise KeyboardInterrupt
 
 
-def _in_gc_callback(frame) -> bool:
-    """Is the main thread inside a garbage-collection callback (JAX registers one), whose exceptions
-    Python prints as "Exception ignored" and swallows?"""
+# Library functions that catch every exception, KeyboardInterrupt included, and print it with its traceback:
+# JAX's garbage-collection callback (Python prints "Exception ignored" and drops it), and JAX's discovery of its
+# PJRT plugins (a bare `except:` around each plugin's initialize(), logged as an ERROR with a traceback; the
+# CUDA plugin takes a while to load its libraries, so a Ctrl-C while JAX starts can land there).
+_SWALLOWING = ("discover_pjrt_plugins",)
+
+
+def _in_swallowing_frame(frame) -> bool:
+    """Is the main thread inside a function that would swallow a KeyboardInterrupt raised here?"""
     while frame is not None:
-        if frame.f_code.co_name.endswith("gc_callback"):
+        name = frame.f_code.co_name
+        if name.endswith("gc_callback") or name in _SWALLOWING:
             return True
         frame = frame.f_back
     return False
