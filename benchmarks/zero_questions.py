@@ -88,29 +88,11 @@ def question_2(mesh) -> None:
     loops = len(re.findall(r"\bwhile\(", text))
     print(f"   {loops} while loops; the dp reduction: {len(reductions)} "
           f"{'/'.join(sorted({c.op for c in reductions}))}s, {sum(c.in_loop for c in reductions)} of them inside a loop")
-    pairs, overlapped = _async_pairs(text)
+    pairs = hlo.async_collectives(text)
     if pairs:
-        print(f"   {pairs} start/done pairs in the scheduled HLO; {overlapped} of them with other work "
-              "(fusions, convolutions, other collectives) scheduled between start and done")
-
-
-def _async_pairs(text: str) -> tuple[int, int]:
-    """(async collective start/done pairs, those with any instruction but a parameter/constant/tuple between)."""
-    pairs = overlapped = 0
-    lines = text.splitlines()
-    for i, line in enumerate(lines):
-        m = re.search(r"(%[\w.\-]+) = .*?-start\(", line)
-        if not m:
-            continue
-        pairs += 1
-        for later in lines[i + 1:]:
-            if re.search(r"-done\(.*" + re.escape(m.group(1)) + r"\b", later) or later.startswith("}"):
-                break
-            if re.search(r"= \S+ (fusion|convolution|custom-call|all-reduce|all-gather|reduce-scatter|"
-                         r"collective-permute)", later):
-                overlapped += 1
-                break
-    return pairs, overlapped
+        overlapped = [a for a in pairs if a.overlaps]
+        print(f"   {len(pairs)} start/done pairs in the scheduled HLO; {len(overlapped)} of them with a matmul or a "
+              "loop of the model scheduled between start and done")
 
 
 def question_3(mesh, depths: list[int]) -> None:

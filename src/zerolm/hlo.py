@@ -28,6 +28,9 @@ _INSTRUCTION = re.compile(r"=\s+(.+?)\s+(" + "|".join(COLLECTIVE_OPS) + r")(-sta
 _CALLED = re.compile(r"(?:body|condition|calls|to_apply|branch_computations)=\{?([%\w.\-, ]+)\}?")
 _WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_WHILE_CONDITION = re.compile(r"\bwhile\(.*\bcondition=%?([\w.\-]+)")
+_COUNTER_BELOW = re.compile(r"^\s*ROOT \S+ = pred\[\]\S* compare\(%?[\w.\-]+, %?([\w.\-]+)\), direction=LT")
+_S32_CONSTANT = re.compile(r"^\s*%?([\w.\-]+) = s32\[\]\S* constant\((\d+)\)")
 _ARRAY = re.compile(r"(pred|[a-z]+\d+)\[([\d,]*)\]")
 _GROUPS_LISTED = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
@@ -83,8 +86,11 @@ def collectives(hlo_text: str) -> list[Collective]:
     callees = _callees(comps)
     in_loop = _loop_computations(comps, callees)
     runs = _runs(hlo_text, comps, callees)
+    continuations = _async_continuations(comps)
     found = []
     for name, lines in comps.items():
+        if name in continuations:
+            continue
         for line in lines:
             m = _INSTRUCTION.search(line)
             if m and name.startswith(_REDUCE_SCATTER_FUSION) and m.group(2) == "all-reduce":
@@ -93,6 +99,17 @@ def collectives(hlo_text: str) -> list[Collective]:
             elif m:
                 found.append(Collective(m.group(2), name, name in in_loop, m.group(1), _groups(line), runs.get(name)))
     return found
+
+
+def _async_continuations(comps: dict[str, list[str]]) -> frozenset[str]:
+    """The computations that continue a collective the TPU compiler made asynchronous (its asynchronous
+    collective fusion): it splits one collective into a start, steps fused beside a matmul
+    (`async_collective_fusion.N`) and a done, and each of the three computations holds the collective again.
+    It is counted once, where it starts."""
+    done = {c.strip().lstrip("%") for lines in comps.values() for line in lines
+            if re.match(r"^\s*(?:ROOT )?%async-collective-done", line)
+            for m in _CALLED.finditer(line) for c in m.group(1).split(",")}
+    return frozenset(done | {name for name in comps if name.startswith("async_collective_fusion")})
 
 
 def _callees(comps: dict[str, list[str]]) -> dict[str, set[str]]:
@@ -126,11 +143,24 @@ def _runs(hlo_text: str, comps: dict[str, list[str]], callees: dict[str, set[str
         bodies: dict[str, int | None] = {}
         for line in comps.get(name, ()):
             if m := _WHILE_BODY.search(line):
-                trip = _TRIP_COUNT.search(line)
-                bodies[m.group(1)] = None if times is None or trip is None else times * int(trip.group(1))
+                trip = _trip_count(line, comps)
+                bodies[m.group(1)] = None if times is None or trip is None else times * trip
         stack.extend(bodies.items())
         stack.extend((callee, times) for callee in callees.get(name, ()) if callee not in bodies)
     return runs
+
+
+def _trip_count(while_line: str, comps: dict[str, list[str]]) -> int | None:
+    """A while loop's trip count: the compiler's `known_trip_count` (the CPU and GPU compilers state it), else
+    read from its condition in the form JAX's scans and fori_loops take, a counter from 0 compared `< N` with
+    a constant N (the TPU compiler states no trip count); None if neither."""
+    if trip := _TRIP_COUNT.search(while_line):
+        return int(trip.group(1))
+    condition = _WHILE_CONDITION.search(while_line)
+    lines = comps.get(condition.group(1), []) if condition else []
+    constants = {m.group(1): int(m.group(2)) for m in map(_S32_CONSTANT.match, lines) if m}
+    below = next((m.group(1) for m in map(_COUNTER_BELOW.match, lines) if m), None)
+    return constants.get(below) if below else None
 
 
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
@@ -212,3 +242,62 @@ def axis_names(labels) -> tuple[str, ...]:
 
 def compiled_text(jitted, *args) -> str:
     return jitted.lower(*args).compile().as_text()
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncCollective:
+    """A collective the scheduler split into a start and a done, so that work runs while it moves."""
+
+    ops: tuple[str, ...]  # the collectives it runs (an async collective fusion may run more than one)
+    computation: str
+    in_loop: bool
+    result_type: str  # of its done: what it delivers
+    overlaps: tuple[str, ...]  # the compute scheduled between start and done: each matmul's op path (its
+    # `dot_general` in the model, e.g. "h/attn/c_attn"), "loop:<path>" for a loop (the blockwise attention)
+
+    @property
+    def bytes(self) -> int:
+        return Collective(self.ops[0] if self.ops else "", self.computation, self.in_loop, self.result_type).bytes
+
+
+_START = re.compile(r"^\s*(?:ROOT )?(%[\w.\-]+) = .*?\b((?:" + "|".join(COLLECTIVE_OPS) + r")-start|fusion)\(")
+_OP_PATH = re.compile(r'op_name="([^"]*)"')
+_MODEL_OP = re.compile(r"(?:closed_call|remat|checkpoint)/((?:[\w]+/)*?[\w]+)/(?:dot_general|while)$")
+
+
+def async_collectives(hlo_text: str) -> list[AsyncCollective]:
+    """Every asynchronous collective of a scheduled program and the compute between its start and its done:
+    XLA's `all-gather-start`/`-done` pairs (and the other collectives'), and the TPU compiler's asynchronous
+    collective fusions (`async-collective-start.N` ... `async-collective-done.N`, made with its
+    `--xla_tpu_enable_async_collective_fusion` flags). Synchronous collectives are not listed."""
+    comps = _computations(hlo_text)
+    in_loop = _loop_computations(comps, _callees(comps))
+    found = []
+    for name, lines in comps.items():
+        for i, line in enumerate(lines):
+            m = _START.match(line)
+            if not m or (m.group(2) == "fusion" and not m.group(1).startswith("%async-collective-start")):
+                continue
+            start = m.group(1)
+            if m.group(2) == "fusion":
+                done = re.compile(r"^\s*(?:ROOT )?" + re.escape(start.replace("-start", "-done")) + r" = (\S+) ")
+                called = _CALLED.search(line)
+                inner = "\n".join(comps.get(called.group(1).split(",")[0].strip().lstrip("%"), [])) if called else ""
+                ops = tuple(op for op in COLLECTIVE_OPS if f" {op}(" in inner)
+            else:
+                done = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (\S+) \S+-done\(" + re.escape(start) + r"\)")
+                ops = (m.group(2).removesuffix("-start"),)
+            between, result = [], ""
+            for later in lines[i + 1:]:
+                if d := done.match(later):
+                    result = d.group(1)
+                    break
+                if " while(" in later or " convolution(" in later or " fusion(" in later or " custom-call(" in later:
+                    path = _OP_PATH.search(later)
+                    op = _MODEL_OP.search(path.group(1)) if path else None
+                    if op:
+                        label = ("loop:" if " while(" in later else "") + op.group(1)
+                        if label not in between:
+                            between.append(label)
+            found.append(AsyncCollective(ops, name, name in in_loop, result, tuple(between)))
+    return found
