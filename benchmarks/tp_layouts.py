@@ -81,7 +81,7 @@ def main() -> None:
         opt = with_shardings(jax.eval_shape(zero.tx.init, views), zero.table.opt_shardings)
         step = jax.ShapeDtypeStruct((), np.int32, sharding=zero.table.replicated)
         programs = {"grad": grad, "reshard": zero.programs.reshard.lower(params).compile(),
-                    "update": zero.programs.update.lower(grads, views, opt, step).compile()}
+                    "update": zero.programs.update.lower(grads, views, opt, step, params).compile()}
         comms = collections.Counter()
         for name, compiled in programs.items():
             for c in hlo.collectives(compiled.as_text()):

@@ -132,7 +132,7 @@ def main() -> None:
                         zero.programs.reshard.lower(state.params).compile(),
                         zero.programs.update.lower(with_shardings(grads_view, zero.table.view_shardings),
                                           with_shardings(jax.eval_shape(zero.programs.reshard, state.params), zero.table.view_shardings),
-                                          state.opt_state, state.step).compile()]
+                                          state.opt_state, state.step, state.params).compile()]
             state_bytes = held_bytes(state)
             del grads, grads_view
             step = zero.step

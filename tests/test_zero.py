@@ -150,7 +150,7 @@ def test_exactly_one_gradient_reduction_per_step(mode, accum, chunk):
     grads, _ = zero.programs.grad(state.params, batch)
     grads = zero.programs.reshard(grads) if mode == "all_reduce" else grads
     update_ops = hlo.collectives(hlo.compiled_text(zero.programs.update, grads, zero.programs.reshard(state.params),
-                                                   state.opt_state, state.step))
+                                                   state.opt_state, state.step, state.params))
     gathered = sum(c.elements for c in update_ops if c.op == "all-gather")
     assert gathered >= n_params * (zero.table.dp - 1) / zero.table.dp  # the new params, gathered back to every device
 

@@ -289,7 +289,7 @@ def describe(report: CompileReport) -> list[str]:
                      f"{_gib(p['peak_bytes']):>12s} {p['compile_s']:7.1f} s"
                      + (f"   the compiler: {p['error']}" if p["error"] else ""))
     lines.append("  (peak = arguments + outputs + temporaries - aliased + what lives outside the program: the "
-                 "optimizer state during grad, it and the gradient during reshard, the old parameters during update)")
+                 "optimizer state during grad, it and the gradient during reshard; the update takes the old parameters, donated)")
     lines.append("collectives per step (bytes per device, per HLO instruction):")
     lines += ["  " + line for line in comms.describe(report.collectives, list(r["programs"]))]
     for p in report.predicted:

@@ -89,13 +89,13 @@ class CompiledStep:
 
 def live_outside(zero: Zero1, micro_batch: int, seq_len: int, accum_steps: int) -> dict[str, int]:
     """Per program, the bytes per device that live outside it while it runs: the optimizer state during
-    `grad`; the optimizer state and `grad`'s output (the gradient, by its reduction) during `reshard`; the
-    old replicated parameters during `update` (it takes only their dp-sharded view)."""
+    `grad`; the optimizer state and `grad`'s output (the gradient, by its reduction) during `reshard`; nothing
+    during `update` (it takes the state whole: the old parameters are its donated argument)."""
     x = zero.inputs(micro_batch, seq_len, accum_steps)
     grads = x.params if zero.grad_reduce == "all_reduce" else x.views
     return {"grad": sharding.shard_bytes(x.opt_state),
             "reshard": sharding.shard_bytes(x.opt_state) + sharding.shard_bytes(grads),
-            "update": sharding.shard_bytes(x.params)}
+            "update": 0}
 
 
 # model.remat: auto tries these in turn and takes the first whose compiled step fits the device: the least

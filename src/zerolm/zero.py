@@ -76,7 +76,7 @@ class Programs:
 
     grad: Any  # (params, batch) -> (gradient, in the optimizer-state layout or the params' sharding; metrics)
     reshard: Any  # params or gradient -> their view in the optimizer-state layout
-    update: Any  # (gradient view, params view, opt_state, step) -> (params, opt_state, step, metrics)
+    update: Any  # (gradient view, params view, opt_state, step, old params) -> (params, opt_state, step, metrics)
 
     NAMES = ("grad", "reshard", "update")
 
@@ -144,7 +144,9 @@ class Zero1:
             update=jax.jit(functools.partial(_update, tx=tx, layouts=table.layouts, lr_schedule=lr_schedule),
                            out_shardings=(table.param_shardings, table.opt_shardings, table.replicated,
                                           table.replicated),
-                           donate_argnums=(2,)))  # the optimizer state; grads and the param view change shape
+                           # The optimizer state, and the old parameters: the new ones take their buffers (kept,
+                           # though unread, so that the compiled program aliases them).
+                           donate_argnums=(2, 4), keep_unused=True))
 
     @property
     def mixed(self) -> bool:
@@ -172,7 +174,7 @@ class Zero1:
         inputs: dict[str, tuple] = {"grad": (x.params, x.batch)}
         if not self.mixed or self.grad_reduce == "all_reduce":
             inputs["reshard"] = (x.params,)
-        inputs["update"] = (x.views, None if self.mixed else x.views, x.opt_state, x.step)
+        inputs["update"] = (x.views, None if self.mixed else x.views, x.opt_state, x.step, x.params)
         return inputs
 
     def using(self, programs: Programs) -> Zero1:
@@ -205,7 +207,8 @@ class Zero1:
         params_view = None if self.mixed else run.reshard(state.params)
         if self.grad_reduce == "all_reduce":
             grads = run.reshard(grads)
-        params, opt_state, step, update_metrics = run.update(grads, params_view, state.opt_state, state.step)
+        params, opt_state, step, update_metrics = run.update(grads, params_view, state.opt_state, state.step,
+                                                             state.params)
         return TrainState(step=step, params=params, opt_state=opt_state), {**metrics, **update_metrics}
 
     __call__ = step
@@ -252,9 +255,12 @@ def _reduce(grads, loss, *, layouts, tp_local, grad_reduce: GradReduce, dp: int,
     return jax.tree.map(scatter_leaf, layouts, tp_local, grads, is_leaf=is_layout), {"loss": loss}
 
 
-def _update(grads_view, params_view, opt_state, step, *, tx, layouts, lr_schedule):
+def _update(grads_view, params_view, opt_state, step, old_params, *, tx, layouts, lr_schedule):
     """The optax update on the optimizer-state layout. `params_view` is None in mixed precision: the
-    master weights in `opt_state` are what is updated, and the new working parameters are them cast down."""
+    master weights in `opt_state` are what is updated, and the new working parameters are them cast down.
+    `old_params` are only donated: the new parameters are written into their buffers, so the step never
+    holds two copies of the parameters (in mixed precision, nothing else reads them)."""
+    del old_params
     # Over the whole, sharded gradient, in float32 whatever it was reduced in.
     metrics = {"grad_norm": optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads_view))}
     if lr_schedule is not None:

@@ -83,8 +83,8 @@ class Planner:
         accumulator (none with one micro-step per step), the micro-step's gradient beside it, the
         activations (`step_activation_bytes`) and the loss's float32 buffers (temporaries); the optimizer
         state (outside). update: the reduced
-        gradient and the optimizer state (aliased: donated) in, the new params out, a working copy of them
-        while they are gathered and cast, and the old params (outside). fp32 also reshards the params
+        gradient, the optimizer state and the old params in (donated: aliased with the new), the new params
+        out and a working copy of them while they are gathered and cast. fp32 also reshards the params
         into the optimizer layout: a 1/dp slice."""
         m, p = self.model, self.model.param_bytes
         st = self.states
@@ -96,7 +96,7 @@ class Planner:
         acc = 0 if self.layout.per_rank // micro == 1 else params4 * m.acc_bytes // 4
         acts = self.step_activation_bytes(micro)
         programs = {"grad": params + view + acc + params + acts + opt,
-                    "update": view + opt + params + params + params + (0 if p == 2 else view)}
+                    "update": view + opt + params + params + (0 if p == 2 else view)}
         if p == 4:
             programs["reshard"] = params + view + opt + view
         program = max(programs, key=lambda name: programs[name])
