@@ -12,11 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-from zerolm.zero import Zero1
+from zerolm.zero import Zero
 
 HOLD = Path(os.environ["ZEROLM_TEST_HOLD"])
 BEFORE_STEP = int(os.environ["ZEROLM_TEST_HOLD_BEFORE_STEP"])
-_step = Zero1.step
+_step = Zero.step
 
 
 def _held_step(self, state, batch):
@@ -28,7 +28,7 @@ def _held_step(self, state, batch):
     return _step(self, state, batch)
 
 
-Zero1.__call__ = _held_step
+Zero.__call__ = _held_step
 
 from zerolm.commands import main  # noqa: E402
 

@@ -94,6 +94,40 @@ def test_elastic_restore_across_tensor_parallel_layouts(straight, tmp_path):
     np.testing.assert_allclose([resumed[s] for s in range(9, 17)], [reference[s] for s in range(9, 17)], rtol=2e-5)
 
 
+def test_a_checkpoint_restores_at_another_zero_stage_and_layout(straight, tmp_path):
+    """ZeRO-1 on (dp 8) -> ZeRO-3 on (dp 4, tp 2) -> ZeRO-2 on dp 2: the optimizer state (and at stage 3 the
+    parameters) re-laid out each time, the same losses as the straight run to float32 summation order."""
+    run_dir, reference = straight
+    shutil.copytree(run_dir / "ckpt", tmp_path / "ckpt")
+    for step in ("12", "16"):
+        shutil.rmtree(tmp_path / "ckpt" / step)
+    three = train(tmp_path, "zero.stage=3", "mesh.tp=2", steps=12)
+    assert "ZeRO-3" in three.stdout and "ZeRO stage changed: 1 -> 3" in three.stdout
+    two = train(tmp_path, "zero.stage=2", devices=2)
+    assert "saved on dp=4 tp=2" in two.stdout and "ZeRO stage changed: 3 -> 2" in two.stdout
+    resumed = losses(tmp_path)
+    assert sorted(resumed) == list(range(9, 17))
+    np.testing.assert_allclose([resumed[s] for s in range(9, 17)], [reference[s] for s in range(9, 17)], rtol=2e-5)
+
+
+def test_kill_9_at_zero_stage_3_then_resume_is_bit_identical(straight, tmp_path):
+    """Parameters split over dp (ZeRO-3) resume exactly as ZeRO-1's do; the run trains as ZeRO-1's (to float32
+    summation order) and its checkpoint evaluates as ZeRO-1's."""
+    stage_1, reference = straight
+    straight_3 = tmp_path / "straight"
+    train(straight_3, "zero.stage=3")
+    killed = tmp_path / "killed"
+    kill_9_after(killed, "zero.stage=3", before_step=10)
+    train(killed, "zero.stage=3")
+    assert losses(killed) == losses(straight_3)
+    got = losses(straight_3)
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [reference[s] for s in sorted(reference)], rtol=2e-5)
+    evals = [json.loads(runs.zerolm("eval", "--checkpoint", run / "ckpt", "--json", devices=2).stdout)
+             for run in (stage_1, killed)]
+    assert evals[0]["step"] == evals[1]["step"] == STEPS
+    assert evals[1]["loss"] == pytest.approx(evals[0]["loss"], rel=1e-5)
+
+
 def test_a_checkpoint_of_an_older_format_is_refused_not_moved(straight, tmp_path):
     run_dir, _ = straight
     shutil.copytree(run_dir / "ckpt", tmp_path / "ckpt")

@@ -70,11 +70,13 @@ def test_export_round_trip_in_transformers(trained_run, tmp_path):
     assert len(set(ours[len(prompt):].tolist())) > 3 and theirs == ours.tolist()
 
 
-def test_a_model_trained_with_tensor_parallelism_exports(tmp_path):
-    train(tmp_path, "mesh.tp=2", steps=4)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_model_trained_with_tensor_parallelism_exports(tmp_path, stage):
+    """tp = 2 (the parameters split over tp), and at ZeRO-3 also over dp: the export reads them whole."""
+    train(tmp_path, "mesh.tp=2", f"zero.stage={stage}", steps=4)
     zerolm("export-hf", "--checkpoint", tmp_path / "ckpt", "--out", tmp_path / "hf", devices=1)
     model_run = restored.load(str(tmp_path / "ckpt"), jax.local_devices()[:1])
-    assert model_run.meta.tp == 2
+    assert (model_run.meta.tp, model_run.meta.stage) == (2, stage)
     assert_same_model(model_run, tmp_path / "hf", model_run.tokenizer())
 
 

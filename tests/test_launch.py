@@ -102,6 +102,18 @@ def test_tensor_parallel_in_two_processes_trains_as_dp8(one_by_eight, tmp_path):
     np.testing.assert_allclose([got[s] for s in sorted(got)], [reference[s] for s in sorted(reference)], rtol=2e-5)
 
 
+def test_zero_stage_3_in_two_processes_trains_as_dp8(one_by_eight, tmp_path):
+    """ZeRO-3 over 2 processes × 4 devices: each layer's parameters gathered across the processes inside
+    the loop; the same losses as ZeRO-1 in 1 process × dp 8, to float32 summation order."""
+    _, reference = one_by_eight
+    out, _ = launched(tmp_path, "zero.stage=3")
+    assert "ZeRO-3" in out
+    grad_line = next(line for line in out.splitlines() if line.startswith("collectives per step: grad: "))
+    assert "all-gather over dp" in grad_line and "INSIDE" in grad_line, grad_line
+    got = losses(tmp_path)
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [reference[s] for s in sorted(reference)], rtol=2e-5)
+
+
 def test_two_stage_reduce_scatter_across_processes_trains_as_dp8(one_by_eight, tmp_path):
     """zero.scatter=two_stage (the TPU's reduce-scatter beyond one host) over 2 processes × 4 devices: the
     second stage over a host's worth of dp positions (4), the first across the processes; the same losses

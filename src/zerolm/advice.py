@@ -56,8 +56,8 @@ def planned(config: str, sets: list[str], target: aot.Target, dp: int, tp: int) 
     cfg = load_planned(config, [*sets, f"mesh.dp={dp}", f"mesh.tp={tp}", "train.micro_batch_size=1"])
     model, factory = from_config(cfg, dp, tp)
     planner = Planner(model, factory, preset(name), Parallelism(dp, tp, cfg.train.global_batch_size),
-                      cfg.zero.precision)
-    fitting = [b for b in planner.micro_batches() if planner.step_peak(b)["fits"]]
+                      cfg.zero.precision, stage=cfg.zero.stage)
+    fitting = [b for b in planner.micro_batches() if planner.step_peak(b, cfg.zero.stage)["fits"]]
     return max(fitting) if fitting else None
 
 

@@ -40,7 +40,7 @@ from zerolm import comms
 from zerolm.config import Config
 from zerolm.errors import ZerolmError, first_line
 from zerolm.hardware import GPU_TYPES, GPUS_PER_HOST, TPU_TYPES, gpu_memory_fraction, grid
-from zerolm.mesh import make_mesh
+from zerolm.mesh import TP, make_mesh
 from zerolm.plan.traffic import Prediction, step_predictions
 from zerolm.sharding import shard_bytes
 from zerolm.step import build_and_compile, describe_remat_choice, live_outside
@@ -215,7 +215,7 @@ def compile_for(cfg: Config, target: Target, devices: list, *, census: bool = Fa
     return CompileReport(
         config=cfg.name, target=target.name, topology=target.topology, device_kind=devices[0].device_kind,
         devices=len(devices), mesh=dict(mesh.shape), micro_batch=micro, accum_steps=accum, remat=cfg.model.remat,
-        grad_reduce=cfg.zero.grad_reduce, precision=cfg.zero.precision, attention=model.cfg.attention,
+        grad_reduce=cfg.zero.grad_reduce, stage=zero.stage, precision=cfg.zero.precision, attention=model.cfg.attention,
         scatter=zero.scatter, scatter_inner=zero.scatter_inner, programs=report_programs, peak_program=peak_program,
         peak_bytes_per_device=peak, usable_bytes_per_device=usable, fits=fits, collectives=rows, predicted=predicted,
         # Pallas kernels (Mosaic custom calls) per program: the flash attention's forward and backward.
@@ -241,6 +241,7 @@ class CompileReport:
     accum_steps: int
     remat: str
     grad_reduce: str
+    stage: int
     precision: str
     attention: str
     scatter: str
@@ -280,7 +281,7 @@ def describe(report: CompileReport) -> list[str]:
              f"mesh {' × '.join(f'{k}={v}' for k, v in r['mesh'].items())}, micro-batch {r['micro_batch']} × "
              f"{r['accum_steps']} accumulation step(s), remat {r['remat']}, layers "
              f"{'in a scan' if r['scan_layers'] else 'unrolled'}, attention {r['attention']}, "
-             f"precision {r['precision']}, grad_reduce={r['grad_reduce']}"
+             f"precision {r['precision']}, ZeRO-{r['stage']}, grad_reduce={r['grad_reduce']}"
              + (_SCATTER[r["scatter"]].format(**r) if r["grad_reduce"] == "reduce_scatter" else ""),
              "per device      arguments      outputs  temporaries      aliased  live outside         peak   compile"]
     for name, p in r["programs"].items():
@@ -293,11 +294,11 @@ def describe(report: CompileReport) -> list[str]:
     lines.append("collectives per step (bytes per device, per HLO instruction):")
     lines += ["  " + line for line in comms.describe(report.collectives, list(r["programs"]))]
     for p in report.predicted:
-        if p.program == "grad" and p.bytes > 4:
-            found = "none" if p.found_bytes is None else f"{p.found_bytes:,}"
-            lines.append(f"  gradient reduction ({p.op} over {'+'.join(p.span or ['dp'])}): {found} bytes per device; "
-                         f"zerolm plan predicts {p.bytes:,}"
-                         + ("" if p.found_bytes is None else f" ({p.found_bytes / p.bytes:.1%})"))
+        if p.program == "grad" and p.bytes > 4 and TP not in (p.span or []):
+            found = "none" if p.found_bytes_per_step is None else f"{p.found_bytes_per_step:,}"
+            lines.append(f"  {p.op} over {'+'.join(p.span or ['dp'])}{' in the loop' if p.in_loop else ''}: {found} "
+                         f"bytes per device per step; zerolm plan predicts {p.bytes_per_step:,}"
+                         + ("" if p.found_bytes_per_step is None else f" ({p.found_bytes_per_step / p.bytes_per_step:.1%})"))
     if report.remat_choice:
         lines.append(report.remat_choice)
     if report.census is not None:

@@ -43,7 +43,7 @@ from zerolm import storage
 from zerolm.checkpoint_meta import FORMAT, CheckpointMeta
 from zerolm.errors import ZerolmError, first_line
 from zerolm.sharding import with_shardings
-from zerolm.zero import TrainState, Zero1
+from zerolm.zero import TrainState, Zero
 
 
 class CheckpointError(ZerolmError):
@@ -251,7 +251,7 @@ class Checkpoints:
             raise DamagedCheckpoint(step, self.directory / str(step), "cannot restore its parameters "
                                     f"({type(e).__name__}: {first_line(e)})") from None
 
-    def restore(self, step: int, zero: Zero1, model_config: dict) -> tuple[TrainState, CheckpointMeta]:
+    def restore(self, step: int, zero: Zero, model_config: dict) -> tuple[TrainState, CheckpointMeta]:
         """Restore `step` into `zero`'s mesh and shardings. Checks the model first; writes nothing."""
         meta = self.readable_meta(step)
         where = self.directory / str(step)
@@ -268,7 +268,7 @@ class Checkpoints:
                 f"{zero.precision}; resume with --set zero.precision={saved_precision} (the optimizer state differs: "
                 "mixed keeps float32 master weights in it; zerolm does not change a run's precision mid-way)")
         saved_dp, saved_tp = meta.dp, meta.tp
-        opt_target, repack = zero.table.restore_target(saved_dp, saved_tp)
+        opt_target, repack = zero.table.restore_target(saved_dp, saved_tp, meta.stage)
         target = TrainState(step=jax.ShapeDtypeStruct((), np.int32, sharding=zero.table.replicated),
                             params=with_shardings(zero.working_params, zero.table.param_shardings),
                             opt_state=opt_target)

@@ -18,7 +18,7 @@ FORMAT = 2
 BEFORE_RECORDED: dict[str, dict[str, Any]] = {
     "model": {"attention_block": 512, "scan_layers": "auto", "document_mask": False, "document_positions": "continue",
               "eot_id": "auto"},
-    "zero": {"precision": "fp32"},
+    "zero": {"precision": "fp32", "stage": 1},
 }
 
 
@@ -27,7 +27,7 @@ class CheckpointMeta:
     step: int  # optimizer steps taken: the checkpoint of step s holds the state after the s-th update
     time: float  # when it was saved (seconds since the epoch)
     config: dict[str, Any]  # the run's resolved config (zerolm.config.Config.model_dump())
-    dp: int  # the mesh it was trained on: its optimizer state is laid out for (dp, tp)
+    dp: int  # the mesh it was trained on: its optimizer state is laid out for (dp, tp) and its zero.stage
     accum_steps: int
     dataset: dict[str, Any]  # the data's identity (zerolm.data.dataset.dataset_identity): a resume must match it
     tokens_seen: int
@@ -62,6 +62,11 @@ class CheckpointMeta:
     def precision(self) -> str:
         """zero.precision (fp32 before mixed precision existed): what the optimizer state holds."""
         return {**BEFORE_RECORDED["zero"], **self.config.get("zero", {})}["precision"]
+
+    @property
+    def stage(self) -> int:
+        """zero.stage (1 before stages 2 and 3 existed): with dp and tp, what the optimizer state is laid out for."""
+        return int({**BEFORE_RECORDED["zero"], **self.config.get("zero", {})}["stage"])
 
     @property
     def tokenizer_sha256(self) -> str:

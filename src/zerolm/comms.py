@@ -108,6 +108,7 @@ class CommsReport:
     devices: int
     mesh: dict[str, int]
     grad_reduce: str
+    stage: int
     micro_batch: int
     accum_steps: int
     collectives: list[Traffic]
@@ -139,13 +140,13 @@ def report(cfg, devices: list[jax.Device], step: str = "zerolm") -> CommsReport:
     rows = traffic(texts, dict(mesh.shape))
     compare(rows, predicted)
     return CommsReport(cfg.name, step, devices[0].platform, devices[0].device_kind, len(devices), dict(mesh.shape),
-                       cfg.zero.grad_reduce, micro, accum, rows, predicted)
+                       cfg.zero.grad_reduce, cfg.zero.stage, micro, accum, rows, predicted)
 
 
 def describe_report(r: CommsReport) -> list[str]:
     lines = [f"comms: {r.config}: the {r.step} step compiled for {r.devices} {r.backend} device(s) "
              f"({r.device_kind}), mesh {' × '.join(f'{k}={v}' for k, v in r.mesh.items())}, "
-             f"{r.accum_steps} accumulation step(s) of {r.micro_batch}, grad_reduce={r.grad_reduce}",
+             f"{r.accum_steps} accumulation step(s) of {r.micro_batch}, ZeRO-{r.stage}, grad_reduce={r.grad_reduce}",
              "bytes are per device: of the HLO instructions once, and per optimizer step (times their loops' trip counts)",
              f"  {'program':8s} {'collective':18s} {'axes':8s} {'where':14s} {'count':>5s} {'bytes':>12s} "
              f"{'bytes/step':>13s}   predicted by zerolm plan (bytes, bytes/step)"]
@@ -174,9 +175,10 @@ def describe_report(r: CommsReport) -> list[str]:
                   and c.program in ("grad", "step") and c.bytes > 4]
     if reductions:
         inside = [c for c in reductions if c.in_loop]
+        by_design = f" (ZeRO-{r.stage}: by design)" if r.stage > 1 and r.step == "zerolm" else ""
         lines.append("gradient reduction over dp: " + (
             f"INSIDE the accumulation loop: every micro-step ({sum(c.count for c in inside)} HLO collective(s) "
-            "in loops)" if inside else "once per step, after the accumulation loop"))
+            f"in loops){by_design}" if inside else "once per step, after the accumulation loop"))
     return lines
 
 
@@ -184,4 +186,8 @@ def _verdict(p: Prediction) -> str:
     if p.at_least:
         return "at least that: yes" if (p.found_bytes_per_step or 0) >= p.bytes_per_step else "LESS"
     same = p.found_bytes == p.bytes and p.found_bytes_per_step == p.bytes_per_step
-    return "equal" if same else "DIFFERENT"
+    if same or not p.within:
+        return "equal" if same else "DIFFERENT"
+    near = all(v is not None and (1 - p.within) * want <= v <= want
+               for v, want in ((p.found_bytes, p.bytes), (p.found_bytes_per_step, p.bytes_per_step)))
+    return f"at most, within {p.within:.0%}: yes" if near else "DIFFERENT"

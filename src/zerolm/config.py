@@ -160,6 +160,9 @@ class MeshConfig(_Section):
 
 
 class ZeroConfig(_Section):
+    # 1: the optimizer state split over dp, one gradient reduction per step; 2: also the gradient (a
+    # reduce-scatter per micro-step); 3: also the parameters (each layer gathered where it is used).
+    stage: Literal[1, 2, 3]
     # all_reduce: one pmean of the accumulated gradients (the seed design);
     # reduce_scatter: one psum_scatter straight into the optimizer-state layout (half the bytes).
     grad_reduce: Literal["all_reduce", "reduce_scatter"]
@@ -167,13 +170,17 @@ class ZeroConfig(_Section):
     # float32 master weights in the dp-sharded optimizer state, bfloat16 reduction and all-gather.
     precision: Literal["fp32", "mixed"]
     accumulate_dtype: Literal["float32", "bfloat16"]  # each device's gradient sum over its micro-batches
-    scatter: Literal["auto", "collective", "two_stage", "ring"]  # how reduce_scatter runs (zerolm.zero.Zero1)
+    scatter: Literal["auto", "collective", "two_stage", "ring"]  # how reduce_scatter runs (zerolm.zero.Zero)
 
     @model_validator(mode="after")
     def _scatter_needs_reduce_scatter(self) -> ZeroConfig:
         if self.scatter != "auto" and self.grad_reduce == "all_reduce":
             raise _KeyError("zero.scatter", f"{self.scatter} is how a reduce-scatter runs, and zero.grad_reduce is "
                             "all_reduce, which runs none; set zero.grad_reduce=reduce_scatter, or leave scatter auto",
+                            related=("zero.grad_reduce",))
+        if self.stage > 1 and self.grad_reduce == "all_reduce":
+            raise _KeyError("zero.stage", f"{self.stage} keeps the gradient split over dp, and zero.grad_reduce is "
+                            "all_reduce, which reduces it whole; set zero.grad_reduce=reduce_scatter, or zero.stage=1",
                             related=("zero.grad_reduce",))
         return self
 

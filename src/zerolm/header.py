@@ -14,17 +14,17 @@ from zerolm.mfu import Accounting, flops_per_token
 from zerolm.model import count_params
 from zerolm.sharding import abstract_views, shard_bytes, with_shardings
 from zerolm.step import BuiltStep, describe_remat_choice
-from zerolm.zero import Zero1
+from zerolm.zero import Zero
 
 
-def accounting_for(cfg: Config, zero: Zero1) -> Accounting:
+def accounting_for(cfg: Config, zero: Zero) -> Accounting:
     """The run's FLOP accounting (6·N + 12·L·d·T per token, N without the position table) on these devices."""
     n = count_params(zero.abstract_params, exclude_positions=True)
     return Accounting(flops_per_token(n, cfg.model.n_layer, cfg.model.d_model, cfg.model.seq_len),
                       jax.device_count(), jax.devices()[0].device_kind)
 
 
-def run_facts(cfg: Config, zero: Zero1, accounting: Accounting) -> dict[str, Any]:
+def run_facts(cfg: Config, zero: Zero, accounting: Accounting) -> dict[str, Any]:
     """What metrics.jsonl's header and wandb's run config record of the run beside its config."""
     return {"params": count_params(zero.abstract_params), "devices": jax.device_count(),
             "device_kind": accounting.device_kind, "processes": jax.process_count(),
@@ -54,14 +54,30 @@ def describe_step(built: BuiltStep, accounting: Accounting, memory: str | None, 
     return lines
 
 
+def _stage_trade(stage: int, accum_steps: int) -> list[str]:
+    """What a stage above 1 pays for its memory, in the header's words (docs/zero-stages.md)."""
+    if stage == 1:
+        return []
+    per = (f"each layer's gradient reduce-scattered every micro-step, {accum_steps} times per step where ZeRO-1 reduces "
+           "once" if accum_steps > 1 else "each layer's gradient reduce-scattered once per step (one micro-step), as "
+           "ZeRO-1 reduces")
+    if stage == 2:
+        return [f"ZeRO-2: the gradient split over dp, {per}; the update all-gathers the params"]
+    return [f"ZeRO-3: params and gradient split over dp; each layer's params all-gathered twice per micro-step "
+            f"(forward, and again for its backward pass), {per}; no all-gather in the update"]
+
+
 def _sizes(built: BuiltStep, accounting: Accounting) -> list[str]:
     cfg, zero = built.cfg, built.zero
     table = zero.table
     params = with_shardings(zero.working_params, table.param_shardings)
     opt = with_shardings(jax.eval_shape(zero.tx.init, abstract_views(table.layouts, zero.abstract_params)),
                          table.opt_shardings)
+    # Stage 1 accumulates whole over dp (as the params are at 1 and 2), stages 2 and 3 in the optimizer layout.
+    held = params if zero.stage == 1 else with_shardings(abstract_views(table.layouts, zero.working_params),
+                                                         table.view_shardings)
     accumulator = shard_bytes(jax.tree.map(
-        lambda p: jax.ShapeDtypeStruct(p.shape, cfg.zero.accumulate_dtype, sharding=p.sharding), params))
+        lambda p: jax.ShapeDtypeStruct(p.shape, cfg.zero.accumulate_dtype, sharding=p.sharding), held))
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     scatter = f" ({zero.scatter})" if cfg.zero.grad_reduce == "reduce_scatter" and zero.scatter != "collective" else ""
     mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
@@ -69,8 +85,9 @@ def _sizes(built: BuiltStep, accounting: Accounting) -> list[str]:
             f"{accounting.device_kind} device(s) in {jax.process_count()} process(es), mesh dp={cfg.dp} "
             f"tp={cfg.mesh.tp}, {cfg.accum_steps} accumulation step(s) of {cfg.train.micro_batch_size} sequence(s) "
             f"per device, {cfg.train.global_batch_size} sequences = {tokens:,} tokens per step, "
-            f"grad_reduce={cfg.zero.grad_reduce}{scatter}, precision={cfg.zero.precision}, attention "
-            f"{built.model.cfg.attention}",
+            f"ZeRO-{zero.stage}, grad_reduce={cfg.zero.grad_reduce}{scatter}, precision={cfg.zero.precision}, "
+            f"attention {built.model.cfg.attention}",
+            *_stage_trade(zero.stage, cfg.accum_steps),
             f"per device: params {mib(shard_bytes(params))}, gradient accumulator {mib(accumulator)}, optimizer state "
             f"{mib(shard_bytes(opt))} (1/{cfg.dp * cfg.mesh.tp} of it, plus padding"
             + (", master weights included" if zero.mixed else "") + "); activations not counted",

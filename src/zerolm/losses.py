@@ -116,9 +116,12 @@ def _apply(model: GPT, params, inputs_BxT: jax.Array, **kw) -> jax.Array:
     return out
 
 
-def lm_loss(model: GPT, params, tokens_BxT1: jax.Array) -> jax.Array:
+def lm_loss(model: GPT, params, tokens_BxT1: jax.Array, layer_params=None) -> jax.Array:
     """Mean loss of a packed batch of seq_len + 1 tokens: the training loss (fused, and chunked when the
-    micro-batch has more tokens than model.loss_chunk; plain autodiff when it is 0)."""
+    micro-batch has more tokens than model.loss_chunk; plain autodiff when it is 0). `layer_params`: what
+    each layer applies to its stored parameters (ZeRO-3's gather: zerolm.model.GPT.layer_params)."""
+    if layer_params is not None:
+        model = model.clone(layer_params=layer_params)
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
     chunk = model.cfg.loss_chunk
     if not chunk:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -134,6 +136,9 @@ class GPT(nn.Module):
     attention or layer loop, so that tracing reads no global device."""
 
     cfg: ModelConfig
+    # What a layer reads of its parameters, given them as stored: None, as they are. ZeRO-3 (zerolm.zero)
+    # stores them split over dp and gathers each layer's here, inside the layers' loop and its remat.
+    layer_params: Callable[[Any], Any] | None = None
 
     def __post_init__(self):
         unresolved = [k for k in ("dtype", "attention", "scan_layers") if getattr(self.cfg, k) == "auto"]
@@ -175,7 +180,11 @@ class GPT(nn.Module):
         # the step (evaluation, sampling) takes no gradient, so any policy computes the same.
         scanned = bool(cfg.scan_layers)
         policy = REMAT_POLICIES["none" if cfg.remat == "auto" else cfg.remat]
-        block = nn.remat(Block, prevent_cse=not scanned, policy=policy)
+        block = Block
+        if (layer_params := self.layer_params) is not None:
+            block = nn.map_variables(Block, "params", trans_in_fn=lambda v: {"params": layer_params(v["params"])},
+                                     mutable=False)
+        block = nn.remat(block, prevent_cse=not scanned, policy=policy)
         blocks = nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
                          in_axes=nn.broadcast, length=cfg.n_layer, unroll=1 if scanned else cfg.n_layer,
                          metadata_params={nn.PARTITION_NAME: "layers"})

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerolm import hlo, sharding
-from zerolm.zero import LossFn, Zero1
+from zerolm.zero import LossFn, Zero
 
 
 def naive_data_parallel_step(mesh: Mesh, loss_fn: LossFn, tx: optax.GradientTransformation):
@@ -38,7 +38,7 @@ def naive_data_parallel_step(mesh: Mesh, loss_fn: LossFn, tx: optax.GradientTran
                    out_shardings=replicated, donate_argnums=(0, 1))
 
 
-def naive_text(zero: Zero1, loss_fn, micro_batch: int, seq_len: int, accum_steps: int) -> str:
+def naive_text(zero: Zero, loss_fn, micro_batch: int, seq_len: int, accum_steps: int) -> str:
     """The optimized HLO of the naive step on zero's mesh, for a run's shapes: params and optimizer state
     replicated, the batch split over dp."""
     def replicated(tree):

@@ -51,7 +51,7 @@ def with_master_weights(tx: optax.GradientTransformation) -> optax.GradientTrans
     `init` takes the float32 parameters (they become the master weights). `update` casts the gradient to
     float32, runs `tx` against the master weights (weight decay reads them, not the bfloat16 copy) and
     applies the updates to them; the working parameters are the new master weights cast down (by
-    `Zero1.update`). The `params` argument is not read."""
+    `Zero.update`). The `params` argument is not read."""
     def init(params):
         return MasterWeights(params, tx.init(params))
 

@@ -19,7 +19,7 @@ from zerolm.checkpoint_meta import CheckpointMeta
 from zerolm.config import Config
 from zerolm.mesh import on_process_0
 from zerolm.runlock import LEASE_FILE, LOCK_FILE
-from zerolm.zero import TrainState, Zero1
+from zerolm.zero import TrainState, Zero
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Start:
         return int(self.state.step)
 
 
-def start_state(cfg: Config, zero: Zero1, init_fn, data_id: dict, resume: str, overwrite: bool, say) -> Start:
+def start_state(cfg: Config, zero: Zero, init_fn, data_id: dict, resume: str, overwrite: bool, say) -> Start:
     """The run's checkpoints, and a fresh sharded state or the newest intact checkpoint's.
 
     Refuses to start over existing checkpoints without --overwrite. A damaged checkpoint is moved
@@ -96,7 +96,7 @@ def _start_over(places: _Places, ckpts: Checkpoints, latest: int, overwrite: boo
     return places.open()
 
 
-def _restore_or_move_aside(places: _Places, ckpts: Checkpoints, latest: int, zero: Zero1, resume: str, say):
+def _restore_or_move_aside(places: _Places, ckpts: Checkpoints, latest: int, zero: Zero, resume: str, say):
     """(checkpoints, step, (state, meta)) of checkpoint `latest` restored; if it is damaged, it is moved aside
     (--resume auto) and the step before it returned with None, or the run stops (--resume strict)."""
     try:
@@ -130,6 +130,8 @@ def _say_resumed(cfg: Config, meta: CheckpointMeta, where, say) -> None:
             f"{meta.accum_steps} -> {cfg.accum_steps} (same global batch of {cfg.train.global_batch_size})")
     if meta.tp != cfg.mesh.tp:
         say(f"  tensor parallelism changed: tp {meta.tp} -> {cfg.mesh.tp}; parameters and optimizer state resharded")
+    if meta.stage != cfg.zero.stage:
+        say(f"  ZeRO stage changed: {meta.stage} -> {cfg.zero.stage}; parameters and optimizer state resharded")
 
 
 def _move_logs_aside(log_dir: Path) -> tuple[Path, list[str]] | None:

@@ -11,6 +11,9 @@
   over `dp`, so that each device holds 1/(dp·tp) of the state. A tp-split parameter gets dp on
   another axis that dp divides; a tp-replicated one is split over dp and tp together. When no axis
   divides, the leaf is flattened and padded into dp·tp equal blocks ("blockify", docs/design.md).
+  ZeRO-2 keeps the gradient in the same layout; ZeRO-3 the parameters too, where the layout keeps the
+  parameter's shape (the other leaves, a few biases and LayerNorm scales, stay whole over dp). Both never
+  split the stacked layers' `layers` axis, so that each layer reduces (and gathers) its own slice.
 - **Batches**: rows over `dp`, replicated over `tp`; the loader's staging array adds a leading `tp`
   axis (only tp = 0 devices read: docs/design.md, "Data on a (dp, tp) mesh").
 - **Checkpoints**: the restore target of a state saved on another (dp, tp), and the repacking of the
@@ -88,6 +91,11 @@ class Layout:
         return P(*(joint if i == self.axis else None for i in range(len(self.shape))))
 
     @property
+    def dp_spec(self) -> P:
+        """`spec` as a map manual over dp alone sees it (tp is left to the compiler there)."""
+        return P(*(DP if a == DP or (isinstance(a, tuple) and DP in a) else None for a in self.spec))
+
+    @property
     def scatter_dim(self) -> int:
         return 0 if self.axis is None else self.axis
 
@@ -107,19 +115,20 @@ class Layout:
         return v.reshape(-1)[: self.size].reshape(self.shape)
 
 
-def plan_layout(shape: tuple[int, ...], dp: int, tp: int = 1, tp_axis: int | None = None) -> Layout:
+def plan_layout(shape: tuple[int, ...], dp: int, tp: int = 1, tp_axis: int | None = None,
+                keep: int | None = None) -> Layout:
     """The largest axis the split divides (dp alone beside a tp axis; dp·tp otherwise), not the last one
-    if another divides; else blockify.
+    if another divides, never `keep` (ZeRO-2/3's layers axis); else blockify.
 
     Not the last: the TPU compiler turns a reduce-scatter that splits an array's minor axis into an
     all-reduce of the whole (a 2-layer 125m on v5e: the MLP's (layers, d, 4d) kernel). The view keeps
     the parameter's shape whichever axis is split, so checkpoints restore across this choice."""
     shape = tuple(shape)
     if tp_axis is not None and tp > 1:
-        candidates = [i for i, n in enumerate(shape) if i != tp_axis and n % dp == 0]
+        candidates = [i for i, n in enumerate(shape) if i not in (tp_axis, keep) and n % dp == 0]
     else:
         tp_axis = None
-        candidates = [i for i, n in enumerate(shape) if n % (dp * tp) == 0]
+        candidates = [i for i, n in enumerate(shape) if i != keep and n % (dp * tp) == 0]
     major = [i for i in candidates if i < len(shape) - 1]
     axis = max(major or candidates, key=lambda i: shape[i]) if candidates else None
     return Layout(shape, dp, tp, tp_axis, axis)
@@ -163,32 +172,41 @@ def rows(mesh: Mesh | AbstractMesh) -> NamedSharding:
 
 
 class Table:
-    """The shardings of one mesh, parameter tree and optimizer: every name ending in `_shardings` (or
-    `_sharding`) holds `NamedSharding`s; `layouts` the optimizer state's `Layout`s; `param_specs` the
-    parameters' `PartitionSpec`s."""
+    """The shardings of one mesh, parameter tree, optimizer and ZeRO stage: every name ending in `_shardings`
+    (or `_sharding`) holds `NamedSharding`s; `layouts` the optimizer state's `Layout`s; `param_specs` the
+    parameters' tp `PartitionSpec`s (whole over dp: how they are used); `param_shardings` how they are
+    stored: as `param_specs` at stages 1 and 2, in their layout at stage 3 (`dp_split`)."""
 
     def __init__(self, mesh: Mesh | AbstractMesh, abstract_params: PyTree, logical_axes: PyTree | None,
-                 tx: optax.GradientTransformation, rules=RULES):
-        self.mesh, self.tx, self.abstract_params = mesh, tx, abstract_params
+                 tx: optax.GradientTransformation, rules=RULES, stage: int = 1):
+        self.mesh, self.tx, self.abstract_params, self.stage = mesh, tx, abstract_params, stage
         self.dp, self.tp = mesh.shape[DP], mesh.shape[TP]
         if logical_axes is None:
             if self.tp > 1:
                 raise ValueError("tensor parallelism needs the parameters' logical axes")
             logical_axes = jax.tree.map(lambda a: P(*[None] * a.ndim), abstract_params)
-        self.param_specs = jax.tree.map(lambda logical: param_spec(logical, rules), logical_axes,
-                                        is_leaf=lambda x: isinstance(x, P))
+        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+        self.param_specs = jax.tree.map(lambda logical: param_spec(logical, rules), logical_axes, is_leaf=is_spec)
+        # The model's stacked layers (a leading `layers` axis): what ZeRO-3 gathers layer by layer.
+        self.stacked = jax.tree.map(lambda logical: len(logical) > 0 and logical[0] == "layers", logical_axes,
+                                    is_leaf=is_spec)
         self.replicated = NamedSharding(mesh, P())
         self.batch_sharding, self.row_sharding = batch(mesh), rows(mesh)
-        self.param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.param_specs,
-                                            is_leaf=lambda x: isinstance(x, P))
         self.layouts = self.plan(self.dp, self.tp)
         self.view_shardings = jax.tree.map(lambda lay: NamedSharding(mesh, lay.spec), self.layouts, is_leaf=is_layout)
         self.opt_shardings = self._opt_shardings(self.layouts, self.view_shardings)
+        # ZeRO-3 stores a parameter split over dp where its layout keeps its shape.
+        self.dp_split = jax.tree.map(lambda lay: stage == 3 and lay.axis is not None and self.dp > 1, self.layouts,
+                                     is_leaf=is_layout)
+        self.param_shardings = jax.tree.map(lambda split, lay, s: NamedSharding(mesh, lay.spec if split else s),
+                                            self.dp_split, self.layouts, self.param_specs, is_leaf=is_layout)
 
-    def plan(self, dp: int, tp: int) -> PyTree:
-        """The layouts on a (dp, tp) mesh: this one's, or the one a checkpoint was saved on."""
-        return jax.tree.map(lambda a, s: plan_layout(a.shape, dp, tp, _tp_axis(s) if tp > 1 else None),
-                            self.abstract_params, self.param_specs, is_leaf=lambda x: isinstance(x, P))
+    def plan(self, dp: int, tp: int, stage: int | None = None) -> PyTree:
+        """The layouts on a (dp, tp) mesh at a ZeRO stage: this one's, or the one a checkpoint was saved on."""
+        keep = (stage or self.stage) >= 2
+        return jax.tree.map(lambda a, s, stacked: plan_layout(a.shape, dp, tp, _tp_axis(s) if tp > 1 else None,
+                                                              0 if keep and stacked else None),
+                            self.abstract_params, self.param_specs, self.stacked, is_leaf=lambda x: isinstance(x, P))
 
     def _opt_shardings(self, layouts: PyTree, view_shardings: PyTree) -> PyTree:
         abstract_opt = jax.eval_shape(self.tx.init, abstract_views(layouts, self.abstract_params))
@@ -211,13 +229,13 @@ class Table:
                      else jax.tree.map(lambda lay: lay.spec, self.layouts, is_leaf=is_layout))
         return tp_local, in_specs, out_specs
 
-    def restore_target(self, saved_dp: int, saved_tp: int) -> tuple[PyTree, Any]:
-        """What to restore a state saved on (saved_dp, saved_tp) into, and how to finish it.
+    def restore_target(self, saved_dp: int, saved_tp: int, saved_stage: int = 1) -> tuple[PyTree, Any]:
+        """What to restore a state saved on (saved_dp, saved_tp) at `saved_stage` into, and how to finish it.
 
         Returns (abstract optimizer state with shardings, repack). Leaves whose view has
         the same shape now restore straight into this mesh's sharding; the others (blockified into a
         different number of blocks) restore whole and `repack(opt_state)` rebuilds them here."""
-        saved = self.plan(saved_dp, saved_tp)
+        saved = self.plan(saved_dp, saved_tp, saved_stage)
         saved_opt = jax.eval_shape(self.tx.init, abstract_views(saved, self.abstract_params))
         same = jax.tree.map(lambda old, new: old.view_shape == new.view_shape, saved, self.layouts, is_leaf=is_layout)
         target_views = jax.tree.map(lambda s, sh: sh if s else self.replicated, same, self.view_shardings)

@@ -1,4 +1,4 @@
-"""The training step from a config: the model, the optimizer and its schedule, and the ZeRO-1 step on a mesh;
+"""The training step from a config: the model, the optimizer and its schedule, and the ZeRO step on a mesh;
 and the one way to compile it ahead of time.
 
 One place below everything that needs the step as a run would build it: `zerolm train`, `zerolm comms`,
@@ -21,7 +21,7 @@ from zerolm.config import Config, ConfigError
 from zerolm.errors import ZerolmError, first_line
 from zerolm.mesh import TP
 from zerolm.optim import make_optimizer
-from zerolm.zero import Programs, Zero1
+from zerolm.zero import Programs, Zero
 
 
 def build_model(cfg: Config, device: jax.Device) -> tuple[gpt_model.GPT, functools.partial]:
@@ -33,8 +33,8 @@ def build_model(cfg: Config, device: jax.Device) -> tuple[gpt_model.GPT, functoo
     return model, functools.partial(gpt_model.init_params, model)
 
 
-def build_step(cfg: Config, mesh: Mesh, rules=sharding.RULES) -> tuple[gpt_model.GPT, Zero1, functools.partial]:
-    """The model, its ZeRO-1 step on `mesh` and its init function, as the config says (vocab resolved;
+def build_step(cfg: Config, mesh: Mesh, rules=sharding.RULES) -> tuple[gpt_model.GPT, Zero, functools.partial]:
+    """The model, its ZeRO step (zero.stage) on `mesh` and its init function, as the config says (vocab resolved;
     the model's `auto` dtype and attention for the mesh's devices, which may be a TPU slice compiled for
     ahead of time). `rules`: the logical-axis rule table (zerolm.sharding).
 
@@ -50,10 +50,10 @@ def build_step(cfg: Config, mesh: Mesh, rules=sharding.RULES) -> tuple[gpt_model
             cfg = cfg.resolve(model__attention="xla")
     model, init_fn = build_model(cfg, mesh.devices.flat[0])
     tx, schedule = make_optimizer(cfg.train)
-    zero = Zero1(mesh, functools.partial(losses.lm_loss, model), tx, jax.eval_shape(init_fn, jax.random.key(0)),
+    zero = Zero(mesh, functools.partial(losses.lm_loss, model), tx, jax.eval_shape(init_fn, jax.random.key(0)),
                  logical_axes=gpt_model.logical_axes(model), grad_reduce=cfg.zero.grad_reduce, lr_schedule=schedule,
                  precision=cfg.zero.precision, accumulate_dtype=cfg.zero.accumulate_dtype,
-                 scatter=cfg.zero.scatter, rules=rules)
+                 scatter=cfg.zero.scatter, rules=rules, stage=cfg.zero.stage)
     return model, zero, init_fn
 
 
@@ -65,7 +65,7 @@ class CompiledStep:
     seconds: dict[str, float]  # compile time per program
     refused: dict[str, str]  # programs the compiler refused for their size (keep_refusals): its message
 
-    def memory(self, zero: Zero1, micro_batch: int, seq_len: int, accum_steps: int) -> dict[str, dict[str, int]]:
+    def memory(self, zero: Zero, micro_batch: int, seq_len: int, accum_steps: int) -> dict[str, dict[str, int]]:
         """Per compiled program, its bytes per device (`memory_analysis()`: argument, output, temp, alias),
         what lives outside it while it runs (`live_outside`) and its peak: arguments + outputs + temporaries
         − aliased + outside. The step's peak is the largest; `zerolm compile` reports it, a run checks it."""
@@ -87,7 +87,7 @@ class CompiledStep:
         return {name: executable.as_text() or "" for name, executable in self.programs.items()}
 
 
-def live_outside(zero: Zero1, micro_batch: int, seq_len: int, accum_steps: int) -> dict[str, int]:
+def live_outside(zero: Zero, micro_batch: int, seq_len: int, accum_steps: int) -> dict[str, int]:
     """Per program, the bytes per device that live outside it while it runs: the optimizer state during
     `grad`; the optimizer state and `grad`'s output (the gradient, by its reduction) during `reshard`; nothing
     during `update` (it takes the state whole: the old parameters are its donated argument)."""
@@ -110,13 +110,13 @@ class BuiltStep:
 
     cfg: Config  # as compiled: model.remat resolved
     model: gpt_model.GPT
-    zero: Zero1
+    zero: Zero
     init_fn: functools.partial
     compiled: CompiledStep
     tried: dict[str, int | None]  # model.remat auto: each policy tried -> its compiled peak (None: refused)
 
 
-def step_peak(compiled: CompiledStep, zero: Zero1, cfg: Config) -> int | None:
+def step_peak(compiled: CompiledStep, zero: Zero, cfg: Config) -> int | None:
     """The compiled step's peak bytes per device (the largest of its programs'), None if a program was refused."""
     if compiled.refused:
         return None
@@ -195,10 +195,10 @@ def is_out_of_memory(e: BaseException) -> bool:
             and "out of memory" in text.lower())
 
 
-def compile_step(zero: Zero1, micro_batch: int, seq_len: int, accum_steps: int, *,
+def compile_step(zero: Zero, micro_batch: int, seq_len: int, accum_steps: int, *,
                  keep_refusals: bool = False) -> CompiledStep:
-    """Compile each of the step's programs (`Zero1.program_inputs`) for a run's shapes: what training runs
-    (`Zero1.using`), what `zerolm comms` and the run's header read, what `zerolm compile` measures. With
+    """Compile each of the step's programs (`Zero.program_inputs`) for a run's shapes: what training runs
+    (`Zero.using`), what `zerolm comms` and the run's header read, what `zerolm compile` measures. With
     `keep_refusals`, a program the compiler refuses for its size (RESOURCE_EXHAUSTED: its temporaries exceed
     the device) is recorded, not raised: that refusal is `zerolm compile`'s answer."""
     executables: dict[str, Any] = {}

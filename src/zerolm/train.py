@@ -45,7 +45,7 @@ from zerolm.run_data import RunData, describe_data, open_data
 from zerolm.runlock import LockHeld, RunLock
 from zerolm.sample import Sampling, generate
 from zerolm.step import DoesNotFit, build_and_compile, check_fits, is_out_of_memory
-from zerolm.zero import TrainState, Zero1
+from zerolm.zero import TrainState, Zero
 
 # Settings that name a place; logging.dir must be local (see check_storage).
 LOCAL_LOGS = ("metrics.jsonl is appended every step and wandb keeps its files there, and a gs:// object cannot be "
@@ -92,7 +92,7 @@ class Run:
     mesh: Mesh
     data: RunData
     model: GPT  # resolved for the mesh's devices
-    zero: Zero1  # running the programs compiled for this run's shapes
+    zero: Zero  # running the programs compiled for this run's shapes
     init_fn: Callable[[jax.Array], Any]
     accounting: Accounting
     data_id: dict[str, Any]  # the data's identity, which checkpoints record and a resume must match
@@ -150,7 +150,7 @@ def _lock_directories(cfg: Config, held: contextlib.ExitStack) -> RunLock | None
     return lock
 
 
-def _evaluator(cfg: Config, model: GPT, zero: Zero1, data: RunData, say: Say) -> Callable[[Any], float] | None:
+def _evaluator(cfg: Config, model: GPT, zero: Zero, data: RunData, say: Say) -> Callable[[Any], float] | None:
     """The mean loss over train.eval_sequences validation samples (all of them if fewer), or None."""
     n_val = min(cfg.train.eval_sequences, len(data.val))
     if not n_val:

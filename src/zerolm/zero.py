@@ -1,23 +1,33 @@
-"""ZeRO-1: the shard_map gradient step, the reshard and the update (their shardings: zerolm.sharding).
+"""ZeRO stages 1-3: the shard_map gradient step, the reshard and the update (their shardings: zerolm.sharding).
 
-One optimizer step is three compiled programs:
+One optimizer step is three compiled programs, whatever the stage (`zero.stage`):
 
-1. `grad`: one jit of two `jax.shard_map`s. The first, manual over `dp` alone (tensor parallelism
-   over `tp` is left to the compiler inside it), scans over each device's micro-batches, accumulating
-   float32 gradients locally; the tp collectives of the forward and backward passes run inside this
-   loop, over tp only. The second, manual over dp and tp, is the ONE cross-device reduction over dp,
-   each device reducing only its own tp block: a `pmean` (all_reduce) or a reduce-scatter straight
-   into the optimizer-state layout (reduce_scatter, half the bytes), run as zerolm.scatter picks for
-   the mesh.
+1. `grad`: one jit of `jax.shard_map`s, manual over `dp` (tensor parallelism over `tp` is left to the
+   compiler inside; without tp, manual over the whole mesh), that scan over each device's micro-batches.
+   - Stage 1 accumulates float32 gradients locally and ends in the ONE cross-device reduction over dp,
+     a second map manual over dp and tp in which each device reduces only its own tp block: a `pmean`
+     (all_reduce) or a reduce-scatter straight into the optimizer-state layout (reduce_scatter, half the
+     bytes), run as zerolm.scatter picks for the mesh.
+   - Stage 2 reduce-scatters each layer's gradient where the backward pass makes it, every micro-step, into
+     a dp-sharded float32 accumulator in the optimizer-state layout: no device holds a whole gradient of
+     the layers, for one reduction per micro-step instead of one per step.
+   - Stage 3 also stores the parameters in that layout: each layer all-gathers its own parameters where
+     the model reads them, inside the layers' loop and its remat (`GPT.layer_params`), so the forward and
+     the backward pass each gather them again and nothing holds a whole model; the gather's transpose
+     reduce-scatters that layer's gradient as soon as the backward pass makes it.
+   At stages 2 and 3 the leaves outside the layers (the embeddings, the last LayerNorm) reduce as at stage
+   1, once after the loop (and stage 3 gathers them once per step, before it).
+   The tp collectives of the forward and backward passes run inside the loop, over tp only.
 2. `reshard`: an identity `jax.jit` that moves the parameters into the optimizer-state layout. Each
    device keeps its own slice, so it compiles to no collective (but for a small gather of each
    blockified tp-split leaf; `zerolm comms` shows them).
 3. `update`: a jitted optax update on the sharded view; the optimizer state stays sharded (and is
-   donated) and the new parameters come back in their own (tp) sharding: the step's all-gather.
+   donated) and the new parameters come back in their own sharding: whole over dp at stages 1 and 2 (the
+   step's all-gather), in the layout at stage 3 (no gather: the next forward pass gathers).
 
 Each device holds 1/(dp·tp) of the optimizer state, plus padding (zerolm.sharding.Layout). In mixed
 precision (`precision="mixed"`) the parameters are bfloat16, the float32 master weights sit in the
-optimizer state (zerolm.optim.MasterWeights), the reduction and the all-gather run in bfloat16, and the
+optimizer state (zerolm.optim.MasterWeights), the reductions and the all-gathers run in bfloat16, and the
 update needs no reshard of the parameters: the master weights are its view. docs/design.md tells why.
 """
 
@@ -47,14 +57,17 @@ from zerolm.sharding import from_views, is_layout, to_views
 PyTree = Any
 GradReduce = Literal["all_reduce", "reduce_scatter"]
 Precision = Literal["fp32", "mixed"]
-LossFn = Callable[[PyTree, jax.Array], jax.Array]  # (params, tokens_BxT1) -> scalar loss
+Stage = Literal[1, 2, 3]
+# (params, tokens_BxT1, layer_params) -> scalar loss; `layer_params`: what each layer of the model applies
+# to its stored parameters before it reads them (ZeRO-3's gather; zerolm.model.GPT.layer_params), or None.
+LossFn = Callable[..., jax.Array]
 
 
 @flax.struct.dataclass
 class TrainState:
     step: Any  # int32 scalar: optimizer steps taken (an abstract one, or a sharding, in restore targets)
-    params: PyTree  # the working parameters (float32; bfloat16 in mixed precision), replicated over dp,
-    # split over tp by the rule table
+    params: PyTree  # the working parameters (float32; bfloat16 in mixed precision), split over tp by the
+    # rule table, and replicated over dp (stages 1, 2) or split over it in the optimizer-state layout (3)
     opt_state: PyTree  # split over dp and tp, in the Layout views (with the float32 master weights in mixed)
 
 
@@ -71,7 +84,7 @@ class StepInputs:
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
-    """The step's three programs: jitted (`Zero1.programs`), or compiled ahead of time for a run's shapes
+    """The step's three programs: jitted (`Zero.programs`), or compiled ahead of time for a run's shapes
     (zerolm.step.compile_step; a program the step does not run, or the compiler refused, is None)."""
 
     grad: Any  # (params, batch) -> (gradient, in the optimizer-state layout or the params' sharding; metrics)
@@ -85,17 +98,20 @@ class Programs:
         return [(name, program) for name in self.NAMES if (program := getattr(self, name)) is not None]
 
 
-class Zero1:
-    """The ZeRO-1 training step for one mesh, model loss, optimizer and accumulation count.
+class Zero:
+    """The ZeRO training step (stage 1, 2 or 3) for one mesh, model loss, optimizer and accumulation count.
 
     `step(state, batch) -> (state, metrics)` is a pure function of its inputs; `batch` is the global
     array of shape (accum_steps, dp * micro_batch, seq_len + 1) sharded by `table.batch_sharding`;
     `table` (zerolm.sharding.Table) holds every sharding the step uses.
 
+    `stage`: 1 splits the optimizer state over dp and reduces the gradient once per step; 2 also keeps
+    the gradient split (a reduce-scatter per micro-step); 3 also the parameters (each layer gathered where
+    it is used). Stages 2 and 3 reduce with reduce-scatters only (`grad_reduce` must be reduce_scatter).
     `precision`: "fp32" keeps float32 parameters and reduces and gathers in float32. "mixed" is the ZeRO
-    paper's stage-1 layout: the working parameters are bfloat16 (replicated, 2 bytes per parameter), the
-    float32 master weights live in the dp-sharded optimizer state (zerolm.optim.with_master_weights), and the
-    gradient is reduced and the new parameters all-gathered in bfloat16 (half the bytes of each).
+    paper's layout: the working parameters are bfloat16 (2 bytes per parameter), the float32 master weights
+    live in the dp-sharded optimizer state (zerolm.optim.with_master_weights), and the gradient is reduced
+    and the parameters all-gathered in bfloat16 (half the bytes of each).
     `accumulate_dtype`: the dtype of each device's gradient accumulator over its micro-batches.
     `scatter` (reduce_scatter): "collective" (`lax.psum_scatter`), "two_stage" or "ring", the ways
     zerolm.scatter knows; "auto" is `scatter.resolve_scatter`'s choice for the mesh.
@@ -105,37 +121,30 @@ class Zero1:
                  abstract_params: PyTree, *, logical_axes: PyTree | None = None,
                  grad_reduce: GradReduce = "reduce_scatter", lr_schedule: optax.Schedule | None = None,
                  precision: Precision = "fp32", accumulate_dtype=jnp.float32, scatter: Scatter = "auto",
-                 rules=sharding.RULES):
+                 rules=sharding.RULES, stage: Stage = 1):
+        if stage > 1 and grad_reduce != "reduce_scatter":
+            raise ValueError(f"ZeRO-{stage} reduces with reduce-scatters: grad_reduce must be reduce_scatter")
         self.mesh = mesh
+        self.stage = stage
         self.grad_reduce = grad_reduce
         self.precision = precision
         self.param_dtype = jnp.dtype(jnp.bfloat16 if precision == "mixed" else jnp.float32)
         self.tx = tx = with_master_weights(tx) if precision == "mixed" else tx
         self.abstract_params = abstract_params  # float32: the model's (and the master weights')
         self.working_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, self.param_dtype), abstract_params)
-        self.table = table = sharding.Table(mesh, abstract_params, logical_axes, tx, rules)  # every sharding
+        self.table = table = sharding.Table(mesh, abstract_params, logical_axes, tx, rules, stage)  # every sharding
         self.state_shardings = TrainState(step=table.replicated, params=table.param_shardings,
                                           opt_state=table.opt_shardings)
-
-        # (1) accumulate: manual over dp; per-device gradients come out stacked on a leading dp axis. Without
-        # tensor parallelism it is manual over the whole mesh: nothing is left for the partitioner inside,
-        # where JAX cannot run a custom partitioner (cuDNN's attention has one) under a partly manual map.
-        stacked = jax.tree.map(lambda _: P(DP), table.param_specs, is_leaf=lambda x: isinstance(x, P))
-        accumulate = jax.shard_map(functools.partial(_accumulate, loss_fn=loss_fn, acc_dtype=jnp.dtype(accumulate_dtype),
-                                                     out_dtype=self.param_dtype), mesh=mesh,
-                                   in_specs=(P(), table.batch_sharding.spec), out_specs=(stacked, P(DP)),
-                                   axis_names=frozenset(mesh.axis_names) if table.tp == 1 else frozenset({DP}))
-        # (2) reduce: manual over dp and tp, each device reducing its own tp block (sharding.Table.reduction).
-        tp_local, in_specs, out_specs = table.reduction(grad_reduce)
         self.scatter = scatter_lib.resolve_scatter(scatter, mesh)  # "collective", "two_stage" or "ring"
         self.scatter_inner = scatter_lib.two_stage_inner(mesh) if self.scatter == "two_stage" else None
-        reduce = jax.shard_map(functools.partial(_reduce, layouts=table.layouts, tp_local=tp_local,
-                                                 grad_reduce=grad_reduce, dp=table.dp, tp=table.tp,
-                                                 scatter=self.scatter, inner=self.scatter_inner),
-                               mesh=mesh, in_specs=(in_specs, P(DP)), out_specs=(out_specs, P()))
-
-        def grad_step(params, batch):
-            return reduce(*accumulate(params, batch))
+        # Manual over dp; without tensor parallelism over the whole mesh: nothing is left for the partitioner
+        # inside, where JAX cannot run a custom partitioner (cuDNN's attention has one) under a partly manual map.
+        manual = frozenset(mesh.axis_names) if table.tp == 1 else frozenset({DP})
+        acc_dtype = jnp.dtype(accumulate_dtype)
+        if stage == 1:
+            grad_step = self._stage1(loss_fn, acc_dtype, manual)
+        else:
+            grad_step = self._sharded_grad(loss_fn, acc_dtype, manual)
 
         # What a step runs; zerolm.step.compile_step gives them compiled for a run's shapes (`using`).
         self.programs = Programs(
@@ -147,6 +156,50 @@ class Zero1:
                            # The optimizer state, and the old parameters: the new ones take their buffers (kept,
                            # though unread, so that the compiled program aliases them).
                            donate_argnums=(2, 4), keep_unused=True))
+
+    def _stage1(self, loss_fn: LossFn, acc_dtype, manual: frozenset) -> Callable:
+        """(params, batch) -> (gradient, metrics): accumulate locally, then the one reduction over dp."""
+        table, mesh = self.table, self.mesh
+        # (1) accumulate: per-device gradients come out stacked on a leading dp axis.
+        stacked = jax.tree.map(lambda _: P(DP), table.param_specs, is_leaf=lambda x: isinstance(x, P))
+        accumulate = jax.shard_map(functools.partial(_accumulate, loss_fn=loss_fn, acc_dtype=acc_dtype,
+                                                     out_dtype=self.param_dtype), mesh=mesh,
+                                   in_specs=(P(), table.batch_sharding.spec), out_specs=(stacked, P(DP)),
+                                   axis_names=manual)
+        # (2) reduce: manual over dp and tp, each device reducing its own tp block (sharding.Table.reduction).
+        tp_local, in_specs, out_specs = table.reduction(self.grad_reduce)
+        reduce = jax.shard_map(functools.partial(_reduce, layouts=table.layouts, tp_local=tp_local,
+                                                 grad_reduce=self.grad_reduce, dp=table.dp, tp=table.tp,
+                                                 scatter=self.scatter, inner=self.scatter_inner),
+                               mesh=mesh, in_specs=(in_specs, P(DP)), out_specs=(out_specs, P()))
+        return lambda params, batch: reduce(*accumulate(params, batch))
+
+    def _sharded_grad(self, loss_fn: LossFn, acc_dtype, manual: frozenset) -> Callable:
+        """(params, batch) -> (gradient in the optimizer-state layout, metrics): each layer's reduce-scattered
+        inside the loop where the backward pass makes it, the other leaves' once after it."""
+        table = self.table
+        in_layers = jax.tree.map(lambda lay, st: st and lay.axis is not None and table.dp > 1, table.layouts,
+                                 table.stacked, is_leaf=is_layout)
+        param_in = jax.tree.map(lambda s, lay, ps: lay.dp_spec if s else P(*[None] * len(ps)), table.dp_split,
+                                table.layouts, table.param_specs, is_leaf=is_layout)
+        grad_out = jax.tree.map(lambda lay: lay.dp_spec, table.layouts, is_leaf=is_layout)
+        reduce_scatter = scatter_lib.reduce_scatter(self.scatter, table.dp, self.scatter_inner)
+        if table.tp > 1 and self.mixed and self.mesh.devices.flat[0].platform == "cpu":
+            # XLA's CPU compiler aborts on a bfloat16 reduce-scatter in a map manual over dp alone ("Invalid
+            # binary instruction opcode copy", jax 0.10): there, and only there, it runs in float32.
+            reduce_scatter = _in_float32(reduce_scatter)
+        body = functools.partial(_accumulate_sharded, stage=self.stage, loss_fn=loss_fn, acc_dtype=acc_dtype,
+                                 out_dtype=self.param_dtype, layouts=table.layouts, in_layers=in_layers,
+                                 stored_split=table.dp_split, stacked=table.stacked, reduce_scatter=reduce_scatter,
+                                 dp=table.dp)
+        accumulate = jax.shard_map(body, mesh=self.mesh, in_specs=(param_in, table.batch_sharding.spec),
+                                   out_specs=(grad_out, P()), axis_names=manual)
+
+        def grad_step(params, batch):
+            grads, metrics = accumulate(params, batch)
+            return lax.with_sharding_constraint(grads, table.view_shardings), metrics
+
+        return grad_step
 
     @property
     def mixed(self) -> bool:
@@ -177,7 +230,7 @@ class Zero1:
         inputs["update"] = (x.views, None if self.mixed else x.views, x.opt_state, x.step, x.params)
         return inputs
 
-    def using(self, programs: Programs) -> Zero1:
+    def using(self, programs: Programs) -> Zero:
         """This step running `programs` (compiled ahead of time for the run's shapes) instead of the jitted
         ones: each program is compiled once, not once ahead of time and again at its first call."""
         twin = copy.copy(self)
@@ -222,16 +275,23 @@ def _accumulate(params, batch_AxMxT1, *, loss_fn: LossFn, acc_dtype, out_dtype):
     varying = functools.partial(lax.pcast, axis_name=DP, to="varying")
     params = jax.tree.map(varying, params)
     zeros = jax.tree.map(lambda p: varying(jnp.zeros(p.shape, acc_dtype)), params)
+    grads, loss = _sum_over_micro_batches(loss_fn, params, zeros, batch_AxMxT1)
+    accum = batch_AxMxT1.shape[0]
+    return jax.tree.map(lambda g: (g / accum).astype(out_dtype)[None], grads), (loss / accum)[None]
 
+
+def _sum_over_micro_batches(loss_fn: Callable, params, zeros, batch_AxMxT1):
+    """Σ over the micro-batches (a scan) of the loss and of its gradient with respect to `params`, each
+    gradient added into `zeros`' accumulator in the accumulator's dtype."""
     def micro_step(carry, tokens_MxT1):
         grad_acc, loss_acc = carry
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens_MxT1)
-        grad_acc = jax.tree.map(lambda a, g: a + g.astype(acc_dtype), grad_acc, grads)
+        grad_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_acc, grads)
         return (grad_acc, loss_acc + loss), None
 
-    accum = batch_AxMxT1.shape[0]
-    (grads, loss), _ = lax.scan(micro_step, (zeros, varying(jnp.zeros((), jnp.float32))), batch_AxMxT1)
-    return jax.tree.map(lambda g: (g / accum).astype(out_dtype)[None], grads), (loss / accum)[None]
+    loss_zero = lax.pcast(jnp.zeros((), jnp.float32), DP, to="varying")
+    (grads, loss), _ = lax.scan(micro_step, (zeros, loss_zero), batch_AxMxT1)
+    return grads, loss
 
 
 def _reduce(grads, loss, *, layouts, tp_local, grad_reduce: GradReduce, dp: int, tp: int, scatter: Scatter,
@@ -277,3 +337,111 @@ def _update(grads_view, params_view, opt_state, step, old_params, *, tx, layouts
     return from_views(layouts, new_view), opt_state, step + 1, metrics
 
 
+
+
+def _in_float32(reduce_scatter: Callable[[jax.Array, int], jax.Array]) -> Callable[[jax.Array, int], jax.Array]:
+    return lambda x, axis: reduce_scatter(x.astype(jnp.float32), axis).astype(x.dtype)
+
+
+def _gather(axis: int, reduce_scatter: Callable[[jax.Array, int], jax.Array]) -> Callable[[jax.Array], jax.Array]:
+    """ZeRO-3: x's dp blocks along `axis`, all-gathered; the transpose is `reduce_scatter` (zerolm.scatter's,
+    as the step's scatter says), so the backward pass reduce-scatters the gradient of what was gathered."""
+    @jax.custom_vjp
+    def gather(x):
+        return lax.all_gather(x, DP, axis=axis, tiled=True)
+
+    gather.defvjp(lambda x: (gather(x), None), lambda _, g: (reduce_scatter(g, axis),))
+    return gather
+
+
+def _attach(axis: int, reduce_scatter: Callable[[jax.Array, int], jax.Array]) -> Callable[..., jax.Array]:
+    """ZeRO-2: `whole` as it is, its gradient reduce-scattered along `axis` into `sink`'s (this device's dp
+    block, zeros): the backward pass reduce-scatters each layer's gradient where it is made, so no whole
+    gradient outlives its layer."""
+    @jax.custom_vjp
+    def attach(whole, sink):
+        del sink
+        return whole
+
+    attach.defvjp(lambda whole, sink: (whole, None), lambda _, g: (None, reduce_scatter(g, axis)))
+    return attach
+
+
+def _at_use(stage: int, axis: int, reduce_scatter) -> Callable[[Any], jax.Array]:
+    """What a parameter stored as `x` is where it is used, at `stage`: its dp block gathered (3), or the
+    pair (whole, gradient sink) attached (2)."""
+    if stage == 3:
+        return _gather(axis, reduce_scatter)
+    return lambda pair: _attach(axis, reduce_scatter)(*pair)
+
+
+def _layer_params(stage: int, layouts, in_layers, stacked, reduce_scatter) -> Callable | None:
+    """Each layer's `_at_use`, for the model's `layer_params`: the `in_layers` leaves of the stacked layers
+    (one subtree of the parameters, a leading `layers` axis), on their layout's axis less the layers axis.
+    None when there are none."""
+    keys = {path[0].key for path, s in jax.tree_util.tree_leaves_with_path(stacked) if s}
+    if not any(jax.tree.leaves(in_layers)):
+        return None
+    if len(keys) != 1 or not all(jax.tree.leaves(stacked[next(iter(keys))])):
+        raise ValueError(f"ZeRO-{stage} reduces in one subtree of stacked layers; these parameters have {sorted(keys)}")
+    key = next(iter(keys))
+    axes = jax.tree.map(lambda u, lay: lay.axis - 1 if u else -1, in_layers[key], layouts[key], is_leaf=is_layout)
+
+    def layer_params(tree):
+        return jax.tree.map(lambda axis, x: x if axis < 0 else _at_use(stage, axis, reduce_scatter)(x), axes, dict(tree))
+
+    return layer_params
+
+
+def _accumulate_sharded(params, batch_AxMxT1, *, stage: int, loss_fn: LossFn, acc_dtype, out_dtype, layouts,
+                        in_layers, stored_split, stacked, reduce_scatter, dp: int):
+    """Per device: its dp block of the mean gradient over every device's micro-batches, in the optimizer-state
+    layout.
+
+    The `in_layers` leaves (the stacked layers' leaves that the layout splits over dp) reduce a layer at a
+    time, inside the layers' loop, where the model uses them (`_layer_params`): ZeRO-3 stores them as this
+    device's block and gathers it there; ZeRO-2 stores them whole and reduce-scatters each layer's gradient
+    into a zero block (its sink) as the backward pass makes it. The other leaves (the embeddings, the last
+    LayerNorm; a layer's few leaves that no dp-splittable axis has) reduce as in ZeRO-1: each device sums its
+    own gradient of them over the micro-batches, then one reduce-scatter after the loop; ZeRO-3 gathers those
+    it stores split once, before the loop."""
+    varying = functools.partial(lax.pcast, axis_name=DP, to="varying")
+    hook = _layer_params(stage, layouts, in_layers, stacked, reduce_scatter)
+
+    def before_loop(u, split, lay, p):
+        if u:
+            return p  # a layer's block (ZeRO-3, gathered in the loop) or whole (ZeRO-2)
+        return lax.all_gather(p, DP, axis=lay.scatter_dim, tiled=True) if split else varying(p)
+
+    params = jax.tree.map(before_loop, in_layers, stored_split, layouts, params, is_leaf=is_layout)
+    params = jax.tree.map(lambda u, p: p if stage == 3 or not u else varying(p), in_layers, params)
+
+    def block_zeros(lay, dtype):
+        shape = list(lay.view_shape)
+        shape[lay.scatter_dim] //= dp
+        return varying(jnp.zeros(shape, dtype))
+
+    # What is differentiated: ZeRO-3's stored blocks and ZeRO-2's sinks in the layers, the other leaves themselves.
+    diff = jax.tree.map(lambda u, lay, p: block_zeros(lay, p.dtype) if u and stage == 2 else p, in_layers, layouts,
+                        params, is_leaf=is_layout)
+
+    def loss_of(diff, tokens_MxT1):
+        model_params = jax.tree.map(lambda u, d, p: (lax.stop_gradient(p), d) if u and stage == 2 else d,
+                                    in_layers, diff, params)
+        if hook is None:
+            return loss_fn(model_params, tokens_MxT1)
+        return loss_fn(model_params, tokens_MxT1, layer_params=hook)
+
+    accum = batch_AxMxT1.shape[0]
+    zeros = jax.tree.map(lambda u, lay: block_zeros(lay, acc_dtype) if u else varying(jnp.zeros(lay.shape, acc_dtype)),
+                         in_layers, layouts, is_leaf=is_layout)
+    grads, loss = _sum_over_micro_batches(loss_of, diff, zeros, batch_AxMxT1)
+
+    def after_loop(u, lay, g):
+        if u:
+            return (g / (dp * accum)).astype(out_dtype)
+        # In the parameters' dtype, as ZeRO-1 reduces (bfloat16 in mixed precision).
+        return reduce_scatter(lay.to_view((g / accum).astype(out_dtype)), lay.scatter_dim) / dp
+
+    grads = jax.tree.map(after_loop, in_layers, layouts, grads, is_leaf=is_layout)
+    return grads, {"loss": lax.pmean(loss / accum, DP)}

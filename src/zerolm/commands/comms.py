@@ -21,7 +21,7 @@ def add_arguments(parser) -> None:
                         help="devices to compile for (default: mesh.dp × mesh.tp; with mesh.dp auto, this machine's "
                              "accelerators, or 8 fake CPU devices)")
     parser.add_argument("--step", choices=("zerolm", "naive"), default="zerolm",
-                        help="zerolm: the ZeRO-1 step; naive: one plain jax.jit with the accumulation scan inside, "
+                        help="zerolm: the ZeRO step (zero.stage); naive: one plain jax.jit with the accumulation scan inside, "
                              "the baseline the design avoids (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 

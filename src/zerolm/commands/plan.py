@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="share of device memory a plan may use (default: on a TPU preset what the TPU compiler "
                             "allows, as `zerolm compile` checks; on a GPU, the share JAX's allocator takes: 0.75 unless "
                             "XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise)")
-    where.add_argument("--stage", type=int, choices=STAGES, default=1, help="stage for the step time (default: 1)")
+    where.add_argument("--stage", type=int, choices=STAGES,
+                       help="ZeRO stage for the step time and the advice (default: the config's zero.stage, else 1)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 

@@ -28,8 +28,9 @@ class Planner:
     (ExactStates from a config, AnalyticStates from a parameter count)."""
 
     def __init__(self, model: Model, states, device: Device, layout: Parallelism, precision: str, micro_batch: int = 1,
-                 *, efficiency: float = 0.5, memory_fraction: float | None = None):
+                 *, efficiency: float = 0.5, memory_fraction: float | None = None, stage: int = 1):
         self.model, self.device, self.layout, self.micro_batch = model, device, layout, micro_batch
+        self.stage = stage  # the config's zero.stage: what the step time and the advice are for by default
         self._factory, self.states = states, states(layout.dp, layout.tp)
         self.precision_name, self.precision = precision, PRECISIONS[precision]
         self.efficiency, self.memory_fraction = efficiency, memory_fraction
@@ -48,9 +49,9 @@ class Planner:
         remat = "full" if self.model.remat == "full" else "none"
         acts = {r: activation_bytes(self.model, micro, self.layout.tp, r, self.flash) for r in ("none", "full")}
         total = st.params + st.grads + st.optimizer + acts[remat]
-        # Stage 1 is the one zerolm runs: it fits where zerolm's own step does (`step_peak`), which counts
-        # more than the paper's minimal activations.
-        fits = self.fits(total) and (stage != 1 or self.step_peak(micro)["fits"])
+        # Stages 1-3 are zerolm's: they fit where zerolm's own step does (`step_peak`), which counts more
+        # than the paper's minimal activations.
+        fits = self.fits(total) and (stage == 0 or self.step_peak(micro, stage)["fits"])
         return {"params_bytes": st.params, "grads_bytes": st.grads, "optimizer_bytes": st.optimizer,
                 "activation_bytes": acts[remat], "activation_bytes_no_remat": acts["none"],
                 "activation_bytes_full_remat": acts["full"], "total_bytes": total, "fits": fits}
@@ -74,17 +75,20 @@ class Planner:
         return resolve_auto("bfloat16" if m.act_bytes == 2 else "float32", m.attention, self.device.platform,
                             self.device.name, m.seq_len, m.attention_block)[1]
 
-    def step_peak(self, micro: int) -> dict[str, Any]:
-        """zerolm's own ZeRO-1 step (stage 1, at the config's precision), per device, by the rule `zerolm
+    def step_peak(self, micro: int, stage: int = 1) -> dict[str, Any]:
+        """zerolm's own step at ZeRO `stage` (at the config's precision), per device, by the rule `zerolm
         compile` applies to the compiler's figures: each program's arguments + outputs + temporaries −
         aliased, plus what lives outside it; the step's peak is the largest.
 
-        grad: the working params (arguments); the gradient in the optimizer layout (output); the
-        accumulator (none with one micro-step per step), the micro-step's gradient beside it, the
-        activations (`step_activation_bytes`) and the loss's float32 buffers (temporaries); the optimizer
-        state (outside). update: the reduced
-        gradient, the optimizer state and the old params in (donated: aliased with the new), the new params
-        out and a working copy of them while they are gathered and cast. fp32 also reshards the params
+        grad: the working params (arguments: whole at stages 1 and 2, one dp block at 3); the gradient in
+        the optimizer layout (output); the activations (`step_activation_bytes`) and the loss's float32
+        buffers, and the optimizer state (outside). Stage 1 adds the accumulator (none with one micro-step
+        per step) and the micro-step's whole gradient beside it. Stages 2 and 3 accumulate the layers'
+        gradient in dp blocks and the embeddings' whole (reduced after the loop), and hold the embeddings'
+        gradient and two layers' as they are made; stage 3 also the gathered embeddings and two gathered
+        layers (the one running and the next). update: the reduced gradient, the optimizer state and the
+        old params in (donated: aliased with the new), the new params out and a working copy of them while
+        they are gathered and cast (stage 3: its block, nothing gathered). fp32 also reshards the params
         into the optimizer layout: a 1/dp slice."""
         m, p = self.model, self.model.param_bytes
         st = self.states
@@ -92,13 +96,22 @@ class Planner:
         params = params4 * p // 4
         view = st(3, BytesPerParam(p, 0, 0, 0)).params  # one dp block of the params, padded
         opt = st(1, PRECISIONS["mixed" if p == 2 else "fp32"]).optimizer  # master weights included in mixed
-        # One micro-step per step: XLA folds the accumulator away (the gradient is the sum).
-        acc = 0 if self.layout.per_rank // micro == 1 else params4 * m.acc_bytes // 4
         acts = self.step_activation_bytes(micro)
-        programs = {"grad": params + view + acc + params + acts + opt,
-                    "update": view + opt + params + params + (0 if p == 2 else view)}
+        embed = (m.vocab + m.seq_len) * m.d_model  # parameters outside the layers (the last LayerNorm aside)
+        layer = (m.params - embed) // m.n_layer // self.layout.tp
+        if stage == 1:
+            # One micro-step per step: XLA folds the accumulator away (the gradient is the sum).
+            acc = 0 if self.layout.per_rank // micro == 1 else params4 * m.acc_bytes // 4
+            grad = params + view + acc + params + acts + opt
+        else:
+            acc = view * m.acc_bytes // p + embed * m.acc_bytes
+            made = embed * p + 2 * layer * p
+            gathered = 0 if stage == 2 else embed * p + 2 * layer * p
+            grad = (params if stage == 2 else view) + view + acc + made + gathered + acts + opt
+        new = view if stage == 3 else params
+        programs = {"grad": grad, "update": view + opt + new + new + (0 if p == 2 else view)}
         if p == 4:
-            programs["reshard"] = params + view + opt + view
+            programs["reshard"] = (params if stage < 3 else view) + view + opt + view
         program = max(programs, key=lambda name: programs[name])
         return {"program": program, "total_bytes": programs[program], "programs": programs,
                 "activation_bytes": acts, "fits": self.fits(programs[program])}
@@ -132,18 +145,25 @@ class Planner:
         if stage == 0:
             grad_comm, gather = ring_time(d, "all-reduce", grads, lay.dp, lay.tp), 0.0
         else:
-            grad_comm = ring_time(d, "reduce-scatter", grads, lay.dp, lay.tp)
-            gather = ring_time(d, "all-gather", params, lay.dp, lay.tp) if stage < 3 else 0.0
-        bwd = compute / accum * (3 / 4 if remat else 2 / 3)
-        bucket, k, overlapped = bucketed(d, "all-reduce" if stage == 0 else "reduce-scatter", grads, bwd,
-                                         compute + tp_comm + gather, lay.dp, lay.tp)
+            # Stages 2 and 3 reduce-scatter every micro-step; stage 3 gathers each layer twice per micro-step
+            # (forward, and again for the backward pass) instead of once in the update.
+            grad_comm = (accum if stage > 1 else 1) * ring_time(d, "reduce-scatter", grads, lay.dp, lay.tp)
+            gather = ring_time(d, "all-gather", params, lay.dp, lay.tp) * (2 * accum if stage == 3 else 1)
+        if stage < 2:
+            bwd = compute / accum * (3 / 4 if remat else 2 / 3)
+            bucket, k, overlapped = bucketed(d, "all-reduce" if stage == 0 else "reduce-scatter", grads, bwd,
+                                             compute + tp_comm + gather, lay.dp, lay.tp)
+        else:  # a layer at a time, beside the layers' compute (the collectives are asynchronous on TPUs)
+            bucket, k = grads // m.n_layer, m.n_layer * accum
+            in_loop = grad_comm + (gather if stage == 3 else 0.0)
+            overlapped = max(compute + tp_comm, in_loop) + (0.0 if stage == 3 else gather)
         return StepTime(micro, accum, compute, tp_comm, grad_comm, gather,
                         ring_time(d, "all-reduce", grads, lay.dp, lay.tp), tree_time(d, grads, lay.dp, lay.tp),
                         bucket, k, overlapped, self.efficiency, model_flops_token * tokens_device, d.flops)
 
     def with_layout(self, layout: Parallelism) -> Planner:
         return Planner(self.model, self._factory, self.device, layout, self.precision_name, efficiency=self.efficiency,
-                       memory_fraction=self.memory_fraction)
+                       memory_fraction=self.memory_fraction, stage=self.stage)
 
     def scaling(self, stage: int = 1) -> list[dict]:
         """Step time and MFU as dp doubles (tp fixed), up to one sequence per rank."""
@@ -165,7 +185,9 @@ class Planner:
             dp *= 2
         return rows
 
-    def report(self, stage: int = 1) -> PlanReport:
+    def report(self, stage: int | None = None) -> PlanReport:
+        """The plan; `stage` (default: the config's) for zerolm's step, its step time and the scaling table."""
+        stage = self.stage if stage is None else stage
         micro = self.micro_batch
         stages = {str(s): {**self.memory(s, micro), "largest_micro_batch": self.largest_micro(s)} for s in STAGES}
         for row in stages.values():
@@ -173,9 +195,10 @@ class Planner:
             row["accum_steps"] = self.layout.per_rank // b if b else None
         best = self.largest_micro(stage)
         step = self.step(best or micro, stage)
-        peak = self.step_peak(micro)
-        fitting = [b for b in self.micro_batches() if self.step_peak(b)["fits"]]
-        zerolm_step = {**peak, "largest_micro_batch": max(fitting) if fitting else None}
+        zerolm_stage = stage if stage > 0 else 1  # stage 0 is the paper's, not a step zerolm runs
+        peak = self.step_peak(micro, zerolm_stage)
+        fitting = [b for b in self.micro_batches() if self.step_peak(b, zerolm_stage)["fits"]]
+        zerolm_step = {**peak, "stage": zerolm_stage, "largest_micro_batch": max(fitting) if fitting else None}
         return PlanReport(
             model=dataclasses.asdict(self.model), device=dataclasses.asdict(self.device), zerolm_step=zerolm_step,
             attention=self.attention,

@@ -14,7 +14,7 @@ class PlanReport:
 
     model: dict[str, Any]
     device: dict[str, Any]
-    zerolm_step: dict[str, Any]  # zerolm's own ZeRO-1 step: each program's peak, the largest micro-batch
+    zerolm_step: dict[str, Any]  # zerolm's own step at its ZeRO stage: each program's peak, the largest micro-batch
     attention: str
     layout: dict[str, int]  # dp, tp, devices, global_batch
     precision: str
@@ -63,7 +63,7 @@ def describe(report: PlanReport) -> list[str]:
              ""]
     z = r["zerolm_step"]
     b = z["largest_micro_batch"]
-    lines += [f"zerolm's step (ZeRO-1 at {m['param_bytes'] * 8}-bit params, {r['attention']} attention, remat "
+    lines += [f"zerolm's step (ZeRO-{z['stage']} at {m['param_bytes'] * 8}-bit params, {r['attention']} attention, remat "
               f"{m['remat']}), per device by `zerolm compile`'s rule (`zerolm compile --target` is the exact check):",
               "  " + "   ".join(f"{name} {_gib(v).strip()}" for name, v in z["programs"].items())
               + f"   peak {_gib(z['total_bytes']).strip()} ({z['program']}){'' if z['fits'] else ' DOES NOT FIT'}; "
@@ -83,7 +83,7 @@ def describe(report: PlanReport) -> list[str]:
                      f"{_gib(row['activation_bytes_full_remat']).strip()}) {_gib(row['total_bytes'])}"
                      f"{'' if row['fits'] else ' DOES NOT FIT'}   {fit}")
     st = r["step"]
-    lines += ["", f"step time, ZeRO-{st['stage']} (zerolm: stage 1), micro-batch {st['micro_batch']} × "
+    lines += ["", f"step time, ZeRO-{st['stage']}, micro-batch {st['micro_batch']} × "
                   f"{st['accum_steps']} accumulation step(s), compute at {r['efficiency']:.0%} of "
                   f"{dev['flops'] / 1e12:.0f} TFLOP/s" + ("" if st["fits"] else " (nothing fits: shown at the "
                                                           "configured micro-batch)"),
@@ -91,10 +91,13 @@ def describe(report: PlanReport) -> list[str]:
               f"  gradient reduction {_ms(st['grad_comm_s'])} (ring; as one all-reduce: ring "
               f"{_ms(st['grad_allreduce_ring_s']).strip()}, tree {_ms(st['grad_allreduce_tree_s']).strip()})   "
               f"param all-gather {_ms(st['param_gather_s'])}",
-              f"  step {_ms(st['step_s'])} (MFU {st['mfu']:.1%}), reduction after the loop as zerolm does",
-              f"  step {_ms(st['overlapped_s'])} (MFU {st['mfu_overlapped']:.1%}) if the last backward pass "
-              f"overlapped a bucketed reduction: bucket {st['bucket_bytes'] / 2**20:.0f} MiB "
-              f"({st['buckets']} buckets; docs/design.md)",
+              f"  step {_ms(st['step_s'])} (MFU {st['mfu']:.1%}), "
+              + ("reduction after the loop as zerolm does" if st["stage"] < 2 else "no collective overlapped"),
+              f"  step {_ms(st['overlapped_s'])} (MFU {st['mfu_overlapped']:.1%}) "
+              + (f"if the last backward pass overlapped a bucketed reduction: bucket {st['bucket_bytes'] / 2**20:.0f} "
+                 f"MiB ({st['buckets']} buckets; docs/design.md)" if st["stage"] < 2 else
+                 f"if each layer's collectives overlapped the layers' compute ({st['buckets']} per step of "
+                 f"{st['bucket_bytes'] / 2**20:.0f} MiB; docs/zero-stages.md)"),
               "", "scaling (dp doubles, tp fixed; largest micro-batch that fits):",
               "     dp devices  micro accum      compute         comm         step   overlapped   tokens/s    MFU"]
     for row in r["scaling"]:

@@ -90,7 +90,8 @@ def planner_for(request: PlanRequest) -> Planner:
         factory = functools.partial(AnalyticStates, model)
     precision = request.precision or (cfg.zero.precision if cfg is not None else "fp32")
     return Planner(model, factory, device, Parallelism(dp, tp, global_batch), precision, micro,
-                   efficiency=request.efficiency, memory_fraction=request.memory_fraction)
+                   efficiency=request.efficiency, memory_fraction=request.memory_fraction,
+                   stage=cfg.zero.stage if cfg is not None else 1)
 
 
 def _micro_batch(request: PlanRequest, cfg: Config | None, per_rank: int, dp: int, global_batch: int) -> int:

@@ -22,6 +22,10 @@ class Prediction:
     bytes: int
     bytes_per_step: int
     at_least: bool = False  # a lower bound (the naive step's per-micro-step reduction)
+    # An upper bound, met to this fraction: ZeRO-3's layer gathers, where the backward pass may not read a
+    # leaf again (a block's last bias: XLA drops its second gather).
+    within: float = 0.0
+
     found_bytes: int | None = None
     found_bytes_per_step: int | None = None
 
@@ -36,7 +40,7 @@ class Prediction:
 
 def predicted_collectives(table, grad_reduce: str, accum: int, activation: int = 0, n_layer: int = 0,
                           remat: bool = False, param_bytes: int = 4, scatter: str = "collective",
-                          inner: int | None = None) -> list[Prediction]:
+                          inner: int | None = None, stage: int = 1) -> list[Prediction]:
     """zerolm's step on `table`'s mesh (a zerolm.sharding.Table) as the planner counts it. `span` None:
     over dp, whichever other axes the partitioner adds (it splits the update's all-gathers between dp and
     dp+tp freely).
@@ -48,46 +52,97 @@ def predicted_collectives(table, grad_reduce: str, accum: int, activation: int =
     with "ring", dp − 1 collective-permutes of such a block; or an all-reduce of the whole block;
     and the loss's 4-byte all-reduce; with tp, Megatron's all-reduces of the `activation` bytes of a
     micro-batch, 2 forward and 2 backward per layer (3 forward with full remat), every micro-step.
-    update: the all-gather of the new parameters out of the optimizer layout. On one device, none of these."""
+    update: the all-gather of the new parameters out of the optimizer layout. On one device, none of these.
+
+    `stage` 2 reduce-scatters the stacked layers' leaves that its layout splits (`table` is then stage 2's,
+    whose layouts keep the layers axis whole) inside the loop, a layer at a time (per instruction: one
+    layer's; per step: n_layer of them every micro-step), and the other leaves after it, as stage 1. Stage 3
+    also all-gathers those layers' leaves inside the loop, twice per micro-step (for the forward pass, and
+    again for the backward pass: remat runs each layer again; XLA drops the second gather of a leaf the
+    backward pass does not read, hence `within`), the other leaves it stores split once, before the loop;
+    and the update gathers only the leaves stored whole over dp."""
+    dp, tp = table.dp, table.tp
+    t = _tally(table, grad_reduce, accum, param_bytes, stage)
+    rows = [] if dp == 1 else _reductions(t, grad_reduce, scatter, dp, inner)  # nothing to reduce over one device
+    over = None if tp > 1 else [DP]
+    if t.layer_gathers[0]:  # stage 3's layers: a layer's per instruction, twice per micro-step each
+        once, per_step = t.layer_gathers
+        rows.append(Prediction("grad", "all-gather", over, True, once, per_step, within=0.01))
+    if t.top:
+        rows.append(Prediction("grad", "all-gather", over, False, t.top, t.top))
+    if tp > 1 and activation:
+        per_layer = 6 if remat else 4
+        rows.append(Prediction("grad", "all-reduce", [TP], True, per_layer * activation,
+                               per_layer * activation * accum * n_layer))
+    if dp * tp > 1 and t.gathered:
+        rows.append(Prediction("update", "all-gather", over, False, t.gathered, t.gathered))
+    return rows
+
+
+@dataclasses.dataclass
+class _Tally:
+    """The step's bytes per device by where they move; pairs are (per HLO instruction, per step)."""
+
+    grads: int = 0  # the whole gradient (all_reduce's)
+    after: list[int] = dataclasses.field(default_factory=lambda: [0, 0])  # reduce-scattered after the loop
+    in_loop: list[int] = dataclasses.field(default_factory=lambda: [0, 0])  # stages 2, 3: the layers', a layer at a time
+    layer_gathers: list[int] = dataclasses.field(default_factory=lambda: [0, 0])  # stage 3: the layers' all-gathers
+    top: int = 0  # stage 3: the other leaves stored split, gathered before the loop
+    gathered: int = 0  # the update's all-gather: the leaves stored whole over dp
+
+
+def _tally(table, grad_reduce: str, accum: int, param_bytes: int, stage: int) -> _Tally:
     import jax
 
     from zerolm.sharding import is_layout
 
     tp_local, _, _ = table.reduction(grad_reduce)
     dp, tp = table.dp, table.tp
-    grads = scattered = gathered = 0
-    for lay, local in zip(jax.tree.leaves(table.layouts, is_leaf=is_layout), jax.tree.leaves(tp_local), strict=True):
+    t = _Tally()
+    leaves = zip(jax.tree.leaves(table.layouts, is_leaf=is_layout), jax.tree.leaves(tp_local),
+                 jax.tree.leaves(table.dp_split), jax.tree.leaves(table.stacked), strict=True)
+    for lay, local, split_dp, stacked in leaves:
         split = tp if lay.tp_axis is not None else 1
-        grads += lay.size * param_bytes // split
-        scattered += math.prod(lay.view_shape) * param_bytes // dp // (tp if local else 1)
-        gathered += (math.prod(lay.view_shape) if lay.axis is None else lay.size // split) * param_bytes
+        whole = (math.prod(lay.view_shape) if lay.axis is None else lay.size // split) * param_bytes
+        block = math.prod(lay.view_shape) * param_bytes // dp // (tp if local else 1)
+        t.grads += lay.size * param_bytes // split
+        layers = stage > 1 and stacked and lay.axis is not None and dp > 1
+        if layers:
+            t.in_loop[0] += block // lay.shape[0]
+            t.in_loop[1] += block * accum
+        else:
+            t.after[0] += block
+            t.after[1] += block
+        if stage == 3 and split_dp and layers:
+            t.layer_gathers[0] += 2 * whole // lay.shape[0]
+            t.layer_gathers[1] += 2 * whole * accum
+        elif stage == 3 and split_dp:
+            t.top += whole
+        else:
+            t.gathered += whole
+    return t
 
-    def row(program, op, span, nbytes, in_loop=False, runs=1) -> Prediction:
-        return Prediction(program, op, span, in_loop, nbytes, nbytes * runs)
 
-    if dp == 1:  # nothing to reduce over dp, nor to gather
-        rows = []
-    elif grad_reduce == "all_reduce":
-        rows = [row("grad", "all-reduce", [DP], grads + 4)]
-    elif scatter == "ring":
-        rows = [row("grad", "collective-permute", [DP], scattered * (dp - 1)), row("grad", "all-reduce", [DP], 4)]
-    elif scatter == "two_stage":
-        assert inner is not None
-        stages: dict[str, int] = {}  # by the HLO's label; stages of one size (outer = inner) share a row
-        for n, nbytes in ((dp // inner, scattered * inner), (inner, scattered)):
-            if n > 1:
-                label = hlo.axis_share(DP, n, dp)
-                stages[label] = stages.get(label, 0) + nbytes
-        rows = [row("grad", "reduce-scatter", [label], nbytes) for label, nbytes in stages.items()]
-        rows.append(row("grad", "all-reduce", [DP], 4))
-    else:
-        rows = [row("grad", "reduce-scatter", [DP], scattered), row("grad", "all-reduce", [DP], 4)]
-    if tp > 1 and activation:
-        per_layer = 6 if remat else 4
-        rows.append(row("grad", "all-reduce", [TP], per_layer * activation, True, accum * n_layer))
-    if dp * tp > 1:
-        rows.append(row("update", "all-gather", None if tp > 1 else [DP], gathered))
-    return rows
+def _reductions(t: _Tally, grad_reduce: str, scatter: str, dp: int, inner: int | None) -> list[Prediction]:
+    """The gradient's reduction over dp (and the loss's 4 bytes), as `scatter` runs it."""
+    def rows(op, span, times=1) -> list[Prediction]:
+        return [Prediction("grad", op, span, loop, once * times, step * times)
+                for (once, step), loop in ((t.after, False), (t.in_loop, True)) if once]
+
+    loss = Prediction("grad", "all-reduce", [DP], False, 4, 4)
+    if grad_reduce == "all_reduce":
+        return [Prediction("grad", "all-reduce", [DP], False, t.grads + 4, t.grads + 4)]
+    if scatter == "ring":
+        return rows("collective-permute", [DP], dp - 1) + [loss]
+    if scatter != "two_stage":
+        return rows("reduce-scatter", [DP]) + [loss]
+    assert inner is not None
+    labels: dict[str, int] = {}  # by the HLO's label; stages of one size (outer = inner) share a row
+    for n, times in ((dp // inner, inner), (inner, 1)):
+        if n > 1:
+            label = hlo.axis_share(DP, n, dp)
+            labels[label] = labels.get(label, 0) + times
+    return [p for label, times in labels.items() for p in rows("reduce-scatter", [label], times)] + [loss]
 
 
 def step_predictions(cfg, model, zero) -> list[Prediction]:
@@ -99,7 +154,7 @@ def step_predictions(cfg, model, zero) -> list[Prediction]:
                   * jnp.dtype(model.cfg.dtype).itemsize)
     return predicted_collectives(zero.table, cfg.zero.grad_reduce, cfg.accum_steps, activation, cfg.model.n_layer,
                                  cfg.model.remat == "full", param_bytes=zero.param_dtype.itemsize,
-                                 scatter=zero.scatter, inner=zero.scatter_inner)
+                                 scatter=zero.scatter, inner=zero.scatter_inner, stage=zero.stage)
 
 
 def naive_predictions(abstract_params, accum: int) -> list[Prediction]:
