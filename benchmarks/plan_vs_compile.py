@@ -72,13 +72,15 @@ def store(cache: Path, config: str, target: str, micro: int, remat: str, r: dict
     return row
 
 
-def planned(config: str, target: str, micro: int, remat: str, dp: int, attention: str) -> dict:
+def planned(config: str, target: str, micro: int, remat: str, dp: int, attention: str, stage: int = 1,
+            sets: tuple[str, ...] | list[str] = ()) -> dict:
     parser = argparse.ArgumentParser()
     commands_plan.add_arguments(parser)
     preset = zerolm_advice.preset_for(aot.parse_target(target))
     args = parser.parse_args(["--config", f"configs/{config}.yaml", "--device", preset, "--dp", str(dp),
-                              "--micro-batch", str(micro), "--remat", remat, "--set", f"model.attention={attention}"])
-    return commands_plan.build(args).step_peak(micro)
+                              "--micro-batch", str(micro), "--remat", remat, "--set", f"model.attention={attention}",
+                              *(a for s in sets for a in ("--set", s))])
+    return commands_plan.build(args).step_peak(micro, stage)
 
 
 ADVICE_BEGIN, ADVICE_END = "<!-- plan_advice:begin -->", "<!-- plan_advice:end -->"
