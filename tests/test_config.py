@@ -25,7 +25,8 @@ def test_every_shipped_config_loads():
 
 
 def test_gpt3_shapes():
-    shapes = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 16), "1_3b": (24, 2048, 16)}
+    shapes = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 16), "1_3b": (24, 2048, 16),
+              "2_7b": (32, 2560, 32), "6_7b": (32, 4096, 32)}
     for name, shape in shapes.items():
         m = load_config(REPO / "configs" / f"{name}.yaml").model
         assert (m.n_layer, m.d_model, m.n_head, m.seq_len) == (*shape, 2048)
