@@ -239,13 +239,18 @@ class Zero:
 
     def init(self, init_fn: Callable[[jax.Array], PyTree], rng: jax.Array) -> TrainState:
         """Create the state already sharded: the optimizer state never exists in one piece."""
-        params = jax.jit(init_fn, out_shardings=self.table.param_shardings)(rng)
-        return self.init_from_params(params)
+        return self._state_of(jax.jit(init_fn, out_shardings=self.table.param_shardings)(rng))
 
     def init_from_params(self, params: PyTree) -> TrainState:
-        """The state of float32 `params` (in mixed precision they become the master weights)."""
+        """The state of float32 `params` (in mixed precision they become the master weights). The state holds
+        its own copy: the step donates the state's parameters, and the caller's stay readable."""
+        # (jax.device_put with may_alias=False still shares a buffer already on its device: jax 0.10.2.)
+        return self._state_of(jax.jit(lambda p: jax.tree.map(jnp.copy, p),
+                                      out_shardings=self.table.param_shardings)(params))
+
+    def _state_of(self, params: PyTree) -> TrainState:
+        """The state whose parameters are `params` (float32, in the parameters' shardings; the state owns them)."""
         table = self.table
-        params = jax.device_put(params, table.param_shardings)
         opt_state = jax.jit(lambda p: self.tx.init(to_views(table.layouts, p)),
                             out_shardings=table.opt_shardings)(params)
         if self.mixed:
