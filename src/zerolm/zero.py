@@ -172,7 +172,11 @@ class Zero:
                                                  grad_reduce=self.grad_reduce, dp=table.dp, tp=table.tp,
                                                  scatter=self.scatter, inner=self.scatter_inner),
                                mesh=mesh, in_specs=(in_specs, P(DP)), out_specs=(out_specs, P()))
-        return lambda params, batch: reduce(*accumulate(params, batch))
+
+        def grad_step(params, batch):  # the name its compiled programs (and the compilation cache) carry
+            return reduce(*accumulate(params, batch))
+
+        return grad_step
 
     def _sharded_grad(self, loss_fn: LossFn, acc_dtype, manual: frozenset) -> Callable:
         """(params, batch) -> (gradient in the optimizer-state layout, metrics): each layer's reduce-scattered
@@ -342,9 +346,8 @@ def _update(grads_view, params_view, opt_state, step, old_params, *, tx, layouts
     return from_views(layouts, new_view), opt_state, step + 1, metrics
 
 
-
-
 def _in_float32(reduce_scatter: Callable[[jax.Array, int], jax.Array]) -> Callable[[jax.Array, int], jax.Array]:
+    """`reduce_scatter` run in float32, its result cast back (zero.Zero._sharded_grad says where)."""
     return lambda x, axis: reduce_scatter(x.astype(jnp.float32), axis).astype(x.dtype)
 
 
