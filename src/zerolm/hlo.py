@@ -97,8 +97,25 @@ def collectives(hlo_text: str) -> list[Collective]:
                 root = next(r.group(1) for r in map(_ROOT.search, lines) if r)
                 found.append(Collective("reduce-scatter", name, name in in_loop, root, _groups(line), runs.get(name)))
             elif m:
-                found.append(Collective(m.group(2), name, name in in_loop, m.group(1), _groups(line), runs.get(name)))
+                result = _start_output(m.group(1)) if m.group(3) and m.group(2) != "all-reduce" else m.group(1)
+                found.append(Collective(m.group(2), name, name in in_loop, result, _groups(line), runs.get(name)))
     return found
+
+
+def _start_output(result_type: str) -> str:
+    """What an asynchronous all-gather, reduce-scatter or collective-permute delivers: its `-start` (the GPU
+    compiler's form) returns (operands, outputs[, context]); the outputs are the second element. (An
+    all-reduce-start returns its outputs alone.)"""
+    elements, depth, start = [], 0, 1
+    for i, ch in enumerate(result_type):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+            elements.append(result_type[start:i])
+            start = i + 1
+    return elements[1] if result_type.startswith("(") and len(elements) > 1 else result_type
 
 
 def _async_continuations(comps: dict[str, list[str]]) -> frozenset[str]:
