@@ -99,6 +99,18 @@ def test_eight_gpus_of_a_host_reduce_once_per_step_and_print_the_census():
     assert r["census"]["bytes"] == sum(row["bytes"] for row in r["census"]["rows"]) > 0
 
 
+def test_zero_2_on_gpus_reduces_each_layer_in_the_loop_of_a_scan():
+    """zero.stage=2 on eight H100s: `scan_layers: auto` is a scan there (unrolled, the GPU compiler combined the
+    layers' reduce-scatters into one after the whole backward pass), so the layers' reduce-scatters sit in the
+    loop (the GPU compiler peels one of tiny's 4 iterations out of it), as many bytes as the planner counts."""
+    r = json.loads(compile_cmd("--config", TINY, "--target", "h100-8", "--set", "model.vocab_size=1024", "--set",
+                               "zero.stage=2", "--json").stdout)
+    assert r["scan_layers"] is True and r["remat"] == "none"  # auto unrolls without remat at stage 1
+    scatters = {p["in_loop"]: p for p in r["predicted"] if p["op"] == "reduce-scatter"}
+    assert sum(p["found_bytes_per_step"] for p in scatters.values()) == sum(p["bytes_per_step"] for p in scatters.values())
+    assert scatters[True]["found_bytes_per_step"] >= 3 / 4 * scatters[True]["bytes_per_step"]
+
+
 def test_a_step_too_large_for_an_h100_exits_4():
     proc = compile_cmd("--config", C1_3B, "--target", "h100", "--set", "model.remat=none", "--set",
                        "train.micro_batch_size=64", "--set", "train.global_batch_size=128", expect=EXIT_DOES_NOT_FIT)

@@ -41,6 +41,15 @@ def resolve_scan_layers(scan_layers: bool | str, platform: str, remat: str = "no
     return platform.lower() not in ("gpu", "cuda", "rocm") or remat not in ("none", "auto")
 
 
+def scan_layers_at_stage(scan_layers: bool | str, stage: int) -> bool | str:
+    """`model.scan_layers` at ZeRO `stage`: at stages 2 and 3, `auto` is a scan, whatever the device. Their
+    point is a layer's collectives where the layer runs; unrolled, the GPU compiler combines the layers'
+    reduce-scatters into one after the whole backward pass (and stage 3's gathers into a few), so every
+    layer's gradient is held whole again (125m on eight H100s at stage 3: one reduce-scatter in the
+    micro-step instead of one per layer). An explicit true or false stays."""
+    return True if stage > 1 and scan_layers == "auto" else scan_layers
+
+
 def unrunnable_attention(cfg: ModelConfig, device: jax.Device) -> str | None:
     """Why `cfg`'s attention cannot run on `device` (a one-line error naming the key), or None."""
     if cfg.attention == "pallas" and (device.platform != "tpu" or (tpu_generation(device.device_kind) or 0) < 4):

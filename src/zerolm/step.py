@@ -40,7 +40,8 @@ def build_step(cfg: Config, mesh: Mesh, rules=sharding.RULES) -> tuple[gpt_model
 
     cuDNN's attention does not compile with tensor parallelism inside the step (JAX runs its custom
     partitioner under the step's partly manual shard_map, and it fails there): with mesh.tp > 1, `auto`
-    takes XLA's attention on a GPU, and an explicit cudnn is refused."""
+    takes XLA's attention on a GPU, and an explicit cudnn is refused. At zero.stage 2 and 3, `model.scan_layers:
+    auto` is a scan (device_policy.scan_layers_at_stage)."""
     if mesh.shape.get(TP, 1) > 1 and cfg.model.attention in ("auto", "cudnn"):
         device = mesh.devices.flat[0]
         if device_policy.for_device(cfg.model, device).attention == "cudnn":
@@ -48,6 +49,8 @@ def build_step(cfg: Config, mesh: Mesh, rules=sharding.RULES) -> tuple[gpt_model
                 raise ConfigError("model.attention: cudnn does not compile with mesh.tp > 1 in zerolm's step (JAX "
                                   "cannot partition cuDNN's attention call there); use mesh.tp=1, or model.attention=xla")
             cfg = cfg.resolve(model__attention="xla")
+    if (scan := device_policy.scan_layers_at_stage(cfg.model.scan_layers, cfg.zero.stage)) != cfg.model.scan_layers:
+        cfg = cfg.resolve(model__scan_layers=scan)
     model, init_fn = build_model(cfg, mesh.devices.flat[0])
     tx, schedule = make_optimizer(cfg.train)
     zero = Zero(mesh, functools.partial(losses.lm_loss, model), tx, jax.eval_shape(init_fn, jax.random.key(0)),

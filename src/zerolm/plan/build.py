@@ -49,6 +49,7 @@ def from_config(cfg, dp: int, tp: int) -> tuple[Model, Any]:
     from jax.sharding import AbstractMesh, AxisType
 
     from zerolm import model as gpt_model
+    from zerolm.device_policy import scan_layers_at_stage
     from zerolm.mesh import DP, TP
     from zerolm.optim import make_optimizer
     from zerolm.sharding import Table, param_spec
@@ -74,5 +75,5 @@ def from_config(cfg, dp: int, tp: int) -> tuple[Model, Any]:
                   param_bytes=2 if cfg.zero.precision == "mixed" else 4,
                   acc_bytes=2 if cfg.zero.accumulate_dtype == "bfloat16" else 4, attention=cfg.model.attention,
                   attention_block=cfg.model.attention_block, document_mask=cfg.model.document_mask,
-                  scan_layers=cfg.model.scan_layers)
+                  scan_layers=scan_layers_at_stage(cfg.model.scan_layers, cfg.zero.stage))
     return model, states
