@@ -35,7 +35,7 @@ lint: install-test
 	$(VENV)/bin/mypy
 
 # The whole suite on two xdist workers, one test file each at a time (README.md, Tests: its time as measured,
-# 12:44-14:35 on a fresh clone of 2 cores; a third worker measured no faster there: 17:41 before the last cuts).
+# 14:04-14:20 on a fresh clone of 2 cores; a third worker measured no faster there: 17:41 before the last cuts).
 test: lint
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile tests
 
