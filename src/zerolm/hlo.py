@@ -61,8 +61,11 @@ class Collective:
 
     @property
     def bytes(self) -> int:
-        return sum(_BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d)
-                   for t, dims in _ARRAY.findall(self.result_type))
+        return _bytes_of(self.result_type)
+
+
+def _bytes_of(result_type: str) -> int:
+    return sum(_BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _ARRAY.findall(result_type))
 
 
 def _computations(hlo_text: str) -> dict[str, list[str]]:
@@ -274,7 +277,7 @@ class AsyncCollective:
 
     @property
     def bytes(self) -> int:
-        return Collective(self.ops[0] if self.ops else "", self.computation, self.in_loop, self.result_type).bytes
+        return _bytes_of(self.result_type)
 
 
 _START = re.compile(r"^\s*(?:ROOT )?(%[\w.\-]+) = .*?\b((?:" + "|".join(COLLECTIVE_OPS) + r")-start|fusion)\(")

@@ -175,7 +175,8 @@ class Table:
     """The shardings of one mesh, parameter tree, optimizer and ZeRO stage: every name ending in `_shardings`
     (or `_sharding`) holds `NamedSharding`s; `layouts` the optimizer state's `Layout`s; `param_specs` the
     parameters' tp `PartitionSpec`s (whole over dp: how they are used); `param_shardings` how they are
-    stored: as `param_specs` at stages 1 and 2, in their layout at stage 3 (`dp_split`)."""
+    stored: as `param_specs` at stages 1 and 2, in their layout at stage 3 (`dp_split`); `in_loop` the leaves
+    stages 2 and 3 reduce inside the layers' loop."""
 
     def __init__(self, mesh: Mesh | AbstractMesh, abstract_params: PyTree, logical_axes: PyTree | None,
                  tx: optax.GradientTransformation, rules=RULES, stage: int = 1):
@@ -198,6 +199,10 @@ class Table:
         # ZeRO-3 stores a parameter split over dp where its layout keeps its shape.
         self.dp_split = jax.tree.map(lambda lay: stage == 3 and lay.axis is not None and self.dp > 1, self.layouts,
                                      is_leaf=is_layout)
+        # ZeRO-2 and -3 reduce (and -3 gathers) these inside the layers' loop, a layer at a time: the stacked
+        # layers' leaves that the layout splits over dp. The others reduce after the loop, as at stage 1.
+        self.in_loop = jax.tree.map(lambda lay, st: stage > 1 and st and lay.axis is not None and self.dp > 1,
+                                    self.layouts, self.stacked, is_leaf=is_layout)
         self.param_shardings = jax.tree.map(lambda split, lay, s: NamedSharding(mesh, lay.spec if split else s),
                                             self.dp_split, self.layouts, self.param_specs, is_leaf=is_layout)
 

@@ -182,8 +182,6 @@ class Zero:
         """(params, batch) -> (gradient in the optimizer-state layout, metrics): each layer's reduce-scattered
         inside the loop where the backward pass makes it, the other leaves' once after it."""
         table = self.table
-        in_layers = jax.tree.map(lambda lay, st: st and lay.axis is not None and table.dp > 1, table.layouts,
-                                 table.stacked, is_leaf=is_layout)
         param_in = jax.tree.map(lambda s, lay, ps: lay.dp_spec if s else P(*[None] * len(ps)), table.dp_split,
                                 table.layouts, table.param_specs, is_leaf=is_layout)
         grad_out = jax.tree.map(lambda lay: lay.dp_spec, table.layouts, is_leaf=is_layout)
@@ -193,7 +191,7 @@ class Zero:
             # binary instruction opcode copy", jax 0.10): there, and only there, it runs in float32.
             reduce_scatter = _in_float32(reduce_scatter)
         body = functools.partial(_accumulate_sharded, stage=self.stage, loss_fn=loss_fn, acc_dtype=acc_dtype,
-                                 out_dtype=self.param_dtype, layouts=table.layouts, in_layers=in_layers,
+                                 out_dtype=self.param_dtype, layouts=table.layouts, in_layers=table.in_loop,
                                  stored_split=table.dp_split, stacked=table.stacked, reduce_scatter=reduce_scatter,
                                  dp=table.dp)
         accumulate = jax.shard_map(body, mesh=self.mesh, in_specs=(param_in, table.batch_sharding.spec),
@@ -417,12 +415,11 @@ def _accumulate_sharded(params, batch_AxMxT1, *, stage: int, loss_fn: LossFn, ac
     hook = _layer_params(stage, layouts, in_layers, stacked, reduce_scatter)
 
     def before_loop(u, split, lay, p):
-        if u:
-            return p  # a layer's block (ZeRO-3, gathered in the loop) or whole (ZeRO-2)
+        if u:  # a layer's block (ZeRO-3: varying already, gathered in the loop) or whole (ZeRO-2)
+            return p if stage == 3 else varying(p)
         return lax.all_gather(p, DP, axis=lay.scatter_dim, tiled=True) if split else varying(p)
 
     params = jax.tree.map(before_loop, in_layers, stored_split, layouts, params, is_leaf=is_layout)
-    params = jax.tree.map(lambda u, p: p if stage == 3 or not u else varying(p), in_layers, params)
 
     def block_zeros(lay, dtype):
         shape = list(lay.view_shape)

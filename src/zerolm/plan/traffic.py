@@ -40,7 +40,7 @@ class Prediction:
 
 def predicted_collectives(table, grad_reduce: str, accum: int, activation: int = 0, n_layer: int = 0,
                           remat: bool = False, param_bytes: int = 4, scatter: str = "collective",
-                          inner: int | None = None, stage: int = 1) -> list[Prediction]:
+                          inner: int | None = None) -> list[Prediction]:
     """zerolm's step on `table`'s mesh (a zerolm.sharding.Table) as the planner counts it. `span` None:
     over dp, whichever other axes the partitioner adds (it splits the update's all-gathers between dp and
     dp+tp freely).
@@ -54,15 +54,15 @@ def predicted_collectives(table, grad_reduce: str, accum: int, activation: int =
     micro-batch, 2 forward and 2 backward per layer (3 forward with full remat), every micro-step.
     update: the all-gather of the new parameters out of the optimizer layout. On one device, none of these.
 
-    `stage` 2 reduce-scatters the stacked layers' leaves that its layout splits (`table` is then stage 2's,
-    whose layouts keep the layers axis whole) inside the loop, a layer at a time (per instruction: one
+    At ZeRO stage 2 (`table.stage`) it reduce-scatters `table.in_loop` (the stacked layers' leaves its layout
+    splits, keeping the layers axis whole) inside the loop, a layer at a time (per instruction: one
     layer's; per step: n_layer of them every micro-step), and the other leaves after it, as stage 1. Stage 3
     also all-gathers those layers' leaves inside the loop, twice per micro-step (for the forward pass, and
     again for the backward pass: remat runs each layer again; XLA drops the second gather of a leaf the
     backward pass does not read, hence `within`), the other leaves it stores split once, before the loop;
     and the update gathers only the leaves stored whole over dp."""
     dp, tp = table.dp, table.tp
-    t = _tally(table, grad_reduce, accum, param_bytes, stage)
+    t = _tally(table, grad_reduce, accum, param_bytes)
     rows = [] if dp == 1 else _reductions(t, grad_reduce, scatter, dp, inner)  # nothing to reduce over one device
     over = None if tp > 1 else [DP]
     if t.layer_gathers[0]:  # stage 3's layers: a layer's per instruction, twice per micro-step each
@@ -91,7 +91,7 @@ class _Tally:
     gathered: int = 0  # the update's all-gather: the leaves stored whole over dp
 
 
-def _tally(table, grad_reduce: str, accum: int, param_bytes: int, stage: int) -> _Tally:
+def _tally(table, grad_reduce: str, accum: int, param_bytes: int) -> _Tally:
     import jax
 
     from zerolm.sharding import is_layout
@@ -100,23 +100,22 @@ def _tally(table, grad_reduce: str, accum: int, param_bytes: int, stage: int) ->
     dp, tp = table.dp, table.tp
     t = _Tally()
     leaves = zip(jax.tree.leaves(table.layouts, is_leaf=is_layout), jax.tree.leaves(tp_local),
-                 jax.tree.leaves(table.dp_split), jax.tree.leaves(table.stacked), strict=True)
-    for lay, local, split_dp, stacked in leaves:
+                 jax.tree.leaves(table.dp_split), jax.tree.leaves(table.in_loop), strict=True)
+    for lay, local, split_dp, layers in leaves:
         split = tp if lay.tp_axis is not None else 1
         whole = (math.prod(lay.view_shape) if lay.axis is None else lay.size // split) * param_bytes
         block = math.prod(lay.view_shape) * param_bytes // dp // (tp if local else 1)
         t.grads += lay.size * param_bytes // split
-        layers = stage > 1 and stacked and lay.axis is not None and dp > 1
         if layers:
             t.in_loop[0] += block // lay.shape[0]
             t.in_loop[1] += block * accum
         else:
             t.after[0] += block
             t.after[1] += block
-        if stage == 3 and split_dp and layers:
+        if split_dp and layers:  # dp_split: stage 3's
             t.layer_gathers[0] += 2 * whole // lay.shape[0]
             t.layer_gathers[1] += 2 * whole * accum
-        elif stage == 3 and split_dp:
+        elif split_dp:
             t.top += whole
         else:
             t.gathered += whole
@@ -154,7 +153,7 @@ def step_predictions(cfg, model, zero) -> list[Prediction]:
                   * jnp.dtype(model.cfg.dtype).itemsize)
     return predicted_collectives(zero.table, cfg.zero.grad_reduce, cfg.accum_steps, activation, cfg.model.n_layer,
                                  cfg.model.remat == "full", param_bytes=zero.param_dtype.itemsize,
-                                 scatter=zero.scatter, inner=zero.scatter_inner, stage=zero.stage)
+                                 scatter=zero.scatter, inner=zero.scatter_inner)
 
 
 def naive_predictions(abstract_params, accum: int) -> list[Prediction]:
