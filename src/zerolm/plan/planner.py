@@ -86,9 +86,10 @@ class Planner:
         per step) and the micro-step's whole gradient beside it. Stages 2 and 3 accumulate the layers'
         gradient in dp blocks and the embeddings' whole (reduced after the loop), and hold the embeddings'
         gradient and two layers' as they are made; stage 3 also the gathered embeddings and two gathered
-        layers (the one running and the next). update: the reduced gradient, the optimizer state and the
-        old params in (donated: aliased with the new), the new params out and a working copy of them while
-        they are gathered and cast (stage 3: its block, nothing gathered). fp32 also reshards the params
+        layers (the one running and, where the collectives overlap, the next). update: the reduced
+        gradient, the optimizer state and the old params in (donated: aliased with the new), the new params
+        out and a working copy of them while they are gathered and cast (stage 3: its block, nothing
+        gathered). fp32 also reshards the params
         into the optimizer layout: a 1/dp slice."""
         m, p = self.model, self.model.param_bytes
         st = self.states
@@ -153,7 +154,8 @@ class Planner:
             bwd = compute / accum * (3 / 4 if remat else 2 / 3)
             bucket, k, overlapped = bucketed(d, "all-reduce" if stage == 0 else "reduce-scatter", grads, bwd,
                                              compute + tp_comm + gather, lay.dp, lay.tp)
-        else:  # a layer at a time, beside the layers' compute (the collectives are asynchronous on TPUs)
+        else:  # a layer at a time, if beside the layers' compute (libtpu overlaps part of it, with its async
+            # collective fusion flags only: BENCHMARKS.md, "ZeRO stages on the TPU compiler")
             bucket, k = grads // m.n_layer, m.n_layer * accum
             in_loop = grad_comm + (gather if stage == 3 else 0.0)
             overlapped = max(compute + tp_comm, in_loop) + (0.0 if stage == 3 else gather)
