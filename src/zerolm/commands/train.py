@@ -17,16 +17,10 @@ import os
 import sys
 import time
 
-import jax
-
-from zerolm import plot, train
-from zerolm.checkpoint import CheckpointError
-from zerolm.config import load_config
 from zerolm.errors import ZerolmError
 from zerolm.exitcodes import EXIT_USAGE
-from zerolm.mesh import bound_shutdown, exit_peer_lost, initialize_distributed, is_peer_failure
-from zerolm.preemption import Preempted
-from zerolm.storage import StorageFault
+
+# JAX, orbax and the library are imported in `run`, not here: `zerolm train --help` imports none of them.
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -59,11 +53,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def config_of(args: argparse.Namespace, device_count: int):
     """The run's config from these flags (ConfigError for a bad one)."""
+    from zerolm.config import load_config
+
     sets = args.set + ([f"logging.profile={args.profile}"] if args.profile else [])
     return load_config(args.config, sets, device_count=device_count)
 
 
 def run(args: argparse.Namespace) -> int:
+    from zerolm.mesh import bound_shutdown
+
     try:
         return _run(args)
     finally:
@@ -75,6 +73,14 @@ def _run(args: argparse.Namespace) -> int:
     after orbax or the storage clients may still have threads at work exit here, quietly (see below).
     Ctrl-C before the first step goes up to zerolm.interrupts.guarded: one line, and the process ends at
     once (an import it cut short can crash the interpreter's shutdown)."""
+    import jax
+
+    from zerolm import plot, train
+    from zerolm.checkpoint import CheckpointError
+    from zerolm.mesh import exit_peer_lost, initialize_distributed, is_peer_failure
+    from zerolm.preemption import Preempted
+    from zerolm.storage import StorageFault
+
     try:
         if args.distributed or args.coordinator or args.num_processes is not None or args.process_id is not None:
             initialize_distributed(args.coordinator, args.num_processes, args.process_id,
