@@ -181,6 +181,10 @@ def test_refusals_leave_checkpoints_untouched(straight, tmp_path):
         f"error: {tmp_path / 'ckpt' / '16'}: the checkpoint was trained with zero.precision=fp32, the config says "
         "mixed; resume with --set zero.precision=fp32")
     assert snapshot(tmp_path / "ckpt") == before
+    done = train(tmp_path)
+    assert done.stdout.strip().splitlines()[-1].startswith(f"nothing to do: {tmp_path / 'ckpt'} is at step 16 and ")
+    for refused in (fresh, other_model, other_precision, done):  # said before the step is built and compiled
+        assert "collectives per step" not in refused.stdout and "zerolm: tiny:" not in refused.stdout
 
     # A damaged checkpoint, under --resume strict: the largest array-data file is gone.
     data = max((tmp_path / "ckpt" / "16" / "state").rglob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size)

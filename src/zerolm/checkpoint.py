@@ -255,18 +255,7 @@ class Checkpoints:
         """Restore `step` into `zero`'s mesh and shardings. Checks the model first; writes nothing."""
         meta = self.readable_meta(step)
         where = self.directory / str(step)
-        saved_model = meta.model
-        differs = [f"model.{k}: checkpoint {saved_model.get(k)!r}, config {v!r}"
-                   for k, v in model_config.items() if saved_model.get(k) != v and k not in _COMPUTE_ONLY]
-        if differs:
-            raise CheckpointError(f"{where}: the checkpoint's model differs from the config: " + "; ".join(differs))
-
-        saved_precision = meta.precision
-        if saved_precision != zero.precision:
-            raise CheckpointError(
-                f"{where}: the checkpoint was trained with zero.precision={saved_precision}, the config says "
-                f"{zero.precision}; resume with --set zero.precision={saved_precision} (the optimizer state differs: "
-                "mixed keeps float32 master weights in it; zerolm does not change a run's precision mid-way)")
+        check_compatible(meta, where, model_config, zero.precision)
         saved_dp, saved_tp = meta.dp, meta.tp
         opt_target, repack = zero.table.restore_target(saved_dp, saved_tp, meta.stage)
         target = TrainState(step=jax.ShapeDtypeStruct((), np.int32, sharding=zero.table.replicated),
@@ -280,6 +269,20 @@ class Checkpoints:
         state = restored["state"]
         state = state.replace(opt_state=repack(state.opt_state))
         return state, meta
+
+
+def check_compatible(meta: CheckpointMeta, where: epath.Path, model_config: dict, precision: str) -> None:
+    """CheckpointError unless a run of this model and precision can continue checkpoint `where`."""
+    saved_model = meta.model
+    differs = [f"model.{k}: checkpoint {saved_model.get(k)!r}, config {v!r}"
+               for k, v in model_config.items() if saved_model.get(k) != v and k not in _COMPUTE_ONLY]
+    if differs:
+        raise CheckpointError(f"{where}: the checkpoint's model differs from the config: " + "; ".join(differs))
+    if meta.precision != precision:
+        raise CheckpointError(
+            f"{where}: the checkpoint was trained with zero.precision={meta.precision}, the config says "
+            f"{precision}; resume with --set zero.precision={meta.precision} (the optimizer state differs: "
+            "mixed keeps float32 master weights in it; zerolm does not change a run's precision mid-way)")
 
 
 # Keys that change how the model computes, not what its parameters are.

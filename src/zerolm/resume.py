@@ -14,7 +14,16 @@ from pathlib import Path
 import jax
 from jax.experimental import multihost_utils
 
-from zerolm.checkpoint import CheckpointError, Checkpoints, DamagedCheckpoint, move_aside, move_damaged
+from zerolm import storage
+from zerolm.checkpoint import (
+    CheckpointError,
+    Checkpoints,
+    DamagedCheckpoint,
+    check_compatible,
+    move_aside,
+    move_damaged,
+    quiet_orbax,
+)
 from zerolm.checkpoint_meta import CheckpointMeta
 from zerolm.config import Config
 from zerolm.mesh import on_process_0
@@ -62,6 +71,43 @@ def start_state(cfg: Config, zero: Zero, init_fn, data_id: dict, resume: str, ov
     return Start(ckpts, state, meta.wandb_id)
 
 
+def check_before_compiling(cfg: Config, data_id: dict, resume: str, overwrite: bool) -> int | None:
+    """What refuses this start without a compiled step, refused before the step is built and compiled (on a
+    real model, minutes): --resume never over checkpoints without --overwrite, and a resume whose newest
+    checkpoint cannot continue (another model, precision, data or global batch). Returns the step of the
+    checkpoint the run would continue (None: it starts fresh, or the newest checkpoint is damaged and
+    start_state decides). Reads only; every process reads the same and raises the same."""
+    with storage.faults(cfg.checkpoint_dir, "listing the checkpoints"), quiet_orbax():
+        if not storage.path(cfg.checkpoint_dir).exists():
+            return None
+        ckpts = Checkpoints(cfg.checkpoint_dir, read_only=True)
+    try:
+        with storage.faults(cfg.checkpoint_dir, "listing the checkpoints"):
+            latest = ckpts.latest_step()
+        if latest is None:
+            return None
+        if resume == "never":
+            if not overwrite:
+                raise _refused_start_over(cfg.checkpoint_dir, latest)
+            return None
+        try:
+            meta = ckpts.readable_meta(latest)
+        except DamagedCheckpoint:
+            return None
+        where = ckpts.directory / str(latest)
+        check_compatible(meta, where, cfg.model.model_dump(), cfg.zero.precision)
+        _check_resumable(cfg, meta, data_id, where)
+        return latest
+    finally:
+        ckpts.close()
+
+
+def _refused_start_over(directory, latest: int) -> CheckpointError:
+    return CheckpointError(f"{directory}: already holds checkpoints (latest step {latest}); "
+                           "resume with --resume auto, or pass --overwrite to start over "
+                           "(the old checkpoints are moved aside, not deleted)")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Places:
     """The run's checkpoint and logging directories, and the work on them every process waits for."""
@@ -84,9 +130,7 @@ def _start_over(places: _Places, ckpts: Checkpoints, latest: int, overwrite: boo
     """--resume never: refused without --overwrite; with it, the old run's checkpoints and logs moved aside."""
     directory = places.cfg.checkpoint_dir
     if not overwrite:
-        raise CheckpointError(f"{directory}: already holds checkpoints (latest step {latest}); "
-                              "resume with --resume auto, or pass --overwrite to start over "
-                              "(the old checkpoints are moved aside, not deleted)")
+        raise _refused_start_over(directory, latest)
     ckpts.close()
     aside = places.on_every_process("old checkpoints moved aside",
                                     lambda: move_aside(directory, keep=(LOCK_FILE, LEASE_FILE)))

@@ -40,7 +40,7 @@ from zerolm.mfu import Accounting
 from zerolm.model import GPT
 from zerolm.preemption import Preempted, PreemptionWatch
 from zerolm.profiling import Profiler
-from zerolm.resume import Start, start_state
+from zerolm.resume import Start, check_before_compiling, start_state
 from zerolm.run_data import RunData, describe_data, open_data
 from zerolm.runlock import LockHeld, RunLock
 from zerolm.sample import Sampling, generate
@@ -70,12 +70,14 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
     credentials = check_storage(cfg)
     with library_log.capture(cfg.log_dir / library_log.NAME.format(process=jax.process_index())), \
             contextlib.ExitStack() as held:
-        opened = open_run(cfg, held, out, credentials)
+        try:
+            opened = open_run(cfg, held, out, credentials, Resume(resume, overwrite))
+        except _NothingToDo as done:
+            return {"unigram_entropy": done.entropy}
         start = _start(opened, resume, overwrite, held)
         cfg = opened.cfg
         if start.step >= cfg.train.steps:
-            opened.say(f"nothing to do: {cfg.checkpoint_dir} is at step {start.step} and train.steps is "
-                       f"{cfg.train.steps} (raise train.steps to go on, or start over with --resume never --overwrite)")
+            _say_nothing_to_do(opened.say, cfg, start.step)
             return {"unigram_entropy": opened.data.entropy}
         with _out_of_memory_as(cfg):
             state, summary = _Loop(opened, start).run()
@@ -103,9 +105,32 @@ class Run:
     out: Any
 
 
-def open_run(cfg: Config, held: contextlib.ExitStack, out=sys.stdout, credentials: str | None = None) -> Run:
-    """Open `cfg`'s run: its data (checked), the directories' locks (held by `held`), then the step built and
-    compiled for its shapes and checked to fit, the evaluator and the sampler; the header said on the way."""
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """How a run starts (`zerolm train --resume`, `--overwrite`)."""
+
+    mode: str = "auto"  # auto | strict | never
+    overwrite: bool = False
+
+
+class _NothingToDo(Exception):
+    """The run's checkpoints are already at train.steps: said before anything is compiled."""
+
+    def __init__(self, entropy: float):
+        super().__init__()
+        self.entropy = entropy
+
+
+def _say_nothing_to_do(say: Say, cfg: Config, step: int) -> None:
+    say(f"nothing to do: {cfg.checkpoint_dir} is at step {step} and train.steps is {cfg.train.steps} "
+        "(raise train.steps to go on, or start over with --resume never --overwrite)")
+
+
+def open_run(cfg: Config, held: contextlib.ExitStack, out=sys.stdout, credentials: str | None = None,
+             resume: Resume = Resume()) -> Run:
+    """Open `cfg`'s run: its data (checked), the directories' locks (held by `held`), whatever refuses the start
+    without a compiled step (zerolm.resume.check_before_compiling), then the step built and compiled for its
+    shapes and checked to fit, the evaluator and the sampler; the header said on the way."""
     mesh = make_mesh(cfg.dp, cfg.mesh.tp)
     say: Say = (lambda line: print(line, file=out, flush=True)) if is_first_host(mesh) else (lambda line: None)
     if credentials:
@@ -114,6 +139,11 @@ def open_run(cfg: Config, held: contextlib.ExitStack, out=sys.stdout, credential
     cfg, data = open_data(cfg)
     # Before the step is built and compiled: a directory in use is refused in seconds, not minutes.
     lock = _lock_directories(cfg, held)
+    data_id = dataset_identity(cfg, data.dataset)
+    resumes = check_before_compiling(cfg, data_id, resume.mode, resume.overwrite)
+    if resumes is not None and resumes >= cfg.train.steps:
+        _say_nothing_to_do(say, cfg, resumes)
+        raise _NothingToDo(data.entropy)
     hits, t0 = compilation_cache.Hits.listen().hits, time.perf_counter()
     limit = memory_limit(jax.local_devices()[0])
     built = build_and_compile(cfg, mesh, limit)
@@ -130,7 +160,7 @@ def open_run(cfg: Config, held: contextlib.ExitStack, out=sys.stdout, credential
     for line in describe_data(built.cfg, data):
         say(line)
     cfg, model = built.cfg, built.model
-    return Run(cfg, mesh, data, model, zero, built.init_fn, accounting, dataset_identity(cfg, data.dataset),
+    return Run(cfg, mesh, data, model, zero, built.init_fn, accounting, data_id,
                _evaluator(cfg, model, zero, data, say), _sampler(cfg, model, data), lock, say, out)
 
 
