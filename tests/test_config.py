@@ -168,3 +168,8 @@ def test_an_unknown_key_in_a_mixture_entry_is_the_whole_line():
     (not None; a tuple left too short by its failed entry) are not more problems."""
     assert _error(TINY, ["data.mixture=[{dataset: default, weight: 1, bogus: 2}]"]) == \
         f"{TINY} (--set data.mixture): data.mixture.0.bogus: unknown key"
+
+
+def test_a_misspelled_key_is_named_before_the_key_it_leaves_missing():
+    assert _error(TINY, ["data.mixture=[{dataset: default, weight: 1}, {dataset: default, wieght: 0.3}]"]) == \
+        f"{TINY} (--set data.mixture): data.mixture.1.wieght: unknown key [and 1 more problem(s)]"

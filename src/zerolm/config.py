@@ -421,11 +421,14 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), device_count: i
 def _describe(path: Path, error: ValidationError, overridden: set[str]) -> str:
     """One line for the first problem, naming the file and the dotted key; a count of the rest. What only
     follows from another problem is none of its own: a key that may be None (data.mixture) reports that it is
-    not None, and a list whose entry failed that it is too short."""
+    not None, and a list whose entry failed that it is too short. An unknown key comes first (`wieght` is why
+    `weight` is missing)."""
     locs = [e["loc"] for e in error.errors()]
     errors = [e for e in error.errors() if e["type"] != "none_required"
               and not any(len(other) > len(e["loc"]) and other[:len(e["loc"])] == e["loc"] for other in locs)]
     errors = errors or error.errors()
+    # A misspelled key is the cause of the missing one it was meant to be: name it first.
+    errors.sort(key=lambda e: e["type"] != "extra_forbidden")
     first = errors[0]
     cause = first.get("ctx", {}).get("error")
     related: tuple[str, ...] = ()
