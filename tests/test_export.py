@@ -3,6 +3,7 @@ and gives zerolm's logits, greedy continuation and tokens (PyTorch CPU, from the
 
 import base64
 import json
+import os
 
 import jax
 import numpy as np
@@ -107,4 +108,8 @@ def test_an_existing_output_is_refused_and_replaced_only_with_overwrite(trained_
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
                                                       "tokenizer.json", "tokenizer_config.json"]
     assert json.loads((out / "config.json").read_text())["n_layer"] == 2
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == \
+        {p.name: 0o666 & ~umask for p in out.iterdir()}  # safetensors' own file as readable as the rest
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no partial or old directory left beside it

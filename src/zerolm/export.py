@@ -139,6 +139,7 @@ def export(model_run, tokenizer: Tokenizer, out, overwrite: bool = False):
             "clean_up_tokenization_spaces": False}, indent=2) + "\n")
         (partial / "generation_config.json").write_text(json.dumps({
             "bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id}, indent=2) + "\n")
+        _as_umask_allows(partial)
         if remote:
             _upload(partial, out)
         elif out.exists():  # --overwrite: the old directory goes only once the new one is complete
@@ -154,6 +155,14 @@ def export(model_run, tokenizer: Tokenizer, out, overwrite: bool = False):
     if remote:
         shutil.rmtree(partial, ignore_errors=True)
     return out
+
+
+def _as_umask_allows(directory: Path) -> None:
+    """Every file of the export with the mode a plain write gives it (safetensors writes 0600)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for p in directory.iterdir():
+        p.chmod(0o666 & ~umask)
 
 
 def _upload(local: Path, out) -> None:
