@@ -175,10 +175,15 @@ def describe_report(r: CommsReport) -> list[str]:
                   and c.program in ("grad", "step") and c.bytes > 4]
     if reductions:
         inside = [c for c in reductions if c.in_loop]
-        by_design = f" (ZeRO-{r.stage}: by design)" if r.stage > 1 and r.step == "zerolm" else ""
-        lines.append("gradient reduction over dp: " + (
-            f"INSIDE the accumulation loop: every micro-step ({sum(c.count for c in inside)} HLO collective(s) "
-            f"in loops){by_design}" if inside else "once per step, after the accumulation loop"))
+        n_inside = sum(c.count for c in inside)
+        if not inside:
+            where = "once per step, after the accumulation loop"
+        elif r.stage > 1 and r.step == "zerolm":  # by design: each layer's gradient where the backward pass makes it
+            where = (f"INSIDE the layers' loop: each layer's gradient as the backward pass makes it ({n_inside} HLO "
+                     f"collective(s) in loops) (ZeRO-{r.stage}: by design)")
+        else:
+            where = f"INSIDE the accumulation loop: every micro-step ({n_inside} HLO collective(s) in loops)"
+        lines.append("gradient reduction over dp: " + where)
     return lines
 
 
