@@ -8,7 +8,9 @@ stderr and its own exit code (zerolm.errors); argparse's errors (a missing or ma
 line and exit code 2, through `OneLineParser`; any other exception is a bug of zerolm's: its traceback,
 a line saying so, and exit code 70 (`EXIT_BUG`), never 2.
 
-Each command module is imported only when its command runs (`zerolm --help` imports no JAX).
+Each command module is imported only when its command runs (`zerolm --help` imports no JAX), and
+imports the library in its `run`, not at its top: `zerolm <command> --help` imports no JAX either
+(tests/test_commands.py checks both).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ COMMANDS = {
     "plan": ("plan", "per-device memory of ZeRO stages 0-3, the micro-batch that fits, and the step time, before "
                      "launching"),
     "comms": ("comms", "every collective of the compiled training step, beside the planner's prediction"),
-    "compile": ("compile", "compile the training step for a TPU slice (no TPU needed): fits or not, per-device "
-                           "memory, collectives"),
+    "compile": ("compile", "compile the training step for a TPU slice or NVIDIA GPUs (neither needed): fits or "
+                           "not, per-device memory, collectives"),
 }
 
 
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    parser = OneLineParser(prog="zerolm", description="GPT pretraining in JAX with ZeRO-1.")
+    parser = OneLineParser(prog="zerolm", description="GPT pretraining in JAX with ZeRO stages 1-3.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     parsers = {name: sub.add_parser(name, help=line) for name, (_, line) in COMMANDS.items()}
     module = None

@@ -6,9 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from zerolm.checkpoint import describe
 from zerolm.errors import UsageError
-from zerolm.storage import check
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,6 +14,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from zerolm.checkpoint import describe
+    from zerolm.storage import check
+
     if "://" not in args.dir and not Path(args.dir).is_dir():
         raise UsageError(f"{args.dir}: no such checkpoint directory")
     check(args.dir, "DIR")

@@ -4,14 +4,13 @@ prediction (zerolm.comms)."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-import jax
-
-from zerolm import comms
 from zerolm.commands import print_report
-from zerolm.config import load_config
-from zerolm.data.dataset import load_planned
 from zerolm.errors import UsageError
+
+if TYPE_CHECKING:
+    import jax
 
 
 def add_arguments(parser) -> None:
@@ -28,6 +27,7 @@ def add_arguments(parser) -> None:
 
 def _devices(wanted: int | None) -> list[jax.Device]:
     """`wanted` devices (None: the accelerators, or 8 fake CPU devices): real ones when there are enough."""
+    import jax
     from jax._src import xla_bridge
 
     if not xla_bridge.backends_are_initialized():
@@ -45,6 +45,10 @@ def _devices(wanted: int | None) -> list[jax.Device]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from zerolm import comms
+    from zerolm.config import load_config
+    from zerolm.data.dataset import load_planned
+
     if args.devices is not None and args.devices <= 0:
         raise UsageError(f"--devices: {args.devices} is not positive")
     cfg = load_config(args.config, args.set)

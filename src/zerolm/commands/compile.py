@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from zerolm import aot
 from zerolm.commands import print_report
-from zerolm.config import ConfigError, load_config
-from zerolm.data.dataset import load_planned
 from zerolm.exitcodes import EXIT_DOES_NOT_FIT
 
 
@@ -37,11 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    target = aot.parse_target(args.target)
-    if target.platform == "gpu":  # XLA's GPU compiler needs no GPU, but without one JAX must not try to open it
-        import jax
+    from zerolm import aot, platforms
+    from zerolm.config import ConfigError, load_config
+    from zerolm.data.dataset import load_planned
 
-        jax.config.update("jax_platforms", "cpu")
+    target = aot.parse_target(args.target)
+    platforms.no_device_needed()  # libtpu and XLA's GPU compiler compile for the target under JAX's CPU backend
     cfg = load_config(args.config, args.set)
     if cfg.mesh.dp != "auto" and cfg.dp * cfg.mesh.tp != target.devices:
         raise ConfigError(f"mesh: dp × tp = {cfg.dp} × {cfg.mesh.tp} = {cfg.dp * cfg.mesh.tp} devices, but "

@@ -6,10 +6,7 @@ import argparse
 import json
 import sys
 
-from zerolm import restored
 from zerolm.errors import UsageError
-from zerolm.evaluate import evaluate_checkpoint
-from zerolm.storage import check
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -27,6 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
+    from zerolm import restored
+    from zerolm.evaluate import evaluate_checkpoint
+    from zerolm.storage import check
+
     if args.sequences is not None and args.sequences <= 0:
         raise UsageError(f"--sequences: {args.sequences} must be > 0")
     check(args.checkpoint, "--checkpoint")

@@ -6,12 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import jax
-
-from zerolm import restored
 from zerolm.errors import UsageError
-from zerolm.export import export
-from zerolm.storage import check, is_remote, path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -25,6 +20,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    import jax
+
+    from zerolm import restored
+    from zerolm.export import export
+    from zerolm.storage import check, is_remote, path
+
     out = path(args.out) if is_remote(args.out) else Path(args.out)
     check(args.out, "--out")
     check(args.checkpoint, "--checkpoint")

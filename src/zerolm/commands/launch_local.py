@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 
-from zerolm import launch
 from zerolm.commands import OneLineParser, train
 from zerolm.errors import UsageError
 
@@ -26,6 +25,8 @@ def hint(argv: list[str]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from zerolm import launch
+
     if args.processes < 1:
         raise UsageError(f"--processes {args.processes}: must be at least 1")
     if args.devices_per_process < 1:

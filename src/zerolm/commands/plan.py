@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
+from typing import TYPE_CHECKING
 
+from zerolm import platforms
 from zerolm.commands import print_report
-from zerolm.plan import PRECISIONS, STAGES, Planner, PlanRequest, describe, planner_for
+
+if TYPE_CHECKING:
+    from zerolm.plan import Planner
+
+# zerolm.plan.STAGES and sorted(zerolm.plan.PRECISIONS), which --help cannot import (zerolm.plan imports JAX);
+# tests/test_commands.py checks they agree.
+STAGE_CHOICES = (0, 1, 2, 3)
+PRECISION_CHOICES = ("fp32", "mixed")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--global-batch", type=int, help="sequences per step (default: the config's, else 256)")
     where.add_argument("--micro-batch", type=int, help="sequences per device per micro-step for the memory table "
                                                        "(default: the config's, else 1)")
-    where.add_argument("--precision", choices=sorted(PRECISIONS),
+    where.add_argument("--precision", choices=PRECISION_CHOICES,
                        help="the stage table's accounting: fp32 (4 + 4 + 8 bytes per parameter) or mixed (the ZeRO "
                             "paper's 2 + 2 + 12); default: the config's zero.precision, else fp32")
     where.add_argument("--remat", choices=("none", "full"), help="default: the config's model.remat, else none")
@@ -39,21 +47,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="share of device memory a plan may use (default: on a TPU preset what the TPU compiler "
                             "allows, as `zerolm compile` checks; on a GPU, the share JAX's allocator takes: 0.75 unless "
                             "XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise)")
-    where.add_argument("--stage", type=int, choices=STAGES,
+    where.add_argument("--stage", type=int, choices=STAGE_CHOICES,
                        help="ZeRO stage for the step time and the advice (default: the config's zero.stage, else 1)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
 def build(args) -> Planner:
     """The planner the command line asks for (zerolm.plan.planner_for); PlanError / ConfigError for bad input."""
+    from zerolm.plan import PlanRequest, planner_for
+
     fields = {f.name for f in dataclasses.fields(PlanRequest)} - {"sets"}
     return planner_for(PlanRequest(sets=tuple(args.set), **{name: getattr(args, name) for name in fields}))
 
 
 def run(args: argparse.Namespace) -> int:
-    # The plan needs shapes, not devices: without this, a machine with libtpu installed (the `tpu` extra)
-    # but no TPU would have jax probe for one and print libtpu's warnings.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    platforms.no_device_needed()  # the plan traces shapes: it must not take a GPU or TPU that a run is using
+    from zerolm.plan import describe
+
     planner = build(args)
     print_report(planner.report(args.stage), args.json, describe)
     return 0

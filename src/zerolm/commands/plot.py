@@ -6,8 +6,6 @@ import argparse
 from pathlib import Path
 
 from zerolm.errors import UsageError
-from zerolm.plot import write
-from zerolm.storage import check
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -21,6 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from zerolm.plot import write
+    from zerolm.storage import check
+
     for where, what in [*((r, "RUN_DIR") for r in args.runs), (args.out or "", "--out")]:
         check(where, what, local_only="a run's logs are local: logging.dir")
     run_dirs = [Path(r) for r in args.runs]

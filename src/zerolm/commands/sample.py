@@ -5,12 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import jax
-
-from zerolm import restored
 from zerolm.errors import UsageError
-from zerolm.sample import Sampling, generate
-from zerolm.storage import check
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -31,6 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, out=None) -> int:
+    import jax
+
+    from zerolm import restored
+    from zerolm.sample import Sampling, generate
+    from zerolm.storage import check
+
     out = out or sys.stdout
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens: {args.max_new_tokens} must be >= 0")
