@@ -338,6 +338,8 @@ def test_a_stop_signal_saves_the_step_reached_and_exits_75(straight, tmp_path, s
     assert err.strip().splitlines()[-1] == f"zerolm: {why}: checkpoint saved at step {saved}; exiting with code 75"
     assert "Traceback" not in err
     assert saved == stop_before  # the step it had reached, not the last periodic one
+    if why == "interrupted":  # said when Ctrl-C is pressed, while the bar still shows an earlier step
+        assert f"zerolm: interrupted: stopping after step {saved} (the step in flight" in err
     wandb_id = Checkpoints(tmp_path / "ckpt", read_only=True).meta(saved).wandb_id
     train(tmp_path)
     assert losses(tmp_path) == reference

@@ -39,6 +39,7 @@ class PreemptionWatch:
             raise KeyboardInterrupt
         self.flag = False
         self.interrupted = False
+        self.stop_at: int | None = None  # the step a stop requested now would save (one process; see reached)
         self.multi = jax.process_count() > 1
         if not self.multi:  # jax.distributed's preemption notifier handles SIGTERM across processes
             self._previous_term = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -53,15 +54,28 @@ class PreemptionWatch:
                   f"latest; exiting with code {EXIT_INTERRUPTED}", file=sys.stderr, flush=True)
             os._exit(EXIT_INTERRUPTED)
         self.interrupted = True
-        print("\nzerolm: interrupted: saving the step reached, then exiting (Ctrl-C again to abandon the save)",
-              file=sys.stderr, flush=True)
+        # The progress bar shows the last step whose metrics arrived: steps already dispatched are still
+        # computing, so say which step the run stops at, not "the step reached".
+        at = ("at the step every process agrees on" if self.multi or self.stop_at is None else
+              f"after step {self.stop_at} (the step in flight; the bar lags behind the device)")
+        print(f"\nzerolm: interrupted: stopping {at} and saving it, then exiting (Ctrl-C again to abandon the "
+              "save)", file=sys.stderr, flush=True)
         if self.multi:  # hand it to JAX's preemption notifier, which makes every process stop at one step
             os.kill(os.getpid(), signal.SIGTERM)
         else:
             self.flag = True
 
     def reached(self, step: int) -> bool:
-        return multihost_utils.reached_preemption_sync_point(step) if self.multi else self.flag
+        """Whether the run stops after `step`, which the loop has just dispatched."""
+        if self.multi:
+            return multihost_utils.reached_preemption_sync_point(step)
+        if not self.flag:
+            self.stop_at = step + 1
+        return self.flag
+
+    def dispatching(self, step: int) -> None:
+        """The loop is about to dispatch `step`: a stop requested from now on saves it."""
+        self.stop_at = step
 
     @property
     def why(self) -> str:

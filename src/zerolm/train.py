@@ -355,6 +355,7 @@ class _Loop:
                      opened.out)))
         hooks, summary = self.hooks(writer, bar, emitter), {}
         for step in range(self.start.step + 1, cfg.train.steps + 1):
+            preemption.dispatching(step)
             batch, waited = next(batches)
             profiler.before(step)
             state, metrics = opened.zero(state, batch)
