@@ -17,7 +17,8 @@ One optimizer step is three compiled programs, whatever the stage (`zero.stage`)
      reduce-scatters that layer's gradient as soon as the backward pass makes it.
    At stages 2 and 3 the leaves outside the layers (the embeddings, the last LayerNorm) reduce as at stage
    1, once after the loop (and stage 3 gathers them once per step, before it).
-   The tp collectives of the forward and backward passes run inside the loop, over tp only.
+   The tp collectives of the forward and backward passes run inside the loop, over tp only. Stages 2 and
+   3's grad program is zerolm.sharded_grad's.
 2. `reshard`: an identity `jax.jit` that moves the parameters into the optimizer-state layout. Each
    device keeps its own slice, so it compiles to no collective (but for a small gather of each
    blockified tp-split leaf; `zerolm comms` shows them).
@@ -48,19 +49,17 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from zerolm import scatter as scatter_lib
-from zerolm import sharding
+from zerolm import sharded_grad, sharding
 from zerolm.mesh import DP, TP
 from zerolm.optim import MasterWeights, with_master_weights
 from zerolm.scatter import Scatter
+from zerolm.sharded_grad import LossFn, sum_over_micro_batches
 from zerolm.sharding import from_views, is_layout, to_views
 
 PyTree = Any
 GradReduce = Literal["all_reduce", "reduce_scatter"]
 Precision = Literal["fp32", "mixed"]
 Stage = Literal[1, 2, 3]
-# (params, tokens_BxT1, layer_params) -> scalar loss; `layer_params`: what each layer of the model applies
-# to its stored parameters before it reads them (ZeRO-3's gather; zerolm.model.GPT.layer_params), or None.
-LossFn = Callable[..., jax.Array]
 
 
 @flax.struct.dataclass
@@ -143,8 +142,9 @@ class Zero:
         acc_dtype = jnp.dtype(accumulate_dtype)
         if stage == 1:
             grad_step = self._stage1(loss_fn, acc_dtype, manual)
-        else:
-            grad_step = self._sharded_grad(loss_fn, acc_dtype, manual)
+        else:  # zerolm.sharded_grad: each layer's gradient reduce-scattered inside the layers' loop
+            reduce_scatter = scatter_lib.reduce_scatter(self.scatter, table.dp, self.scatter_inner)
+            grad_step = sharded_grad.grad_program(table, loss_fn, acc_dtype, self.param_dtype, reduce_scatter, manual)
 
         # What a step runs; zerolm.step.compile_step gives them compiled for a run's shapes (`using`).
         self.programs = Programs(
@@ -175,31 +175,6 @@ class Zero:
 
         def grad_step(params, batch):  # the name its compiled programs (and the compilation cache) carry
             return reduce(*accumulate(params, batch))
-
-        return grad_step
-
-    def _sharded_grad(self, loss_fn: LossFn, acc_dtype, manual: frozenset) -> Callable:
-        """(params, batch) -> (gradient in the optimizer-state layout, metrics): each layer's reduce-scattered
-        inside the loop where the backward pass makes it, the other leaves' once after it."""
-        table = self.table
-        param_in = jax.tree.map(lambda s, lay, ps: lay.dp_spec if s else P(*[None] * len(ps)), table.dp_split,
-                                table.layouts, table.param_specs, is_leaf=is_layout)
-        grad_out = jax.tree.map(lambda lay: lay.dp_spec, table.layouts, is_leaf=is_layout)
-        reduce_scatter = scatter_lib.reduce_scatter(self.scatter, table.dp, self.scatter_inner)
-        if table.tp > 1 and self.mixed and self.mesh.devices.flat[0].platform == "cpu":
-            # XLA's CPU compiler aborts on a bfloat16 reduce-scatter in a map manual over dp alone ("Invalid
-            # binary instruction opcode copy", jax 0.10): there, and only there, it runs in float32.
-            reduce_scatter = _in_float32(reduce_scatter)
-        body = functools.partial(_accumulate_sharded, stage=self.stage, loss_fn=loss_fn, acc_dtype=acc_dtype,
-                                 out_dtype=self.param_dtype, layouts=table.layouts, in_layers=table.in_loop,
-                                 stored_split=table.dp_split, stacked=table.stacked, reduce_scatter=reduce_scatter,
-                                 dp=table.dp)
-        accumulate = jax.shard_map(body, mesh=self.mesh, in_specs=(param_in, table.batch_sharding.spec),
-                                   out_specs=(grad_out, P()), axis_names=manual)
-
-        def grad_step(params, batch):
-            grads, metrics = accumulate(params, batch)
-            return lax.with_sharding_constraint(grads, table.view_shardings), metrics
 
         return grad_step
 
@@ -282,23 +257,9 @@ def _accumulate(params, batch_AxMxT1, *, loss_fn: LossFn, acc_dtype, out_dtype):
     varying = functools.partial(lax.pcast, axis_name=DP, to="varying")
     params = jax.tree.map(varying, params)
     zeros = jax.tree.map(lambda p: varying(jnp.zeros(p.shape, acc_dtype)), params)
-    grads, loss = _sum_over_micro_batches(loss_fn, params, zeros, batch_AxMxT1)
+    grads, loss = sum_over_micro_batches(loss_fn, params, zeros, batch_AxMxT1)
     accum = batch_AxMxT1.shape[0]
     return jax.tree.map(lambda g: (g / accum).astype(out_dtype)[None], grads), (loss / accum)[None]
-
-
-def _sum_over_micro_batches(loss_fn: Callable, params, zeros, batch_AxMxT1):
-    """Σ over the micro-batches (a scan) of the loss and of its gradient with respect to `params`, each
-    gradient added into `zeros`' accumulator in the accumulator's dtype."""
-    def micro_step(carry, tokens_MxT1):
-        grad_acc, loss_acc = carry
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens_MxT1)
-        grad_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_acc, grads)
-        return (grad_acc, loss_acc + loss), None
-
-    loss_zero = lax.pcast(jnp.zeros((), jnp.float32), DP, to="varying")
-    (grads, loss), _ = lax.scan(micro_step, (zeros, loss_zero), batch_AxMxT1)
-    return grads, loss
 
 
 def _reduce(grads, loss, *, layouts, tp_local, grad_reduce: GradReduce, dp: int, tp: int, scatter: Scatter,
@@ -342,111 +303,3 @@ def _update(grads_view, params_view, opt_state, step, old_params, *, tx, layouts
     else:
         new_view = optax.apply_updates(params_view, updates)
     return from_views(layouts, new_view), opt_state, step + 1, metrics
-
-
-def _in_float32(reduce_scatter: Callable[[jax.Array, int], jax.Array]) -> Callable[[jax.Array, int], jax.Array]:
-    """`reduce_scatter` run in float32, its result cast back (zero.Zero._sharded_grad says where)."""
-    return lambda x, axis: reduce_scatter(x.astype(jnp.float32), axis).astype(x.dtype)
-
-
-def _gather(axis: int, reduce_scatter: Callable[[jax.Array, int], jax.Array]) -> Callable[[jax.Array], jax.Array]:
-    """ZeRO-3: x's dp blocks along `axis`, all-gathered; the transpose is `reduce_scatter` (zerolm.scatter's,
-    as the step's scatter says), so the backward pass reduce-scatters the gradient of what was gathered."""
-    @jax.custom_vjp
-    def gather(x):
-        return lax.all_gather(x, DP, axis=axis, tiled=True)
-
-    gather.defvjp(lambda x: (gather(x), None), lambda _, g: (reduce_scatter(g, axis),))
-    return gather
-
-
-def _attach(axis: int, reduce_scatter: Callable[[jax.Array, int], jax.Array]) -> Callable[..., jax.Array]:
-    """ZeRO-2: `whole` as it is, its gradient reduce-scattered along `axis` into `sink`'s (this device's dp
-    block, zeros): the backward pass reduce-scatters each layer's gradient where it is made, so no whole
-    gradient outlives its layer."""
-    @jax.custom_vjp
-    def attach(whole, sink):
-        del sink
-        return whole
-
-    attach.defvjp(lambda whole, sink: (whole, None), lambda _, g: (None, reduce_scatter(g, axis)))
-    return attach
-
-
-def _at_use(stage: int, axis: int, reduce_scatter) -> Callable[[Any], jax.Array]:
-    """What a parameter stored as `x` is where it is used, at `stage`: its dp block gathered (3), or the
-    pair (whole, gradient sink) attached (2)."""
-    if stage == 3:
-        return _gather(axis, reduce_scatter)
-    return lambda pair: _attach(axis, reduce_scatter)(*pair)
-
-
-def _layer_params(stage: int, layouts, in_layers, stacked, reduce_scatter) -> Callable | None:
-    """Each layer's `_at_use`, for the model's `layer_params`: the `in_layers` leaves of the stacked layers
-    (one subtree of the parameters, a leading `layers` axis), on their layout's axis less the layers axis.
-    None when there are none."""
-    keys = {path[0].key for path, s in jax.tree_util.tree_leaves_with_path(stacked) if s}
-    if not any(jax.tree.leaves(in_layers)):
-        return None
-    if len(keys) != 1 or not all(jax.tree.leaves(stacked[next(iter(keys))])):
-        raise ValueError(f"ZeRO-{stage} reduces in one subtree of stacked layers; these parameters have {sorted(keys)}")
-    key = next(iter(keys))
-    axes = jax.tree.map(lambda u, lay: lay.axis - 1 if u else -1, in_layers[key], layouts[key], is_leaf=is_layout)
-
-    def layer_params(tree):
-        return jax.tree.map(lambda axis, x: x if axis < 0 else _at_use(stage, axis, reduce_scatter)(x), axes, dict(tree))
-
-    return layer_params
-
-
-def _accumulate_sharded(params, batch_AxMxT1, *, stage: int, loss_fn: LossFn, acc_dtype, out_dtype, layouts,
-                        in_layers, stored_split, stacked, reduce_scatter, dp: int):
-    """Per device: its dp block of the mean gradient over every device's micro-batches, in the optimizer-state
-    layout.
-
-    The `in_layers` leaves (the stacked layers' leaves that the layout splits over dp) reduce a layer at a
-    time, inside the layers' loop, where the model uses them (`_layer_params`): ZeRO-3 stores them as this
-    device's block and gathers it there; ZeRO-2 stores them whole and reduce-scatters each layer's gradient
-    into a zero block (its sink) as the backward pass makes it. The other leaves (the embeddings, the last
-    LayerNorm; a layer's few leaves that no dp-splittable axis has) reduce as in ZeRO-1: each device sums its
-    own gradient of them over the micro-batches, then one reduce-scatter after the loop; ZeRO-3 gathers those
-    it stores split once, before the loop."""
-    varying = functools.partial(lax.pcast, axis_name=DP, to="varying")
-    hook = _layer_params(stage, layouts, in_layers, stacked, reduce_scatter)
-
-    def before_loop(u, split, lay, p):
-        if u:  # a layer's block (ZeRO-3: varying already, gathered in the loop) or whole (ZeRO-2)
-            return p if stage == 3 else varying(p)
-        return lax.all_gather(p, DP, axis=lay.scatter_dim, tiled=True) if split else varying(p)
-
-    params = jax.tree.map(before_loop, in_layers, stored_split, layouts, params, is_leaf=is_layout)
-
-    def block_zeros(lay, dtype):
-        shape = list(lay.view_shape)
-        shape[lay.scatter_dim] //= dp
-        return varying(jnp.zeros(shape, dtype))
-
-    # What is differentiated: ZeRO-3's stored blocks and ZeRO-2's sinks in the layers, the other leaves themselves.
-    diff = jax.tree.map(lambda u, lay, p: block_zeros(lay, p.dtype) if u and stage == 2 else p, in_layers, layouts,
-                        params, is_leaf=is_layout)
-
-    def loss_of(diff, tokens_MxT1):
-        model_params = jax.tree.map(lambda u, d, p: (lax.stop_gradient(p), d) if u and stage == 2 else d,
-                                    in_layers, diff, params)
-        if hook is None:
-            return loss_fn(model_params, tokens_MxT1)
-        return loss_fn(model_params, tokens_MxT1, layer_params=hook)
-
-    accum = batch_AxMxT1.shape[0]
-    zeros = jax.tree.map(lambda u, lay: block_zeros(lay, acc_dtype) if u else varying(jnp.zeros(lay.shape, acc_dtype)),
-                         in_layers, layouts, is_leaf=is_layout)
-    grads, loss = _sum_over_micro_batches(loss_of, diff, zeros, batch_AxMxT1)
-
-    def after_loop(u, lay, g):
-        if u:
-            return (g / (dp * accum)).astype(out_dtype)
-        # In the parameters' dtype, as ZeRO-1 reduces (bfloat16 in mixed precision).
-        return reduce_scatter(lay.to_view((g / accum).astype(out_dtype)), lay.scatter_dim) / dp
-
-    grads = jax.tree.map(after_loop, in_layers, layouts, grads, is_leaf=is_layout)
-    return grads, {"loss": lax.pmean(loss / accum, DP)}
