@@ -1,16 +1,21 @@
 """The command line's one error rule: a ZerolmError is the user's, one line and its own exit code; any
-other exception is a bug of ours, traceback and exit code 70, never 2. And `zerolm --help` imports no JAX."""
+other exception is a bug of ours, traceback and exit code 70, never 2. And `zerolm --help` imports no JAX; a
+command on a machine without an accelerator says nothing about CUDA or TPUs, compile extras installed or not."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
+from conftest import REPO, TINY
+from zerolm import platforms
 from zerolm.commands import COMMANDS, run_command
 from zerolm.config import ConfigError
 from zerolm.errors import UsageError, ZerolmError
@@ -106,3 +111,49 @@ def test_a_command_imports_only_its_own_module():
              "    pass\nprint(sorted(m for m in sys.modules if m.startswith('zerolm.commands.')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "['zerolm.commands.plot']"
+
+
+# What JAX printed before every command, with the compile extras and no accelerator: the CUDA plugin's failed
+# version check (a logged traceback) and libtpu's complaints about TPU worker hosts.
+NOISE = ("Traceback", "cuFFT", "CUDA", "plugin configuration error", "hostname")
+
+
+def test_a_command_says_nothing_of_cuda_or_tpus_on_a_machine_without_them():
+    if platforms.for_machine() != "cpu":
+        pytest.skip("this machine has an accelerator")
+    if importlib.util.find_spec("libtpu") is None and not platforms._cuda_plugin_installed():
+        pytest.skip("neither compile extra is installed (libtpu, the CUDA plugin): JAX has nothing to complain of")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # the tests' setting would hide it all
+    small = ["model.n_layer=1", "model.d_model=32", "model.n_head=4", "model.seq_len=32"]
+    # `comms` opens JAX's backends as `train` does (`plan` and `compile` ask for the CPU alone themselves)
+    proc = subprocess.run([sys.executable, "-m", "zerolm.cli", "comms", "--config", str(TINY), "--devices", "1",
+                           *[a for s in small for a in ("--set", s)]], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "grad" in proc.stdout
+    assert [line for line in proc.stderr.splitlines() if any(word in line for word in NOISE)] == []
+
+
+def test_jax_platforms_follow_the_machines_device_nodes(tmp_path):
+    dev = tmp_path / "dev"
+    (dev / "vfio").mkdir(parents=True)
+    (dev / "vfio" / "vfio").touch()  # VFIO's container alone is no TPU
+    assert platforms.for_machine(dev) == "cpu"
+    (dev / "nvidiactl").touch()
+    assert platforms.for_machine(dev) == ("cuda,cpu" if platforms._cuda_plugin_installed() else None)
+    for accelerator in ("accel0", "vfio/0", "kfd"):  # a TPU v4, a TPU v5e, an AMD GPU: JAX's own choice
+        (dev / accelerator).touch()
+        assert platforms.for_machine(dev) is None
+        (dev / accelerator).unlink()
+
+
+@pytest.mark.parametrize("users", [None, "", "tpu"])
+def test_a_jax_platforms_the_user_set_is_kept(monkeypatch, tmp_path, users):
+    monkeypatch.setattr(platforms, "_set_by_zerolm", False)
+    if users is None:
+        monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    else:
+        monkeypatch.setenv("JAX_PLATFORMS", users)
+    platforms.choose(dev=tmp_path)  # an empty /dev: no accelerator
+    assert os.environ["JAX_PLATFORMS"] == ("cpu" if users is None else users)
+    assert platforms.user_chose() == (users is not None)
