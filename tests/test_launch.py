@@ -17,6 +17,7 @@ from conftest import REPO, TINY
 from runs import SMALL, STEPS, checkpoint_params, env, logged_steps, losses, train
 from zerolm.checkpoint import Checkpoints
 from zerolm.exitcodes import EXIT_PEER_LOST, EXIT_PREEMPTED
+from zerolm.launch import KEPT_LAUNCHES, _rotate_logs, _WithoutGloo
 
 pytestmark = pytest.mark.slow  # multi-process training runs
 
@@ -69,6 +70,7 @@ def two_by_four(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("two")
     out, _ = launched(run_dir)
     assert "in 2 process(es)" in out
+    assert "[Gloo]" in (run_dir / "log" / "process-0.log").read_text() and "Gloo" not in out  # in the log only
     return run_dir, losses(run_dir)
 
 
@@ -201,9 +203,12 @@ def test_kill_9_of_one_process_stops_the_other_and_a_relaunch_resumes_exactly(tw
     assert "Traceback" not in (tmp_path / "log" / "process-0.log").read_text()
     assert subprocess.run(["pgrep", "-f", str(tmp_path / "ckpt")], capture_output=True).stdout == b""  # no orphan
     latest = Checkpoints(tmp_path / "ckpt", read_only=True).latest_step()
+    crashed = [(tmp_path / "log" / f"process-{i}.log").read_text() for i in range(2)]
     out, _ = launched(tmp_path)
     assert f"resumed from {tmp_path / 'ckpt' / str(latest)} " in out
     assert losses(tmp_path) == reference  # bit-identical to the uninterrupted 2-process run
+    # The crashed launch's logs outlive the relaunch (it truncated them), under the name logrotate would give
+    assert [(tmp_path / "log" / f"process-{i}.log.1").read_text() for i in range(2)] == crashed
 
 
 def test_a_process_that_loses_its_peer_stops_by_itself(tmp_path):
@@ -299,3 +304,39 @@ def test_unreachable_coordinator_fails_in_time_naming_it(tmp_path):
     assert proc.stderr.strip() == ("error: --coordinator 127.0.0.1:9: not reachable within 3 s (Connection refused); "
                                    "is process 0 running there? (--init-timeout sets the wait)")
     assert list(tmp_path.iterdir()) == []
+
+
+# Process 0's output as a 2-process launch of 4 devices each wrote it: gloo's lines, two of them interleaved
+# by its threads, one after a progress bar. The terminal gets the rest, byte for byte.
+GLOO = "Expected number of connected peer ranks is : "
+WRITTEN = (f"[Gloo] Rank 0 is connected to 1 peer ranks. {GLOO}1\nzerolm: tiny: 1.07M params\n"
+           f"\rtiny:   0%|          | 0/2 [00:00<?, ?step/s][Gloo] Rank 0 is connected to 7 peer ranks. {GLOO}7\n"
+           f"[Gloo] Rank 2[Gloo] Rank 1 is connected to 7 peer ranks. {GLOO}7\n"
+           f"[Gloo] Rank 3 is connected to 7 peer ranks. {GLOO}7\n is connected to 7 peer ranks. {GLOO}7\n"
+           "\rtiny:  50%|█████     | 1/2 [00:01<00:01,  1.83s/step]\n[Gloo] Rank 1 is NOT connected to: [0]\n")
+SHOWN = ("zerolm: tiny: 1.07M params\n\rtiny:   0%|          | 0/2 [00:00<?, ?step/s]"
+         "\rtiny:  50%|█████     | 1/2 [00:01<00:01,  1.83s/step]\n[Gloo] Rank 1 is NOT connected to: [0]\n")
+
+
+def test_gloo_lines_stay_off_the_terminal_wherever_a_read_ends():
+    for cut in range(len(WRITTEN) + 1):
+        quiet = _WithoutGloo()
+        assert quiet(WRITTEN[:cut]) + quiet(WRITTEN[cut:]) + quiet("", final=True) == SHOWN, cut
+
+
+def test_each_relaunch_keeps_the_logs_of_the_launches_before(tmp_path):
+    def launch(processes: int, name: str) -> None:
+        _rotate_logs(tmp_path)
+        for i in range(processes):
+            (tmp_path / f"process-{i}.log").write_text(f"{name} {i}")
+
+    launch(4, "first")
+    launch(2, "crashed")  # fewer processes: .1 is still one launch's logs, the first's 2 and 3 move on too
+    launch(2, "now")
+    logs = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert logs == {"process-0.log": "now 0", "process-1.log": "now 1", "process-0.log.1": "crashed 0",
+                    "process-1.log.1": "crashed 1", **{f"process-{i}.log.2": f"first {i}" for i in range(4)}}
+    for n in range(KEPT_LAUNCHES + 1):  # "now" and "crashed" go, the oldest first
+        launch(1, f"later {n}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["process-0.log", *(f"process-0.log.{n}" for n in
+                                                                             range(1, KEPT_LAUNCHES + 1))]

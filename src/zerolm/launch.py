@@ -3,8 +3,12 @@
     zerolm launch-local --processes 2 --devices-per-process 4 -- --config configs/tiny.yaml --set ...
 
 Starts P `zerolm train` processes, each with D CPU devices (`--xla_force_host_platform_device_count`),
-joined through `jax.distributed` on 127.0.0.1 at a free port. Process 0's output is shown live; every
-process also writes `<logging.dir>/process-<i>.log`.
+joined through `jax.distributed` on 127.0.0.1 at a free port. Process 0's output is shown live (less gloo's
+"[Gloo] Rank N is connected" lines); every process also writes `<logging.dir>/process-<i>.log`, all of it.
+The logs of the launches before are kept as logrotate and Python's RotatingFileHandler keep them:
+`process-<i>.log.1` is the last launch's, `.2` the one before, up to `.5` (`KEPT_LAUNCHES`): a crashed
+run's logs survive the relaunch that resumes it, the current launch's keep the name that scripts and
+docs point to, and the directory does not grow without end under a supervisor that relaunches.
 
 - Ctrl-C or SIGTERM is forwarded to every process: they agree on a step, save it and exit 75
   together, as a single process does. A second Ctrl-C is forwarded too, and abandons the save.
@@ -27,7 +31,9 @@ process also writes `<logging.dir>/process-<i>.log`.
 
 from __future__ import annotations
 
+import codecs
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -60,6 +66,7 @@ def launch(processes: int, devices: int, train_args: list[str], log_dir: Path, g
     """Run `zerolm train TRAIN_ARGS` as `processes` processes of `devices` CPU devices each; their logs
     go to `log_dir` (the run's logging.dir). Returns the launch's exit code (module docstring)."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    earlier = " (the last launch's: process-*.log.1)" if _rotate_logs(log_dir) else ""
     port = _free_port()
     env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
                                       f"--xla_force_host_platform_device_count={devices}".strip(),
@@ -79,7 +86,7 @@ def launch(processes: int, devices: int, train_args: list[str], log_dir: Path, g
     pump = threading.Thread(target=_follow, args=(log_dir / "process-0.log", out, done), daemon=True)
     pump.start()
     print(f"launch-local: {processes} process(es) × {devices} CPU device(s), coordinator 127.0.0.1:{port}, "
-          f"pids {' '.join(str(p.pid) for p in procs)}; logs in {log_dir}/process-*.log", file=sys.stderr, flush=True)
+          f"pids {' '.join(str(p.pid) for p in procs)}; logs in {log_dir}/process-*.log{earlier}", file=sys.stderr, flush=True)
 
     def forward(signum, frame):
         # A closed terminal (SIGHUP) stops the run as a preemption does: the processes save and exit 75.
@@ -105,17 +112,78 @@ def launch(processes: int, devices: int, train_args: list[str], log_dir: Path, g
     return code
 
 
+KEPT_LAUNCHES = 5  # process-<i>.log.1 .. .5: the logs of the launches before this one (module docstring)
+
+
+def _rotate_logs(log_dir: Path) -> bool:
+    """process-<i>.log -> .log.1 -> .log.2 ... -> .log.KEPT_LAUNCHES, then gone, every process of every earlier
+    launch alike (so that .1 is one launch's, whatever its process count). Whether there was a log to keep."""
+    kept = False
+    for generation in range(KEPT_LAUNCHES, -1, -1):
+        for log in log_dir.glob("process-*.log" + (f".{generation}" if generation else "")):
+            if generation == KEPT_LAUNCHES:
+                log.unlink()
+                continue
+            base = log.name.removesuffix(f".{generation}") if generation else log.name
+            log.replace(log.with_name(f"{base}.{generation + 1}"))
+            kept = True
+    return kept
+
+
+class _WithoutGloo:
+    """Text for the terminal without gloo's connection lines. gloo (JAX's CPU collectives between processes)
+    prints "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1" to
+    stdout from C++ for each connection, with no setting to stop it, and from several threads at once: the
+    pieces of one line (each `<<` of its `std::cout`) interleave with another's. Each piece goes, with its
+    number; a piece that may still be growing at the end of what has been read waits for the next read (and
+    no longer: `final` when that read finds nothing more).
+    gloo's "is NOT connected" line (a failed connection) stays."""
+
+    _PIECES = ("[Gloo] Rank ", " is connected to ", " peer ranks. ", "Expected number of connected peer ranks is : ")
+    _PIECE = re.compile(r"\[Gloo\] Rank (?!\d* is NOT)\d*| is connected to \d*| peer ranks\. "
+                        r"|Expected number of connected peer ranks is : \d*\n?")
+    _NUMBER = re.compile(r"\d*")
+    _RANK = re.compile(r"\[Gloo\] Rank \d*")  # " is NOT" may yet follow it
+
+    def __init__(self) -> None:
+        self._held = ""
+
+    def __call__(self, text: str, final: bool = False) -> str:
+        text = self._held + text
+        cut = len(text) if final else self._unfinished(text)
+        self._held = text[cut:]
+        return self._PIECE.sub("", text[:cut])
+
+    def _unfinished(self, text: str) -> int:
+        """Where a piece begins that the next read may complete (a prefix of one, or one and its number so far),
+        or decide (a rank, and perhaps the start of " is NOT")."""
+        for start in range(max(0, len(text) - 64), len(text)):
+            tail = text[start:]
+            if any(piece.startswith(tail) or (tail.startswith(piece) and self._NUMBER.fullmatch(tail[len(piece):]))
+                   for piece in self._PIECES):
+                return start
+            rank = self._RANK.match(tail)
+            if rank and " is NOT".startswith(tail[rank.end():]):
+                return start
+        return len(text)
+
+
 def _follow(path: Path, out, done: threading.Event) -> None:
-    """Show process 0's log as it grows, until the processes are done and it is read to the end."""
+    """Show process 0's log as it grows (less gloo's lines), until the processes are done and it is read to the
+    end. Decoded incrementally: a character split between two reads (a progress bar's) comes out whole."""
+    decode, quiet = codecs.getincrementaldecoder("utf-8")(errors="replace").decode, _WithoutGloo()
     with path.open("rb") as f:
         while True:
             chunk = f.read()
-            if chunk:
-                out.write(chunk.decode(errors="replace"))
+            finished = not chunk and done.is_set()
+            # What a read that found nothing new leaves held is not a piece of gloo's: those come microseconds apart.
+            text = quiet(decode(chunk, final=finished), final=not chunk)
+            if text:
+                out.write(text)
                 out.flush()
-            elif done.is_set():
+            if finished:
                 return
-            else:
+            if not chunk:
                 time.sleep(0.05)
 
 
