@@ -379,6 +379,6 @@ def test_two_stage_reduce_scatter_in_the_step():
 
 
 def plan_predicted(zero):
-    from zerolm.plan import predicted_collectives
-    return [p.to_json() for p in predicted_collectives(zero.table, "reduce_scatter", 4, scatter=zero.scatter,
-                                                       inner=zero.scatter_inner)]
+    from zerolm.plan import CountedStep, predicted_collectives
+    counted = CountedStep("reduce_scatter", 4, scatter=zero.scatter, inner=zero.scatter_inner)
+    return [p.to_json() for p in predicted_collectives(zero.table, counted)]

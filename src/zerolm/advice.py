@@ -48,7 +48,7 @@ def planned(config: str, sets: list[str], target: aot.Target, dp: int, tp: int) 
     """The planner's largest micro-batch for `config` on `target`'s device preset (what `zerolm plan
     --device PRESET --dp DP` advises); None without a preset, or if none fits."""
     from zerolm.hardware import preset
-    from zerolm.plan import Parallelism, Planner, from_config
+    from zerolm.plan import Parallelism, Planner, PlanSettings, from_config
 
     name = preset_for(target)
     if name is None:
@@ -56,7 +56,7 @@ def planned(config: str, sets: list[str], target: aot.Target, dp: int, tp: int) 
     cfg = load_planned(config, [*sets, f"mesh.dp={dp}", f"mesh.tp={tp}", "train.micro_batch_size=1"])
     model, factory = from_config(cfg, dp, tp)
     planner = Planner(model, factory, preset(name), Parallelism(dp, tp, cfg.train.global_batch_size),
-                      cfg.zero.precision, stage=cfg.zero.stage)
+                      PlanSettings(cfg.zero.precision, stage=cfg.zero.stage))
     fitting = [b for b in planner.micro_batches() if planner.step_peak(b, cfg.zero.stage)["fits"]]
     return max(fitting) if fitting else None
 

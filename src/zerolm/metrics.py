@@ -17,6 +17,7 @@ and says so in one line: a run on a remote host has no one to answer wandb's log
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -42,11 +43,21 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf
 
 
+@dataclasses.dataclass(frozen=True)
+class WandbRun:
+    """The wandb run a MetricsWriter mirrors to."""
+
+    project: str  # logging.wandb_project
+    name: str  # the run's name
+    id: str  # stored in every checkpoint, so that a resumed run continues the same wandb run
+    mode: str  # logging.wandb: disabled | offline | online (the WANDB_MODE variable wins)
+    config: dict[str, Any]  # wandb's run config: the resolved config plus facts of the run
+
+
 class MetricsWriter:
-    def __init__(self, log_dir: Path, config: dict[str, Any], run_name: str, wandb_mode: str, project: str,
-                 wandb_id: str, resume_step: int = 0, enabled: bool | None = None, say=print):
-        """`config` goes to wandb's run config (the resolved config plus facts of the run); `say` prints a
-        notice (wandb logging offline for want of credentials)."""
+    def __init__(self, log_dir: Path, wandb_run: WandbRun, resume_step: int = 0, enabled: bool | None = None,
+                 say=print):
+        """`say` prints a notice (wandb logging offline for want of credentials)."""
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self._wandb = None
         if not self.enabled:
@@ -55,7 +66,7 @@ class MetricsWriter:
         self.path = log_dir / "metrics.jsonl"
         _drop_after(self.path, resume_step)
         self._file = self.path.open("a")
-        mode: Any = os.environ.get("WANDB_MODE", wandb_mode)  # wandb checks the value
+        mode: Any = os.environ.get("WANDB_MODE", wandb_run.mode)  # wandb checks the value
         if mode == "online" and not wandb_credentials():
             mode = "offline"
             say(f"wandb: no credentials on this host (WANDB_API_KEY, or `wandb login`): logging offline to "
@@ -68,9 +79,8 @@ class MetricsWriter:
                     os.environ[variable] = str(home / sub) if sub else str(log_dir.absolute())
             import wandb
 
-            # The id is stored in every checkpoint, so a resumed run continues the same wandb run.
-            self._wandb = wandb.init(project=project, name=run_name, config=config, dir=str(log_dir.absolute()),
-                                     mode=mode, id=wandb_id, resume="allow")
+            self._wandb = wandb.init(project=wandb_run.project, name=wandb_run.name, config=wandb_run.config,
+                                     dir=str(log_dir.absolute()), mode=mode, id=wandb_run.id, resume="allow")
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:

@@ -56,10 +56,26 @@ def pick(logits_V: jax.Array, key: jax.Array, temperature, top_k, top_p) -> jax.
     return jnp.where(temperature > 0, sampled, jnp.argmax(logits_V)).astype(jnp.int32)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Decode:
+    """One generation's settings, as traced values (int32 scalars, float32 for the sampling's floats): a new
+    value compiles nothing."""
+
+    prompt_len: jax.Array  # the prompt's tokens, before its padding to the bucket
+    n_new: jax.Array  # at most this many new tokens
+    eot_id: jax.Array  # stop after this token (-1: none)
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    rng: jax.Array  # a typed key
+
+
 @functools.partial(jax.jit, static_argnames=("model",))
-def _generate(model: GPT, params, prompt_P: jax.Array, prompt_len, n_new, eot_id, temperature, top_k, top_p, rng):
-    """The prompt (padded to a bucket of P) then up to `n_new` tokens, in a seq_len buffer; and how
+def _generate(model: GPT, params, prompt_P: jax.Array, decode: _Decode):
+    """The prompt (padded to a bucket of P) then up to `decode.n_new` tokens, in a seq_len buffer; and how
     many tokens the buffer holds."""
+    prompt_len, n_new, eot_id = decode.prompt_len, decode.n_new, decode.eot_id
     T = model.cfg.seq_len
     vocab = model.cfg.vocab
 
@@ -80,13 +96,13 @@ def _generate(model: GPT, params, prompt_P: jax.Array, prompt_len, n_new, eot_id
     def step(carry):
         i, cache, buf_T, logits_V, _, rng = carry
         rng, key = jax.random.split(rng)
-        token = pick(logits_V, key, temperature, top_k, top_p)
+        token = pick(logits_V, key, decode.temperature, decode.top_k, decode.top_p)
         pos = prompt_len + i
         buf_T = buf_T.at[pos].set(token)
         logits_V, cache = logits_at(cache, token.reshape(1, 1), pos, 0)
         return i + 1, cache, buf_T, logits_V, token == eot_id, rng
 
-    n, _, buf_T, _, _, _ = lax.while_loop(not_done, step, (jnp.int32(0), cache, buf_T, logits_V, False, rng))
+    n, _, buf_T, _, _, _ = lax.while_loop(not_done, step, (jnp.int32(0), cache, buf_T, logits_V, False, decode.rng))
     return buf_T, prompt_len + n
 
 
@@ -109,7 +125,7 @@ def generate(model: GPT, params, prompt_ids, max_new_tokens: int, sampling: Samp
     n_new = max(0, min(max_new_tokens, T - prompt.size))
     padded = np.zeros(bucket(prompt.size, T), np.int32)
     padded[:prompt.size] = prompt
-    buf, length = _generate(model, params, jnp.asarray(padded), jnp.int32(prompt.size), jnp.int32(n_new),
-                            jnp.int32(eot_id), jnp.float32(sampling.temperature), jnp.int32(sampling.top_k),
-                            jnp.float32(sampling.top_p), jax.random.key(sampling.seed))
+    decode = _Decode(jnp.int32(prompt.size), jnp.int32(n_new), jnp.int32(eot_id), jnp.float32(sampling.temperature),
+                     jnp.int32(sampling.top_k), jnp.float32(sampling.top_p), jax.random.key(sampling.seed))
+    buf, length = _generate(model, params, jnp.asarray(padded), decode)
     return np.asarray(buf)[: int(length)]

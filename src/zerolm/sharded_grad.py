@@ -10,6 +10,7 @@ both this program and stage 1's run.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -39,12 +40,10 @@ def grad_program(table, loss_fn: LossFn, acc_dtype, out_dtype, reduce_scatter, m
         # XLA's CPU compiler aborts on a bfloat16 reduce-scatter in a map manual over dp alone ("Invalid
         # binary instruction opcode copy", jax 0.10): there, and only there, it runs in float32.
         reduce_scatter = _in_float32(reduce_scatter)
-    body = functools.partial(_accumulate, stage=table.stage, loss_fn=loss_fn, acc_dtype=acc_dtype,
-                             out_dtype=out_dtype, layouts=table.layouts, in_layers=table.in_loop,
-                             stored_split=table.dp_split, stacked=table.stacked, reduce_scatter=reduce_scatter,
-                             dp=table.dp)
-    accumulate = jax.shard_map(body, mesh=table.mesh, in_specs=(param_in, table.batch_sharding.spec),
-                               out_specs=(grad_out, P()), axis_names=manual)
+    how = _Accumulation(table, loss_fn, acc_dtype, out_dtype, reduce_scatter)
+    accumulate = jax.shard_map(functools.partial(_accumulate, how=how), mesh=table.mesh,
+                               in_specs=(param_in, table.batch_sharding.spec), out_specs=(grad_out, P()),
+                               axis_names=manual)
 
     def grad_step(params, batch):  # the name its compiled programs (and the compilation cache) carry
         grads, metrics = accumulate(params, batch)
@@ -122,27 +121,39 @@ def _layer_params(stage: int, layouts, in_layers, stacked, reduce_scatter) -> Ca
     return layer_params
 
 
-def _accumulate(params, batch_AxMxT1, *, stage: int, loss_fn: LossFn, acc_dtype, out_dtype, layouts,
-                in_layers, stored_split, stacked, reduce_scatter, dp: int):
+@dataclasses.dataclass(frozen=True)
+class _Accumulation:
+    """What each device's side of the grad program (`_accumulate`) runs with."""
+
+    table: Any  # the step's zerolm.sharding.Table: its stage, layouts, and which leaves reduce in the loop
+    loss_fn: LossFn
+    acc_dtype: Any  # the accumulator's
+    out_dtype: Any  # the gradient's: the parameters' dtype
+    reduce_scatter: Callable[[jax.Array, int], jax.Array]  # zerolm.scatter's, over dp
+
+
+def _accumulate(params, batch_AxMxT1, *, how: _Accumulation):
     """Per device: its dp block of the mean gradient over every device's micro-batches, in the optimizer-state
     layout.
 
-    The `in_layers` leaves (the stacked layers' leaves that the layout splits over dp) reduce a layer at a
-    time, inside the layers' loop, where the model uses them (`_layer_params`): ZeRO-3 stores them as this
+    The `in_layers` leaves (`Table.in_loop`: the stacked layers' leaves that the layout splits over dp) reduce
+    a layer at a time, inside the layers' loop, where the model uses them (`_layer_params`): ZeRO-3 stores them as this
     device's block and gathers it there; ZeRO-2 stores them whole and reduce-scatters each layer's gradient
     into a zero block (its sink) as the backward pass makes it. The other leaves (the embeddings, the last
     LayerNorm; a layer's few leaves that no dp-splittable axis has) reduce as in ZeRO-1: each device sums its
     own gradient of them over the micro-batches, then one reduce-scatter after the loop; ZeRO-3 gathers those
-    it stores split once, before the loop."""
+    it stores split once (`Table.dp_split`), before the loop."""
+    table, reduce_scatter, out_dtype = how.table, how.reduce_scatter, how.out_dtype
+    stage, layouts, in_layers, dp = table.stage, table.layouts, table.in_loop, table.dp
     varying = functools.partial(lax.pcast, axis_name=DP, to="varying")
-    hook = _layer_params(stage, layouts, in_layers, stacked, reduce_scatter)
+    hook = _layer_params(stage, layouts, in_layers, table.stacked, reduce_scatter)
 
     def before_loop(u, split, lay, p):
         if u:  # a layer's block (ZeRO-3: varying already, gathered in the loop) or whole (ZeRO-2)
             return p if stage == 3 else varying(p)
         return lax.all_gather(p, DP, axis=lay.scatter_dim, tiled=True) if split else varying(p)
 
-    params = jax.tree.map(before_loop, in_layers, stored_split, layouts, params, is_leaf=is_layout)
+    params = jax.tree.map(before_loop, in_layers, table.dp_split, layouts, params, is_leaf=is_layout)
 
     def block_zeros(lay, dtype):
         shape = list(lay.view_shape)
@@ -157,10 +168,11 @@ def _accumulate(params, batch_AxMxT1, *, stage: int, loss_fn: LossFn, acc_dtype,
         model_params = jax.tree.map(lambda u, d, p: (lax.stop_gradient(p), d) if u and stage == 2 else d,
                                     in_layers, diff, params)
         if hook is None:
-            return loss_fn(model_params, tokens_MxT1)
-        return loss_fn(model_params, tokens_MxT1, layer_params=hook)
+            return how.loss_fn(model_params, tokens_MxT1)
+        return how.loss_fn(model_params, tokens_MxT1, layer_params=hook)
 
     accum = batch_AxMxT1.shape[0]
+    acc_dtype = how.acc_dtype
     zeros = jax.tree.map(lambda u, lay: block_zeros(lay, acc_dtype) if u else varying(jnp.zeros(lay.shape, acc_dtype)),
                          in_layers, layouts, is_leaf=is_layout)
     grads, loss = sum_over_micro_batches(loss_of, diff, zeros, batch_AxMxT1)

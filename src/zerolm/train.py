@@ -35,7 +35,7 @@ from zerolm.evaluate import make_evaluator
 from zerolm.hardware import memory_limit
 from zerolm.header import accounting_for, describe_step, run_facts
 from zerolm.mesh import exit_peer_lost, is_first_host, is_peer_failure, make_mesh, on_process_0
-from zerolm.metrics import MetricsWriter, StepMetrics, perplexity
+from zerolm.metrics import MetricsWriter, StepMetrics, WandbRun, perplexity
 from zerolm.mfu import Accounting
 from zerolm.model import GPT
 from zerolm.preemption import Preempted, PreemptionWatch
@@ -333,9 +333,10 @@ class _Loop:
         opened, cfg, start = self.run_, self.run_.cfg, self.start.step
         loader = BatchLoader(opened.data.train, opened.mesh, cfg.train.global_batch_size,
                              cfg.train.micro_batch_size, cfg.train.seed)
-        writer = MetricsWriter(cfg.log_dir, {**cfg.model_dump(), "run": run_facts(cfg, opened.zero, opened.accounting)}, cfg.name,
-                               cfg.logging.wandb, cfg.logging.wandb_project, self.start.wandb_id, resume_step=start,
-                               enabled=self.is_main, say=lambda line: print(line, file=opened.out, flush=True))
+        wandb_run = WandbRun(cfg.logging.wandb_project, cfg.name, self.start.wandb_id, cfg.logging.wandb,
+                             {**cfg.model_dump(), "run": run_facts(cfg, opened.zero, opened.accounting)})
+        writer = MetricsWriter(cfg.log_dir, wandb_run, resume_step=start, enabled=self.is_main,
+                               say=lambda line: print(line, file=opened.out, flush=True))
         held.callback(writer.close)
         bar = tqdm(total=cfg.train.steps, initial=start, desc=cfg.name, unit="step", disable=not self.is_main,
                    file=opened.out, dynamic_ncols=True, mininterval=0.5)

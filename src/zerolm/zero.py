@@ -168,10 +168,9 @@ class Zero:
                                    axis_names=manual)
         # (2) reduce: manual over dp and tp, each device reducing its own tp block (sharding.Table.reduction).
         tp_local, in_specs, out_specs = table.reduction(self.grad_reduce)
-        reduce = jax.shard_map(functools.partial(_reduce, layouts=table.layouts, tp_local=tp_local,
-                                                 grad_reduce=self.grad_reduce, dp=table.dp, tp=table.tp,
-                                                 scatter=self.scatter, inner=self.scatter_inner),
-                               mesh=mesh, in_specs=(in_specs, P(DP)), out_specs=(out_specs, P()))
+        how = _Reduction(table.layouts, tp_local, self.grad_reduce, table.dp, table.tp, self.scatter, self.scatter_inner)
+        reduce = jax.shard_map(functools.partial(_reduce, how=how), mesh=mesh, in_specs=(in_specs, P(DP)),
+                               out_specs=(out_specs, P()))
 
         def grad_step(params, batch):  # the name its compiled programs (and the compilation cache) carry
             return reduce(*accumulate(params, batch))
@@ -262,15 +261,28 @@ def _accumulate(params, batch_AxMxT1, *, loss_fn: LossFn, acc_dtype, out_dtype):
     return jax.tree.map(lambda g: (g / accum).astype(out_dtype)[None], grads), (loss / accum)[None]
 
 
-def _reduce(grads, loss, *, layouts, tp_local, grad_reduce: GradReduce, dp: int, tp: int, scatter: Scatter,
-            inner: int | None):
+@dataclasses.dataclass(frozen=True)
+class _Reduction:
+    """How stage 1's one reduction over dp runs (`_reduce`)."""
+
+    layouts: PyTree  # each leaf's optimizer-state layout (zerolm.sharding.Layout)
+    tp_local: PyTree  # each leaf: whether a device reduces only its own tp block of it (sharding.Table.reduction)
+    grad_reduce: GradReduce
+    dp: int
+    tp: int
+    scatter: Scatter  # how a reduce-scatter runs: one `psum_scatter`, two over dp sub-groups, or a ring
+    inner: int | None  # two_stage's inner group (zerolm.scatter.two_stage_inner), else None
+
+
+def _reduce(grads, loss, *, how: _Reduction):
     """The one reduction over dp, on each device's own tp block: pmean, or a reduce-scatter into the layout
-    (`scatter`: one `psum_scatter`, two over dp sub-groups, or dp − 1 neighbour exchanges)."""
+    (`how.scatter`: one `psum_scatter`, two over dp sub-groups, or dp − 1 neighbour exchanges)."""
+    dp, tp = how.dp, how.tp
     grads = jax.tree.map(lambda g: g[0], grads)
     loss = lax.pmean(loss[0], DP)
-    if grad_reduce == "all_reduce":
+    if how.grad_reduce == "all_reduce":
         return lax.pmean(grads, DP), {"loss": loss}
-    reduce_scatter = scatter_lib.reduce_scatter(scatter, dp, inner)
+    reduce_scatter = scatter_lib.reduce_scatter(how.scatter, dp, how.inner)
 
     def scatter_leaf(lay, local, g):
         view = reduce_scatter(lay.to_view(g), lay.scatter_dim) / dp
@@ -280,7 +292,7 @@ def _reduce(grads, loss, *, layouts, tp_local, grad_reduce: GradReduce, dp: int,
         n = view.shape[lay.scatter_dim] // tp
         return lax.dynamic_slice_in_dim(view, lax.axis_index(TP) * n, n, axis=lay.scatter_dim)
 
-    return jax.tree.map(scatter_leaf, layouts, tp_local, grads, is_leaf=is_layout), {"loss": loss}
+    return jax.tree.map(scatter_leaf, how.layouts, how.tp_local, grads, is_leaf=is_layout), {"loss": loss}
 
 
 def _update(grads_view, params_view, opt_state, step, old_params, *, tx, layouts, lr_schedule):

@@ -13,16 +13,15 @@ The planner, along its seams:
 """
 
 from zerolm.plan.build import from_config, model_from_params
-from zerolm.plan.planner import SAFETY_MARGIN, Planner
+from zerolm.plan.planner import SAFETY_MARGIN, Planner, PlanSettings
 from zerolm.plan.report import PlanReport, describe
 from zerolm.plan.request import PlanRequest, planner_for
 from zerolm.plan.spec import PRECISIONS, STAGES, BytesPerParam, Model, Parallelism, PlanError
 from zerolm.plan.states import AnalyticStates, ExactStates
 from zerolm.plan.timing import ring_time, tree_time
-from zerolm.plan.traffic import Prediction, naive_predictions, predicted_collectives, step_predictions
+from zerolm.plan.traffic import CountedStep, Prediction, naive_predictions, predicted_collectives, step_predictions
 
-__all__ = ["PRECISIONS", "SAFETY_MARGIN", "STAGES", "AnalyticStates", "BytesPerParam", "ExactStates",
-           "Model",
-           "Parallelism", "PlanError", "PlanReport", "PlanRequest", "Planner", "Prediction", "describe", "from_config",
-           "model_from_params", "naive_predictions", "planner_for", "predicted_collectives", "ring_time", "step_predictions",
-           "tree_time"]
+__all__ = ["PRECISIONS", "SAFETY_MARGIN", "STAGES", "AnalyticStates", "BytesPerParam", "CountedStep", "ExactStates",
+           "Model", "Parallelism", "PlanError", "PlanReport", "PlanRequest", "PlanSettings", "Planner", "Prediction",
+           "describe", "from_config", "model_from_params", "naive_predictions", "planner_for", "predicted_collectives",
+           "ring_time", "step_predictions", "tree_time"]

@@ -23,17 +23,27 @@ from zerolm.plan.timing import StepTime, bucketed, ring_time, tree_time
 SAFETY_MARGIN = 0.16
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanSettings:
+    """How a Planner plans its model and layout."""
+
+    precision: str  # fp32 | mixed (spec.PRECISIONS)
+    micro_batch: int = 1  # the one the report is for
+    efficiency: float = 0.5  # the share of the device's peak FLOP/s the step's compute reaches
+    memory_fraction: float | None = None  # the share of a device's memory a run may hold (None: Planner.usable)
+    stage: int = 1  # the config's zero.stage: what the step time and the advice are for by default
+
+
 class Planner:
     """One plan: a model on a layout of devices. `states(dp, tp)` gives the model-state bytes of a layout
     (ExactStates from a config, AnalyticStates from a parameter count)."""
 
-    def __init__(self, model: Model, states, device: Device, layout: Parallelism, precision: str, micro_batch: int = 1,
-                 *, efficiency: float = 0.5, memory_fraction: float | None = None, stage: int = 1):
-        self.model, self.device, self.layout, self.micro_batch = model, device, layout, micro_batch
-        self.stage = stage  # the config's zero.stage: what the step time and the advice are for by default
+    def __init__(self, model: Model, states, device: Device, layout: Parallelism, settings: PlanSettings):
+        self.model, self.device, self.layout, self.settings = model, device, layout, settings
+        self.micro_batch, self.stage = settings.micro_batch, settings.stage
         self._factory, self.states = states, states(layout.dp, layout.tp)
-        self.precision_name, self.precision = precision, PRECISIONS[precision]
-        self.efficiency, self.memory_fraction = efficiency, memory_fraction
+        self.precision_name, self.precision = settings.precision, PRECISIONS[settings.precision]
+        self.efficiency, self.memory_fraction = settings.efficiency, settings.memory_fraction
 
     @property
     def usable(self) -> float:
@@ -164,8 +174,7 @@ class Planner:
                         bucket, k, overlapped, self.efficiency, model_flops_token * tokens_device, d.flops)
 
     def with_layout(self, layout: Parallelism) -> Planner:
-        return Planner(self.model, self._factory, self.device, layout, self.precision_name, efficiency=self.efficiency,
-                       memory_fraction=self.memory_fraction, stage=self.stage)
+        return Planner(self.model, self._factory, self.device, layout, self.settings)
 
     def scaling(self, stage: int = 1) -> list[dict]:
         """Step time and MFU as dp doubles (tp fixed), up to one sequence per rank."""

@@ -11,7 +11,7 @@ from zerolm.config import Config, load_config, tp_split_problem
 from zerolm.data.dataset import load_planned
 from zerolm.hardware import preset
 from zerolm.plan.build import from_config, model_from_params
-from zerolm.plan.planner import Planner
+from zerolm.plan.planner import Planner, PlanSettings
 from zerolm.plan.spec import Parallelism, PlanError
 from zerolm.plan.states import AnalyticStates
 
@@ -89,9 +89,9 @@ def planner_for(request: PlanRequest) -> Planner:
                             f"{4 * model.d_model}")
         factory = functools.partial(AnalyticStates, model)
     precision = request.precision or (cfg.zero.precision if cfg is not None else "fp32")
-    return Planner(model, factory, device, Parallelism(dp, tp, global_batch), precision, micro,
-                   efficiency=request.efficiency, memory_fraction=request.memory_fraction,
-                   stage=cfg.zero.stage if cfg is not None else 1)
+    return Planner(model, factory, device, Parallelism(dp, tp, global_batch),
+                   PlanSettings(precision, micro, efficiency=request.efficiency, memory_fraction=request.memory_fraction,
+                                stage=cfg.zero.stage if cfg is not None else 1))
 
 
 def _micro_batch(request: PlanRequest, cfg: Config | None, per_rank: int, dp: int, global_batch: int) -> int:

@@ -38,16 +38,28 @@ class Prediction:
         return {**dataclasses.asdict(self), "axes": self.axes}
 
 
-def predicted_collectives(table, grad_reduce: str, accum: int, activation: int = 0, n_layer: int = 0,
-                          remat: bool = False, param_bytes: int = 4, scatter: str = "collective",
-                          inner: int | None = None) -> list[Prediction]:
+@dataclasses.dataclass(frozen=True)
+class CountedStep:
+    """What the planner counts a step's collectives by, beside its sharding table (`predicted_collectives`)."""
+
+    grad_reduce: str  # all_reduce | reduce_scatter
+    accum: int  # accumulation steps (micro-batches per device and step)
+    activation: int = 0  # bytes of one micro-batch's activations (B × T × d_model): what tp all-reduces
+    n_layer: int = 0
+    remat: bool = False  # full remat: a third forward all-reduce per layer
+    param_bytes: int = 4  # the parameters' dtype: 4, or 2 in mixed precision
+    scatter: str = "collective"  # how a reduce-scatter runs: collective | two_stage | ring (zerolm.scatter)
+    inner: int | None = None  # two_stage's inner group
+
+
+def predicted_collectives(table, step: CountedStep) -> list[Prediction]:
     """zerolm's step on `table`'s mesh (a zerolm.sharding.Table) as the planner counts it. `span` None:
     over dp, whichever other axes the partitioner adds (it splits the update's all-gathers between dp and
     dp+tp freely).
 
-    grad: the one reduction after the loop, in the parameters' dtype (`param_bytes`: 4, or 2 in mixed
+    grad: the one reduction after the loop, in the parameters' dtype (`step.param_bytes`: 4, or 2 in mixed
     precision): a reduce-scatter into the optimizer layout (1/dp of each device's gradient block), or,
-    with `scatter` "two_stage", one over dp // inner positions of dp (span `dp(outer/dp)`), giving
+    with `step.scatter` "two_stage", one over dp // inner positions of dp (span `dp(outer/dp)`), giving
     `inner` such blocks, then one over `inner` (`dp(inner/dp)`; one row when the two are of a size);
     with "ring", dp − 1 collective-permutes of such a block; or an all-reduce of the whole block;
     and the loss's 4-byte all-reduce; with tp, Megatron's all-reduces of the `activation` bytes of a
@@ -61,9 +73,10 @@ def predicted_collectives(table, grad_reduce: str, accum: int, activation: int =
     again for the backward pass: remat runs each layer again; XLA drops the second gather of a leaf the
     backward pass does not read, hence `within`), the other leaves it stores split once, before the loop;
     and the update gathers only the leaves stored whole over dp."""
-    dp, tp = table.dp, table.tp
-    t = _tally(table, grad_reduce, accum, param_bytes)
-    rows = [] if dp == 1 else _reductions(t, grad_reduce, scatter, dp, inner)  # nothing to reduce over one device
+    dp, tp, accum, activation = table.dp, table.tp, step.accum, step.activation
+    t = _tally(table, step.grad_reduce, accum, step.param_bytes)
+    # Over one device, nothing to reduce.
+    rows = [] if dp == 1 else _reductions(t, step.grad_reduce, step.scatter, dp, step.inner)
     over = None if tp > 1 else [DP]
     if t.layer_gathers[0]:  # stage 3's layers: a layer's per instruction, twice per micro-step each
         once, per_step = t.layer_gathers
@@ -71,9 +84,9 @@ def predicted_collectives(table, grad_reduce: str, accum: int, activation: int =
     if t.top:
         rows.append(Prediction("grad", "all-gather", over, False, t.top, t.top))
     if tp > 1 and activation:
-        per_layer = 6 if remat else 4
+        per_layer = 6 if step.remat else 4
         rows.append(Prediction("grad", "all-reduce", [TP], True, per_layer * activation,
-                               per_layer * activation * accum * n_layer))
+                               per_layer * activation * accum * step.n_layer))
     if dp * tp > 1 and t.gathered:
         rows.append(Prediction("update", "all-gather", over, False, t.gathered, t.gathered))
     return rows
@@ -151,9 +164,9 @@ def step_predictions(cfg, model, zero) -> list[Prediction]:
 
     activation = (cfg.train.micro_batch_size * cfg.model.seq_len * cfg.model.d_model
                   * jnp.dtype(model.cfg.dtype).itemsize)
-    return predicted_collectives(zero.table, cfg.zero.grad_reduce, cfg.accum_steps, activation, cfg.model.n_layer,
-                                 cfg.model.remat == "full", param_bytes=zero.param_dtype.itemsize,
-                                 scatter=zero.scatter, inner=zero.scatter_inner)
+    counted = CountedStep(cfg.zero.grad_reduce, cfg.accum_steps, activation, cfg.model.n_layer, cfg.model.remat == "full",
+                          param_bytes=zero.param_dtype.itemsize, scatter=zero.scatter, inner=zero.scatter_inner)
+    return predicted_collectives(zero.table, counted)
 
 
 def naive_predictions(abstract_params, accum: int) -> list[Prediction]:
