@@ -15,7 +15,7 @@ from zerolm.data import packing
 from zerolm.data import prepare as prep
 from zerolm.data.loader import BatchLoader
 from zerolm.data.manifest import FORMAT
-from zerolm.data.order import SampleOrder
+from zerolm.data.order import GlobalOrder, ShardOrder, sample_order
 from zerolm.data.shards import DataError, PreparedDataset
 from zerolm.data.sources import SourceError
 from zerolm.mesh import make_mesh
@@ -221,16 +221,50 @@ def test_wrong_length_sample_is_named_or_skipped(kjv, tmp_path):
     assert lenient.bad_samples == 1
 
 
-def test_sample_order_covers_each_epoch_once_in_new_orders():
-    order = SampleOrder(np.array([5, 7, 3, 9]), seed=1)
+@pytest.mark.parametrize("version", [1, 2])
+def test_sample_order_covers_each_epoch_once_in_new_orders(version):
+    order = sample_order(np.array([5, 7, 3, 9]), seed=1, version=version)
     e0, e1 = order.ids(np.arange(24)), order.ids(np.arange(24, 48))
     assert sorted(e0) == sorted(e1) == list(range(24))
     assert list(e0) != list(e1)
-    np.testing.assert_array_equal(SampleOrder(np.array([5, 7, 3, 9]), seed=1).ids(np.arange(48)), np.concatenate([e0, e1]))
-    assert list(SampleOrder(np.array([5, 7, 3, 9]), seed=2).ids(np.arange(24))) != list(e0)
-    # Within an epoch, a shard's samples come together (shard order, then within-shard order).
-    shard_of = np.searchsorted(order.starts, e0, side="right") - 1
-    assert (np.diff(shard_of) != 0).sum() == 3
+    np.testing.assert_array_equal(sample_order(np.array([5, 7, 3, 9]), 1, version).ids(np.arange(48)),
+                                  np.concatenate([e0, e1]))
+    assert list(sample_order(np.array([5, 7, 3, 9]), 2, version).ids(np.arange(24))) != list(e0)
+    if version == 1:  # the old order (checkpoints saved before version 2): a shard's samples come together
+        shard_of = np.searchsorted(np.array([0, 5, 12, 15, 24]), e0, side="right") - 1
+        assert (np.diff(shard_of) != 0).sum() == 3
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 63, 64, 65, 1000, 4097, 123_457])
+def test_global_order_is_a_bijection_on_every_epoch(n):
+    order = GlobalOrder(n, seed=5)
+    for epoch in (0, 1, 7):
+        ids = order.ids(np.arange(epoch * n, (epoch + 1) * n))
+        assert np.array_equal(np.sort(ids), np.arange(n)), (n, epoch)
+    if n >= 64:  # a fresh permutation each epoch, and another for another seed
+        assert not np.array_equal(order.ids(np.arange(n)), order.ids(np.arange(n, 2 * n)))
+        assert not np.array_equal(order.ids(np.arange(n)), GlobalOrder(n, seed=6).ids(np.arange(n)))
+
+
+@pytest.mark.parametrize("per_shard", [1, 7, 100, 4096, 100_000])
+def test_a_global_batch_spans_many_shards_whatever_the_shard_size(per_shard):
+    """The order does not see shards: one batch of G = 512 draws from nearly min(G, S) shards of S, as
+    G uniform draws would (S·(1 - (1 - 1/S)^G) expected), at any step; the old order drew from one."""
+    n, G = 1_000_000, 512
+    sizes = np.full(n // per_shard, per_shard)
+    sizes[-1] += n - sizes.sum()
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    S = len(sizes)
+    expected = S * (1 - (1 - 1 / S) ** G)
+    new, old = sample_order(sizes, 0), ShardOrder(sizes, 0)
+    for step in (0, 1, 977, 1953):  # the last is in the second epoch
+        positions = np.arange(step * G, (step + 1) * G)
+        shards = len(np.unique(np.searchsorted(starts, new.ids(positions), side="right") - 1))
+        assert shards >= 0.9 * expected, (per_shard, step, shards, expected)
+        if per_shard >= G:
+            assert len(np.unique(np.searchsorted(starts, old.ids(positions), side="right") - 1)) <= 2
+    # the ids themselves, hence the order, are the same whatever the shard size
+    assert np.array_equal(new.ids(np.arange(G)), sample_order(np.array([n]), 0).ids(np.arange(G)))
 
 
 @requires_devices(8)
@@ -470,3 +504,46 @@ def test_prepare_never_writes_over_the_users_files(tmp_path):
     assert _files(out) == held
     (out / "README.md").unlink()
     assert prepare(out, "--overwrite").returncode == 0
+
+
+def test_a_runs_losses_do_not_depend_on_the_shard_size(kjv, tmp_path):
+    """The order does not see shards: the corpus prepared with 7 samples per shard trains exactly as with 2,000
+    (the old order read one shard at a time, so its batches, hence its losses, differed)."""
+    prep.prepare("default", tmp_path / "small-shards", seq_len=64, samples_per_shard=7, progress=False)
+    losses = {}
+    for name, data in (("large", kjv), ("small", tmp_path / "small-shards")):
+        run(small_config(f"data.dataset={data}", "model.vocab_size=auto", "model.seq_len=64", "train.steps=3",
+                         "train.warmup_steps=1", "train.global_batch_size=16", "train.micro_batch_size=2",
+                         "train.eval_every=1000", "train.eval_sequences=16", f"logging.dir={tmp_path / name}",
+                         f"checkpoint.dir={tmp_path / name / 'ckpt'}", "sample.tokens=0"), out=io.StringIO())
+        lines = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [(r["step"], r.get("loss"), r.get("val_loss")) for r in lines if "loss" in r or "val_loss" in r]
+    assert len(losses["large"]) == 4 and losses["large"] == losses["small"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_the_old_order_resumes_in_it(kjv, tmp_path, monkeypatch):
+    """A run saved in order version 1 (before the global permutation) continues in version 1, exactly as it
+    would have gone on; a new run takes version 2."""
+    from zerolm import resume
+    from zerolm.checkpoint import Checkpoints
+
+    def train(name, steps, *extra):
+        run(small_config(f"data.dataset={kjv}", "model.vocab_size=auto", "model.seq_len=64", f"train.steps={steps}",
+                         "train.schedule_steps=6", "train.warmup_steps=1", "train.global_batch_size=16",
+                         "train.micro_batch_size=2", "train.eval_every=1000", "train.eval_sequences=0",
+                         "checkpoint.every=3", f"logging.dir={tmp_path / name}",
+                         f"checkpoint.dir={tmp_path / name / 'ckpt'}", "sample.tokens=0", *extra), out=io.StringIO())
+        lines = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in lines if "loss" in r}
+
+    with monkeypatch.context() as old:
+        old.setattr(resume, "ORDER_VERSION", 1)
+        straight = train("straight", 6)
+        train("resumed", 3)
+    assert Checkpoints(tmp_path / "resumed" / "ckpt", read_only=True).meta(3).dataset["order"] == 1
+    assert train("resumed", 6) == straight  # continued in version 1
+    assert Checkpoints(tmp_path / "resumed" / "ckpt", read_only=True).meta(6).dataset["order"] == 1
+    new = train("new", 6)
+    assert new != straight  # another order
+    assert Checkpoints(tmp_path / "new" / "ckpt", read_only=True).meta(6).dataset["order"] == 2

@@ -26,6 +26,7 @@ from zerolm.checkpoint import (
 )
 from zerolm.checkpoint_meta import CheckpointMeta
 from zerolm.config import Config
+from zerolm.data.order import VERSION as ORDER_VERSION
 from zerolm.mesh import on_process_0
 from zerolm.runlock import LEASE_FILE, LOCK_FILE
 from zerolm.zero import TrainState, Zero
@@ -33,12 +34,14 @@ from zerolm.zero import TrainState, Zero
 
 @dataclasses.dataclass(frozen=True)
 class Start:
-    """Where a run starts: its checkpoints (open; the caller closes them), the state and its step, and the
-    wandb run it continues."""
+    """Where a run starts: its checkpoints (open; the caller closes them), the state and its step, the
+    wandb run it continues, and the data order it reads in (zerolm.data.order: a checkpoint continues in
+    the version it was saved with)."""
 
     checkpoints: Checkpoints
     state: TrainState
     wandb_id: str
+    order: int = ORDER_VERSION
 
     @property
     def step(self) -> int:
@@ -61,14 +64,14 @@ def start_state(cfg: Config, zero: Zero, init_fn, data_id: dict, resume: str, ov
         while latest is not None and resume != "never" and restored is None:
             ckpts, latest, restored = _restore_or_move_aside(places, ckpts, latest, zero, resume, say)
         if restored is None:
-            return Start(ckpts, zero.init(init_fn, jax.random.key(cfg.train.seed)), secrets.token_hex(4))
+            return Start(ckpts, zero.init(init_fn, jax.random.key(cfg.train.seed)), secrets.token_hex(4), ORDER_VERSION)
         state, meta = restored
         _check_resumable(cfg, meta, data_id, ckpts.directory / str(latest))
     except BaseException:
         ckpts.close()
         raise
     _say_resumed(cfg, meta, ckpts.directory / str(latest), say)
-    return Start(ckpts, state, meta.wandb_id)
+    return Start(ckpts, state, meta.wandb_id, meta.dataset.get("order", 1))
 
 
 def check_before_compiling(cfg: Config, data_id: dict, resume: str, overwrite: bool) -> int | None:
@@ -192,10 +195,12 @@ def _move_logs_aside(log_dir: Path) -> tuple[Path, list[str]] | None:
 
 
 def _check_resumable(cfg: Config, meta: CheckpointMeta, data_id: dict, where) -> None:
-    """The data order can continue only on the same data and the same global batch."""
-    if meta.dataset != data_id:
-        diff = [f"{k}: checkpoint {meta.dataset.get(k)!r}, now {v!r}" for k, v in data_id.items()
-                if meta.dataset.get(k) != v]
+    """The data order can continue only on the same data and the same global batch (in the order's version
+    the checkpoint was saved with, whatever a new run would take)."""
+    saved = {k: v for k, v in meta.dataset.items() if k != "order"}
+    if saved != {k: v for k, v in data_id.items() if k != "order"}:
+        diff = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in data_id.items()
+                if k != "order" and saved.get(k) != v]
         raise CheckpointError(f"{where}: the data differs from the checkpoint's, so the "
                               f"data order cannot continue: {'; '.join(diff)}")
     saved_batch = meta.train["global_batch_size"]

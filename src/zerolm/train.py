@@ -313,7 +313,7 @@ class _Loop:
         cfg = self.run_.cfg
         return CheckpointMeta(step=step, time=time.time(), config=cfg.model_dump(), dp=cfg.dp, tp=cfg.mesh.tp,
                               accum_steps=cfg.accum_steps, process_count=jax.process_count(),
-                              dataset=self.run_.data_id,
+                              dataset={**self.run_.data_id, "order": self.start.order},
                               dataset_location=str(self.run_.data.train.dataset.location),
                               tokens_seen=step * self.tokens_per_step, loss=loss, wandb_id=self.start.wandb_id,
                               zerolm_version=zerolm.__version__)
@@ -332,7 +332,7 @@ class _Loop:
         """The metrics writer, the progress bar, the step metrics and the batches, closed by `held`."""
         opened, cfg, start = self.run_, self.run_.cfg, self.start.step
         loader = BatchLoader(opened.data.train, opened.mesh, cfg.train.global_batch_size,
-                             cfg.train.micro_batch_size, cfg.train.seed)
+                             cfg.train.micro_batch_size, cfg.train.seed, order=self.start.order)
         wandb_run = WandbRun(cfg.logging.wandb_project, cfg.name, self.start.wandb_id, cfg.logging.wandb,
                              {**cfg.model_dump(), "run": run_facts(cfg, opened.zero, opened.accounting)})
         writer = MetricsWriter(cfg.log_dir, wandb_run, resume_step=start, enabled=self.is_main,

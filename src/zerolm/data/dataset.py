@@ -14,6 +14,7 @@ from jax.experimental import multihost_utils
 from zerolm.config import Config, ConfigError, load_config
 from zerolm.data.manifest import MANIFEST
 from zerolm.data.mixture import Mixture
+from zerolm.data.order import VERSION as ORDER_VERSION
 from zerolm.data.prepare import PrepareError, prepare
 from zerolm.data.shards import DataError, PreparedDataset
 from zerolm.data.tokenizer import TokenizerError, cache_dir, from_file
@@ -107,7 +108,8 @@ def resolve_vocab(cfg: Config, dataset: PreparedDataset | Mixture) -> Config:
 def dataset_identity(cfg: Config, dataset: PreparedDataset | Mixture) -> dict:
     """What must not change across a resume for the data order to continue exactly: the tokens (by
     tokenizer and shard layout, not by where the dataset lives, so a copied dataset still resumes),
-    the sequence length and the seed; for a mixture, each dataset's and the samples per block of each."""
+    the sequence length and the seed; for a mixture, each dataset's and the samples per block of each. Its
+    "order" is the version a new run reads in (a resumed run records the version it continues)."""
     if isinstance(dataset, Mixture):
         parts = [dataset_identity(cfg, d) for d in dataset.datasets]
         return {**parts[0], "train_shards_sha256": [p["train_shards_sha256"] for p in parts],
@@ -115,7 +117,7 @@ def dataset_identity(cfg: Config, dataset: PreparedDataset | Mixture) -> dict:
     train = dataset.manifest.splits["train"]
     # By a shard's own name, not its directory: a dataset prepared again into gs:// has the same identity.
     shards = [(s.name.rsplit("/", 1)[-1], s.samples) for s in train.shards]
-    return {"tokenizer_sha256": dataset.manifest.tokenizer.sha256,
+    return {"order": ORDER_VERSION, "tokenizer_sha256": dataset.manifest.tokenizer.sha256,
             "train_shards_sha256": hashlib.sha256(json.dumps(shards).encode()).hexdigest(),
             "train_samples": int(train.samples),
             "seq_len": dataset.seq_len, "seed": cfg.train.seed}

@@ -1,10 +1,9 @@
 """The distributed, deterministic, resumable batch loader.
 
-Order: epoch e visits the shards in a seeded permutation of (seed, e), and each shard's samples in
-a seeded permutation of (seed, e, shard). No shuffle buffer holds state, so the sample at stream
-position p is a pure function of (seed, p). Optimizer step s takes positions [s·G, (s+1)·G). The
-global batch of a step is therefore fixed, whatever the number of hosts, and resuming at step s
-needs only s.
+Order (zerolm.data.order): each epoch a keyed permutation of all the split's samples, drawn from (seed,
+epoch). No shuffle buffer holds state, so the sample at stream position p is a pure function of (seed,
+p). Optimizer step s takes positions [s·G, (s+1)·G). The global batch of a step is therefore fixed,
+whatever the number of hosts, and resuming at step s needs only s.
 
 Layout, for the accumulation scan: (accum, dp · micro, seq_len + 1), sharded P(None, 'dp'). Device
 d's rows are the contiguous block [d·A·m, (d+1)·A·m) of the step's G rows, split into A micro-batches
@@ -28,6 +27,7 @@ from jax.sharding import Mesh
 
 from zerolm import sharding
 from zerolm.data.mixture import MixedSplit
+from zerolm.data.order import VERSION as ORDER_VERSION
 from zerolm.data.shards import DataError, Split
 from zerolm.mesh import DP, TP, host_reads, this_host_has_first
 
@@ -36,7 +36,7 @@ class BatchLoader:
     """Global batches for optimizer steps, each process reading only its own devices' rows."""
 
     def __init__(self, split: Split | MixedSplit, mesh: Mesh, global_batch_size: int, micro_batch_size: int,
-                 seed: int):
+                 seed: int, order: int = ORDER_VERSION):
         if len(split) < global_batch_size:
             raise DataError(f"{split.dataset.location} ({split.name}): {len(split)} samples, fewer than one "
                              f"global batch of {global_batch_size}; use a smaller train.global_batch_size or more data")
@@ -44,7 +44,7 @@ class BatchLoader:
         self.G, self.micro = global_batch_size, micro_batch_size
         self.dp, self.tp = mesh.shape[DP], mesh.shape[TP]
         self.accum = global_batch_size // (micro_batch_size * self.dp)
-        self.order = split.order(seed)
+        self.order = split.order(seed, order)
         self.shape = (self.accum, self.dp * self.micro, split.T1)
         self.sharding = sharding.batch(mesh)
         # Staging array with a leading tp axis: device (dp i, tp j) holds slot j of dp block i. Only

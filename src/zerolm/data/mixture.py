@@ -6,7 +6,7 @@ dataset, n_i (BLOCK × weight_i, rounded by largest remainder so that they add u
 share n_i / BLOCK is within 1/BLOCK of the weight), in an order drawn from (seed, block). So position p
 of the stream is dataset i's sample number b·n_i + (its rank among dataset i's positions of its block):
 a pure function of p, with no state to save. Each dataset's own stream is then its epochs in its own
-shuffled order (zerolm.data.order.SampleOrder, seeded by the run's seed and the dataset's index), so
+shuffled order (zerolm.data.order, seeded by the run's seed and the dataset's index), so
 a small dataset repeats sooner than a large one, at the rate its weight asks for.
 """
 
@@ -18,7 +18,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from zerolm.data.order import SampleOrder
+from zerolm.data.order import VERSION as ORDER_VERSION
+from zerolm.data.order import sample_order
 
 BLOCK = 8192
 
@@ -134,8 +135,8 @@ class MixedSplit:
             rows[at] = self.splits[i].read(ids[at] - self.offsets[i])
         return rows
 
-    def order(self, seed: int) -> MixedOrder:
-        return MixedOrder(self, seed)
+    def order(self, seed: int, version: int = ORDER_VERSION) -> MixedOrder:
+        return MixedOrder(self, seed, version)
 
     def head(self, n: int) -> np.ndarray:
         """The first `n` samples of the mixture, unshuffled: each dataset's first ones, as many as its
@@ -146,11 +147,11 @@ class MixedSplit:
 
 class MixedOrder:
     """Stream position -> sample id of a MixedSplit: MixtureOrder's dataset and position in its stream,
-    then that dataset's own SampleOrder (seeded by the seed and the dataset's index)."""
+    then that dataset's own order (zerolm.data.order, seeded by the seed and the dataset's index)."""
 
-    def __init__(self, split: MixedSplit, seed: int):
+    def __init__(self, split: MixedSplit, seed: int, version: int = ORDER_VERSION):
         self.split, self.mixture = split, MixtureOrder(split.weights, seed)
-        self.orders = [SampleOrder(s.sizes, seed + 1000003 * i) for i, s in enumerate(split.splits)]
+        self.orders = [sample_order(s.sizes, seed + 1000003 * i, version) for i, s in enumerate(split.splits)]
 
     def ids(self, positions: np.ndarray) -> np.ndarray:
         dataset, local = self.mixture.locate(positions)
