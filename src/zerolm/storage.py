@@ -285,6 +285,14 @@ def read_ranges(url: str, ranges: list[tuple[int, int]]) -> list[bytes]:
     return fs.cat_ranges([name] * len(ranges), [a for a, _ in ranges], [b for _, b in ranges], on_error="raise")
 
 
+def read_ranges_of(urls: list[str], ranges: list[tuple[int, int]]) -> list[bytes]:
+    """Byte ranges [start, end) of remote files (urls[i] holds ranges[i]; one filesystem), fetched
+    concurrently."""
+    fs, _ = _fs(urls[0])
+    names = [_fs(url)[1] for url in urls]
+    return fs.cat_ranges(names, [a for a, _ in ranges], [b for _, b in ranges], on_error="raise")
+
+
 def size(url: str) -> int:
     fs, name = _fs(url)
     return int(fs.info(name)["size"])

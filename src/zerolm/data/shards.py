@@ -1,9 +1,12 @@
 """Reading a prepared dataset: the manifest, and samples by id from its webdataset tar shards.
 
 Every member of a shard has the same size, so sample i of a shard sits at i × stride, and a row is
-read by itself: from a memory map locally, and as byte ranges (several at once) from a URL (gs://,
-or any other location fsspec reads: https://, file://), so that each host reads only its own rows
-wherever the dataset lives. Anything that does not match the manifest stops with one line naming
+read by itself: with pread locally, and as byte ranges from a URL (gs://, or any other location fsspec
+reads: https://, file://), so that each host reads only its own rows wherever the dataset lives. The
+data order spreads a batch over many shards (zerolm.data.order), so a read of many rows is one
+concurrent request for all their ranges, whichever shards hold them, and the shards first touched by
+it are opened (checked against the manifest) concurrently too: a step's rows cost about one round trip,
+not one per shard. Anything that does not match the manifest stops with one line naming
 the file and sample: a member of the wrong size, and a token id outside the tokenizer's vocabulary
 (checked on the host as rows are read: a max over each row). With `skip_bad`, such a row is replaced
 by the next readable one in its shard and counted instead.
@@ -15,13 +18,15 @@ import io
 import os
 import tarfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from zerolm import storage
 from zerolm.data.manifest import MANIFEST, DataError, Manifest, ShardInfo
-from zerolm.data.order import SampleOrder
+from zerolm.data.order import VERSION as ORDER_VERSION
+from zerolm.data.order import GlobalOrder, ShardOrder, sample_order
 from zerolm.data.tokenizer import Tokenizer, cache_dir, from_file
 
 
@@ -93,9 +98,9 @@ class Split:
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def order(self, seed: int) -> SampleOrder:
+    def order(self, seed: int, version: int = ORDER_VERSION) -> GlobalOrder | ShardOrder:
         """The order a run reads this split in (zerolm.data.order)."""
-        return SampleOrder(self.sizes, seed)
+        return sample_order(self.sizes, seed, version)
 
     def head(self, n: int) -> np.ndarray:
         """The split's first `n` samples (for evaluation)."""
@@ -125,26 +130,39 @@ class Split:
                                 "(truncated or replaced shard)")
 
     def read(self, ids: np.ndarray) -> np.ndarray:
-        """Rows for sample ids, as int32 (n, seq_len + 1)."""
+        """Rows for sample ids, as int32 (n, seq_len + 1): every range in one concurrent request."""
         ids = np.asarray(ids, np.int64)
         out = np.empty((len(ids), self.T1), np.int32)
         shard_of = np.searchsorted(self.starts, ids, side="right") - 1
-        for k in np.unique(shard_of):
-            sel = shard_of == k
-            out[sel] = self._read_shard(int(k), ids[sel] - self.starts[k])
+        shards = [int(k) for k in np.unique(shard_of)]
+        readers = self._open(shards)
+        picks = [(k, shard_of == k) for k in shards]
+        wanted = [(readers[k], [int(i) for i in ids[sel] - self.starts[k]]) for k, sel in picks]
+        members = iter(_fetch_all([(reader, reader.ranges(offsets)) for reader, offsets in wanted]))
+        for (_, sel), (reader, offsets) in zip(picks, wanted, strict=True):
+            rows, bad = reader.rows(offsets, self.skip_bad, [next(members) for _ in offsets])
+            out[sel] = rows
+            self.bad_samples += bad
         with self._lock:
             self.rows_read += len(ids)
         return out
 
-    def _read_shard(self, k: int, offsets: np.ndarray) -> np.ndarray:
+    def _open(self, shards: list[int]) -> dict[int, _Shard]:
+        """Readers of these shards; those not open yet are opened (and checked) concurrently."""
+        def open_one(k: int) -> _Shard:
+            where = _join(self.dataset.location, self.shards[k].name)
+            return _Shard(where, self.shards[k], self.T1, self.dataset.dtype, self.dataset.vocab_size)
+
         with self._lock:
-            if k not in self._readers:
-                where = _join(self.dataset.location, self.shards[k].name)
-                self._readers[k] = _Shard(where, self.shards[k], self.T1, self.dataset.dtype, self.dataset.vocab_size)
-            reader = self._readers[k]
-        rows, bad = reader.rows(offsets, self.skip_bad)
-        self.bad_samples += bad
-        return rows
+            missing = [k for k in shards if k not in self._readers]
+        if len(missing) > 1 and storage.is_remote(self.dataset.location):
+            with ThreadPoolExecutor(min(len(missing), 32), thread_name_prefix="shard-open") as pool:
+                opened = list(pool.map(open_one, missing))
+        else:
+            opened = [open_one(k) for k in missing]
+        with self._lock:
+            self._readers.update(zip(missing, opened, strict=True))
+            return {k: self._readers[k] for k in shards}
 
 
 def _out_of_vocab(where, index: int, token: int, vocab_size: int) -> str:
@@ -153,17 +171,25 @@ def _out_of_vocab(where, index: int, token: int, vocab_size: int) -> str:
 
 
 class _LocalBytes:
-    """A local file's bytes, memory-mapped."""
+    """A local file's bytes, read with pread; the file is open only while it is read (a run touches every
+    shard of a split, and thousands of them held open would exhaust the process's file descriptors)."""
 
     def __init__(self, where: str):
+        self.where = where
         try:
             self.size = os.stat(where).st_size
-            self.map = np.memmap(where, np.uint8, mode="r")
         except OSError as e:
             raise DataError(f"{where}: missing or unreadable shard ({e.strerror})") from None
 
     def read(self, ranges: list[tuple[int, int]]) -> list[bytes]:
-        return [self.map[a:b].tobytes() for a, b in ranges]
+        try:
+            fd = os.open(self.where, os.O_RDONLY)
+        except OSError as e:
+            raise DataError(f"{self.where}: missing or unreadable shard ({e.strerror})") from None
+        try:
+            return [os.pread(fd, b - a, a) for a, b in ranges]
+        finally:
+            os.close(fd)
 
 
 class _RemoteBytes:
@@ -229,14 +255,19 @@ class _Shard:
             raise DataError(f"{self.path}: sample {i}: found member {info.name!r}, expected {i:09d}.npy")
         return info
 
-    def _fetch(self, members: list[int]) -> list[bytes]:
-        return self.bytes.read([(k * self.stride, k * self.stride + self.member) for k in members])
+    def ranges(self, members: list[int]) -> list[tuple[int, int]]:
+        return [(k * self.stride, k * self.stride + self.member) for k in members]
 
-    def rows(self, offsets: np.ndarray, skip_bad: bool) -> tuple[np.ndarray, int]:
+    def _fetch(self, members: list[int]) -> list[bytes]:
+        return self.bytes.read(self.ranges(members))
+
+    def rows(self, offsets: list[int], skip_bad: bool, fetched: list[bytes]) -> tuple[np.ndarray, int]:
+        """The rows of members `offsets`, whose bytes are `fetched`; a bad one raises DataError, or with
+        `skip_bad` is replaced by the next readable member."""
         out = np.empty((len(offsets), self.T1), np.int32)
         bad = 0
         name_end, body = 13, 512 + self.npy_header
-        for j, (i, member) in enumerate(zip(offsets, self._fetch([int(i) for i in offsets]), strict=True)):
+        for j, (i, member) in enumerate(zip(offsets, fetched, strict=True)):
             i = int(i)
             for attempt in range(self.n if skip_bad else 1):
                 k = (i + attempt) % self.n
@@ -257,3 +288,17 @@ class _Shard:
             else:
                 raise DataError(f"{self.path}: no readable sample in the shard")
         return out, bad
+
+
+def _fetch_all(wanted: list[tuple[_Shard, list[tuple[int, int]]]]) -> list[bytes]:
+    """The bytes of every (shard, ranges), in order: locally shard by shard; from a URL in one concurrent
+    request whatever the number of shards."""
+    if not wanted or not isinstance(wanted[0][0].bytes, _RemoteBytes):
+        return [member for shard, ranges in wanted for member in shard.bytes.read(ranges)]
+    urls = [shard.path for shard, ranges in wanted for _ in ranges]
+    where = urls[0].rsplit("/", 1)[0] if len(wanted) > 1 else urls[0]
+    with storage.faults(where, "reading the shards"):
+        try:
+            return storage.read_ranges_of(urls, [r for _, ranges in wanted for r in ranges])
+        except FileNotFoundError as e:
+            raise DataError(f"{e.filename or where}: missing shard") from None
