@@ -142,6 +142,7 @@ class TrainConfig(_Section):
     eval_sequences: int = Field(ge=0)
     skip_nonfinite: bool  # skip (and count) updates with a non-finite gradient instead of stopping
     max_consecutive_skips: int = PositiveInt  # with skip_nonfinite: stop when this many in a row were skipped
+    init_from: str | None  # a checkpoint whose params a fresh run starts from (zerolm.warm_start)
 
     @property
     def schedule_length(self) -> int:
