@@ -102,7 +102,7 @@ FLOORS = {
     "run": ("zerolm.train", "zerolm.resume", "zerolm.preemption", "zerolm.metrics", "zerolm.profiling",
             "zerolm.compilation_cache", "zerolm.library_log", "zerolm.launch", "zerolm.evaluate", "zerolm.sample",
             "zerolm.export", "zerolm.restored", "zerolm.plot", "zerolm.aot", "zerolm.advice", "zerolm.comms",
-            "zerolm.census", "zerolm.plan", "zerolm.checkpoint", "zerolm.header", "zerolm.run_data"),
+            "zerolm.census", "zerolm.plan", "zerolm.checkpoint", "zerolm.header", "zerolm.run_data", "zerolm.warm_start"),
     "step": ("zerolm.step", "zerolm.zero", "zerolm.sharded_grad", "zerolm.scatter", "zerolm.optim", "zerolm.naive",
              "zerolm.model", "zerolm.losses", "zerolm.device_policy"),
     "parts": ("zerolm", "zerolm.config", "zerolm.storage", "zerolm.mesh", "zerolm.sharding", "zerolm.attention",

@@ -273,9 +273,8 @@ class Checkpoints:
 
 def check_compatible(meta: CheckpointMeta, where: epath.Path, model_config: dict, precision: str) -> None:
     """CheckpointError unless a run of this model and precision can continue checkpoint `where`."""
-    saved_model = meta.model
-    differs = [f"model.{k}: checkpoint {saved_model.get(k)!r}, config {v!r}"
-               for k, v in model_config.items() if saved_model.get(k) != v and k not in _COMPUTE_ONLY]
+    differs = [f"model.{k}: checkpoint {saved!r}, config {v!r}" for k, saved, v in
+               parameter_differences(meta.model, model_config)]
     if differs:
         raise CheckpointError(f"{where}: the checkpoint's model differs from the config: " + "; ".join(differs))
     if meta.precision != precision:
@@ -288,6 +287,13 @@ def check_compatible(meta: CheckpointMeta, where: epath.Path, model_config: dict
 # Keys that change how the model computes, not what its parameters are.
 _COMPUTE_ONLY = {"dtype", "attention", "attention_block", "remat", "scan_layers", "loss_chunk",
                  "eot_id"}  # the tokenizer's: the data's identity (its sha256) already pins it
+
+
+def parameter_differences(saved_model: dict, model_config: dict, *, besides: tuple[str, ...] = ()) -> list[tuple]:
+    """(key, saved value, config value) of each model setting that differs and makes other parameters
+    (not one of _COMPUTE_ONLY, nor of `besides`), in the config's key order."""
+    return [(k, saved_model.get(k), v) for k, v in model_config.items()
+            if saved_model.get(k) != v and k not in _COMPUTE_ONLY and k not in besides]
 
 
 def directory_size(path: epath.Path) -> int:

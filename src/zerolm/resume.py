@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 from jax.experimental import multihost_utils
 
-from zerolm import storage
+from zerolm import storage, warm_start
 from zerolm.checkpoint import (
     CheckpointError,
     Checkpoints,
@@ -63,8 +63,9 @@ def start_state(cfg: Config, zero: Zero, init_fn, data_id: dict, resume: str, ov
         restored = None
         while latest is not None and resume != "never" and restored is None:
             ckpts, latest, restored = _restore_or_move_aside(places, ckpts, latest, zero, resume, say)
-        if restored is None:
-            return Start(ckpts, zero.init(init_fn, jax.random.key(cfg.train.seed)), secrets.token_hex(4), ORDER_VERSION)
+        if restored is None:  # fresh: drawn from train.seed, or train.init_from's parameters
+            state = warm_start.initial_state(cfg, zero, init_fn, data_id, say)
+            return Start(ckpts, state, secrets.token_hex(4), ORDER_VERSION)
         state, meta = restored
         _check_resumable(cfg, meta, data_id, ckpts.directory / str(latest))
     except BaseException:
@@ -79,20 +80,21 @@ def check_before_compiling(cfg: Config, data_id: dict, resume: str, overwrite: b
     real model, minutes): --resume never over checkpoints without --overwrite, and a resume whose newest
     checkpoint cannot continue (another model, precision, data or global batch). Returns the step of the
     checkpoint the run would continue (None: it starts fresh, or the newest checkpoint is damaged and
-    start_state decides). Reads only; every process reads the same and raises the same."""
+    start_state decides); a fresh start's train.init_from (zerolm.warm_start.check). Reads only; every process
+    reads the same and raises the same."""
     with storage.faults(cfg.checkpoint_dir, "listing the checkpoints"), quiet_orbax():
         if not storage.path(cfg.checkpoint_dir).exists():
-            return None
+            return _fresh(cfg, data_id)
         ckpts = Checkpoints(cfg.checkpoint_dir, read_only=True)
     try:
         with storage.faults(cfg.checkpoint_dir, "listing the checkpoints"):
             latest = ckpts.latest_step()
         if latest is None:
-            return None
+            return _fresh(cfg, data_id)
         if resume == "never":
             if not overwrite:
                 raise _refused_start_over(cfg.checkpoint_dir, latest)
-            return None
+            return _fresh(cfg, data_id)
         try:
             meta = ckpts.readable_meta(latest)
         except DamagedCheckpoint:
@@ -103,6 +105,12 @@ def check_before_compiling(cfg: Config, data_id: dict, resume: str, overwrite: b
         return latest
     finally:
         ckpts.close()
+
+
+def _fresh(cfg: Config, data_id: dict) -> int | None:
+    """check_before_compiling's answer for a fresh start (None), its train.init_from checked first."""
+    warm_start.check(cfg, data_id)
+    return None
 
 
 def _refused_start_over(directory, latest: int) -> CheckpointError:

@@ -57,7 +57,8 @@ Say = Callable[[str], None]
 def check_storage(cfg: Config) -> str | None:
     """Before any device work: every place the run reads or writes can be used (StorageError, one line,
     otherwise). Returns the line that says which credentials gs:// is reached with, if that needs saying."""
-    places = {"checkpoint.dir": cfg.checkpoint_dir, "data.dataset": cfg.data.dataset,
+    places = {"checkpoint.dir": cfg.checkpoint_dir, "data.dataset": cfg.data.dataset, "train.init_from":
+              cfg.train.init_from or "",
               "train.compilation_cache": compilation_cache.directory(cfg.train.compilation_cache) or ""}
     storage.check(cfg.logging.dir or "", "logging.dir", local_only=LOCAL_LOGS)  # (cfg.log_dir is a local Path)
     for what, location in places.items():

@@ -1,0 +1,101 @@
+"""`train.init_from`: a fresh run's parameters read from a zerolm checkpoint instead of drawn at random.
+
+The checkpoint may be a run's checkpoint directory (its newest intact step) or one step's directory, local
+or gs://, saved on any mesh, tp and ZeRO stage (zerolm.restored.locate finds it). Its parameters are
+restored straight into this run's own parameter shardings, as a resume restores them (each device reads
+its own part), and the run starts from them with a fresh optimizer state at step 0, its own lr schedule
+and its own data order. Only a fresh start reads it: a run with a checkpoint of its own resumes from that
+(zerolm.resume), init_from or not. The checkpoint's model must have the config's parameter shapes (the
+settings that only change how the model computes may differ: zerolm.checkpoint.parameter_differences)
+and its tokenizer the run's data's; otherwise one line naming `train.init_from`, before the step is
+compiled (`check`). A checkpoint trained in mixed precision gives its bfloat16 working parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+from zerolm.checkpoint import CheckpointError, Checkpoints, parameter_differences, quiet_orbax
+from zerolm.checkpoint_meta import CheckpointMeta
+from zerolm.config import Config
+from zerolm.restored import locate
+from zerolm.sharding import with_shardings
+from zerolm.zero import TrainState, Zero
+
+KEY = "train.init_from"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    checkpoints: Checkpoints
+    step: int
+    meta: CheckpointMeta
+
+    @property
+    def where(self) -> Any:
+        return self.checkpoints.directory / str(self.step)
+
+
+@contextlib.contextmanager
+def _opened(cfg: Config, data_id: dict) -> Iterator[_Source]:
+    """The checkpoint init_from names, checked against the run (CheckpointError naming train.init_from)."""
+    path = cfg.train.init_from
+    assert path is not None
+    try:
+        ckpts, step = locate(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{KEY}: {e}") from None
+    try:
+        with quiet_orbax():
+            try:
+                meta = ckpts.readable_meta(step)
+            except CheckpointError as e:
+                raise CheckpointError(f"{KEY}: {e}") from None
+        source = _Source(ckpts, step, meta)
+        _check(cfg, source, data_id)
+        yield source
+    finally:
+        ckpts.close()
+
+
+def _check(cfg: Config, source: _Source, data_id: dict) -> None:
+    differs = parameter_differences(source.meta.model, cfg.model.model_dump())
+    if differs:
+        key, saved, wanted = differs[0]
+        hint = "; `zerolm grow` makes a deeper model from it" if key == "n_layer" else ""
+        raise CheckpointError(f"{KEY}: {source.where}: model.{key} is {saved!r} there and {wanted!r} in the config "
+                              f"(a run starts from parameters of the same shapes{hint})")
+    saved_tok, tok = source.meta.tokenizer_sha256, data_id["tokenizer_sha256"]
+    if saved_tok != tok:
+        raise CheckpointError(f"{KEY}: {source.where}: its model was trained with another tokenizer (sha256 "
+                              f"{saved_tok[:12]}) than this run's data was prepared with ({tok[:12]}): its embeddings "
+                              "would stand for other tokens")
+
+
+def check(cfg: Config, data_id: dict) -> None:
+    """Before the step is compiled, for a run that starts fresh: the checkpoint train.init_from names (if any)
+    exists, reads, and fits the config (CheckpointError, one line, otherwise). Reads only."""
+    if cfg.train.init_from is not None:
+        with _opened(cfg, data_id):
+            pass
+
+
+def initial_state(cfg: Config, zero: Zero, init_fn: Callable[[jax.Array], Any], data_id: dict,
+                  say: Callable[[str], None]) -> TrainState:
+    """A fresh run's state: its parameters drawn from train.seed, or read from train.init_from into `zero`'s
+    parameter shardings; a fresh optimizer state either way, at step 0."""
+    if cfg.train.init_from is None:
+        return zero.init(init_fn, jax.random.key(cfg.train.seed))
+    with _opened(cfg, data_id) as source:
+        target = with_shardings(zero.abstract_params, zero.table.param_shardings)  # float32: the master weights
+        with quiet_orbax():
+            params = source.checkpoints.restore_params(source.step, target)
+        meta = source.meta
+        say(f"parameters from {source.where} ({KEY}: step {meta.step} of a run on dp={meta.dp} tp={meta.tp} "
+            f"ZeRO-{meta.stage}); a fresh optimizer state, from step 0")
+    return zero.init_from_params(params)
