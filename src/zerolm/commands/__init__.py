@@ -38,6 +38,7 @@ COMMANDS = {
     "sample": ("sample", "continue a prompt with a checkpoint's model (KV cache)"),
     "plot": ("plot", "loss, throughput, MFU and lr of runs, as a PNG"),
     "export-hf": ("export_hf", "a checkpoint as a Hugging Face GPT-2 model directory"),
+    "grow": ("grow", "a deeper model from a trained one (layers repeated), as a checkpoint train.init_from starts from"),
     "plan": ("plan", "per-device memory of ZeRO stages 0-3, the micro-batch that fits, and the step time, before "
                      "launching"),
     "comms": ("comms", "every collective of the compiled training step, beside the planner's prediction"),
