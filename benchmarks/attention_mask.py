@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from zerolm.attention import causal_attention  # noqa: E402
+from zerolm.attention import Bias, causal_attention  # noqa: E402
 
 
 def segments(rng: np.random.Generator, batch: int, seq_len: int, docs: int) -> np.ndarray:
@@ -42,7 +42,7 @@ def segments(rng: np.random.Generator, batch: int, seq_len: int, docs: int) -> n
 
 def loss_fn(implementation: str, segs):
     def f(q, k, v):
-        y = causal_attention(q, k, v, implementation, segment_ids_BxT=segs)
+        y = causal_attention(q, k, v, implementation, bias=Bias(segs))
         return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(y.shape[-1], dtype=jnp.float32))), y
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
 

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import small_config, small_model
 from zerolm import device_policy
-from zerolm.attention import block_size, blockwise_attention, causal_attention
+from zerolm.attention import Bias, alibi_slopes, block_size, causal_attention
 from zerolm.config import ConfigError
 from zerolm.mesh import make_mesh
 from zerolm.step import build_step
@@ -23,20 +23,41 @@ def _qkv(B, T, H, K, dtype=jnp.float32, seed=0):
     return [jax.random.normal(k, (B, T, H, K), dtype) for k in keys]
 
 
+def _by_the_formula(q, k, v, slopes):
+    """softmax(q kᵀ/√K + m_h · (j − i)) v over j ≤ i, in numpy: Press et al. 2022's ALiBi (slopes None: none)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    T = q.shape[1]
+    s = np.einsum("bthk,bshk->bhts", q, k) / np.sqrt(q.shape[-1])
+    if slopes is not None:
+        i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+        s = s + np.asarray(slopes, np.float64)[None, :, None, None] * (j - i)
+    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhts,bshk->bthk", p / p.sum(-1, keepdims=True), v)
+
+
+def test_alibi_slopes_are_the_papers():
+    np.testing.assert_allclose(alibi_slopes(8), [2.0 ** -(i + 1) for i in range(8)])
+    # 12 heads: the 8 of 2^3, then every other slope of 16 heads' sequence (2^(-0.5·(2k+1))), 4 of them
+    np.testing.assert_allclose(alibi_slopes(12), [2.0 ** -(i + 1) for i in range(8)] + [2.0 ** -(0.5 + k) for k in range(4)])
+
+
+@pytest.mark.parametrize("alibi", [False, True], ids=["learned", "alibi"])
 @pytest.mark.parametrize("T, block", [(64, 16), (64, 64), (48, 16), (32, 8)])
-def test_blockwise_equals_xla_attention_and_its_gradients(T, block):
+def test_blockwise_equals_xla_attention_and_its_gradients(T, block, alibi):
     q, k, v = _qkv(2, T, 3, 8)
     w = jax.random.normal(jax.random.key(7), q.shape)  # a loss that weighs every output differently
+    slopes = jnp.asarray([0.5, 0.25, 0.0625]) if alibi else None  # large, so that the bias matters
 
     def loss(impl):
         def f(q, k, v):
-            y = (blockwise_attention(q, k, v, None, block) if impl == "blockwise"
-                 else jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"))
+            y = causal_attention(q, k, v, impl, block, Bias(None, slopes))
             return jnp.sum(y * w), y
         return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
 
     (l_b, y_b), g_b = loss("blockwise")
     (l_x, y_x), g_x = loss("xla")
+    np.testing.assert_allclose(y_x, _by_the_formula(q, k, v, slopes), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(y_b, y_x, rtol=1e-5, atol=1e-5)
     assert float(l_b) == pytest.approx(float(l_x), rel=1e-5)
     for a, b in zip(g_b, g_x, strict=True):

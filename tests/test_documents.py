@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import small_config, small_model
 from zerolm import model as gpt_model
-from zerolm.attention import causal_attention
+from zerolm.attention import Bias, causal_attention
 from zerolm.losses import token_losses
 from zerolm.plan.activations import step_activation_bytes
 
@@ -104,7 +104,7 @@ def test_every_attention_takes_the_segment_ids(impl):
         return f(*(jax.device_put(x, NamedSharding(mesh, P("dp"))) for x in (q, k, v, seg, w)))
 
     with pltpu.force_tpu_interpret_mode():
-        y, g = step(lambda q, k, v, seg: causal_attention(q, k, v, impl, 128, seg))
+        y, g = step(lambda q, k, v, seg: causal_attention(q, k, v, impl, 128, Bias(seg)))
     y_x, g_x = step(_masked_xla)
     np.testing.assert_allclose(y, y_x, rtol=1e-5, atol=1e-5)
     for a, b in zip(g, g_x, strict=True):

@@ -28,13 +28,20 @@ one; still the fused kernel: on an H100, 1.5 ms against XLA's masked 6.4 ms for 
 pass at 125m's shapes, `benchmarks/attention_mask.py`). The blockwise and Pallas attentions still
 compute every causal block (none is skipped for lying wholly in earlier documents), so masking costs
 no memory beyond the ids and about no time.
+
+ALiBi (Press et al. 2022, `model.position: alibi`): each head h adds slope_h · (j − i) to the score of
+query i on key j (j ≤ i), its slopes the paper's (`alibi_slopes`). The blockwise attention computes it
+inside each block from the positions (nothing T×T is stored); XLA's and cuDNN's take it as one
+(1, heads, T, T) bias for the whole batch, built once per call and broadcast over it (XLA fuses it into
+the scores; cuDNN reads it). Pallas's kernel would need it as a dense (batch, heads, T, T) array per
+example, so ALiBi does not run there (zerolm.config refuses the pair; auto picks blockwise).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Literal, cast
+from typing import Literal, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -52,18 +59,55 @@ _MASKED = -1e30  # finite, so that a fully masked block's max minus itself is 0,
 SAVED = ("attention_out", "attention_stats")
 
 
+def alibi_slopes(n_head: int) -> np.ndarray:
+    """ALiBi's per-head slopes (Press et al. 2022): for 2^k heads the geometric sequence starting at
+    2^(-8/n) with that ratio; otherwise those of the nearest smaller power of two, then every other slope
+    of the next power of two's sequence for the remaining heads (the paper's code)."""
+    def geometric(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    below = 2 ** int(math.floor(math.log2(n_head)))
+    slopes = geometric(below) + geometric(2 * below)[0::2][: n_head - below]
+    return np.asarray(slopes, np.float32)
+
+
+def alibi_bias(slopes_H: jax.Array, query_positions_S: jax.Array, key_positions_T: jax.Array) -> jax.Array:
+    """(1, H, S, T) float32: slope_h · (key position − query position)."""
+    distance_SxT = (key_positions_T[None, :] - query_positions_S[:, None]).astype(jnp.float32)
+    return slopes_H[None, :, None, None] * distance_SxT[None, None]
+
+
+class Bias(NamedTuple):
+    """What an attention adds to causality: the document mask's segment ids (B, T), ALiBi's slopes (H,)."""
+
+    segment_ids_BxT: jax.Array | None = None
+    slopes_H: jax.Array | None = None
+
+
+NO_BIAS = Bias()
+
+
 def causal_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array, implementation: str,
-                     block: int = BLOCK, segment_ids_BxT: jax.Array | None = None) -> jax.Array:
+                     block: int = BLOCK, bias: Bias = NO_BIAS) -> jax.Array:
+    """softmax(q kᵀ/√K [+ ALiBi's bias]) v over the keys at or before each query [of its own segment]."""
+    segment_ids_BxT, slopes_H = bias
+    T = q_BxTxHxK.shape[1]
     if implementation in ("xla", "cudnn"):
         same_Bx1xTxT = None
         if segment_ids_BxT is not None:  # XLA's applies it as a mask, cuDNN's as an additive bias
             same_Bx1xTxT = segment_ids_BxT[:, None, :, None] == segment_ids_BxT[:, None, None, :]
+        alibi_1xHxTxT = None
+        if slopes_H is not None:  # one (1, H, T, T) bias for the whole batch
+            alibi_1xHxTxT = alibi_bias(slopes_H, jnp.arange(T), jnp.arange(T)).astype(q_BxTxHxK.dtype)
         return checkpoint_name(jax.nn.dot_product_attention(
-            q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask=same_Bx1xTxT, is_causal=True,
+            q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias=alibi_1xHxTxT, mask=same_Bx1xTxT, is_causal=True,
             implementation=cast(Literal["xla", "cudnn"], implementation)), SAVED[0])
     if implementation == "blockwise":
-        return blockwise_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT,
-                                   block_size(q_BxTxHxK.shape[1], block))
+        return blockwise_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, slopes_H,
+                                   block_size(T, block))
+    if slopes_H is not None:
+        raise ValueError("ALiBi runs in the xla, cudnn and blockwise attentions, not in pallas's kernel")
     if implementation == "pallas":
         q, k, v = (x.transpose(0, 2, 1, 3) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK))  # the kernel's (B, H, T, K)
         return pallas_attention(q, k, v, segment_ids_BxT, block_size(q_BxTxHxK.shape[1], block)).transpose(0, 2, 1, 3)
@@ -86,12 +130,16 @@ def _unblocks(x_NxBxHxCxK):
     return x_NxBxHxCxK.transpose(1, 0, 3, 2, 4).reshape(B, N * C, H, K)
 
 
-def _scores(q_BxHxCxK, k_BxHxCxK, i, j, block, segs_NxBxC=None):
+def _scores(q_BxHxCxK, k_BxHxCxK, i, j, block, bias: Bias = NO_BIAS):
     """One block of scaled, causally masked float32 scores: query block i against key block j (and, with
-    segment ids, only keys of the query's segment)."""
+    segment ids, (T/block, B, block), only keys of the query's segment; with slopes, ALiBi's bias added)."""
+    segs_NxBxC, slopes_H = bias
     s = jnp.einsum("bhqk,bhsk->bhqs", q_BxHxCxK, k_BxHxCxK, preferred_element_type=jnp.float32)
     s = s / math.sqrt(q_BxHxCxK.shape[-1])
-    visible = (i * block + jnp.arange(block))[:, None] >= (j * block + jnp.arange(block))[None, :]
+    queries, keys = i * block + jnp.arange(block), j * block + jnp.arange(block)
+    if slopes_H is not None:
+        s = s + alibi_bias(slopes_H, queries, keys)
+    visible = queries[:, None] >= keys[None, :]
     if segs_NxBxC is not None:
         visible = visible & (segs_NxBxC[i][:, None, :, None] == segs_NxBxC[j][:, None, None, :])
     return jnp.where(visible, s, _MASKED)
@@ -105,14 +153,15 @@ def _segment_blocks(segment_ids_BxT, block):
     return segment_ids_BxT.reshape(B, T // block, block).transpose(1, 0, 2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def blockwise_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, block: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def blockwise_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, slopes_H, block: int):
     """Causal softmax(q kᵀ/√K) v, `block` positions at a time (`block` divides T); with segment ids
-    (B, T), each query sees the keys of its own segment only."""
-    return _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, block)[0]
+    (B, T), each query sees the keys of its own segment only; with slopes (H,), ALiBi's bias is added to
+    each block's scores."""
+    return _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, slopes_H, block)[0]
 
 
-def _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, block):
+def _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, slopes_H, block):
     qs, ks, vs = (_blocks(x, block) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK))
     segs = _segment_blocks(segment_ids_BxT, block)
 
@@ -123,7 +172,7 @@ def _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, block):
             m_BxHxC, l_BxHxC, acc_BxHxCxK = carry
             # A key block wholly outside the query's segment gives _MASKED everywhere; its weights are
             # cleared by the correction once a visible key (the query itself, at the latest) comes.
-            s = _scores(q_BxHxCxK, ks[j], i, j, block, segs)
+            s = _scores(q_BxHxCxK, ks[j], i, j, block, Bias(segs, slopes_H))
             m_new = jnp.maximum(m_BxHxC, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             correction = jnp.exp(m_BxHxC - m_new)
@@ -140,11 +189,11 @@ def _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, block):
     _, (out_NxBxHxCxK, lse_NxBxHxC) = lax.scan(query_block, None, (jnp.arange(qs.shape[0]), qs))
     out = checkpoint_name(_unblocks(out_NxBxHxCxK), SAVED[0])
     lse_NxBxHxC = checkpoint_name(lse_NxBxHxC, SAVED[1])
-    return out, (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, out, lse_NxBxHxC)
+    return out, (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, slopes_H, out, lse_NxBxHxC)
 
 
 def _backward(block, residuals, dout_BxTxHxK):
-    q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, out, lse_NxBxHxC = residuals
+    q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, slopes_H, out, lse_NxBxHxC = residuals
     qs, ks, vs, dos = (_blocks(x, block) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, dout_BxTxHxK))
     segs = _segment_blocks(segment_ids_BxT, block)
     # D = rowsum(dO ∘ O): the softmax's backward term, one number per query.
@@ -158,7 +207,7 @@ def _backward(block, residuals, dout_BxTxHxK):
 
         def key_block(j, inner):
             dq_BxHxCxK, dk_acc, dv_acc = inner
-            p = jnp.exp(_scores(q_BxHxCxK, ks[j], i, j, block, segs) - lse_BxHxC[..., None])  # masked: exactly 0
+            p = jnp.exp(_scores(q_BxHxCxK, ks[j], i, j, block, Bias(segs, slopes_H)) - lse_BxHxC[..., None])  # masked: 0
             dv = jnp.einsum("bhqs,bhqk->bhsk", p.astype(do_BxHxCxK.dtype), do_BxHxCxK,
                             preferred_element_type=jnp.float32)
             dp = jnp.einsum("bhqk,bhsk->bhqs", do_BxHxCxK, vs[j], preferred_element_type=jnp.float32)
@@ -175,7 +224,8 @@ def _backward(block, residuals, dout_BxTxHxK):
     (dk, dv), dq = lax.scan(query_block, (zeros, zeros),
                             (jnp.arange(qs.shape[0]), qs, dos, lse_NxBxHxC, d_NxBxHxC))
     grads = tuple(_unblocks(g).astype(x.dtype) for g, x in ((dq, q_BxTxHxK), (dk, k_BxTxHxK), (dv, v_BxTxHxK)))
-    return (*grads, _no_gradient(segment_ids_BxT))
+    slopes_grad = None if slopes_H is None else jnp.zeros_like(slopes_H)  # the slopes are constants
+    return (*grads, _no_gradient(segment_ids_BxT), slopes_grad)
 
 
 def _varying(x, *like):

@@ -76,6 +76,10 @@ class ModelConfig(_Section):
     document_mask: bool
     document_positions: Literal["continue", "restart"]
     eot_id: int | Literal["auto"]  # auto: the dataset tokenizer's end-of-text
+    # Positions: a learned table added to the embeddings (GPT-2), or ALiBi's per-head linear biases on the
+    # attention scores (Press et al. 2022; no table, so a model evaluates past its trained seq_len).
+    position: Literal["learned", "alibi"]
+    bias: bool  # false: LayerNorms and linear layers without bias (the seed model's layout)
 
     @field_validator("remat", mode="before")
     @classmethod
@@ -90,6 +94,10 @@ class ModelConfig(_Section):
             raise _KeyError("model.document_positions", "restart counts positions from each document's start, "
                             "which needs model.document_mask: true (without it a sample is one sequence)",
                             related=("model.document_mask",))
+        if self.attention == "pallas" and self.position == "alibi":
+            raise _KeyError("model.attention", "pallas's TPU flash attention takes a bias only as a dense "
+                            "(batch, heads, T, T) array per example, which ALiBi would have to build; use blockwise "
+                            "(ALiBi computed inside its blocks) or auto, which picks it", related=("model.position",))
         if self.attention == "pallas":
             from zerolm.attention import PALLAS_LANES, block_size, pallas_fits
 

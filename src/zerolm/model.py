@@ -1,4 +1,6 @@
-"""The GPT-2 decoder (pre-LayerNorm blocks, learned positions, GELU MLP, tied embeddings), in flax.
+"""The GPT-2 decoder (pre-LayerNorm blocks, learned positions, GELU MLP, tied embeddings), in flax, and the
+settings that change it: `model.position` (learned, or ALiBi's attention biases: no position table),
+`model.bias` (false: no LayerNorm or linear biases).
 
 Pure: no sharding logic. Each parameter carries *logical* axis names (`vocab`, `embed`, `heads`,
 `mlp`, `qkv`, `position`, `layers`), which say what an axis means; `zerolm.sharding`'s rule table
@@ -21,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zerolm.attention import SAVED, causal_attention
+from zerolm.attention import SAVED, Bias, alibi_bias, alibi_slopes, causal_attention
 from zerolm.config import ModelConfig
 
 LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon
@@ -71,31 +73,34 @@ class Attention(nn.Module):
         B, T, D = x_BxTxD.shape
         H = self.cfg.n_head
         init = nn.initializers.normal(0.02)
-        qkv_BxTx3xD = nn.DenseGeneral((3, D), dtype=self.dtype, name="c_attn",
+        qkv_BxTx3xD = nn.DenseGeneral((3, D), dtype=self.dtype, name="c_attn", use_bias=self.cfg.bias,
                                       kernel_init=_named(init, "embed", "qkv", "heads"),
                                       bias_init=_named(nn.initializers.zeros, "qkv", "heads"))(x_BxTxD)
         q_BxTxHxK, k_BxTxHxK, v_BxTxHxK = (qkv_BxTx3xD[:, :, i].reshape(B, T, H, D // H) for i in range(3))
+        slopes_H = jnp.asarray(alibi_slopes(H)) if self.cfg.position == "alibi" else None
         if start is None:
             y = causal_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, self.implementation, self.cfg.attention_block,
-                                 segment_ids_BxT)
+                                 Bias(segment_ids_BxT, slopes_H))
         else:
-            y = self._cached_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, start)
+            y = self._cached_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, start, slopes_H)
         # GPT-2 scales the residual projections' init by 1/sqrt(2 * n_layer).
         proj_init = nn.initializers.normal(0.02 / math.sqrt(2 * self.cfg.n_layer))
-        return nn.Dense(D, dtype=self.dtype, kernel_init=_named(proj_init, "heads", "embed"),
+        return nn.Dense(D, dtype=self.dtype, kernel_init=_named(proj_init, "heads", "embed"), use_bias=self.cfg.bias,
                         bias_init=_named(nn.initializers.zeros, "embed"), name="c_proj")(y.reshape(B, T, D))
 
 
-    def _cached_attention(self, q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, start):
+    def _cached_attention(self, q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, start, slopes_H=None):
         """Decoding: write these S positions' keys and values into the `cache` collection at `start`,
-        then attend over every cached position up to each query's own."""
+        then attend over every cached position up to each query's own (with ALiBi's bias, given slopes)."""
         B, S, H, K = q_BxSxHxK.shape
         T = self.cfg.seq_len
         cached = [self.variable("cache", name, jnp.zeros, (B, T, H, K), k_BxSxHxK.dtype) for name in ("k", "v")]
         for var, new in zip(cached, (k_BxSxHxK, v_BxSxHxK), strict=True):
             var.value = lax.dynamic_update_slice(var.value, new.astype(var.value.dtype), (0, start, 0, 0))
-        visible_SxT = jnp.arange(T)[None, :] <= (start + jnp.arange(S))[:, None]
-        return jax.nn.dot_product_attention(q_BxSxHxK, cached[0].value, cached[1].value,
+        queries_S = start + jnp.arange(S)
+        visible_SxT = jnp.arange(T)[None, :] <= queries_S[:, None]
+        bias = None if slopes_H is None else alibi_bias(slopes_H, queries_S, jnp.arange(T)).astype(q_BxSxHxK.dtype)
+        return jax.nn.dot_product_attention(q_BxSxHxK, cached[0].value, cached[1].value, bias=bias,
                                             mask=visible_SxT[None, None], implementation="xla")
 
 
@@ -107,10 +112,10 @@ class MLP(nn.Module):
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         D = x_BxTxD.shape[-1]
         h = nn.Dense(4 * D, dtype=self.dtype, kernel_init=_named(nn.initializers.normal(0.02), "embed", "mlp"),
-                     bias_init=_named(nn.initializers.zeros, "mlp"), name="c_fc")(x_BxTxD)
+                     use_bias=self.cfg.bias, bias_init=_named(nn.initializers.zeros, "mlp"), name="c_fc")(x_BxTxD)
         h = nn.gelu(h, approximate=True)  # GPT-2's "gelu_new"
         proj_init = nn.initializers.normal(0.02 / math.sqrt(2 * self.cfg.n_layer))
-        return nn.Dense(D, dtype=self.dtype, kernel_init=_named(proj_init, "mlp", "embed"),
+        return nn.Dense(D, dtype=self.dtype, kernel_init=_named(proj_init, "mlp", "embed"), use_bias=self.cfg.bias,
                         bias_init=_named(nn.initializers.zeros, "embed"), name="c_proj")(h)
 
 
@@ -122,9 +127,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array, start: jax.Array | None,
                  segment_ids_BxT: jax.Array | None) -> tuple[jax.Array, None]:
-        ln = lambda name: nn.LayerNorm(epsilon=LN_EPS, dtype=self.dtype, name=name,  # noqa: E731
-                                       scale_init=_named(nn.initializers.ones, "embed"),
-                                       bias_init=_named(nn.initializers.zeros, "embed"))
+        ln = functools.partial(layer_norm, self.cfg, self.dtype)
         x_BxTxD = x_BxTxD + Attention(self.cfg, self.dtype, self.implementation, name="attn")(ln("ln_1")(x_BxTxD),
                                                                                              start, segment_ids_BxT)
         x_BxTxD = x_BxTxD + MLP(self.cfg, self.dtype, name="mlp")(ln("ln_2")(x_BxTxD))
@@ -161,17 +164,23 @@ class GPT(nn.Module):
         V, D = cfg.padded_vocab_size, cfg.d_model
         T = tokens_BxT.shape[1]
         wte_VxD = self.param("wte", _named(nn.initializers.normal(0.02), "vocab", "embed"), (V, D), jnp.float32)
-        wpe_TxD = self.param("wpe", _named(nn.initializers.normal(0.01), "position", "embed"), (cfg.seq_len, D),
-                             jnp.float32)
-        segment_ids_BxT = None
-        if start is not None:  # decoding: one document, from the cached positions on
-            positions = lax.dynamic_slice_in_dim(wpe_TxD, start, T)
-        elif cfg.document_mask:
+        segment_ids_BxT, positions_BxT = None, None
+        if start is None and cfg.document_mask:
             segment_ids_BxT, positions_BxT = documents(tokens_BxT, cfg.eot, cfg.document_positions == "restart")
-            positions = jnp.take(wpe_TxD, positions_BxT, axis=0)
-        else:
-            positions = wpe_TxD[:T]
-        x_BxTxD = (jnp.take(wte_VxD, tokens_BxT, axis=0) + positions).astype(dtype)
+        x_BxTxD = jnp.take(wte_VxD, tokens_BxT, axis=0)
+        if cfg.position == "learned":
+            wpe_TxD = self.param("wpe", _named(nn.initializers.normal(0.01), "position", "embed"), (cfg.seq_len, D),
+                                 jnp.float32)
+            if start is not None:  # decoding: one document, from the cached positions on
+                positions = lax.dynamic_slice_in_dim(wpe_TxD, start, T)
+            elif positions_BxT is not None:
+                positions = jnp.take(wpe_TxD, positions_BxT, axis=0)
+            else:
+                positions = wpe_TxD[:T]
+            x_BxTxD = x_BxTxD + positions
+        # ALiBi: the attention adds each head's bias from the positions' distance (within a document, the
+        # distance is the same counted from the document's start or the sample's).
+        x_BxTxD = x_BxTxD.astype(dtype)
 
         # The layers' parameters are stacked along `layers` either way; unrolled, the loop is written out
         # (scan's unroll), so no activation is stacked for the backward pass. Inside a scan the loop keeps
@@ -189,11 +198,15 @@ class GPT(nn.Module):
                          in_axes=nn.broadcast, length=cfg.n_layer, unroll=1 if scanned else cfg.n_layer,
                          metadata_params={nn.PARTITION_NAME: "layers"})
         x_BxTxD, _ = blocks(cfg, dtype, cfg.attention, name="h")(x_BxTxD, start, segment_ids_BxT)
-        x_BxTxD = nn.LayerNorm(epsilon=LN_EPS, dtype=dtype, name="ln_f", scale_init=_named(nn.initializers.ones, "embed"),
-                               bias_init=_named(nn.initializers.zeros, "embed"))(x_BxTxD)
+        x_BxTxD = layer_norm(cfg, dtype, "ln_f")(x_BxTxD)
         if hidden_only:
             return x_BxTxD
         return output_logits(x_BxTxD, wte_VxD, cfg.vocab)
+
+
+def layer_norm(cfg: ModelConfig, dtype: jnp.dtype, name: str) -> nn.LayerNorm:
+    return nn.LayerNorm(epsilon=LN_EPS, dtype=dtype, name=name, use_bias=cfg.bias,
+                        scale_init=_named(nn.initializers.ones, "embed"), bias_init=_named(nn.initializers.zeros, "embed"))
 
 
 def documents(tokens_BxT: jax.Array, eot_id: int, restart: bool) -> tuple[jax.Array, jax.Array]:
@@ -242,4 +255,4 @@ def logical_axes(model: GPT):
 
 def count_params(params, exclude_positions: bool = False) -> int:
     n = sum(x.size for x in jax.tree.leaves(params))
-    return n - (params["wpe"].size if exclude_positions else 0)
+    return n - (params["wpe"].size if exclude_positions and "wpe" in params else 0)
