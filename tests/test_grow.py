@@ -1,0 +1,140 @@
+"""`zerolm grow` and `train.init_from`: the layer map and its refusals; a function-preserving growth evaluates
+exactly as its source; a run starts from the grown parameters through the real sharded step, refuses a
+checkpoint of other shapes before compiling, and resumes from its own checkpoints, whatever init_from says."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import runs
+from conftest import TINY
+from runs import zerolm
+from zerolm.grow import GrowError, check_map, default_map, describe_map, grown_params
+
+SMALL4 = [*runs.SMALL, "model.n_layer=4"]  # the trained_run's model (2 layers), twice as deep
+
+
+def test_the_default_map_repeats_each_layer_in_order_spread_evenly():
+    assert default_map(4, 8) == [0, 0, 1, 1, 2, 2, 3, 3]  # Gopher G.3.3
+    assert default_map(4, 6) == [0, 0, 1, 2, 2, 3]
+    assert default_map(3, 3) == [0, 1, 2]
+    assert describe_map(default_map(4, 8), 4) == "0,0,1,1,2,2,3,3"
+    assert check_map([0, 1, 0, 1, 2, 3], 4, 6, False) == [0, 1, 0, 1, 2, 3]  # any order without the promise
+    assert check_map([0, 1, 0, 1, 2, 3], 4, 6, True) == [0, 1, 0, 1, 2, 3]  # first copies in order
+    assert describe_map(default_map(4, 6), 4).endswith("as evenly as possible, 2 copies of layers 0, 2; 1 copy of "
+                                                        "layers 1, 3)")
+
+
+@pytest.mark.parametrize("layer_map, preserving, says", [
+    (None, False, "model.n_layer: 3 is fewer than the source's 4 layers"),
+    ([0, 1, 2, 3, 3], False, "--layer-map: 5 layers, but model.n_layer is 6"),
+    ([0, 1, 2, 3, 4, 0], False, "--layer-map: names layer 4; the source has layers 0-3"),
+    ([0, 0, 1, 1, 2, 2], True, "--function-preserving: the map leaves out layer 3"),
+    ([0, 2, 1, 3, 3, 3], True, "--function-preserving: the map takes layer 2 before layer 1"),
+])
+def test_an_impossible_map_is_refused_in_one_line(layer_map, preserving, says):
+    target = 3 if layer_map is None else 6
+    with pytest.raises(GrowError) as e:
+        check_map(layer_map, 4, target, preserving)
+    assert str(e.value).startswith(says) and "\n" not in str(e.value)
+
+
+def test_each_repeat_has_its_output_projections_zeroed_and_nothing_else():
+    rng = np.random.default_rng(0)
+    block = {"attn": {"c_attn": {"kernel": rng.normal(size=(2, 3, 3))},
+                      "c_proj": {"kernel": rng.normal(size=(2, 3, 3)), "bias": rng.normal(size=(2, 3))}},
+             "mlp": {"c_proj": {"kernel": rng.normal(size=(2, 4, 3))}}}  # a bias-free layer: nothing to zero there
+    params = {"wte": rng.normal(size=(5, 3)), "h": block}
+    grown, zeroed = grown_params(params, [0, 0, 1, 1, 0], function_preserving=True)
+    assert zeroed == [1, 3, 4]
+    assert np.array_equal(grown["wte"], params["wte"])
+    np.testing.assert_array_equal(grown["h"]["attn"]["c_attn"]["kernel"], block["attn"]["c_attn"]["kernel"][[0, 0, 1, 1, 0]])
+    for leaf, source in ((grown["h"]["attn"]["c_proj"]["kernel"], block["attn"]["c_proj"]["kernel"]),
+                         (grown["h"]["attn"]["c_proj"]["bias"], block["attn"]["c_proj"]["bias"]),
+                         (grown["h"]["mlp"]["c_proj"]["kernel"], block["mlp"]["c_proj"]["kernel"])):
+        assert not leaf[[1, 3, 4]].any()
+        np.testing.assert_array_equal(leaf[[0, 2]], source[[0, 1]])
+    assert grown_params(params, [0, 0, 1, 1, 0], function_preserving=False)[1] == []
+
+
+def _sets(sets):
+    return [a for s in sets for a in ("--set", s)]
+
+
+def _loss(checkpoint) -> float:
+    import jax
+
+    from zerolm import restored
+    from zerolm.evaluate import evaluate_checkpoint
+
+    return evaluate_checkpoint(restored.load(str(checkpoint), jax.local_devices()[:1]), None, "val", 64)["loss"]
+
+
+def _params(checkpoint) -> np.ndarray:
+    import jax
+
+    from zerolm import restored
+
+    params = restored.load(str(checkpoint), jax.local_devices()[:1]).params
+    return np.concatenate([np.ravel(x) for x in jax.tree.leaves(params)])
+
+
+@pytest.fixture(scope="module")
+def grown(trained_run, tmp_path_factory):
+    """The trained run's model grown from 2 layers to 4, function-preserving, by `zerolm grow`."""
+    out = tmp_path_factory.mktemp("grown") / "deeper"
+    proc = zerolm("grow", "--from", trained_run / "ckpt", "--config", TINY, *_sets(SMALL4), "--out", out,
+                  "--function-preserving")
+    assert "by the layer map 0,0,1,1" in proc.stdout and "output projections of layers 1, 3 are zero" in proc.stdout
+    return out
+
+
+@pytest.mark.slow
+def test_a_function_preserving_growth_evaluates_exactly_as_its_source(trained_run, grown, tmp_path):
+    from zerolm.config import load_config
+    from zerolm.grow import Growth, grow
+
+    assert _loss(grown) == _loss(trained_run / "ckpt")
+    plain = grow(Growth(str(trained_run / "ckpt"), load_config(TINY, SMALL4), str(tmp_path / "plain")))
+    assert plain.zeroed == () and _loss(tmp_path / "plain") != _loss(trained_run / "ckpt")
+
+
+@pytest.mark.slow
+def test_grow_refuses_a_map_naming_a_layer_the_source_lacks(trained_run, tmp_path):
+    proc = zerolm("grow", "--from", trained_run / "ckpt", "--config", TINY, *_sets(SMALL4), "--out", tmp_path / "g",
+                  "--layer-map", "0,1,2,3", expect=2)
+    assert proc.stderr == "error: --layer-map: names layer 2; the source has layers 0-1\n"
+    assert not (tmp_path / "g").exists()
+
+
+@pytest.fixture(scope="module")
+def warm_run(grown, tmp_path_factory):
+    """One step from the grown parameters at ZeRO-3, dp 4 x tp 2, with an lr too small to move them."""
+    run_dir = tmp_path_factory.mktemp("warm")
+    proc = runs.train(run_dir, "model.n_layer=4", f"train.init_from={grown}", "zero.stage=3", "mesh.tp=2",
+                      "train.lr=1e-12", "checkpoint.every=1", steps=1)
+    return run_dir, proc.stdout
+
+
+@pytest.mark.slow
+def test_a_run_starts_from_the_checkpoint_init_from_names(grown, warm_run):
+    run_dir, stdout = warm_run
+    assert f"parameters from {grown}/0 (train.init_from: step 0 of a run on dp=1 tp=1 ZeRO-1)" in stdout
+    np.testing.assert_allclose(_params(run_dir / "ckpt" / "1"), _params(grown), rtol=0, atol=1e-9)
+
+
+@pytest.mark.slow
+def test_a_run_resumes_from_its_own_checkpoint_whatever_init_from_says(trained_run, warm_run):
+    run_dir, _ = warm_run
+    proc = runs.train(run_dir, "model.n_layer=4", f"train.init_from={trained_run / 'ckpt'}", "zero.stage=3",
+                      "mesh.tp=2", "train.lr=1e-12", "checkpoint.every=1", steps=2)  # (2 layers there: not read)
+    assert f"resumed from {run_dir / 'ckpt' / '1'}" in proc.stdout and "parameters from" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_init_from_a_model_of_other_shapes_is_refused_before_compiling(trained_run, tmp_path):
+    proc = runs.train(tmp_path, "model.n_layer=4", f"train.init_from={trained_run / 'ckpt'}", expect=2)
+    assert proc.stderr.startswith(f"error: train.init_from: {trained_run / 'ckpt' / '16'}: model.n_layer is 2 there "
+                                  "and 4 in the config") and proc.stderr.count("\n") == 1
+    assert "compiled the step" not in proc.stdout
