@@ -17,7 +17,8 @@ FORMAT = 2
 # behaviour before the key existed): a checkpoint's config is read through these, here and nowhere else.
 BEFORE_RECORDED: dict[str, dict[str, Any]] = {
     "model": {"attention_block": 512, "scan_layers": "auto", "document_mask": False, "document_positions": "continue",
-              "eot_id": "auto", "position": "learned", "bias": True},
+              "eot_id": "auto", "position": "learned", "bias": True,
+              "activation": "gelu_tanh"},
     "zero": {"precision": "fp32", "stage": 1},
 }
 

@@ -80,6 +80,7 @@ class ModelConfig(_Section):
     # attention scores (Press et al. 2022; no table, so a model evaluates past its trained seq_len).
     position: Literal["learned", "alibi"]
     bias: bool  # false: LayerNorms and linear layers without bias (the seed model's layout)
+    activation: Literal["gelu_tanh", "gelu"]  # the MLP's: GPT-2's tanh approximation, or the exact erf GELU (MPT's)
 
     @field_validator("remat", mode="before")
     @classmethod

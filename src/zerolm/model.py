@@ -1,6 +1,6 @@
 """The GPT-2 decoder (pre-LayerNorm blocks, learned positions, GELU MLP, tied embeddings), in flax, and the
 settings that change it: `model.position` (learned, or ALiBi's attention biases: no position table),
-`model.bias` (false: no LayerNorm or linear biases).
+`model.bias` (false: no LayerNorm or linear biases), `model.activation` (the MLP's GELU: tanh or exact).
 
 Pure: no sharding logic. Each parameter carries *logical* axis names (`vocab`, `embed`, `heads`,
 `mlp`, `qkv`, `position`, `layers`), which say what an axis means; `zerolm.sharding`'s rule table
@@ -113,7 +113,7 @@ class MLP(nn.Module):
         D = x_BxTxD.shape[-1]
         h = nn.Dense(4 * D, dtype=self.dtype, kernel_init=_named(nn.initializers.normal(0.02), "embed", "mlp"),
                      use_bias=self.cfg.bias, bias_init=_named(nn.initializers.zeros, "mlp"), name="c_fc")(x_BxTxD)
-        h = nn.gelu(h, approximate=True)  # GPT-2's "gelu_new"
+        h = nn.gelu(h, approximate=self.cfg.activation == "gelu_tanh")  # GPT-2's "gelu_new", or the exact one
         proj_init = nn.initializers.normal(0.02 / math.sqrt(2 * self.cfg.n_layer))
         return nn.Dense(D, dtype=self.dtype, kernel_init=_named(proj_init, "mlp", "embed"), use_bias=self.cfg.bias,
                         bias_init=_named(nn.initializers.zeros, "embed"), name="c_proj")(h)
