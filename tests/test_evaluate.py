@@ -23,7 +23,7 @@ def test_eval_of_a_run_and_of_a_step_equals_the_logged_validation_loss(trained_r
     assert latest["loss"] == pytest.approx(logged[16]["val_loss"], rel=1e-5)  # 2 devices here, 8 in training
     assert latest["perplexity"] == pytest.approx(math.exp(latest["loss"]))
     step12 = zerolm("eval", "--checkpoint", trained_run / "ckpt" / "12", "--sequences", "37", devices=1).stdout
-    assert step12.startswith(f"step 12 of {trained_run / 'ckpt'}: val loss ") and "on 37 sequences (1,184 tokens)" in step12
+    assert step12.startswith(f"step 12 of {trained_run / 'ckpt'}: val loss ") and "on 37 sequences of 32 tokens (1,184 tokens)" in step12
     on_train = json.loads(zerolm("eval", "--checkpoint", trained_run / "ckpt", "--split", "train", "--sequences", "16",
                                  "--json").stdout)
     assert on_train["split"] == "train" and on_train["sequences"] == 16 and on_train["loss"] != latest["loss"]
@@ -52,6 +52,8 @@ def test_a_run_trained_with_a_kernel_this_machine_lacks_is_evaluated_with_auto(t
     (["--checkpoint", "{run}/log"], "{run}/log: no checkpoint here (a run's checkpoint directory"),
     (["--checkpoint", "{run}/ckpt", "--data", "{run}/log"], "--data: {run}/log/manifest.json: no manifest"),
     (["--checkpoint", "{run}/ckpt", "--sequences", "0"], "--sequences: 0 must be > 0"),
+    (["--checkpoint", "{run}/ckpt", "--seq-len", "64"], "--seq-len: 64 tokens is past the model's trained context "
+     "of 32 (model.seq_len): its learned positions end there; only a model trained with model.position: alibi"),
 ])
 def test_bad_input_is_one_line_and_exit_2(trained_run, args, message):
     before = snapshot(trained_run)
@@ -59,3 +61,21 @@ def test_bad_input_is_one_line_and_exit_2(trained_run, args, message):
     assert len(proc.stderr.strip().splitlines()) == 1
     assert proc.stderr.startswith(f"error: {message.format(run=trained_run)}")
     assert snapshot(trained_run) == before
+
+
+@pytest.mark.slow
+def test_an_alibi_model_evaluates_and_samples_past_its_trained_context(tmp_path):
+    """ALiBi has no position table: the same checkpoint evaluates at 2x its seq_len (consecutive samples
+    joined) and samples past it; at 1x it gives what training logged."""
+    from runs import train
+
+    train(tmp_path, "model.position=alibi", "model.bias=false", "model.activation=gelu", "train.eval_every=16")
+    logged = val_losses(tmp_path)[16]["val_loss"]
+    at = {n: json.loads(zerolm("eval", "--checkpoint", tmp_path / "ckpt", "--json", "--seq-len", str(n),
+                               "--sequences", "32", devices=1).stdout) for n in (32, 64)}
+    assert at[64]["seq_len"] == 64 and at[64]["tokens"] == 32 * 64 and math.isfinite(at[64]["loss"])
+    full = json.loads(zerolm("eval", "--checkpoint", tmp_path / "ckpt", "--json", devices=1).stdout)
+    assert full["loss"] == pytest.approx(logged, rel=1e-5) and at[64]["loss"] != at[32]["loss"]
+    sampled = zerolm("sample", "--checkpoint", tmp_path / "ckpt", "--prompt", "And God said", "--max-new-tokens", "40",
+                     "--temperature", "0", devices=1)
+    assert "past the trained context of 32 tokens" in sampled.stderr and len(sampled.stdout) > len("And God said")

@@ -48,7 +48,14 @@ def make_evaluator(token_loss_fn, param_shardings, rows_sharding, rows_NxT1: np.
     return evaluate
 
 
-def evaluate_checkpoint(model_run, data: str | None, split: str, sequences: int | None) -> dict:
+def evaluate_checkpoint(model_run, data: str | None, split: str, sequences: int | None,
+                        seq_len: int | None = None) -> dict:
+    """The loss of `model_run` on a split's first sequences. `seq_len`: at that context instead of the
+    trained one (longer only for ALiBi models): each sequence is that many tokens of the dataset's stream,
+    consecutive samples joined (a dataset's samples are consecutive stretches of its text)."""
+    trained = model_run.model.cfg.seq_len
+    if seq_len is not None:
+        model_run = model_run.at_context(seq_len, "--seq-len")
     model_cfg = model_run.model.cfg
     location = data or model_run.meta.dataset_location
     flag = "--data" if data else f"{model_run.where}: the run's dataset"
@@ -58,22 +65,25 @@ def evaluate_checkpoint(model_run, data: str | None, split: str, sequences: int 
     except DataError as e:
         raise DataError(f"{flag}: {e}") from None
     location = dataset.location
-    if dataset.seq_len != model_cfg.seq_len:
+    if dataset.seq_len != trained:
         raise DataError(f"{flag}: {location} has sequences of {dataset.seq_len} tokens, the model "
-                        f"{model_cfg.seq_len} (model.seq_len)")
+                        f"{trained} (model.seq_len)")
     if dataset.manifest.tokenizer.sha256 != model_run.tokenizer_sha256:
         raise DataError(f"{flag}: {location} was prepared with another tokenizer ({dataset.manifest.tokenizer.name}, "
                         f"sha256 {dataset.manifest.tokenizer.sha256[:12]}) than the model's "
                         f"(sha256 {model_run.tokenizer_sha256[:12]})")
     rows = dataset.split(split)
-    n = min(sequences or model_run.config["train"]["eval_sequences"], len(rows))
+    join = -(-(model_cfg.seq_len + 1) // (trained + 1))  # samples per sequence at the context evaluated
+    n = min(sequences or model_run.config["train"]["eval_sequences"], len(rows) // join)
     if n == 0:
-        raise DataError(f"{flag}: {location} has no {split} sequences")
+        raise DataError(f"{flag}: {location} has no {split} sequences" + (
+            f" of {model_cfg.seq_len} tokens" if join > 1 else ""))
+    stream = rows.head(n * join).reshape(n, join * (trained + 1))[:, :model_cfg.seq_len + 1]
     mesh = model_run.mesh
     evaluate = make_evaluator(functools.partial(losses.token_losses, model_run.model),
                               jax.tree.map(lambda x: x.sharding, model_run.params), row_sharding(mesh),
-                              rows.head(n), mesh.size * model_run.config["train"]["micro_batch_size"])
+                              stream, mesh.size * model_run.config["train"]["micro_batch_size"])
     loss = evaluate(model_run.params)
     return {"checkpoint": str(model_run.where.parent), "step": model_run.step, "dataset": str(dataset.location),
-            "split": split, "sequences": n, "tokens": n * dataset.seq_len, "loss": loss,
+            "split": split, "sequences": n, "seq_len": model_cfg.seq_len, "tokens": n * model_cfg.seq_len, "loss": loss,
             "perplexity": perplexity(loss)}

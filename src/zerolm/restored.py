@@ -72,6 +72,18 @@ class Restored:
                                   f"with (sha256 {self.tokenizer_sha256[:12]})")
         return tok
 
+    def at_context(self, seq_len: int, flag: str) -> Restored:
+        """The same parameters in a model of context `seq_len`: shorter for any model, longer only with
+        ALiBi (a learned position table ends at the trained seq_len; CheckpointError naming `flag`)."""
+        cfg = self.model.cfg
+        if seq_len > cfg.seq_len and cfg.position != "alibi":
+            raise CheckpointError(f"{flag}: {seq_len} tokens is past the model's trained context of {cfg.seq_len} "
+                                  f"(model.seq_len): its learned positions end there; only a model trained with "
+                                  f"model.position: alibi runs past it")
+        if seq_len == cfg.seq_len:
+            return self
+        return dataclasses.replace(self, model=gpt_model.GPT(cfg.model_copy(update={"seq_len": seq_len})))
+
 
 def locate(path: str) -> tuple[Checkpoints, int]:
     """The checkpoints and the step that `path` names (a run directory: its newest intact step)."""
