@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from runs import snapshot, train, zerolm
-from zerolm import export, restored
+from zerolm import export, hf_layouts, restored
 from zerolm import model as gpt_model
 from zerolm.data.tokenizer import EOT, from_file, train_bpe
 from zerolm.sample import Sampling, generate
@@ -23,9 +23,10 @@ transformers = pytest.importorskip("transformers")
 TEXT = "And God said, Let there be light: and there was light.\n\n  Ünïcode — 123 tabs\tand  spaces!"
 
 
-def load_hf(out):
-    model, info = transformers.GPT2LMHeadModel.from_pretrained(out, output_loading_info=True)
+def load_hf(out, architecture):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert {k: v for k, v in info.items() if v} == {}, info  # no missing, unexpected or mismatched weights
+    assert type(model).__name__ == architecture
     return model.eval(), transformers.AutoTokenizer.from_pretrained(out)
 
 
@@ -34,10 +35,10 @@ def hf_logits(model, ids_BxT):
         return model(torch.tensor(np.asarray(ids_BxT), dtype=torch.long)).logits.numpy()
 
 
-def assert_same_model(model_run, out, tokenizer):
-    hf, hf_tok = load_hf(out)
+def assert_same_model(model_run, out, tokenizer, architecture="GPT2LMHeadModel"):
+    hf, hf_tok = load_hf(out, architecture)
     V = model_run.model.cfg.vocab_size
-    assert hf.config.vocab_size == V and hf.config.n_positions == model_run.model.cfg.seq_len
+    assert hf.config.vocab_size == V
     ids = np.random.default_rng(0).integers(0, V, (2, model_run.model.cfg.seq_len))
     ours = np.asarray(model_run.model.apply({"params": model_run.params}, ids))[..., :V]
     np.testing.assert_allclose(hf_logits(hf, ids), ours, rtol=1e-4, atol=1e-4)
@@ -46,29 +47,109 @@ def assert_same_model(model_run, out, tokenizer):
     return hf
 
 
+def assert_same_greedy(model_run, hf, tokenizer, n):
+    prompt = tokenizer.encode("And God said")
+    ours = generate(model_run.model, model_run.params, prompt, n, Sampling(temperature=0))
+    theirs = hf.generate(torch.tensor([prompt.tolist()]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                         pad_token_id=tokenizer.eot_id)[0].tolist()
+    assert theirs == ours.tolist()
+    return ours[len(prompt):]
+
+
+def sharp(model_run, scale=5, **settings):
+    """The run's model with `settings` changed and random parameters with large weights (as in test_sample):
+    it continues with tokens that depend on the ones before them (16 steps of training repeat one token).
+    ×5 keeps float32's rounding (about 1e-5 in the logits) well under the tolerance; ×30 can reach it."""
+    model = gpt_model.GPT(model_run.model.cfg.model_copy(update=settings))
+    params = jax.tree.map(lambda p: p * scale if p.ndim >= 2 else p, gpt_model.init_params(model, jax.random.key(3)))
+    return restored.Restored(model, params, model_run.meta, model_run.step, model_run.where, model_run.mesh)
+
+
+def assert_table_reads_back(model_run, layout, out):
+    """Each tensor of the export, read back through its table entry's inverse, is zerolm's parameter (the
+    vocabulary's padding rows, which the export drops, aside); a bias the model lacks was written as zeros."""
+    from safetensors.numpy import load_file
+
+    tensors, cfg = load_file(out / "model.safetensors"), model_run.model.cfg
+    params = hf_layouts.flatten(model_run.params)
+    entries = [(t, [t.hf], False) for t in layout.globals] + \
+        [(t, [t.hf.format(i=i) for i in range(cfg.n_layer)], True) for t in layout.layers]
+    assert sorted(tensors) == sorted(name for _, names, _ in entries for name in names)
+    for t, names, layered in entries:
+        if t.zerolm not in params:
+            assert not cfg.bias and t.zerolm.endswith(".bias") and not any(tensors[n].any() for n in names)
+            continue
+        stacked = np.asarray(params[t.zerolm]) if layered else np.asarray(params[t.zerolm])[None]
+        read = np.stack([t.op.from_hf(tensors[n], stacked.shape[1:]) for n in names])
+        rows = slice(None, cfg.vocab_size) if t.op is hf_layouts.VOCAB else slice(None)
+        np.testing.assert_array_equal(read[:, rows], stacked[:, rows], err_msg=t.zerolm)
+
+
 def test_export_round_trip_in_transformers(trained_run, tmp_path):
     zerolm("export-hf", "--checkpoint", trained_run / "ckpt", "--out", tmp_path / "hf", devices=1)
     model_run = restored.load(str(trained_run / "ckpt"), jax.local_devices()[:1])
     tokenizer = model_run.tokenizer()
     hf = assert_same_model(model_run, tmp_path / "hf", tokenizer)
-    prompt = tokenizer.encode("And God said")
-    ours = generate(model_run.model, model_run.params, prompt, 12, Sampling(temperature=0))
-    theirs = hf.generate(torch.tensor([prompt.tolist()]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                         pad_token_id=tokenizer.eot_id)[0].tolist()
-    assert theirs == ours.tolist()
+    assert hf.config.n_positions == model_run.model.cfg.seq_len
+    assert_same_greedy(model_run, hf, tokenizer, 12)
 
-    # 16 steps of training continue with one token; a random model with large weights (as in test_sample)
-    # continues with tokens that depend on the ones before them.
-    sharp_params = jax.tree.map(lambda p: p * 30 if p.ndim >= 2 else p,
-                                gpt_model.init_params(model_run.model, jax.random.key(3)))
-    sharp = restored.Restored(model_run.model, sharp_params, model_run.meta, model_run.step, model_run.where,
-                            model_run.mesh)
-    export.export(sharp, tokenizer, tmp_path / "sharp")
-    hf = assert_same_model(sharp, tmp_path / "sharp", tokenizer)
-    ours = generate(sharp.model, sharp.params, prompt, 20, Sampling(temperature=0))
-    theirs = hf.generate(torch.tensor([prompt.tolist()]), max_new_tokens=20, do_sample=False, eos_token_id=None,
-                         pad_token_id=tokenizer.eot_id)[0].tolist()
-    assert len(set(ours[len(prompt):].tolist())) > 3 and theirs == ours.tolist()
+    model = sharp(model_run, scale=30)
+    export.export(model, tokenizer, tmp_path / "sharp")
+    hf = assert_same_model(model, tmp_path / "sharp", tokenizer)
+    assert len(set(assert_same_greedy(model, hf, tokenizer, 20).tolist())) > 3
+    assert_table_reads_back(model, hf_layouts.GPT2, tmp_path / "sharp")
+
+
+@pytest.fixture(scope="module")
+def model_run(trained_run):
+    return restored.load(str(trained_run / "ckpt"), jax.local_devices()[:1])
+
+
+def test_an_alibi_bias_free_model_exports_to_mpt(model_run, tmp_path):
+    """ALiBi, no biases, exact GELU: transformers' MptForCausalLM; 6 heads, not a power of two, whose slopes
+    MPT's rule and Press's agree on (as for every head count, checked below)."""
+    tokenizer = model_run.tokenizer()
+    model = sharp(model_run, position="alibi", bias=False, activation="gelu", d_model=48, n_head=6)
+    export.export(model, tokenizer, tmp_path / "mpt")
+    hf = assert_same_model(model, tmp_path / "mpt", tokenizer, "MptForCausalLM")
+    assert (hf.config.max_seq_len, hf.config.n_heads, hf.config.attn_config.alibi) == (32, 6, True)
+    assert len(set(assert_same_greedy(model, hf, tokenizer, 20).tolist())) > 3
+    assert_table_reads_back(model, hf_layouts.MPT, tmp_path / "mpt")
+
+
+def test_mpts_alibi_slopes_are_zerolms_for_every_head_count():
+    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+    from zerolm.attention import alibi_slopes
+
+    for n in range(1, 65):
+        bias_Hx1xT = build_mpt_alibi_tensor(n, 2).numpy()  # slope · (key − 1) for keys 0 and 1
+        np.testing.assert_allclose(bias_Hx1xT[:, 0, 1] - bias_Hx1xT[:, 0, 0], alibi_slopes(n), rtol=1e-6, err_msg=n)
+
+
+def test_a_bias_free_learned_position_model_exports_to_gpt2_with_zero_biases(model_run, tmp_path):
+    tokenizer = model_run.tokenizer()
+    model = sharp(model_run, bias=False)
+    export.export(model, tokenizer, tmp_path / "hf")
+    hf = assert_same_model(model, tmp_path / "hf", tokenizer)
+    biases = [p for name, p in hf.named_parameters() if name.endswith(".bias")]
+    assert len(biases) == 1 + 6 * model.model.cfg.n_layer and not any(p.any() for p in biases)
+    assert len(set(assert_same_greedy(model, hf, tokenizer, 20).tolist())) > 3
+    assert_table_reads_back(model, hf_layouts.GPT2, tmp_path / "hf")
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"activation": "gelu"}, "model.activation: gelu: a model with model.position: learned exports to transformers' "
+     "GPT2LMHeadModel, whose MLP is the tanh GELU (gelu_new); train with model.activation: gelu_tanh"),
+    ({"position": "alibi", "bias": False}, "model.activation: gelu_tanh: a model with model.position: alibi exports "
+     "to transformers' MptForCausalLM, whose MLP is the exact GELU; train with model.activation: gelu"),
+    ({"position": "alibi", "activation": "gelu"}, "model.bias: true: a model with model.position: alibi exports to "
+     "transformers' MptForCausalLM, which has no biases; train with model.bias: false")])
+def test_a_model_no_layout_holds_is_refused_in_one_line_and_nothing_is_written(model_run, tmp_path, settings, message):
+    with pytest.raises(hf_layouts.ExportError) as refused:
+        export.export(sharp(model_run, **settings), model_run.tokenizer(), tmp_path / "hf")
+    assert str(refused.value) == message and refused.value.exit_code == 2
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("stage", [1, 3])

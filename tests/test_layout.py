@@ -101,7 +101,7 @@ FLOORS = {
     "commands": ("zerolm.cli", "zerolm.commands"),
     "run": ("zerolm.train", "zerolm.resume", "zerolm.preemption", "zerolm.metrics", "zerolm.profiling",
             "zerolm.compilation_cache", "zerolm.library_log", "zerolm.launch", "zerolm.evaluate", "zerolm.sample",
-            "zerolm.export", "zerolm.restored", "zerolm.plot", "zerolm.aot", "zerolm.advice", "zerolm.comms",
+            "zerolm.export", "zerolm.hf_layouts", "zerolm.restored", "zerolm.plot", "zerolm.aot", "zerolm.advice", "zerolm.comms",
             "zerolm.census", "zerolm.plan", "zerolm.checkpoint", "zerolm.header", "zerolm.run_data", "zerolm.warm_start",
             "zerolm.grow"),
     "step": ("zerolm.step", "zerolm.zero", "zerolm.sharded_grad", "zerolm.scatter", "zerolm.optim", "zerolm.naive",

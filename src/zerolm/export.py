@@ -1,21 +1,20 @@
-"""`zerolm export-hf --checkpoint DIR --out OUT`: a checkpoint as a Hugging Face GPT-2 model directory.
+"""`zerolm export-hf --checkpoint DIR --out OUT`: a checkpoint as a Hugging Face model directory.
 
-OUT holds `config.json` (GPT2Config: gelu_new, LayerNorm eps 1e-5, tied embeddings, the run's
-context length and vocabulary), `model.safetensors` (float32, HF's `GPT2LMHeadModel` names; the
+The model's settings pick transformers' architecture (zerolm.hf_layouts, one name table per layout):
+learned positions export to `GPT2LMHeadModel` (a bias-free model with zero biases), ALiBi ones to
+`MptForCausalLM`. OUT holds `config.json` (that architecture's: LayerNorm eps 1e-5, tied embeddings,
+the run's context length and vocabulary), `model.safetensors` (float32, transformers' names; the
 output layer is the tied `wte`, so `lm_head.weight` is not stored) and the tokenizer as
 `tokenizer.json` with `tokenizer_config.json`, so that
 
-    GPT2LMHeadModel.from_pretrained(OUT), AutoTokenizer.from_pretrained(OUT)
+    AutoModelForCausalLM.from_pretrained(OUT), AutoTokenizer.from_pretrained(OUT)
 
-load it without missing or unexpected weights, and give zerolm's logits. The mapping: zerolm's
-parameters carry HF's names already; the layer axis of the stacked blocks becomes `h.<i>`,
-`c_attn`'s (d, 3, d) kernel is reshaped to HF's Conv1D (d, 3·d), LayerNorm `scale` is `weight`, and
-the vocabulary's padding rows are dropped. A tiktoken tokenizer is converted to an equivalent
-byte-level BPE `tokenizer.json` (GPT-2's split regex). The directory is written beside OUT and
-renamed into place: an existing OUT is refused (or, with --overwrite, replaced only once the new one
-is complete). OUT may be a gs:// URL: the directory is written locally, then uploaded with
-`config.json` last (and, over an older export, first deleted), so that a half-uploaded directory
-never loads as a model.
+load it without missing or unexpected weights, and give zerolm's logits. A tiktoken tokenizer is
+converted to an equivalent byte-level BPE `tokenizer.json` (GPT-2's split regex). The directory is
+written beside OUT and renamed into place: an existing OUT is refused (or, with --overwrite, replaced
+only once the new one is complete). OUT may be a gs:// URL: the directory is written locally, then
+uploaded with `config.json` last (and, over an older export, first deleted), so that a half-uploaded
+directory never loads as a model.
 """
 
 from __future__ import annotations
@@ -26,51 +25,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
 from zerolm import storage
 from zerolm.checkpoint import CheckpointError
 from zerolm.data.tokenizer import EOT, GPT2_PATTERN, Tokenizer, TokenizerError
-from zerolm.model import LN_EPS
-
-
-def hf_config(model_cfg, tokenizer: Tokenizer) -> dict:
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": model_cfg.vocab_size,
-            "n_positions": model_cfg.seq_len, "n_embd": model_cfg.d_model, "n_layer": model_cfg.n_layer,
-            "n_head": model_cfg.n_head, "n_inner": None, "activation_function": "gelu_new",
-            "layer_norm_epsilon": LN_EPS, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-            "initializer_range": 0.02, "scale_attn_weights": True, "tie_word_embeddings": True,
-            "bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id, "dtype": "float32"}
-
-
-def hf_state_dict(params, vocab_size: int) -> dict[str, np.ndarray]:
-    """zerolm's parameter tree as GPT2LMHeadModel's float32 tensors (numpy, contiguous)."""
-    p = {k: np.asarray(v) for k, v in _flatten(params).items()}
-    out = {"transformer.wte.weight": p["wte"][:vocab_size], "transformer.wpe.weight": p["wpe"],
-           "transformer.ln_f.weight": p["ln_f.scale"], "transformer.ln_f.bias": p["ln_f.bias"]}
-    n_layer, d = p["h.attn.c_attn.kernel"].shape[:2]
-    for i in range(n_layer):
-        layer = {"ln_1.weight": p["h.ln_1.scale"][i], "ln_1.bias": p["h.ln_1.bias"][i],
-                 "attn.c_attn.weight": p["h.attn.c_attn.kernel"][i].reshape(d, 3 * d),
-                 "attn.c_attn.bias": p["h.attn.c_attn.bias"][i].reshape(3 * d),
-                 "attn.c_proj.weight": p["h.attn.c_proj.kernel"][i], "attn.c_proj.bias": p["h.attn.c_proj.bias"][i],
-                 "ln_2.weight": p["h.ln_2.scale"][i], "ln_2.bias": p["h.ln_2.bias"][i],
-                 "mlp.c_fc.weight": p["h.mlp.c_fc.kernel"][i], "mlp.c_fc.bias": p["h.mlp.c_fc.bias"][i],
-                 "mlp.c_proj.weight": p["h.mlp.c_proj.kernel"][i], "mlp.c_proj.bias": p["h.mlp.c_proj.bias"][i]}
-        out.update({f"transformer.h.{i}.{k}": v for k, v in layer.items()})
-    return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
-
-
-def _flatten(tree, prefix=""):
-    flat = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            flat.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            flat[f"{prefix}{k}"] = v
-    return flat
+from zerolm.hf_layouts import hf_state_dict, layout_for
 
 
 def hf_tokenizer(tokenizer: Tokenizer) -> tokenizers.Tokenizer:
@@ -124,13 +85,14 @@ def export(model_run, tokenizer: Tokenizer, out, overwrite: bool = False):
     if out.exists() and not overwrite:
         raise CheckpointError(f"--out: {out} already exists (pass --overwrite to replace it)")
     cfg = model_run.model.cfg
+    layout = layout_for(cfg)
     remote = storage.is_remote(out)
     partial = Path(tempfile.mkdtemp(prefix="zerolm-export-")) if remote else out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
-        (partial / "config.json").write_text(json.dumps(hf_config(cfg, tokenizer), indent=2) + "\n")
-        save_file(hf_state_dict(model_run.params, cfg.vocab_size), str(partial / "model.safetensors"),
+        (partial / "config.json").write_text(json.dumps(layout.config(cfg, tokenizer), indent=2) + "\n")
+        save_file(hf_state_dict(model_run.params, cfg, layout), str(partial / "model.safetensors"),
                   metadata={"format": "pt", "zerolm_checkpoint": str(model_run.where)})
         hf_tokenizer(tokenizer).save(str(partial / "tokenizer.json"))
         (partial / "tokenizer_config.json").write_text(json.dumps({

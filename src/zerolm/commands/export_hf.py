@@ -1,5 +1,5 @@
-"""`zerolm export-hf --checkpoint DIR --out OUT`: a checkpoint as a Hugging Face GPT-2 model directory
-(zerolm.export)."""
+"""`zerolm export-hf --checkpoint DIR --out OUT`: a checkpoint as a Hugging Face model directory
+(zerolm.export): GPT-2's layout for learned positions, MPT's for ALiBi (zerolm.hf_layouts)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ def run(args: argparse.Namespace) -> int:
 
     from zerolm import restored
     from zerolm.export import export
+    from zerolm.hf_layouts import layout_for
     from zerolm.storage import check, is_remote, path
 
     out = path(args.out) if is_remote(args.out) else Path(args.out)
@@ -35,10 +36,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--out: {out} is a file, not a model directory")
     model_run = restored.load(args.checkpoint, jax.local_devices()[:1])
     tokenizer = model_run.tokenizer(args.tokenizer)
+    layout = layout_for(model_run.model.cfg)
     export(model_run, tokenizer, out, overwrite=args.overwrite)
     local = "LOCAL_DIR" if is_remote(out) else str(out)
     print(f"exported step {model_run.step} of {model_run.where.parent} to {out}: load it with "
-          f"transformers.GPT2LMHeadModel.from_pretrained({local!r})"
+          f"transformers.{layout.architecture}.from_pretrained({local!r})"
           + (f" after copying it to a local directory (`gcloud storage cp -r {out} LOCAL_DIR`): transformers reads "
              "no gs://" if local != str(out) else ""))
     return 0
