@@ -1,7 +1,7 @@
-"""The model's settings (`model.position: alibi`, `model.bias: false`) through the real sharded step
+"""The model's settings (`model.position: alibi`, `model.bias: false`, dropout) through the real sharded step
 (zerolm.step.build_step): on dp 8 at ZeRO stages 1 and 3 and on dp 4 × tp 2, each steps like one device, for
-each attention and layer loop that runs on CPU, with and without document masks; and each changes the
-parameters it should (no position table; no biases)."""
+each attention and layer loop that runs on CPU, with and without document masks (dropout too: its masks are
+drawn per sample, not per device); and each changes the parameters or the function it should."""
 
 import jax
 import numpy as np
@@ -19,7 +19,12 @@ pytestmark = requires_devices(8)
     ("model.position=alibi", "model.attention=xla", "model.scan_layers=true"),
     ("model.position=alibi", "model.bias=false", "model.attention=blockwise", "model.attention_block=8",
      "model.scan_layers=false", "model.document_mask=true", "model.eot_id=3"),
-], ids=["alibi-xla-scan", "alibi-nobias-blockwise-unrolled-documents"])
+    ("model.residual_dropout=0.2", "model.attention_dropout=0.2", "model.embedding_dropout=0.1",
+     "model.attention=xla", "model.scan_layers=true"),
+    ("model.residual_dropout=0.2", "model.attention_dropout=0.2", "model.position=alibi", "model.bias=false",
+     "model.attention=blockwise", "model.attention_block=8", "model.scan_layers=false", "model.remat=full"),
+], ids=["alibi-xla-scan", "alibi-nobias-blockwise-unrolled-documents", "dropout-xla-scan",
+        "dropout-alibi-blockwise-unrolled-remat"])
 def test_model_options_step_like_one_device_at_every_layout(sets):
     one = run(1, *sets, dp=1)
     assert_same(run(1, *sets), one, rtol=2e-5)
@@ -51,3 +56,48 @@ def test_alibi_changes_the_function_and_learned_positions_do_not_matter_to_it():
     # causal: a prefix's logits do not depend on what follows it
     np.testing.assert_allclose(jax.jit(alibi.apply)({"params": no_table}, tokens[:, :8]), a[:, :8], rtol=1e-5,
                                atol=1e-5)
+
+
+def test_dropout_drops_and_its_masks_follow_the_sample_not_the_device():
+    """Dropout changes the losses; the same run gives the same losses twice; and a sample's masks depend on its
+    row in the global batch, so swapping which rows two devices hold changes nothing but the order of rows."""
+    sets = ("model.residual_dropout=0.3", "model.attention=xla", "model.scan_layers=true")
+    plain, dropped = run(1, "model.attention=xla", "model.scan_layers=true", dp=2), run(1, *sets, dp=2)
+    assert plain[0] != dropped[0] and run(1, *sets, dp=2)[0] == dropped[0]
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["model.attention=pallas", "model.attention_dropout=0.1", "model.seq_len=128"], "model.attention: pallas's fused"),
+    (["model.attention=cudnn", "model.attention_dropout=0.1"], "model.attention: cudnn's fused kernel draws no"),
+    (["model.attention=pallas", "model.position=alibi", "model.seq_len=128"], "model.attention: pallas's TPU flash"),
+])
+def test_an_attention_that_cannot_do_an_option_is_one_line(sets, message):
+    import re
+
+    from zerolm.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(f"(--set model.attention): {message}")):
+        small_config(*sets)
+
+
+@pytest.mark.slow
+def test_a_run_with_dropout_resumes_exactly(tmp_path):
+    """Dropout's masks come from (seed, step, sample, layer): 6 steps straight equal 3, a restart, and 3 more."""
+    import io
+    import json
+
+    from zerolm.train import run as train
+
+    def losses(name, steps):
+        train(small_config("model.residual_dropout=0.2", "model.attention_dropout=0.2", "model.embedding_dropout=0.1",
+                           "model.vocab_size=auto", f"train.steps={steps}", "train.schedule_steps=6",
+                           "train.warmup_steps=1", "train.global_batch_size=16", "train.micro_batch_size=1",
+                           "train.eval_every=1000", "train.eval_sequences=0", "checkpoint.every=3", "sample.tokens=0",
+                           f"logging.dir={tmp_path / name}", f"checkpoint.dir={tmp_path / name / 'ckpt'}"),
+              out=io.StringIO())
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+    straight = losses("straight", 6)
+    losses("resumed", 3)
+    assert losses("resumed", 6) == straight

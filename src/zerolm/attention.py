@@ -78,11 +78,21 @@ def alibi_bias(slopes_H: jax.Array, query_positions_S: jax.Array, key_positions_
     return slopes_H[None, :, None, None] * distance_SxT[None, None]
 
 
+class Dropout(NamedTuple):
+    """Attention dropout in training: each sample's key (B,), the layer, the rate (zerolm.dropout)."""
+
+    keys_B: jax.Array
+    layer: jax.Array
+    rate: float
+
+
 class Bias(NamedTuple):
-    """What an attention adds to causality: the document mask's segment ids (B, T), ALiBi's slopes (H,)."""
+    """What an attention adds to causality: the document mask's segment ids (B, T), ALiBi's slopes (H,), and
+    the dropout of its probabilities."""
 
     segment_ids_BxT: jax.Array | None = None
     slopes_H: jax.Array | None = None
+    dropout: Dropout | None = None
 
 
 NO_BIAS = Bias()
@@ -91,8 +101,10 @@ NO_BIAS = Bias()
 def causal_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array, implementation: str,
                      block: int = BLOCK, bias: Bias = NO_BIAS) -> jax.Array:
     """softmax(q kᵀ/√K [+ ALiBi's bias]) v over the keys at or before each query [of its own segment]."""
-    segment_ids_BxT, slopes_H = bias
+    segment_ids_BxT, slopes_H, dropout = bias
     T = q_BxTxHxK.shape[1]
+    if implementation == "xla" and dropout is not None:
+        return checkpoint_name(_xla_with_dropout(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias), SAVED[0])
     if implementation in ("xla", "cudnn"):
         same_Bx1xTxT = None
         if segment_ids_BxT is not None:  # XLA's applies it as a mask, cuDNN's as an additive bias
@@ -104,14 +116,46 @@ def causal_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.
             q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias=alibi_1xHxTxT, mask=same_Bx1xTxT, is_causal=True,
             implementation=cast(Literal["xla", "cudnn"], implementation)), SAVED[0])
     if implementation == "blockwise":
-        return blockwise_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, slopes_H,
-                                   block_size(T, block))
-    if slopes_H is not None:
-        raise ValueError("ALiBi runs in the xla, cudnn and blockwise attentions, not in pallas's kernel")
+        return blockwise_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias, block_size(T, block))
+    if slopes_H is not None or dropout is not None:
+        raise ValueError("ALiBi and attention dropout run in the xla and blockwise attentions (ALiBi also in cudnn), "
+                         "not in pallas's kernel")
     if implementation == "pallas":
         q, k, v = (x.transpose(0, 2, 1, 3) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK))  # the kernel's (B, H, T, K)
         return pallas_attention(q, k, v, segment_ids_BxT, block_size(q_BxTxHxK.shape[1], block)).transpose(0, 2, 1, 3)
     raise ValueError(f"unknown attention implementation {implementation!r}; one of {', '.join(IMPLEMENTATIONS)}")
+
+
+def _xla_with_dropout(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias: Bias):
+    """XLA's attention written out, with the probabilities' dropout (jax.nn.dot_product_attention has none):
+    each sample's (H, T, T) mask from its key, the layer and the site (zerolm.dropout.keep)."""
+    from zerolm import dropout as dropout_lib
+
+    segment_ids_BxT, slopes_H, dropout = bias
+    assert dropout is not None
+    keys_B, layer, rate = dropout
+    T = q_BxTxHxK.shape[1]
+    s = jnp.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxTxHxK, preferred_element_type=jnp.float32)
+    s = s / math.sqrt(q_BxTxHxK.shape[-1])
+    if slopes_H is not None:
+        s = s + alibi_bias(slopes_H, jnp.arange(T), jnp.arange(T))
+    visible = jnp.tril(jnp.ones((T, T), bool))[None, None]
+    if segment_ids_BxT is not None:
+        visible = visible & (segment_ids_BxT[:, None, :, None] == segment_ids_BxT[:, None, None, :])
+    p = jax.nn.softmax(jnp.where(visible, s, _MASKED), axis=-1)
+    p = dropout_lib.drop(p, keys_B, rate, layer, dropout_lib.ATTENTION_PROBS)
+    return jnp.einsum("bhts,bshk->bthk", p.astype(v_BxTxHxK.dtype), v_BxTxHxK).astype(q_BxTxHxK.dtype)
+
+
+def _dropped(p, bias: Bias, i, j):
+    """Block (i, j) of the probabilities after the blockwise attention's dropout (as is without one)."""
+    if bias.dropout is None:
+        return p
+    from zerolm import dropout as dropout_lib
+
+    keys_B, layer, rate = bias.dropout
+    keep = dropout_lib.keep(keys_B, rate, p.shape[1:], layer, dropout_lib.ATTENTION_PROBS, i, j)
+    return jnp.where(keep, p / (1.0 - rate), 0.0)
 
 
 def block_size(seq_len: int, block: int = BLOCK) -> int:
@@ -133,7 +177,7 @@ def _unblocks(x_NxBxHxCxK):
 def _scores(q_BxHxCxK, k_BxHxCxK, i, j, block, bias: Bias = NO_BIAS):
     """One block of scaled, causally masked float32 scores: query block i against key block j (and, with
     segment ids, (T/block, B, block), only keys of the query's segment; with slopes, ALiBi's bias added)."""
-    segs_NxBxC, slopes_H = bias
+    segs_NxBxC, slopes_H, _ = bias
     s = jnp.einsum("bhqk,bhsk->bhqs", q_BxHxCxK, k_BxHxCxK, preferred_element_type=jnp.float32)
     s = s / math.sqrt(q_BxHxCxK.shape[-1])
     queries, keys = i * block + jnp.arange(block), j * block + jnp.arange(block)
@@ -153,17 +197,19 @@ def _segment_blocks(segment_ids_BxT, block):
     return segment_ids_BxT.reshape(B, T // block, block).transpose(1, 0, 2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def blockwise_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, slopes_H, block: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def blockwise_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias: Bias, block: int):
     """Causal softmax(q kᵀ/√K) v, `block` positions at a time (`block` divides T); with segment ids
     (B, T), each query sees the keys of its own segment only; with slopes (H,), ALiBi's bias is added to
-    each block's scores."""
-    return _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, slopes_H, block)[0]
+    each block's scores; with dropout, each block's probabilities are dropped by a mask drawn from the
+    samples' keys, the layer and the block (the same in the backward pass)."""
+    return _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias, block)[0]
 
 
-def _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, slopes_H, block):
+def _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias: Bias, block):
     qs, ks, vs = (_blocks(x, block) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK))
-    segs = _segment_blocks(segment_ids_BxT, block)
+    segs = _segment_blocks(bias.segment_ids_BxT, block)
+    blocked = bias._replace(segment_ids_BxT=segs)
 
     def query_block(_, iq):
         i, q_BxHxCxK = iq
@@ -172,16 +218,17 @@ def _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, slopes_H, block):
             m_BxHxC, l_BxHxC, acc_BxHxCxK = carry
             # A key block wholly outside the query's segment gives _MASKED everywhere; its weights are
             # cleared by the correction once a visible key (the query itself, at the latest) comes.
-            s = _scores(q_BxHxCxK, ks[j], i, j, block, Bias(segs, slopes_H))
+            s = _scores(q_BxHxCxK, ks[j], i, j, block, blocked)
             m_new = jnp.maximum(m_BxHxC, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             correction = jnp.exp(m_BxHxC - m_new)
-            l_BxHxC = l_BxHxC * correction + p.sum(-1)
-            pv = jnp.einsum("bhqs,bhsk->bhqk", p.astype(vs.dtype), vs[j], preferred_element_type=jnp.float32)
+            l_BxHxC = l_BxHxC * correction + p.sum(-1)  # the normaliser: of the probabilities before dropout
+            pv = jnp.einsum("bhqs,bhsk->bhqk", _dropped(p, blocked, i, j).astype(vs.dtype), vs[j],
+                            preferred_element_type=jnp.float32)
             return m_new, l_BxHxC, acc_BxHxCxK * correction[..., None] + pv
 
         # Inside shard_map the carries must vary over the mesh axes as the values the loop reads do.
-        row = _varying(jnp.zeros(q_BxHxCxK.shape[:-1], jnp.float32), q_BxHxCxK, ks, vs, segs)
+        row = _varying(jnp.zeros(q_BxHxCxK.shape[:-1], jnp.float32), q_BxHxCxK, ks, vs, *_arrays(blocked))
         init = (row + _MASKED, row, _varying(jnp.zeros(q_BxHxCxK.shape, jnp.float32), row))
         m, l, acc = lax.fori_loop(0, i + 1, key_block, init)  # key blocks 0..i: the causal ones
         return None, ((acc / l[..., None]).astype(q_BxHxCxK.dtype), m + jnp.log(l))
@@ -189,13 +236,14 @@ def _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, slopes_H, block):
     _, (out_NxBxHxCxK, lse_NxBxHxC) = lax.scan(query_block, None, (jnp.arange(qs.shape[0]), qs))
     out = checkpoint_name(_unblocks(out_NxBxHxCxK), SAVED[0])
     lse_NxBxHxC = checkpoint_name(lse_NxBxHxC, SAVED[1])
-    return out, (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, slopes_H, out, lse_NxBxHxC)
+    return out, (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias, out, lse_NxBxHxC)
 
 
 def _backward(block, residuals, dout_BxTxHxK):
-    q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, segment_ids_BxT, slopes_H, out, lse_NxBxHxC = residuals
+    q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias, out, lse_NxBxHxC = residuals
     qs, ks, vs, dos = (_blocks(x, block) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, dout_BxTxHxK))
-    segs = _segment_blocks(segment_ids_BxT, block)
+    segs = _segment_blocks(bias.segment_ids_BxT, block)
+    blocked = bias._replace(segment_ids_BxT=segs)
     # D = rowsum(dO ∘ O): the softmax's backward term, one number per query.
     d_NxBxHxC = _blocks((dout_BxTxHxK.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1, keepdims=True),
                         block)[..., 0]
@@ -207,10 +255,12 @@ def _backward(block, residuals, dout_BxTxHxK):
 
         def key_block(j, inner):
             dq_BxHxCxK, dk_acc, dv_acc = inner
-            p = jnp.exp(_scores(q_BxHxCxK, ks[j], i, j, block, Bias(segs, slopes_H)) - lse_BxHxC[..., None])  # masked: 0
-            dv = jnp.einsum("bhqs,bhqk->bhsk", p.astype(do_BxHxCxK.dtype), do_BxHxCxK,
+            p = jnp.exp(_scores(q_BxHxCxK, ks[j], i, j, block, blocked) - lse_BxHxC[..., None])  # masked: 0
+            dv = jnp.einsum("bhqs,bhqk->bhsk", _dropped(p, blocked, i, j).astype(do_BxHxCxK.dtype), do_BxHxCxK,
                             preferred_element_type=jnp.float32)
-            dp = jnp.einsum("bhqk,bhsk->bhqs", do_BxHxCxK, vs[j], preferred_element_type=jnp.float32)
+            # Through the dropout: d(dropped p) = dO vᵀ, and dp = its dropped entries (D is rowsum(dO ∘ O) as before).
+            dp = _dropped(jnp.einsum("bhqk,bhsk->bhqs", do_BxHxCxK, vs[j], preferred_element_type=jnp.float32),
+                          blocked, i, j)
             ds = (p * (dp - d_BxHxC[..., None]) * scale).astype(q_BxHxCxK.dtype)
             dq_BxHxCxK = dq_BxHxCxK + jnp.einsum("bhqs,bhsk->bhqk", ds, ks[j], preferred_element_type=jnp.float32)
             dk = jnp.einsum("bhqs,bhqk->bhsk", ds, q_BxHxCxK, preferred_element_type=jnp.float32)
@@ -220,12 +270,26 @@ def _backward(block, residuals, dout_BxTxHxK):
         dq, dk_acc, dv_acc = lax.fori_loop(0, i + 1, key_block, (dq, dk_acc, dv_acc))
         return (dk_acc, dv_acc), dq
 
-    zeros = _varying(jnp.zeros(ks.shape, jnp.float32), qs, ks, vs, dos, segs, lse_NxBxHxC, d_NxBxHxC)
+    zeros = _varying(jnp.zeros(ks.shape, jnp.float32), qs, ks, vs, dos, *_arrays(blocked), lse_NxBxHxC, d_NxBxHxC)
     (dk, dv), dq = lax.scan(query_block, (zeros, zeros),
                             (jnp.arange(qs.shape[0]), qs, dos, lse_NxBxHxC, d_NxBxHxC))
     grads = tuple(_unblocks(g).astype(x.dtype) for g, x in ((dq, q_BxTxHxK), (dk, k_BxTxHxK), (dv, v_BxTxHxK)))
-    slopes_grad = None if slopes_H is None else jnp.zeros_like(slopes_H)  # the slopes are constants
-    return (*grads, _no_gradient(segment_ids_BxT), slopes_grad)
+    return (*grads, _no_bias_gradient(bias))
+
+
+def _no_bias_gradient(bias: Bias) -> Bias:
+    """Nothing of a Bias is trained: float0 zeros for its integers and keys, zeros for its slopes and rate."""
+    def zero(x):
+        x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.zeros_like(x)
+        return np.zeros(x.shape, jax.dtypes.float0)
+    return jax.tree.map(zero, bias)
+
+
+def _arrays(bias: Bias) -> list[jax.Array]:
+    """A Bias's arrays (its segment ids, slopes, dropout keys and layer), for `_varying`."""
+    return [x for x in jax.tree.leaves(bias) if isinstance(x, jax.Array)]
 
 
 def _varying(x, *like):

@@ -285,7 +285,8 @@ def check_compatible(meta: CheckpointMeta, where: epath.Path, model_config: dict
 
 
 # Keys that change how the model computes, not what its parameters are.
-_COMPUTE_ONLY = {"dtype", "attention", "attention_block", "remat", "scan_layers", "loss_chunk",
+_COMPUTE_ONLY = {"dtype", "attention", "attention_block", "remat", "scan_layers", "loss_chunk", "embedding_dropout",
+                 "residual_dropout", "attention_dropout",
                  "eot_id"}  # the tokenizer's: the data's identity (its sha256) already pins it
 
 

@@ -18,7 +18,8 @@ FORMAT = 2
 BEFORE_RECORDED: dict[str, dict[str, Any]] = {
     "model": {"attention_block": 512, "scan_layers": "auto", "document_mask": False, "document_positions": "continue",
               "eot_id": "auto", "position": "learned", "bias": True,
-              "activation": "gelu_tanh"},
+              "activation": "gelu_tanh", "embedding_dropout": 0.0, "residual_dropout": 0.0,
+              "attention_dropout": 0.0},
     "zero": {"precision": "fp32", "stage": 1},
 }
 

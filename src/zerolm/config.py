@@ -81,6 +81,11 @@ class ModelConfig(_Section):
     position: Literal["learned", "alibi"]
     bias: bool  # false: LayerNorms and linear layers without bias (the seed model's layout)
     activation: Literal["gelu_tanh", "gelu"]  # the MLP's: GPT-2's tanh approximation, or the exact erf GELU (MPT's)
+    # Dropout in training (zerolm.dropout: masks from the seed, step, sample and layer): after the embeddings,
+    # on each residual branch's output, and on the attention's probabilities.
+    embedding_dropout: float = Field(ge=0, lt=1)
+    residual_dropout: float = Field(ge=0, lt=1)
+    attention_dropout: float = Field(ge=0, lt=1)
 
     @field_validator("remat", mode="before")
     @classmethod
@@ -95,6 +100,10 @@ class ModelConfig(_Section):
             raise _KeyError("model.document_positions", "restart counts positions from each document's start, "
                             "which needs model.document_mask: true (without it a sample is one sequence)",
                             related=("model.document_mask",))
+        if self.attention in ("pallas", "cudnn") and self.attention_dropout:
+            raise _KeyError("model.attention", f"{self.attention}'s fused kernel draws no dropout mask zerolm can "
+                            "make the same on every device; use xla or blockwise, or auto, which picks one",
+                            related=("model.attention_dropout",))
         if self.attention == "pallas" and self.position == "alibi":
             raise _KeyError("model.attention", "pallas's TPU flash attention takes a bias only as a dense "
                             "(batch, heads, T, T) array per example, which ALiBi would have to build; use blockwise "

@@ -22,12 +22,15 @@ def for_device(cfg: ModelConfig, device: jax.Device | None = None) -> ModelConfi
     dtype: bfloat16 on GPU and TPU, float32 on CPU. attention: cuDNN flash attention on a GPU with 16-bit
     compute; Pallas's flash attention on TPU v4 and later, the blockwise attention on TPU v2/v3 (neither
     holds T×T scores; zerolm.attention); XLA's on CPU. With ALiBi, the blockwise attention where Pallas's
-    would be chosen (its kernel takes a bias only as a dense array per example)."""
+    would be chosen (its kernel takes a bias only as a dense array per example); with attention dropout,
+    neither fused kernel (XLA's on a GPU, blockwise on a TPU)."""
     device = device or jax.devices()[0]
     dtype, attention = resolve_auto(cfg.dtype, cfg.attention, device.platform, device.device_kind, cfg.seq_len,
                                     cfg.attention_block)
-    if attention == "pallas" and cfg.attention == "auto" and cfg.position == "alibi":
+    if attention == "pallas" and cfg.attention == "auto" and (cfg.position == "alibi" or cfg.attention_dropout):
         attention = "blockwise"
+    if attention == "cudnn" and cfg.attention == "auto" and cfg.attention_dropout:
+        attention = "xla"  # cuDNN's kernel cannot draw zerolm's masks
     return cfg.model_copy(update={"dtype": dtype, "attention": attention,
                                   "scan_layers": resolve_scan_layers(cfg.scan_layers, device.platform, cfg.remat)})
 

@@ -116,18 +116,20 @@ def _apply(model: GPT, params, inputs_BxT: jax.Array, **kw) -> jax.Array:
     return out
 
 
-def lm_loss(model: GPT, params, tokens_BxT1: jax.Array, layer_params=None) -> jax.Array:
+def lm_loss(model: GPT, params, tokens_BxT1: jax.Array, layer_params=None, dropout_keys=None) -> jax.Array:
     """Mean loss of a packed batch of seq_len + 1 tokens: the training loss (fused, and chunked when the
     micro-batch has more tokens than model.loss_chunk; plain autodiff when it is 0). `layer_params`: what
-    each layer applies to its stored parameters (ZeRO-3's gather: zerolm.model.GPT.layer_params)."""
+    each layer applies to its stored parameters (ZeRO-3's gather: zerolm.model.GPT.layer_params).
+    `dropout_keys`: each sample's key, for the model's dropout (zerolm.dropout); None: none."""
     if layer_params is not None:
         model = model.clone(layer_params=layer_params)
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
     chunk = model.cfg.loss_chunk
     if not chunk:
-        return jnp.mean(token_losses(model, params, tokens_BxT1))
+        return jnp.mean(token_cross_entropy(_apply(model, params, inputs_BxT, dropout_keys=dropout_keys),
+                                            targets_BxT))
     # A micro-batch of at most one chunk is one chunk: still fused, so autodiff keeps no extra copy of
     # the float32 logits (the TPU compiler's buffer assignment showed three).
-    x_BxTxD = model.apply({"params": params}, inputs_BxT, hidden_only=True)
+    x_BxTxD = model.apply({"params": params}, inputs_BxT, hidden_only=True, dropout_keys=dropout_keys)
     return fused_mean_cross_entropy(x_BxTxD, params["wte"], targets_BxT, model.cfg.vocab_size,
                                     min(chunk, targets_BxT.size))

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zerolm.attention import SAVED, Bias, alibi_bias, alibi_slopes, causal_attention
+from zerolm import dropout as dropout_lib
+from zerolm.attention import SAVED, Bias, Dropout, alibi_bias, alibi_slopes, causal_attention
 from zerolm.config import ModelConfig
 
 LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon
@@ -69,7 +70,7 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array, start: jax.Array | None = None,
-                 segment_ids_BxT: jax.Array | None = None) -> jax.Array:
+                 segment_ids_BxT: jax.Array | None = None, dropout: Dropout | None = None) -> jax.Array:
         B, T, D = x_BxTxD.shape
         H = self.cfg.n_head
         init = nn.initializers.normal(0.02)
@@ -80,7 +81,7 @@ class Attention(nn.Module):
         slopes_H = jnp.asarray(alibi_slopes(H)) if self.cfg.position == "alibi" else None
         if start is None:
             y = causal_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, self.implementation, self.cfg.attention_block,
-                                 Bias(segment_ids_BxT, slopes_H))
+                                 Bias(segment_ids_BxT, slopes_H, dropout))
         else:
             y = self._cached_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, start, slopes_H)
         # GPT-2 scales the residual projections' init by 1/sqrt(2 * n_layer).
@@ -125,13 +126,21 @@ class Block(nn.Module):
     implementation: str
 
     @nn.compact
-    def __call__(self, x_BxTxD: jax.Array, start: jax.Array | None,
-                 segment_ids_BxT: jax.Array | None) -> tuple[jax.Array, None]:
-        ln = functools.partial(layer_norm, self.cfg, self.dtype)
-        x_BxTxD = x_BxTxD + Attention(self.cfg, self.dtype, self.implementation, name="attn")(ln("ln_1")(x_BxTxD),
-                                                                                             start, segment_ids_BxT)
-        x_BxTxD = x_BxTxD + MLP(self.cfg, self.dtype, name="mlp")(ln("ln_2")(x_BxTxD))
-        return x_BxTxD, None
+    def __call__(self, carry, start: jax.Array | None, segment_ids_BxT: jax.Array | None,
+                 keys_B: jax.Array | None) -> tuple[Any, None]:
+        """`carry`: the hidden states, or in training with dropout (`keys_B`, each sample's key) the pair
+        (hidden states, this layer's index), which each mask is drawn with (zerolm.dropout)."""
+        cfg, ln = self.cfg, functools.partial(layer_norm, self.cfg, self.dtype)
+        x_BxTxD, layer = carry if keys_B is not None else (carry, jnp.int32(0))
+        attention_dropout = None
+        if keys_B is not None and cfg.attention_dropout:
+            attention_dropout = Dropout(keys_B, layer, cfg.attention_dropout)
+        y = Attention(cfg, self.dtype, self.implementation, name="attn")(ln("ln_1")(x_BxTxD), start, segment_ids_BxT,
+                                                                         attention_dropout)
+        x_BxTxD = x_BxTxD + dropout_lib.drop(y, keys_B, cfg.residual_dropout, layer, dropout_lib.ATTENTION_OUT)
+        y = MLP(cfg, self.dtype, name="mlp")(ln("ln_2")(x_BxTxD))
+        x_BxTxD = x_BxTxD + dropout_lib.drop(y, keys_B, cfg.residual_dropout, layer, dropout_lib.MLP_OUT)
+        return (x_BxTxD if keys_B is None else (x_BxTxD, layer + 1)), None
 
 
 class GPT(nn.Module):
@@ -152,13 +161,15 @@ class GPT(nn.Module):
 
     @nn.compact
     def __call__(self, tokens_BxT: jax.Array, *, hidden_only: bool = False,
-                 start: jax.Array | None = None) -> jax.Array:
+                 start: jax.Array | None = None, dropout_keys: jax.Array | None = None) -> jax.Array:
         """Float32 logits over the padded vocabulary; padded entries are -inf-like, so they get no mass.
 
         `hidden_only`: the final LayerNorm's output instead, for a loss that applies the (tied)
         output layer itself, chunk by chunk (or a sampler, at one position).
         `start`: decode with a KV cache (the mutable `cache` collection, see `init_cache`): the tokens
-        sit at positions start .. start+T-1 and attend to the cached positions before them."""
+        sit at positions start .. start+T-1 and attend to the cached positions before them.
+        `dropout_keys`: in training, each sample's key (zerolm.dropout.row_keys): the model.*_dropout
+        rates apply, each mask drawn from the sample's key, the layer and the site; None: no dropout."""
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
         V, D = cfg.padded_vocab_size, cfg.d_model
@@ -180,6 +191,8 @@ class GPT(nn.Module):
             x_BxTxD = x_BxTxD + positions
         # ALiBi: the attention adds each head's bias from the positions' distance (within a document, the
         # distance is the same counted from the document's start or the sample's).
+        x_BxTxD = dropout_lib.drop(x_BxTxD, dropout_keys, cfg.embedding_dropout, dropout_lib.EMBEDDING_LAYER,
+                                   dropout_lib.EMBEDDING)
         x_BxTxD = x_BxTxD.astype(dtype)
 
         # The layers' parameters are stacked along `layers` either way; unrolled, the loop is written out
@@ -197,7 +210,9 @@ class GPT(nn.Module):
         blocks = nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
                          in_axes=nn.broadcast, length=cfg.n_layer, unroll=1 if scanned else cfg.n_layer,
                          metadata_params={nn.PARTITION_NAME: "layers"})
-        x_BxTxD, _ = blocks(cfg, dtype, cfg.attention, name="h")(x_BxTxD, start, segment_ids_BxT)
+        carry = x_BxTxD if dropout_keys is None else (x_BxTxD, jnp.int32(0))
+        carry, _ = blocks(cfg, dtype, cfg.attention, name="h")(carry, start, segment_ids_BxT, dropout_keys)
+        x_BxTxD = carry if dropout_keys is None else carry[0]
         x_BxTxD = layer_norm(cfg, dtype, "ln_f")(x_BxTxD)
         if hidden_only:
             return x_BxTxD

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from zerolm import dropout as dropout_lib
 from zerolm.mesh import DP
 from zerolm.sharding import is_layout
 
@@ -28,7 +29,7 @@ from zerolm.sharding import is_layout
 LossFn = Callable[..., jax.Array]
 
 
-def grad_program(table, loss_fn: LossFn, acc_dtype, out_dtype, reduce_scatter, manual: frozenset) -> Callable:
+def grad_program(table, loss_fn: LossFn, how: GradSettings, reduce_scatter, manual: frozenset) -> Callable:
     """(params, batch) -> (gradient in the optimizer-state layout, metrics) at `table.stage` 2 or 3 (a
     zerolm.sharding.Table): each layer's reduce-scattered (by `reduce_scatter`, zerolm.scatter's) inside the
     loop where the backward pass makes it, the other leaves' once after it; the gradient in `out_dtype` (the
@@ -36,34 +37,48 @@ def grad_program(table, loss_fn: LossFn, acc_dtype, out_dtype, reduce_scatter, m
     param_in = jax.tree.map(lambda s, lay, ps: lay.dp_spec if s else P(*[None] * len(ps)), table.dp_split,
                             table.layouts, table.param_specs, is_leaf=is_layout)
     grad_out = jax.tree.map(lambda lay: lay.dp_spec, table.layouts, is_leaf=is_layout)
-    if table.tp > 1 and jnp.dtype(out_dtype) == jnp.bfloat16 and table.mesh.devices.flat[0].platform == "cpu":
+    if table.tp > 1 and jnp.dtype(how.out_dtype) == jnp.bfloat16 and table.mesh.devices.flat[0].platform == "cpu":
         # XLA's CPU compiler aborts on a bfloat16 reduce-scatter in a map manual over dp alone ("Invalid
         # binary instruction opcode copy", jax 0.10): there, and only there, it runs in float32.
         reduce_scatter = _in_float32(reduce_scatter)
-    how = _Accumulation(table, loss_fn, acc_dtype, out_dtype, reduce_scatter)
-    accumulate = jax.shard_map(functools.partial(_accumulate, how=how), mesh=table.mesh,
-                               in_specs=(param_in, table.batch_sharding.spec), out_specs=(grad_out, P()),
+    each = _Accumulation(table, loss_fn, how.acc_dtype, how.out_dtype, reduce_scatter, how.dropout_seed)
+    accumulate = jax.shard_map(functools.partial(_accumulate, how=each), mesh=table.mesh,
+                               in_specs=(param_in, table.batch_sharding.spec, P()), out_specs=(grad_out, P()),
                                axis_names=manual)
 
-    def grad_step(params, batch):  # the name its compiled programs (and the compilation cache) carry
-        grads, metrics = accumulate(params, batch)
+    def grad_step(params, batch, step=None):  # the name its compiled programs (and the compilation cache) carry
+        grads, metrics = accumulate(params, batch, jnp.zeros((), jnp.int32) if step is None else step)
         return lax.with_sharding_constraint(grads, table.view_shardings), metrics
 
     return grad_step
 
 
-def sum_over_micro_batches(loss_fn: Callable, params, zeros, batch_AxMxT1):
+def sum_over_micro_batches(loss_fn: Callable, params, zeros, batch_AxMxT1, keys_of: Callable | None = None):
     """Σ over the micro-batches (a scan) of the loss and of its gradient with respect to `params`, each
-    gradient added into `zeros`' accumulator in the accumulator's dtype."""
-    def micro_step(carry, tokens_MxT1):
+    gradient added into `zeros`' accumulator in the accumulator's dtype. `keys_of(a)`: micro-batch a's
+    samples' dropout keys (zerolm.dropout.row_keys), handed to the loss; None: no dropout."""
+    def micro_step(carry, inputs):
         grad_acc, loss_acc = carry
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens_MxT1)
+        a, tokens_MxT1 = inputs
+        kw = {} if keys_of is None else {"dropout_keys": keys_of(a)}
+        loss, grads = jax.value_and_grad(lambda p, t: loss_fn(p, t, **kw))(params, tokens_MxT1)
         grad_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_acc, grads)
         return (grad_acc, loss_acc + loss), None
 
     loss_zero = lax.pcast(jnp.zeros((), jnp.float32), DP, to="varying")
-    (grads, loss), _ = lax.scan(micro_step, (zeros, loss_zero), batch_AxMxT1)
+    (grads, loss), _ = lax.scan(micro_step, (zeros, loss_zero), (jnp.arange(batch_AxMxT1.shape[0]), batch_AxMxT1))
     return grads, loss
+
+
+def dropout_keys(seed: int | None, step: jax.Array, batch_AxMxT1: jax.Array) -> Callable | None:
+    """Inside the grad program's map over dp: micro-batch a -> its samples' dropout keys, each from the
+    sample's row in the step's global batch (this device's block of rows: zerolm.data.loader's layout), so
+    the same on any number of devices. None without dropout (`seed` None)."""
+    if seed is None:
+        return None
+    A, M = batch_AxMxT1.shape[:2]
+    first = lax.axis_index(DP) * A * M
+    return lambda a: dropout_lib.row_keys(seed, step, first + a * M, M)
 
 
 def _in_float32(reduce_scatter: Callable[[jax.Array, int], jax.Array]) -> Callable[[jax.Array, int], jax.Array]:
@@ -122,6 +137,16 @@ def _layer_params(stage: int, layouts, in_layers, stacked, reduce_scatter) -> Ca
 
 
 @dataclasses.dataclass(frozen=True)
+class GradSettings:
+    """How a grad program accumulates: in `acc_dtype`, handing the gradient on in `out_dtype` (the parameters'),
+    with dropout keys from `dropout_seed` (None: the model has no dropout)."""
+
+    acc_dtype: Any
+    out_dtype: Any
+    dropout_seed: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class _Accumulation:
     """What each device's side of the grad program (`_accumulate`) runs with."""
 
@@ -130,9 +155,10 @@ class _Accumulation:
     acc_dtype: Any  # the accumulator's
     out_dtype: Any  # the gradient's: the parameters' dtype
     reduce_scatter: Callable[[jax.Array, int], jax.Array]  # zerolm.scatter's, over dp
+    dropout_seed: int | None  # the run's seed when the model has dropout, else None
 
 
-def _accumulate(params, batch_AxMxT1, *, how: _Accumulation):
+def _accumulate(params, batch_AxMxT1, step, *, how: _Accumulation):
     """Per device: its dp block of the mean gradient over every device's micro-batches, in the optimizer-state
     layout.
 
@@ -164,18 +190,19 @@ def _accumulate(params, batch_AxMxT1, *, how: _Accumulation):
     diff = jax.tree.map(lambda u, lay, p: block_zeros(lay, p.dtype) if u and stage == 2 else p, in_layers, layouts,
                         params, is_leaf=is_layout)
 
-    def loss_of(diff, tokens_MxT1):
+    def loss_of(diff, tokens_MxT1, **kw):
         model_params = jax.tree.map(lambda u, d, p: (lax.stop_gradient(p), d) if u and stage == 2 else d,
                                     in_layers, diff, params)
         if hook is None:
-            return how.loss_fn(model_params, tokens_MxT1)
-        return how.loss_fn(model_params, tokens_MxT1, layer_params=hook)
+            return how.loss_fn(model_params, tokens_MxT1, **kw)
+        return how.loss_fn(model_params, tokens_MxT1, layer_params=hook, **kw)
 
     accum = batch_AxMxT1.shape[0]
     acc_dtype = how.acc_dtype
     zeros = jax.tree.map(lambda u, lay: block_zeros(lay, acc_dtype) if u else varying(jnp.zeros(lay.shape, acc_dtype)),
                          in_layers, layouts, is_leaf=is_layout)
-    grads, loss = sum_over_micro_batches(loss_of, diff, zeros, batch_AxMxT1)
+    grads, loss = sum_over_micro_batches(loss_of, diff, zeros, batch_AxMxT1,
+                                         dropout_keys(how.dropout_seed, step, batch_AxMxT1))
 
     def after_loop(u, lay, g):
         if u:

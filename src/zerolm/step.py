@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from zerolm import device_policy, losses, sharding
 from zerolm import model as gpt_model
 from zerolm.config import Config, ConfigError
+from zerolm.dropout import has_dropout
 from zerolm.errors import ZerolmError, first_line
 from zerolm.mesh import TP
 from zerolm.optim import make_optimizer
@@ -56,7 +57,8 @@ def build_step(cfg: Config, mesh: Mesh, rules=sharding.RULES) -> tuple[gpt_model
     zero = Zero(mesh, functools.partial(losses.lm_loss, model), tx, jax.eval_shape(init_fn, jax.random.key(0)),
                  logical_axes=gpt_model.logical_axes(model), grad_reduce=cfg.zero.grad_reduce, lr_schedule=schedule,
                  precision=cfg.zero.precision, accumulate_dtype=cfg.zero.accumulate_dtype,
-                 scatter=cfg.zero.scatter, rules=rules, stage=cfg.zero.stage)
+                 scatter=cfg.zero.scatter, rules=rules, stage=cfg.zero.stage,
+                 dropout_seed=cfg.train.seed if has_dropout(cfg.model) else None)
     return model, zero, init_fn
 
 

@@ -53,7 +53,7 @@ from zerolm import sharded_grad, sharding
 from zerolm.mesh import DP, TP
 from zerolm.optim import MasterWeights, with_master_weights
 from zerolm.scatter import Scatter
-from zerolm.sharded_grad import LossFn, sum_over_micro_batches
+from zerolm.sharded_grad import GradSettings, LossFn, dropout_keys, sum_over_micro_batches
 from zerolm.sharding import from_views, is_layout, to_views
 
 PyTree = Any
@@ -120,7 +120,7 @@ class Zero:
                  abstract_params: PyTree, *, logical_axes: PyTree | None = None,
                  grad_reduce: GradReduce = "reduce_scatter", lr_schedule: optax.Schedule | None = None,
                  precision: Precision = "fp32", accumulate_dtype=jnp.float32, scatter: Scatter = "auto",
-                 rules=sharding.RULES, stage: Stage = 1):
+                 rules=sharding.RULES, stage: Stage = 1, dropout_seed: int | None = None):
         if stage > 1 and grad_reduce != "reduce_scatter":
             raise ValueError(f"ZeRO-{stage} reduces with reduce-scatters: grad_reduce must be reduce_scatter")
         self.mesh = mesh
@@ -139,12 +139,13 @@ class Zero:
         # Manual over dp; without tensor parallelism over the whole mesh: nothing is left for the partitioner
         # inside, where JAX cannot run a custom partitioner (cuDNN's attention has one) under a partly manual map.
         manual = frozenset(mesh.axis_names) if table.tp == 1 else frozenset({DP})
-        acc_dtype = jnp.dtype(accumulate_dtype)
+        self.dropout = dropout_seed is not None
+        how = GradSettings(jnp.dtype(accumulate_dtype), self.param_dtype, dropout_seed)
         if stage == 1:
-            grad_step = self._stage1(loss_fn, acc_dtype, manual)
+            grad_step = self._stage1(loss_fn, how, manual)
         else:  # zerolm.sharded_grad: each layer's gradient reduce-scattered inside the layers' loop
             reduce_scatter = scatter_lib.reduce_scatter(self.scatter, table.dp, self.scatter_inner)
-            grad_step = sharded_grad.grad_program(table, loss_fn, acc_dtype, self.param_dtype, reduce_scatter, manual)
+            grad_step = sharded_grad.grad_program(table, loss_fn, how, reduce_scatter, manual)
 
         # What a step runs; zerolm.step.compile_step gives them compiled for a run's shapes (`using`).
         self.programs = Programs(
@@ -157,23 +158,24 @@ class Zero:
                            # though unread, so that the compiled program aliases them).
                            donate_argnums=(2, 4), keep_unused=True))
 
-    def _stage1(self, loss_fn: LossFn, acc_dtype, manual: frozenset) -> Callable:
-        """(params, batch) -> (gradient, metrics): accumulate locally, then the one reduction over dp."""
+    def _stage1(self, loss_fn: LossFn, how: GradSettings, manual: frozenset) -> Callable:
+        """(params, batch[, step]) -> (gradient, metrics): accumulate locally, then the one reduction over dp
+        (`step`: the state's, which dropout's keys are drawn with)."""
         table, mesh = self.table, self.mesh
         # (1) accumulate: per-device gradients come out stacked on a leading dp axis.
         stacked = jax.tree.map(lambda _: P(DP), table.param_specs, is_leaf=lambda x: isinstance(x, P))
-        accumulate = jax.shard_map(functools.partial(_accumulate, loss_fn=loss_fn, acc_dtype=acc_dtype,
-                                                     out_dtype=self.param_dtype), mesh=mesh,
-                                   in_specs=(P(), table.batch_sharding.spec), out_specs=(stacked, P(DP)),
+        accumulate = jax.shard_map(functools.partial(_accumulate, loss_fn=loss_fn, how=how), mesh=mesh,
+                                   in_specs=(P(), table.batch_sharding.spec, P()), out_specs=(stacked, P(DP)),
                                    axis_names=manual)
         # (2) reduce: manual over dp and tp, each device reducing its own tp block (sharding.Table.reduction).
         tp_local, in_specs, out_specs = table.reduction(self.grad_reduce)
-        how = _Reduction(table.layouts, tp_local, self.grad_reduce, table.dp, table.tp, self.scatter, self.scatter_inner)
-        reduce = jax.shard_map(functools.partial(_reduce, how=how), mesh=mesh, in_specs=(in_specs, P(DP)),
+        reduction = _Reduction(table.layouts, tp_local, self.grad_reduce, table.dp, table.tp, self.scatter,
+                               self.scatter_inner)
+        reduce = jax.shard_map(functools.partial(_reduce, how=reduction), mesh=mesh, in_specs=(in_specs, P(DP)),
                                out_specs=(out_specs, P()))
 
-        def grad_step(params, batch):  # the name its compiled programs (and the compilation cache) carry
-            return reduce(*accumulate(params, batch))
+        def grad_step(params, batch, step=None):  # the name its compiled programs (and the compilation cache) carry
+            return reduce(*accumulate(params, batch, jnp.zeros((), jnp.int32) if step is None else step))
 
         return grad_step
 
@@ -200,7 +202,7 @@ class Zero:
         the update reads their view) and on an all-reduced gradient; mixed precision with reduce_scatter needs
         neither."""
         x = self.inputs(micro_batch, seq_len, accum_steps)
-        inputs: dict[str, tuple] = {"grad": (x.params, x.batch)}
+        inputs: dict[str, tuple] = {"grad": (x.params, x.batch, *((x.step,) if self.dropout else ()))}
         if not self.mixed or self.grad_reduce == "all_reduce":
             inputs["reshard"] = (x.params,)
         inputs["update"] = (x.views, None if self.mixed else x.views, x.opt_state, x.step, x.params)
@@ -237,7 +239,7 @@ class Zero:
 
     def step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
         run = self.programs
-        grads, metrics = run.grad(state.params, batch)
+        grads, metrics = run.grad(state.params, batch, *((state.step,) if self.dropout else ()))
         params_view = None if self.mixed else run.reshard(state.params)
         if self.grad_reduce == "all_reduce":
             grads = run.reshard(grads)
@@ -248,15 +250,17 @@ class Zero:
     __call__ = step
 
 
-def _accumulate(params, batch_AxMxT1, *, loss_fn: LossFn, acc_dtype, out_dtype):
-    """Per device: the mean gradient over its micro-batches, summed in `acc_dtype` and handed to the
-    reduction in `out_dtype` (the parameters' dtype), with no cross-device reduction."""
+def _accumulate(params, batch_AxMxT1, step, *, loss_fn: LossFn, how: GradSettings):
+    """Per device: the mean gradient over its micro-batches, summed in `how.acc_dtype` and handed to the
+    reduction in `how.out_dtype` (the parameters' dtype), with no cross-device reduction."""
+    acc_dtype, out_dtype = how.acc_dtype, how.out_dtype
     # Without the cast, the gradient of a replicated (unvarying) input picks up an implicit psum
     # on every micro-step, and the result comes out dp times too large.
     varying = functools.partial(lax.pcast, axis_name=DP, to="varying")
     params = jax.tree.map(varying, params)
     zeros = jax.tree.map(lambda p: varying(jnp.zeros(p.shape, acc_dtype)), params)
-    grads, loss = sum_over_micro_batches(loss_fn, params, zeros, batch_AxMxT1)
+    grads, loss = sum_over_micro_batches(loss_fn, params, zeros, batch_AxMxT1,
+                                         dropout_keys(how.dropout_seed, step, batch_AxMxT1))
     accum = batch_AxMxT1.shape[0]
     return jax.tree.map(lambda g: (g / accum).astype(out_dtype)[None], grads), (loss / accum)[None]
 
