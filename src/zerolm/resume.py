@@ -96,6 +96,7 @@ def check_before_compiling(cfg: Config, data_id: dict, resume: str, overwrite: b
                 raise _refused_start_over(cfg.checkpoint_dir, latest)
             return _fresh(cfg, data_id)
         try:
+            ckpts.verify(latest)  # its files as recorded (one listing): a damaged one is start_state's to handle
             meta = ckpts.readable_meta(latest)
         except DamagedCheckpoint:
             return None
