@@ -173,3 +173,19 @@ def test_an_unknown_key_in_a_mixture_entry_is_the_whole_line():
 def test_a_misspelled_key_is_named_before_the_key_it_leaves_missing():
     assert _error(TINY, ["data.mixture=[{dataset: default, weight: 1}, {dataset: default, wieght: 0.3}]"]) == \
         f"{TINY} (--set data.mixture): data.mixture.1.wieght: unknown key [and 1 more problem(s)]"
+
+
+def test_a_checkpoints_config_from_before_the_model_settings_validates_as_today():
+    """A mixture checkpoint's data is opened again from its config: one saved before model.position, model.bias,
+    the activation, dropout and train.init_from existed reads them as they were then (BEFORE_RECORDED)."""
+    from zerolm.checkpoint_meta import CheckpointMeta
+    from zerolm.config import Config
+
+    old = load_config(TINY).model_dump()
+    for key in ("position", "bias", "activation", "embedding_dropout", "residual_dropout", "attention_dropout"):
+        del old["model"][key]
+    del old["train"]["init_from"]
+    meta = CheckpointMeta(step=1, time=0.0, config=old, dp=1, accum_steps=1, dataset={}, tokens_seen=0, loss=None,
+                          wandb_id="x")
+    cfg = Config.model_validate(meta.full_config)
+    assert (cfg.model.position, cfg.model.bias, cfg.train.init_from) == ("learned", True, None)

@@ -21,6 +21,7 @@ BEFORE_RECORDED: dict[str, dict[str, Any]] = {
               "activation": "gelu_tanh", "embedding_dropout": 0.0, "residual_dropout": 0.0,
               "attention_dropout": 0.0},
     "zero": {"precision": "fp32", "stage": 1},
+    "train": {"init_from": None},
 }
 
 
@@ -49,6 +50,13 @@ class CheckpointMeta:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def full_config(self) -> dict[str, Any]:
+        """The run's config with every key an older zerolm did not record read as it was then
+        (BEFORE_RECORDED): what validates as a zerolm.config.Config today."""
+        return {**self.config, **{section: {**defaults, **self.config.get(section, {})}
+                                  for section, defaults in BEFORE_RECORDED.items()}}
 
     @property
     def model(self) -> dict[str, Any]:

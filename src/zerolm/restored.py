@@ -45,7 +45,7 @@ class Restored:
 
     @property
     def config(self) -> dict:
-        return self.meta.config
+        return self.meta.full_config
 
     @property
     def tokenizer_sha256(self) -> str:
