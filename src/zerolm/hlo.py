@@ -148,6 +148,12 @@ def _loop_computations(comps: dict[str, list[str]], callees: dict[str, set[str]]
     return in_loop
 
 
+def runs(hlo_text: str) -> dict[str, int | None]:
+    """Times each computation of a compiled program runs per execution of it (`_runs`), by name."""
+    comps = _computations(hlo_text)
+    return _runs(hlo_text, comps, _callees(comps))
+
+
 def _runs(hlo_text: str, comps: dict[str, list[str]], callees: dict[str, set[str]]) -> dict[str, int | None]:
     """Times each computation runs per execution of the entry computation: a while body runs its
     `known_trip_count` times per run of its caller (unknown trip count: None)."""

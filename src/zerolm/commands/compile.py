@@ -30,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--largest-micro-batch", action="store_true",
                         help="find the largest micro-batch that fits: compile the planner's advice, then up while "
                              "it fits (or down until one does)")
+    parser.add_argument("--fastest", action="store_true",
+                        help="search ZeRO stage x micro-batch x remat (and the attention block) for the fastest step "
+                             "that fits, by zerolm.step_time's model of each compiled candidate (zerolm.fastest)")
+    parser.add_argument("--stages", default="1,2,3", help="--fastest: the ZeRO stages to search (default 1,2,3)")
+    parser.add_argument("--remats", default="none,dots_attention,dots,full",
+                        help="--fastest: the remat policies to search (default none,dots_attention,dots,full)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -46,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
                           f"{target.name} has {target.devices} (set mesh.dp=auto, or match the slice)")
     if target.devices % cfg.mesh.tp:
         raise ConfigError(f"mesh.tp: {cfg.mesh.tp} does not divide the {target.devices} devices of {target.name}")
+    if args.fastest:
+        return _fastest(args, target)
     if args.largest_micro_batch:
         from zerolm import advice
 
@@ -59,3 +67,35 @@ def run(args: argparse.Namespace) -> int:
     report = aot.compile_for(cfg, target, devices, census=args.census)
     print_report(report, args.json, aot.describe)
     return 0 if report.fits else EXIT_DOES_NOT_FIT
+
+
+def _fastest(args: argparse.Namespace, target) -> int:
+    import dataclasses
+
+    from zerolm import fastest
+    from zerolm.config import ConfigError
+
+    try:
+        stages = tuple(int(x) for x in args.stages.split(","))
+    except ValueError:
+        raise ConfigError(f"--stages: {args.stages!r} is not a list of ZeRO stages such as 1,2,3") from None
+    remats = tuple(args.remats.split(","))
+    if bad := [x for x in stages if x not in fastest.STAGES] + [x for x in remats if x not in fastest.REMAT_ORDER]:
+        raise ConfigError(f"--stages/--remats: {', '.join(map(str, bad))} not among stages 1,2,3 or remats "
+                          f"{','.join(fastest.REMAT_ORDER)}")
+    if not args.json:
+        print(fastest.HEADER, flush=True)
+    found = fastest.search(args.config, args.set, target, stages=stages, remats=remats,
+                           on_compile=lambda c: None if args.json else print(fastest.row(c), flush=True))
+    if args.json:
+        import json
+
+        winner = found.winner
+        print(json.dumps({"config": found.config, "target": found.target, "compiles": len(found.candidates),
+                          "pruned": found.pruned, "winner": winner.sets() if winner else None,
+                          "candidates": [{**{k: v for k, v in dataclasses.asdict(c).items() if k != "model"},
+                                          "model": c.model.to_json() if c.model else None}
+                                         for c in found.candidates]}))
+    else:
+        print("\n".join(fastest.describe(found, table=False)))
+    return 0 if found.winner is not None else EXIT_DOES_NOT_FIT
