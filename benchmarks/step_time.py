@@ -1,0 +1,50 @@
+"""zerolm.step_time's modeled step against the H100 steps measured on 2026-11-24 (BENCHMARKS.md, "One
+device through the normal path"): each config compiled for target h100 as it ran (dp = 1, seq_len 2048,
+mixed precision, two accumulation steps), one compile at a time.
+
+    python benchmarks/step_time.py                 # every row (the 1_3b compile takes minutes on 2 cores)
+    python benchmarks/step_time.py --configs 125m
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # XLA's GPU compiler runs without a GPU
+
+# config -> (remat, micro-batch, measured step s), BENCHMARKS.md's H100 table
+MEASURED = {"125m": ("none", 16, 0.242), "350m": ("full", 32, 0.903), "760m": ("full", 16, 0.837),
+            "1_3b": ("full", 8, 0.648)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=list(MEASURED), choices=list(MEASURED))
+    args = parser.parse_args()
+    from zerolm import aot, platforms, step_time
+    from zerolm.data.dataset import load_planned
+    from zerolm.hardware import preset
+    from zerolm.mesh import make_mesh
+    from zerolm.step import build_and_compile
+
+    target = aot.parse_target("h100")
+    platforms.no_device_needed()
+    devices = aot.target_devices(target)
+    print("| config | remat | micro-batch | measured (s) | modeled (s) | modeled ÷ measured | FLOPs ÷ model's | "
+          "modeled MFU | measured MFU |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name in args.configs:
+        remat, micro, measured = MEASURED[name]
+        cfg = load_planned(f"configs/{name}.yaml", ["mesh.dp=1", f"model.remat={remat}",
+                                                    f"train.micro_batch_size={micro}",
+                                                    f"train.global_batch_size={2 * micro}"], device_count=1)
+        built = build_and_compile(cfg, make_mesh(1, 1, devices), None)
+        m = step_time.of_step(built, preset("h100"))
+        measured_mfu = m.model_flops_per_token * m.tokens_per_step / measured / m.peak_flops
+        print(f"| {name} | {remat} | {micro} | {measured:.3f} | {m.step_s:.3f} | {m.step_s / measured:.2f} | "
+              f"{m.flops_ratio:.3f} | {m.mfu:.1%} | {measured_mfu:.1%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
