@@ -1,7 +1,8 @@
 """What ALiBi and dropout cost, by the compilers (no TPU or GPU needed): the 1_3b config's step compiled for a
 target as shipped (learned positions, no dropout) and with each option, and the seed's own config; per variant,
-the attention the target resolves to, the step's peak per device, and the bytes its collectives move per
-device per step (`zerolm compile --json`, each in its own process).
+the attention the target resolves to, the step's peak per device, the bytes its collectives move per device
+per step, and (`--census`, for a GPU target: one device has no collectives) the bytes its kernels move per
+step (`zerolm compile --json [--census]`, each in its own process).
 
     JAX_PLATFORMS=cpu python benchmarks/model_options.py [--targets v3-32 v5p-32 h100] [--variants ...]
 
@@ -27,9 +28,10 @@ VARIANTS = {
 
 
 def compile_report(config: str, target: str, sets: list[str]) -> dict | str:
+    census = ["--census"] if not target.startswith("v") else []
     proc = subprocess.run([sys.executable, "-m", "zerolm.cli", "compile", "--config", config, "--target", target,
-                           "--json", *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True,
-                          cwd=REPO)
+                           "--json", *census, *[a for s in sets for a in ("--set", s)]], capture_output=True,
+                          text=True, cwd=REPO)
     if proc.returncode not in (0, 4):
         return proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
     return json.loads(proc.stdout)
@@ -41,19 +43,20 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     args = p.parse_args()
     print("| target | variant | attention | micro-batch | remat | peak per device (program) | fits | "
-          "collective bytes per device per step |")
-    print("|---|---|---|---|---|---|---|---|")
+          "collective bytes per device per step | kernels' bytes per step (GPU) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for target in args.targets:
         for name in args.variants:
             config, sets = VARIANTS[name]
             r = compile_report(config, target, sets)
             if isinstance(r, str):
-                print(f"| {target} | {name} | - | - | - | {r} | - | - |", flush=True)
+                print(f"| {target} | {name} | - | - | - | {r} | - | - | - |", flush=True)
                 continue
             sent = sum(c["bytes_per_run"] or 0 for c in r["collectives"])
             print(f"| {target} | {name} | {r['attention']} | {r['micro_batch']} | {r['remat']} | "
                   f"{r['peak_bytes_per_device'] / 2**30:.2f} GiB ({r['peak_program']}) | "
-                  f"{'yes' if r['fits'] else 'NO'} | {sent / 1e9:.2f} GB |", flush=True)
+                  f"{'yes' if r['fits'] else 'NO'} | {sent / 1e9:.2f} GB | "
+                  f"{f'{moved / 1e9:.1f} GB' if (moved := (r.get('census') or {}).get('bytes')) else '-'} |", flush=True)
 
 
 if __name__ == "__main__":
