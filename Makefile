@@ -37,12 +37,12 @@ lint: install-test
 # The whole suite on two xdist workers, one test file each at a time (README.md, Tests: its time as measured,
 # 14:04-14:20 on a fresh clone of 2 cores; a third worker measured no faster there: 17:41 before the last cuts).
 test: lint
-	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # The unit tier for your own iterations (under 3 minutes on 2 cores): no training runs in subprocesses, no
 # TPU compiles, no multi-process runs (those are marked `slow`).
 test-fast: install-test
-	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
+	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" tests
 
 bench: install
 	$(TEST_ENV) $(PY) benchmarks/zero_step.py --config $(CONFIG)

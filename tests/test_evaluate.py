@@ -69,8 +69,9 @@ def test_an_alibi_model_evaluates_and_samples_past_its_trained_context(tmp_path)
     joined) and samples past it; at 1x it gives what training logged."""
     from runs import train
 
-    train(tmp_path, "model.position=alibi", "model.bias=false", "model.activation=gelu", "train.eval_every=16")
-    logged = val_losses(tmp_path)[16]["val_loss"]
+    train(tmp_path, "model.position=alibi", "model.bias=false", "model.activation=gelu", "train.eval_every=4",
+          "train.schedule_steps=4", "checkpoint.every=4", steps=4)
+    logged = val_losses(tmp_path)[4]["val_loss"]
     at = {n: json.loads(zerolm("eval", "--checkpoint", tmp_path / "ckpt", "--json", "--seq-len", str(n),
                                "--sequences", "32", devices=1).stdout) for n in (32, 64)}
     assert at[64]["seq_len"] == 64 and at[64]["tokens"] == 32 * 64 and math.isfinite(at[64]["loss"])
