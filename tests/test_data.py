@@ -541,7 +541,15 @@ def test_a_checkpoint_of_the_old_order_resumes_in_it(kjv, tmp_path, monkeypatch)
         old.setattr(resume, "ORDER_VERSION", 1)
         straight = train("straight", 6)
         train("resumed", 3)
-    assert Checkpoints(tmp_path / "resumed" / "ckpt", read_only=True).meta(3).dataset["order"] == 1
+    # As the zerolm before version 2 wrote it: no `order` in the data identity (and its file list to match).
+    step = tmp_path / "resumed" / "ckpt" / "3"
+    meta_file, record_file = step / "meta" / "metadata", step / "zerolm_files.json"
+    meta = json.loads(meta_file.read_text())
+    assert meta["dataset"].pop("order") == 1
+    meta_file.write_text(json.dumps(meta))
+    record = json.loads(record_file.read_text())
+    record["files"]["meta/metadata"] = meta_file.stat().st_size
+    record_file.write_text(json.dumps(record))
     assert train("resumed", 6) == straight  # continued in version 1
     assert Checkpoints(tmp_path / "resumed" / "ckpt", read_only=True).meta(6).dataset["order"] == 1
     new = train("new", 6)
