@@ -279,15 +279,9 @@ def read_bytes(url: str) -> bytes:
     return fs.cat_file(name)
 
 
-def read_ranges(url: str, ranges: list[tuple[int, int]]) -> list[bytes]:
-    """Byte ranges [start, end) of one remote file, fetched concurrently."""
-    fs, name = _fs(url)
-    return fs.cat_ranges([name] * len(ranges), [a for a, _ in ranges], [b for _, b in ranges], on_error="raise")
-
-
 def read_ranges_of(urls: list[str], ranges: list[tuple[int, int]]) -> list[bytes]:
-    """Byte ranges [start, end) of remote files (urls[i] holds ranges[i]; one filesystem), fetched
-    concurrently."""
+    """Byte ranges [start, end) of remote files (urls[i] holds ranges[i]; one filesystem, one file or many),
+    fetched concurrently."""
     fs, _ = _fs(urls[0])
     names = [_fs(url)[1] for url in urls]
     return fs.cat_ranges(names, [a for a, _ in ranges], [b for _, b in ranges], on_error="raise")

@@ -206,7 +206,7 @@ class _RemoteBytes:
     def read(self, ranges: list[tuple[int, int]]) -> list[bytes]:
         with storage.faults(self.where, "reading the shard"):
             try:
-                return storage.read_ranges(self.where, ranges)
+                return storage.read_ranges_of([self.where] * len(ranges), ranges)
             except FileNotFoundError:
                 raise DataError(f"{self.where}: missing shard") from None
 
