@@ -5,6 +5,7 @@ the lines the run's header says of it."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from zerolm.config import Config
 from zerolm.data.dataset import PreparedDataset, open_dataset, resolve_vocab
@@ -50,3 +51,13 @@ def describe_data(cfg: Config, data: RunData) -> list[str]:
                  f"{cfg.model.seq_len + 1} tokens, tokenizer {tokenizer.name} ({tokenizer.vocab_size} tokens), "
                  f"unigram entropy {data.entropy:.3f} nats/token")
     return lines
+
+
+def data_facts(data: RunData) -> list[dict[str, Any]]:
+    """Each training dataset's name, location, weight in the mixture (1 alone), and its train split's samples
+    and tokens (the unique tokens an epoch reads): what zerolm.launches records."""
+    dataset = data.dataset
+    parts = (zip(dataset.names, dataset.weights, dataset.datasets, strict=True) if isinstance(dataset, Mixture)
+             else [("data", 1.0, dataset)])
+    return [{"name": name, "location": str(d.location), "weight": weight, "samples": d.manifest.splits["train"].samples,
+             "tokens": d.manifest.splits["train"].tokens} for name, weight, d in parts]

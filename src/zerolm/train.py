@@ -15,6 +15,7 @@ import functools
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -23,7 +24,7 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 import zerolm
-from zerolm import compilation_cache, library_log, losses, storage
+from zerolm import compilation_cache, launches, library_log, losses, storage
 from zerolm.checkpoint import remove_unfinished
 from zerolm.checkpoint_meta import CheckpointMeta
 from zerolm.config import Config
@@ -41,7 +42,7 @@ from zerolm.model import GPT
 from zerolm.preemption import Preempted, PreemptionWatch
 from zerolm.profiling import Profiler
 from zerolm.resume import Start, check_before_compiling, start_state
-from zerolm.run_data import RunData, describe_data, open_data
+from zerolm.run_data import RunData, data_facts, describe_data, open_data
 from zerolm.runlock import LockHeld, RunLock
 from zerolm.sample import Sampling, generate
 from zerolm.step import DoesNotFit, build_and_compile, check_fits, is_out_of_memory
@@ -75,8 +76,11 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
             opened = open_run(cfg, held, out, credentials, Resume(resume, overwrite))
         except _NothingToDo as done:
             return {"unigram_entropy": done.entropy}
+        t0 = time.perf_counter()
         start = _start(opened, resume, overwrite, held)
         cfg = opened.cfg
+        if start.step < cfg.train.steps and is_first_host(opened.mesh):
+            _record_launch(opened, start, time.perf_counter() - t0)
         if start.step >= cfg.train.steps:
             _say_nothing_to_do(opened.say, cfg, start.step)
             return {"unigram_entropy": opened.data.entropy}
@@ -104,6 +108,7 @@ class Run:
     lock: RunLock | None  # the checkpoint directory's (None on processes other than 0)
     say: Say  # prints on the first host only
     out: Any
+    compile_s: float = 0.0  # building and compiling the step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +153,7 @@ def open_run(cfg: Config, held: contextlib.ExitStack, out=sys.stdout, credential
     hits, t0 = compilation_cache.Hits.listen().hits, time.perf_counter()
     limit = memory_limit(jax.local_devices()[0])
     built = build_and_compile(cfg, mesh, limit)
+    compile_s = time.perf_counter() - t0
     memory = check_fits(built, limit)
     zero = built.zero.using(built.compiled.programs)
     accounting = accounting_for(built.cfg, zero)
@@ -155,14 +161,14 @@ def open_run(cfg: Config, held: contextlib.ExitStack, out=sys.stdout, credential
         say(line)
     if cache := compilation_cache.directory(cfg.train.compilation_cache):
         loaded = compilation_cache.Hits.hits - hits
-        say(f"compiled the step in {time.perf_counter() - t0:.1f} s; "
+        say(f"compiled the step in {compile_s:.1f} s; "
             + (f"{loaded} program(s) loaded from the compilation cache {cache}" if loaded else
                f"compilation cache: {cache}"))
     for line in describe_data(built.cfg, data):
         say(line)
     cfg, model = built.cfg, built.model
     return Run(cfg, mesh, data, model, zero, built.init_fn, accounting, data_id,
-               _evaluator(cfg, model, zero, data, say), _sampler(cfg, model, data), lock, say, out)
+               _evaluator(cfg, model, zero, data, say), _sampler(cfg, model, data), lock, say, out, compile_s)
 
 
 def _lock_directories(cfg: Config, held: contextlib.ExitStack) -> RunLock | None:
@@ -223,6 +229,17 @@ def _start(opened: Run, resume: str, overwrite: bool, held: contextlib.ExitStack
     if opened.lock is not None:
         start.checkpoints.health = opened.lock.check
     return start
+
+
+def _record_launch(opened: Run, start: Start, start_s: float) -> None:
+    """This launch's line in launches.jsonl (zerolm.launches), before metrics.jsonl drops the steps it retrains."""
+    cfg, peak = opened.cfg, opened.accounting.peak
+    facts = {**run_facts(cfg, opened.zero, opened.accounting), "peak_flops": peak.flops if peak else None}
+    where = cfg.checkpoint_dir if storage.is_remote(cfg.checkpoint_dir) else str(Path(cfg.checkpoint_dir).absolute())
+    launches.append(cfg.log_dir, launches.Launch(
+        time=time.time(), start_step=start.step, last_logged_step=launches.last_logged_step(cfg.log_dir),
+        compile_s=opened.compile_s, start_s=start_s, checkpoint_dir=where, wandb_id=start.wandb_id,
+        config=cfg.model_dump(), facts=facts, data=data_facts(opened.data)))
 
 
 def _say_done(opened: Run, summary: dict[str, float], state: TrainState) -> None:

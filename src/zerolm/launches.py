@@ -1,0 +1,79 @@
+"""Every launch of a run, one JSON line each in `<logging.dir>/launches.jsonl`: what the run's other files do
+not keep (`zerolm report` reads it).
+
+A run is often launched several times (a preemption, a crash, more steps): each launch appends its record
+before its first step, on the host that writes metrics.jsonl. The record holds the run's facts as that launch
+saw them (the resolved config, the parameter count, devices and mesh, the data's size), the seconds it spent
+compiling the step and restoring (or initialising) the state, and the last step metrics.jsonl held before it
+started: a resume from an earlier checkpoint drops the later steps from metrics.jsonl, and the difference is
+the steps the interruption lost, recorded nowhere else. Runs of a zerolm before this file existed have none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+NAME = "launches.jsonl"
+VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    time: float  # when the launch's first step was about to run (seconds since the epoch)
+    start_step: int  # the step it starts after: 0 fresh, else the checkpoint it restored
+    last_logged_step: int  # the last step metrics.jsonl held before this launch (0: none)
+    compile_s: float  # building and compiling the training step (compilation cache hits included)
+    start_s: float  # restoring the checkpoint of start_step, or initialising a fresh state
+    checkpoint_dir: str  # absolute where local
+    wandb_id: str  # the wandb run the metrics go to (where logging.wandb is not disabled)
+    config: dict[str, Any]  # the resolved config (zerolm.config.Config.model_dump())
+    facts: dict[str, Any]  # zerolm.header.run_facts, and the device's peak FLOP/s (None: unknown)
+    data: list[dict[str, Any]]  # per training dataset: name, location, train samples and tokens, mixture weight
+    version: int = VERSION
+
+    @property
+    def steps_lost(self) -> int:
+        """Steps logged by an earlier launch after the checkpoint this one restored: trained again."""
+        return max(self.last_logged_step - self.start_step, 0)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Launch:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+
+def last_logged_step(log_dir: Path) -> int:
+    """The last step metrics.jsonl holds (0: no file, or no complete line)."""
+    path = log_dir / "metrics.jsonl"
+    last = 0
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                last = max(last, int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a kill
+    return last
+
+
+def append(log_dir: Path, launch: Launch) -> None:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with (log_dir / NAME).open("a") as f:
+        f.write(json.dumps(dataclasses.asdict(launch)) + "\n")
+
+
+def read(log_dir: Path) -> list[Launch]:
+    """The run's launches in order ([] for a run of a zerolm that did not record them); a line cut short by
+    a kill is left out."""
+    path = log_dir / NAME
+    if not path.exists():
+        return []
+    launches = []
+    for line in path.read_text().splitlines():
+        try:
+            launches.append(Launch.from_json(json.loads(line)))
+        except (ValueError, TypeError):
+            continue
+    return launches
