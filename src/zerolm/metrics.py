@@ -66,21 +66,7 @@ class MetricsWriter:
         self.path = log_dir / "metrics.jsonl"
         _drop_after(self.path, resume_step)
         self._file = self.path.open("a")
-        mode: Any = os.environ.get("WANDB_MODE", wandb_run.mode)  # wandb checks the value
-        if mode == "online" and not wandb_credentials():
-            mode = "offline"
-            say(f"wandb: no credentials on this host (WANDB_API_KEY, or `wandb login`): logging offline to "
-                f"{log_dir / 'wandb'}; upload it later with `wandb sync {log_dir / 'wandb'}/offline-run-*`")
-        if mode != "disabled":
-            home = (log_dir / "wandb").absolute()
-            self._env_before = {v: os.environ.get(v) for v in _WANDB_DIRS}
-            for variable, sub in _WANDB_DIRS.items():
-                if self._env_before[variable] is None:
-                    os.environ[variable] = str(home / sub) if sub else str(log_dir.absolute())
-            import wandb
-
-            self._wandb = wandb.init(project=wandb_run.project, name=wandb_run.name, config=wandb_run.config,
-                                     dir=str(log_dir.absolute()), mode=mode, id=wandb_run.id, resume="allow")
+        self._wandb, self._env_before = start_wandb(log_dir, wandb_run, say)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -102,11 +88,37 @@ class MetricsWriter:
     def close(self) -> None:
         if self.enabled:
             self._file.close()
-            if self._wandb is not None:
-                self._wandb.finish()
-                for variable, value in self._env_before.items():
-                    if value is None:
-                        os.environ.pop(variable, None)
+            finish_wandb(self._wandb, self._env_before)
+
+
+def start_wandb(log_dir: Path, wandb_run: WandbRun, say=print) -> tuple[Any, dict[str, str | None]]:
+    """The wandb run `wandb_run` names, started (or continued: resume="allow") with everything it writes under
+    `<log_dir>/wandb`, and the environment it changed (for finish_wandb); (None, {}) where wandb is disabled."""
+    mode: Any = os.environ.get("WANDB_MODE", wandb_run.mode)  # wandb checks the value
+    if mode == "online" and not wandb_credentials():
+        mode = "offline"
+        say(f"wandb: no credentials on this host (WANDB_API_KEY, or `wandb login`): logging offline to "
+            f"{log_dir / 'wandb'}; upload it later with `wandb sync {log_dir / 'wandb'}/offline-run-*`")
+    if mode == "disabled":
+        return None, {}
+    home = (log_dir / "wandb").absolute()
+    env_before = {v: os.environ.get(v) for v in _WANDB_DIRS}
+    for variable, sub in _WANDB_DIRS.items():
+        if env_before[variable] is None:
+            os.environ[variable] = str(home / sub) if sub else str(log_dir.absolute())
+    import wandb
+
+    return wandb.init(project=wandb_run.project, name=wandb_run.name, config=wandb_run.config,
+                      dir=str(log_dir.absolute()), mode=mode, id=wandb_run.id, resume="allow"), env_before
+
+
+def finish_wandb(run: Any, env_before: dict[str, str | None]) -> None:
+    """Finish a run start_wandb started, and put back the environment it changed."""
+    if run is not None:
+        run.finish()
+        for variable, value in env_before.items():
+            if value is None:
+                os.environ.pop(variable, None)
 
 
 def wandb_credentials() -> bool:
