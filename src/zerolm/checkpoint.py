@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -237,6 +238,16 @@ class Checkpoints:
                                   "parallelism); use it with the zerolm that wrote it, or start over with --resume "
                                   "never --overwrite")
         return meta
+
+    def param_count(self, step: int) -> int:
+        """How many parameters checkpoint `step` holds, from its arrays' recorded shapes (nothing restored)."""
+        try:
+            with quiet_orbax():
+                tree = ocp.PyTreeCheckpointer().metadata(self.directory / str(step) / "state").item_metadata
+            return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree["params"]))
+        except Exception as e:  # orbax raises many types for a damaged directory
+            raise DamagedCheckpoint(step, self.directory / str(step), "cannot read its arrays' shapes "
+                                    f"({type(e).__name__}: {first_line(e)})") from None
 
     def restore_params(self, step: int, target: Any) -> Any:
         """Only the parameters of `step`, into `target` (abstract arrays with the shardings wanted,

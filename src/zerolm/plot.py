@@ -100,8 +100,33 @@ def figure(run_dirs: list[Path], skip_steps: int = 1):
     return fig
 
 
+def perplexity_figure(run_dir: Path):
+    """One run's train perplexity (line) and validation perplexity (markers) against tokens seen, log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_run(run_dir)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    x, y = series(records, "perplexity")
+    ax.plot(x[np.isfinite(y)], y[np.isfinite(y)], lw=1, label="train")
+    x, y = series(records, "val_perplexity")
+    if len(x):
+        ax.plot(x, y, "o--", ms=4, label="val")
+    ax.set(title="perplexity", xlabel="tokens seen", ylabel="exp(loss)", yscale="log")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def write(run_dirs: list[Path], out: Path, skip_steps: int = 1) -> Path:
-    fig = figure(run_dirs, skip_steps)
+    return save(figure(run_dirs, skip_steps), out)
+
+
+def save(fig, out: Path) -> Path:
+    """`fig` as the PNG `out` (its directory made), closed."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     import matplotlib.pyplot as plt
