@@ -17,7 +17,8 @@ import pytest
 
 import runs
 from conftest import REPO
-from runs import STEPS, command, env, kill_9_after, losses, release, snapshot, start_and_wait, start_held, train
+from runs import STEPS, command, env, kill_9_after, logged_steps, losses, release, snapshot, start_and_wait, start_held, train
+from zerolm import launches
 from zerolm.checkpoint import SIZES_ONLY, Checkpoints
 from zerolm.data.prepare import prepare
 from zerolm.exitcodes import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED
@@ -37,9 +38,14 @@ def test_kill_9_then_resume_is_bit_identical(straight, tmp_path):
     _, reference = straight
     kill_before = int(np.random.default_rng().integers(6, 15))  # a random step after the first checkpoint
     kill_9_after(tmp_path, before_step=kill_before)
-    assert Checkpoints(tmp_path / "ckpt", read_only=True).latest_step() in (4, 8, 12)
+    latest = Checkpoints(tmp_path / "ckpt", read_only=True).latest_step()
+    assert latest in (4, 8, 12)
+    logged = logged_steps(tmp_path)
     train(tmp_path)
     assert losses(tmp_path) == reference, f"killed before step {kill_before}"
+    first, second = launches.read(tmp_path / "log")  # the steps the kill lost, recorded by the next launch
+    assert (first.start_step, second.start_step, second.last_logged_step, second.steps_lost) == \
+        (0, latest, logged, logged - latest)
 
 
 def test_crash_during_a_save_leaves_the_previous_checkpoint_latest(straight, tmp_path):

@@ -37,6 +37,8 @@ COMMANDS = {
     "eval": ("eval", "the held-out loss and perplexity of a checkpoint"),
     "sample": ("sample", "continue a prompt with a checkpoint's model (KV cache)"),
     "plot": ("plot", "loss, throughput, MFU and lr of runs, as a PNG"),
+    "report": ("report", "a run's training log (model, data, hardware, speed, curves, tasks, where the time "
+                         "went) as markdown and PNGs in RUN_DIR/report"),
     "export-hf": ("export_hf", "a checkpoint as a Hugging Face GPT-2 model directory"),
     "grow": ("grow", "a deeper model from a trained one (layers repeated), as a checkpoint train.init_from starts from"),
     "plan": ("plan", "per-device memory of ZeRO stages 0-3, the micro-batch that fits, and the step time, before "

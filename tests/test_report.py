@@ -1,0 +1,85 @@
+"""`zerolm report RUN_DIR`: a run's training log, every figure on it read from the run's own files."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from runs import zerolm
+from zerolm import launches, report
+from zerolm.checkpoint import Checkpoints
+
+SECTIONS = ["## Model", "## Data", "## Hardware and mesh", "## Throughput and MFU",
+            "## Loss, perplexity and learning rate", "## Downstream tasks", "## Where the time went", "## Launches"]
+
+
+@pytest.fixture
+def log_dir(trained_run, tmp_path):
+    """The trained run's logging directory, copied (the report writes into it); its checkpoints stay where
+    launches.jsonl says they are."""
+    shutil.copytree(trained_run / "log", tmp_path / "log")
+    return tmp_path / "log"
+
+
+def rows(log_dir):
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_report_of_a_finished_run_has_every_section_with_the_runs_own_figures(trained_run, log_dir):
+    out = zerolm("report", log_dir, devices=1).stdout
+    page = log_dir / "report" / "README.md"
+    assert out.strip() == str(page)
+    text = page.read_text()
+    assert [s for s in SECTIONS if s in text] == SECTIONS
+    for png in ("curves.png", "perplexity.png"):
+        assert f"]({png})" in text and (log_dir / "report" / png).read_bytes()[:4] == b"\x89PNG"
+
+    steps = [r for r in rows(log_dir) if "loss" in r]
+    assert f"**{int(steps[-1]['tokens_seen']):,} tokens seen** in 16 steps" in text
+    ckpts = Checkpoints(trained_run / "ckpt", read_only=True)
+    params = ckpts.param_count(16)
+    assert params == launches.read(log_dir)[0].facts["params"]  # the launch's record and the arrays agree
+    assert f"**{params:,} parameters** (the run's record); the checkpoint of step 16 holds {params:,}." in text
+    location = Path(launches.read(log_dir)[0].data[0]["location"])
+    dataset = json.loads((location / "manifest.json").read_text())["splits"]["train"]  # the dataset's own record
+    epochs = 16 * 16 / dataset["samples"]  # 16 steps of 16 sequences
+    assert f"| {dataset['tokens']:,} | {dataset['samples']:,} | {epochs:.3f} |" in text
+    assert "- mesh dp = 8 × tp = 1; ZeRO-1" in text and "8 × `cpu` device(s) in 1 process(es)" in text
+    assert "median MFU | not logged: the device's peak is unknown" in text  # a CPU has no peak in the table
+    saves = sum(r.get("save_s", 0.0) for r in rows(log_dir))
+    assert f"| saving checkpoints | {saves:,.1f} |" in text
+    assert f"| compiling the training step | {launches.read(log_dir)[0].compile_s:,.1f} |" in text
+    assert "No downstream tasks were evaluated" in text
+    assert "1 launch(es), 0 of them continuing the run; 0 step(s) lost" in text
+
+
+def test_the_downstream_tasks_logged_are_the_reports_table(log_dir):
+    with (log_dir / "metrics.jsonl").open("a") as f:
+        for step, acc in ((8, 0.25), (16, 0.5)):
+            f.write(json.dumps({"step": step, "tasks/cloze/acc": acc, "tasks/choice/acc_norm": acc / 2}) + "\n")
+    text = report.write(report.read(log_dir)).read_text()
+    assert "| task | metric | step 8 | step 16 |" in text
+    assert "| choice | acc_norm | 0.1250 | 0.2500 |" in text and "| cloze | acc | 0.2500 | 0.5000 |" in text
+    assert "No downstream tasks" not in text
+
+
+def test_a_run_without_launches_says_what_it_did_not_record(trained_run, log_dir):
+    (log_dir / launches.NAME).unlink()  # as a run of a zerolm before launches.jsonl
+    text = "\n".join(report.markdown(report.read(log_dir)))
+    assert "| compiling the training step | not recorded by this run |" in text
+    assert "Steps lost to interruptions: not recorded by this run." in text
+    assert "The model's config: not recorded by this run" in text and "## Launches" not in text
+    # its checkpoints named: the config, mesh and parameter count from the newest checkpoint's own record
+    text = "\n".join(report.markdown(report.read(log_dir, str(trained_run / "ckpt"))))
+    params = Checkpoints(trained_run / "ckpt", read_only=True).param_count(16)
+    assert f"**{params:,} parameters** (counted in the newest checkpoint's arrays)" in text
+    assert "mesh dp = 8 × tp = 1 in 1 process(es)" in text and "| `model.n_layer` | `2` |" in text
+
+
+@pytest.mark.parametrize("where,message", [("{tmp}/nowhere", "{tmp}/nowhere: no such directory"),
+                                           ("{run}/ckpt", "{run}/ckpt: no metrics.jsonl")])
+def test_a_directory_that_is_not_a_run_is_one_line_and_exit_2(trained_run, tmp_path, where, message):
+    proc = zerolm("report", where.format(tmp=tmp_path, run=trained_run), expect=2, devices=1)
+    assert proc.stderr.startswith(f"error: {message.format(tmp=tmp_path, run=trained_run)}")
+    assert proc.stderr.count("\n") == 1 and not (trained_run / "ckpt" / "report").exists()
