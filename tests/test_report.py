@@ -83,3 +83,8 @@ def test_a_directory_that_is_not_a_run_is_one_line_and_exit_2(trained_run, tmp_p
     proc = zerolm("report", where.format(tmp=tmp_path, run=trained_run), expect=2, devices=1)
     assert proc.stderr.startswith(f"error: {message.format(tmp=tmp_path, run=trained_run)}")
     assert proc.stderr.count("\n") == 1 and not (trained_run / "ckpt" / "report").exists()
+
+
+def test_wandb_is_refused_for_a_run_that_did_not_log_to_it(log_dir):
+    with pytest.raises(report.ReportError, match="the run did not log to wandb"):
+        report.log_to_wandb(report.read(log_dir), log_dir / "report" / "README.md")
