@@ -1,0 +1,116 @@
+"""Downstream tasks through lm-evaluation-harness: what `zerolm eval --tasks` and training's `eval.tasks` run
+(the model is zerolm.harness's backend; the tasks the harness's own, zerolm's (zerolm.tasks), or a
+directory of the user's).
+
+Offline by design: the harness reads a task's data from the Hugging Face hub, which a machine without
+internet cannot reach and would retry. Unless `download` is asked for (or HF_DATASETS_OFFLINE / HF_HUB_OFFLINE
+are already set), both are set, so a task whose data is not in this machine's Hugging Face cache fails at
+once, in one line that names it. Every task's data is loaded before the model is, so such a run stops
+in seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from zerolm.errors import UsageError, ZerolmError, first_line
+from zerolm.exitcodes import EXIT_USAGE
+
+# The harness bootstraps a perplexity's standard error in forked processes, which JAX's threads make unsafe:
+# serially instead, with 1,000 draws (its command's default is 100,000).
+BOOTSTRAP_ITERS = 1000
+OFFLINE = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+
+
+class TaskError(ZerolmError):
+    """A task that cannot run here: unknown, or its data not on this machine."""
+
+    exit_code = EXIT_USAGE
+
+
+def missing_harness() -> str | None:
+    """Why the harness cannot be imported (one line), or None."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError as e:
+        return f"lm-evaluation-harness is not installed ({first_line(e)}): pip install 'zerolm[eval]'"
+    return None
+
+
+def go_offline(download: bool = False) -> None:
+    """Hugging Face's offline switches on (unless `download`, or the user set them), before datasets is imported."""
+    os.environ.setdefault("DISABLE_MULTIPROC", "1")
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its per-task notes; the errors stay
+    if not download:
+        for variable in OFFLINE:
+            os.environ.setdefault(variable, "1")
+
+
+def task_manager(names: list[str], include_path: str | None = None):
+    """The harness's task index over zerolm's tasks and the directory `include_path` (--include-path), and
+    over the harness's own tasks too unless those hold every name (indexing its thousands takes seconds)."""
+    from lm_eval.tasks import TaskManager
+
+    from zerolm.tasks import DIRECTORY
+
+    paths = [str(DIRECTORY)]
+    if include_path is not None:
+        if not os.path.isdir(include_path):
+            raise UsageError(f"--include-path: {include_path} is not a directory of task definitions")
+        paths.append(include_path)
+    ours = TaskManager(include_path=paths, include_defaults=False)
+    return ours if set(names) <= set(ours.all_tasks) else TaskManager(include_path=paths)
+
+
+def check_tasks(names: list[str], manager) -> None:
+    """Each task is known and its data loads here (TaskError, one line, otherwise)."""
+    from zerolm.tasks import NAMES
+
+    if not names:
+        raise UsageError("--tasks: no task named (e.g. --tasks zerolm_cloze,zerolm_choice)")
+    for name in names:
+        if name not in manager.all_tasks:
+            raise TaskError(f"--tasks: unknown task {name!r} (zerolm's: {', '.join(NAMES)}; the harness's: "
+                            "`lm-eval ls tasks`; your own: --include-path DIR)")
+    for name in names:
+        try:
+            manager.load([name])
+        except OSError as e:  # datasets' ConnectionError (offline) and DatasetNotFoundError (a FileNotFoundError)
+            offline = os.environ.get("HF_DATASETS_OFFLINE", "0") not in ("0", "false", "")
+            raise TaskError(f"--tasks: {name}: its data is not on this machine ({first_line(e, 160)})"
+                            + ("; download it on a machine with internet (zerolm eval --tasks "
+                               f"{name} --download, which fills ~/.cache/huggingface) and copy that cache here"
+                               if offline else "")) from None
+
+
+def evaluate(lm, names: list[str], manager, limit: int | None = None, bootstrap_iters: int = BOOTSTRAP_ITERS,
+             log_samples: bool = False) -> dict[str, Any]:
+    """The harness's results for `names` with the model `lm` (a zerolm.harness.ZerolmLM)."""
+    import lm_eval
+
+    results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
+                                      bootstrap_iters=bootstrap_iters, log_samples=log_samples)
+    assert results is not None  # None only on ranks other than 0 of the harness's own multi-process runs
+    return results
+
+
+def metrics(results: dict[str, Any]) -> dict[str, float]:
+    """The results as `tasks/<task>/<metric>` numbers (the harness's metric names, its ",none" filter suffix
+    dropped; other filters keep theirs; standard errors and alias/name fields left out)."""
+    out = {}
+    for task, values in results["results"].items():
+        for key, value in values.items():
+            metric, _, filter_name = key.partition(",")
+            if not filter_name or "_stderr" in metric or not isinstance(value, int | float):
+                continue
+            name = metric if filter_name == "none" else f"{metric},{filter_name}"
+            out[f"tasks/{task}/{name}"] = float(value)
+    return out
+
+
+def table(results: dict[str, Any]) -> str:
+    from lm_eval.utils import make_table
+
+    return make_table(results) + ("\n" + make_table(results, "groups") if results.get("groups") else "")
