@@ -1,4 +1,6 @@
-"""`zerolm eval --checkpoint DIR`: the held-out loss and perplexity of a checkpoint (zerolm.evaluate)."""
+"""`zerolm eval --checkpoint DIR`: the held-out loss and perplexity of a checkpoint (zerolm.evaluate); with
+`--tasks a,b`, downstream tasks through lm-evaluation-harness instead (zerolm.downstream), their table printed
+and their results written beside the checkpoint as lm-eval-step<N>.json."""
 
 from __future__ import annotations
 
@@ -23,6 +25,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="evaluate at a context of N tokens (default: the trained model.seq_len); past it only "
                              "for ALiBi models (model.position: alibi): each sequence joins consecutive samples")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a sentence")
+    tasks = parser.add_argument_group("downstream tasks (lm-evaluation-harness: pip install 'zerolm[eval]')")
+    tasks.add_argument("--tasks", default=None, metavar="A,B",
+                       help="the harness's tasks instead of the held-out loss: zerolm's own (zerolm_cloze, zerolm_choice, "
+                            "zerolm_text), the harness's (lambada_openai, piqa, hellaswag, wikitext, ...), or yours")
+    tasks.add_argument("--include-path", default=None, metavar="DIR", help="a directory of your own task definitions "
+                       "(the harness's --include_path)")
+    tasks.add_argument("--limit", type=int, default=None, metavar="N", help="each task's first N documents")
+    tasks.add_argument("--batch-size", type=int, default=None, metavar="N",
+                       help="requests per batch, rounded up to a multiple of the devices (default: 8)")
+    tasks.add_argument("--download", action="store_true",
+                       help="let the harness download task data (a machine with internet); otherwise it runs offline")
     return parser
 
 
@@ -31,6 +44,8 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     from zerolm.evaluate import evaluate_checkpoint
     from zerolm.storage import check
 
+    if args.tasks is not None:
+        return run_tasks(args, out)
     if args.sequences is not None and args.sequences <= 0:
         raise UsageError(f"--sequences: {args.sequences} must be > 0")
     if args.seq_len is not None and args.seq_len <= 0:
@@ -48,3 +63,41 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
               f"({result['tokens']:,} tokens) of "
               f"{result['dataset']}", file=out)
     return 0
+
+
+def run_tasks(args: argparse.Namespace, out=sys.stdout) -> int:
+    """The harness's tasks on the checkpoint: the table printed, the results JSON written beside it."""
+    from zerolm import downstream
+    from zerolm.storage import check
+
+    for flag, value in (("--limit", args.limit), ("--batch-size", args.batch_size)):
+        if value is not None and value <= 0:
+            raise UsageError(f"{flag}: {value} must be > 0")
+    if problem := downstream.missing_harness():
+        raise UsageError(f"--tasks: {problem}")
+    check(args.checkpoint, "--checkpoint")
+    downstream.go_offline(args.download)
+    names = [name.strip() for name in args.tasks.split(",") if name.strip()]
+    manager = downstream.task_manager(names, args.include_path)
+    downstream.check_tasks(names, manager)  # before the model: an unknown task or missing data in seconds
+
+    from zerolm.harness import ZerolmLM, load_checkpoint
+
+    loaded = load_checkpoint(args.checkpoint)
+    results = downstream.evaluate(ZerolmLM(loaded=loaded, batch_size=args.batch_size), names, manager, args.limit)
+    where = write_results(results, loaded.checkpoints, loaded.step)
+    print(downstream.table(results), file=out)
+    print(f"results: {where}", file=out)
+    return 0
+
+
+def write_results(results: dict, checkpoints: str, step: int):
+    """The harness's results as JSON in the checkpoint's directory (local or gs://): lm-eval-step<N>.json."""
+    import jax
+
+    from zerolm.storage import path
+
+    target = path(checkpoints) / f"lm-eval-step{step}.json"
+    if jax.process_index() == 0:
+        target.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    return target

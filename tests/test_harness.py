@@ -1,0 +1,134 @@
+"""Downstream tasks through lm-evaluation-harness (zerolm.harness, zerolm.downstream, zerolm.tasks): the zerolm
+backend gives the harness's own `hf` backend's numbers on the exported model, the same on any layout the
+parameters are sharded in, and `zerolm eval --tasks` writes them beside the checkpoint; bad tasks are one line."""
+
+import json
+
+import jax
+import pytest
+
+from conftest import TINY
+from runs import SMALL, zerolm
+
+pytest.importorskip("lm_eval")
+pytestmark = pytest.mark.slow  # a trained run
+
+TASKS = ["zerolm_cloze", "zerolm_choice", "zerolm_text"]
+METRICS = {"zerolm_cloze": ["acc", "perplexity"], "zerolm_choice": ["acc", "acc_norm"],
+           "zerolm_text": ["word_perplexity", "byte_perplexity", "bits_per_byte"]}
+LIMIT = 12
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    from zerolm import downstream
+
+    for variable in (*downstream.OFFLINE, "DISABLE_MULTIPROC"):
+        monkeypatch.setenv(variable, "1")
+
+
+def task_numbers(lm) -> dict[str, float]:
+    from zerolm import downstream
+
+    results = downstream.evaluate(lm, TASKS, downstream.task_manager(TASKS), limit=LIMIT, bootstrap_iters=0)
+    numbers = downstream.metrics(results)
+    assert sorted(numbers) == sorted(f"tasks/{t}/{m}" for t, ms in METRICS.items() for m in ms)
+    return numbers
+
+
+def test_the_shipped_task_files_are_what_the_corpus_builds(tmp_path):
+    from zerolm import tasks
+
+    built = tasks.build(tmp_path)
+    for name in tasks.NAMES:
+        assert built[name].read_bytes() == (tasks.DIRECTORY / f"{name}.jsonl").read_bytes(), name
+    cloze = [json.loads(line) for line in built["zerolm_cloze"].read_text().splitlines()]
+    choice = [json.loads(line) for line in built["zerolm_choice"].read_text().splitlines()]
+    assert len(cloze) > 250 and all(item["text"].split()[-1].isalpha() for item in cloze)
+    assert len(choice) > 250 and {item["label"] for item in choice} == {0, 1, 2, 3}
+    assert all(len(set(item["endings"])) == 4 for item in choice)
+
+
+def test_zerolm_backend_gives_the_hf_backends_numbers_on_the_exported_model(trained_run, tmp_path):
+    import lm_eval
+
+    from zerolm import downstream
+    from zerolm.harness import ZerolmLM
+
+    zerolm("export-hf", "--checkpoint", trained_run / "ckpt", "--out", tmp_path / "hf", devices=1)
+    ours = ZerolmLM(checkpoint=str(trained_run / "ckpt"), batch_size=5)  # 5 rows: rounded up to 8 on 8 devices
+    got = task_numbers(ours)
+    assert ours.scorer.batch_rows == 8 and ours.max_length == 32
+    hf = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={tmp_path / 'hf'},dtype=float32", tasks=TASKS,
+                                 limit=LIMIT, task_manager=downstream.task_manager(TASKS), bootstrap_iters=0,
+                                 batch_size=4, device="cpu")
+    want = downstream.metrics(hf)
+    assert got == pytest.approx(want, rel=1e-5)
+    assert 0 < got["tasks/zerolm_choice/acc"] < 1 and got["tasks/zerolm_text/bits_per_byte"] > 0
+
+
+def restored_on(trained_run, *sets: str, dp: int, tp: int = 1):
+    """The run's last checkpoint restored as training would restore it on a (dp, tp) mesh with `sets`."""
+    from zerolm.checkpoint import Checkpoints
+    from zerolm.config import load_config
+    from zerolm.harness import Loaded
+    from zerolm.mesh import make_mesh
+    from zerolm.restored import load
+    from zerolm.step import build_step
+
+    cfg = load_config(TINY, [*SMALL, "model.vocab_size=2048", f"mesh.tp={tp}", *sets], device_count=dp * tp)
+    model, zero, _ = build_step(cfg, make_mesh(dp, tp, jax.devices()[:dp * tp]))
+    state, _ = Checkpoints(trained_run / "ckpt", read_only=True).restore(16, zero, cfg.model.model_dump())
+    return Loaded(model, state.params, zero.table.mesh, load(str(trained_run / "ckpt")).tokenizer())
+
+
+def test_the_same_numbers_at_dp_8_tp_2_and_stage_3_as_on_one_device(trained_run):
+    from zerolm.harness import ZerolmLM
+
+    one = task_numbers(ZerolmLM(loaded=restored_on(trained_run, dp=1)))
+    for sets, dp, tp in [((), 8, 1), ((), 4, 2), (("zero.stage=3", "zero.grad_reduce=reduce_scatter"), 8, 1)]:
+        lm = ZerolmLM(loaded=restored_on(trained_run, *sets, dp=dp, tp=tp), batch_size=8)
+        assert lm.scorer.batch_rows == 8
+        assert task_numbers(lm) == pytest.approx(one, rel=1e-5), (sets, dp, tp)
+
+
+def test_generate_until_is_the_greedy_sample_cut_at_the_stop_sequence(trained_run):
+    from lm_eval.api.instance import Instance
+
+    from zerolm.harness import ZerolmLM
+    from zerolm.sample import Sampling, generate
+
+    lm = ZerolmLM(checkpoint=str(trained_run / "ckpt"))
+    tok, model = lm.zerolm_tokenizer, lm.loaded
+    prompt = tok.encode("And God said,").tolist()
+    greedy = tok.decode(generate(model.model, model.params, prompt, 12, Sampling(temperature=0), tok.eot_id)[len(prompt):])
+    stop = greedy.strip().split(" ")[1]
+    request = lambda until: Instance("generate_until", {}, ("And God said,", {"until": until, "max_gen_toks": 12}), 0)
+    full, cut = lm.generate_until([request([]), request([stop])])
+    assert full == greedy and cut == greedy.split(stop)[0] and len(cut) < len(full)
+
+
+def test_eval_tasks_prints_the_table_and_writes_the_results_beside_the_checkpoint(trained_run):
+    out = zerolm("eval", "--checkpoint", trained_run / "ckpt" / "12", "--tasks", "zerolm_cloze,zerolm_text",
+                 "--limit", "4", devices=2).stdout
+    written = trained_run / "ckpt" / "lm-eval-step12.json"
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("|")]
+    assert f"results: {written}" in out and {"zerolm_cloze", "zerolm_text"} < set(rows) and "bits_per_byte" in out
+    results = json.loads(written.read_text())
+    assert sorted(results["results"]) == ["zerolm_cloze", "zerolm_text"]
+    assert results["config"]["model_name"] == f"{trained_run / 'ckpt'} step 12"
+    assert results["results"]["zerolm_text"]["sample_len"] == 4
+
+
+@pytest.mark.parametrize("tasks, message", [
+    ("zerolm_cloze,nosuch", "--tasks: unknown task 'nosuch' (zerolm's: zerolm_cloze, zerolm_choice, zerolm_text; "
+     "the harness's: `lm-eval ls tasks`; your own: --include-path DIR)"),
+    ("lambada_openai", "--tasks: lambada_openai: its data is not on this machine (Couldn't reach "
+     "'EleutherAI/lambada_openai' on the Hub (OfflineModeIsEnabled)); download it on a machine with internet"),
+])
+def test_an_unknown_task_or_one_without_its_data_is_one_line_and_exit_2(trained_run, tasks, message, capsys):
+    from zerolm.commands import main
+
+    assert main(["eval", "--checkpoint", str(trained_run / "ckpt"), "--tasks", tasks]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: {message}")
