@@ -98,12 +98,13 @@ def test_the_checks_see_the_old_circle_and_wrong_arrow(graph):
 # The floors, top to bottom (docs/layout.md): a module imports only from its own floor or below. A module
 # takes the floor of the longest prefix named here.
 FLOORS = {
-    "commands": ("zerolm.cli", "zerolm.commands"),
+    "commands": ("zerolm.cli", "zerolm.commands", "zerolm.lm_eval_cli"),
     "run": ("zerolm.train", "zerolm.resume", "zerolm.preemption", "zerolm.metrics", "zerolm.profiling",
             "zerolm.compilation_cache", "zerolm.library_log", "zerolm.launch", "zerolm.evaluate", "zerolm.sample",
             "zerolm.export", "zerolm.hf_layouts", "zerolm.restored", "zerolm.plot", "zerolm.aot", "zerolm.advice", "zerolm.comms",
             "zerolm.census", "zerolm.plan", "zerolm.checkpoint", "zerolm.header", "zerolm.run_data", "zerolm.warm_start",
-            "zerolm.grow", "zerolm.step_time", "zerolm.fastest", "zerolm.report", "zerolm.launches"),
+            "zerolm.grow", "zerolm.step_time", "zerolm.fastest", "zerolm.report", "zerolm.launches",
+            "zerolm.harness", "zerolm.downstream", "zerolm.tasks"),
     "step": ("zerolm.step", "zerolm.zero", "zerolm.sharded_grad", "zerolm.scatter", "zerolm.optim", "zerolm.naive",
              "zerolm.model", "zerolm.losses", "zerolm.device_policy"),
     "parts": ("zerolm", "zerolm.config", "zerolm.storage", "zerolm.mesh", "zerolm.sharding", "zerolm.attention",
