@@ -84,7 +84,7 @@ class Scorer:
         self.rows_sharding = row_sharding(mesh)
         replicated = NamedSharding(mesh, P())  # every process reads the scores (a multi-host mesh too)
         self._program = jax.jit(functools.partial(_row_scores, model), out_shardings=(replicated, replicated))
-        self.batches = 0  # batches run, for the benchmark and the tests
+        self.batches = self.requests = 0  # batches run and sequences scored: for the benchmark and the tests
 
     def _global(self, host: np.ndarray) -> jax.Array:
         return jax.make_array_from_callback(host.shape, self.rows_sharding, lambda index: host[index])
@@ -92,6 +92,7 @@ class Scorer:
     def score(self, sequences: Sequence[np.ndarray], n_scored: Sequence[int]) -> list[tuple[float, bool]]:
         """For each sequence (at most seq_len + 1 tokens): the log-probability of its last `n_scored` tokens
         given those before, and whether each is the model's most likely next token."""
+        self.requests += len(sequences)
         order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
         out: list[tuple[float, bool]] = [(0.0, False)] * len(sequences)
         for start in range(0, len(order), self.batch_rows):
