@@ -226,7 +226,7 @@ def main() -> None:
                 continue
             best = min(ok, key=lambda r: r["step_s"] / r["micro"])
             cfg, model, abstract, _ = load(args, config, best["micro"], best["remat"])
-            fpt = flops_per_token(gpt_model.count_params(abstract, exclude_positions=True), cfg.model.n_layer,
+            fpt = flops_per_token(gpt_model.count_params(abstract, matmul_only=True), cfg.model.n_layer,
                                   cfg.model.d_model, cfg.model.seq_len)
             tokens = cfg.train.global_batch_size * cfg.model.seq_len
             if args.repeat_best:

@@ -105,7 +105,7 @@ def main() -> None:
     G, T = cfg.train.global_batch_size, cfg.model.seq_len
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, cfg.model.vocab_size, (G, T + 1)).astype(np.int32) for _ in range(2)]
-    fpt = flops_per_token(cfg, gpt_model.count_params(abstract, exclude_positions=True))
+    fpt = flops_per_token(cfg, gpt_model.count_params(abstract, matmul_only=True))
     peak, peak_note = peak_flops()
 
     results = []

@@ -28,7 +28,7 @@ def test_mfu_of_gpt3_small_on_an_h100_by_hand():
     cfg = load_config(REPO / "configs" / "125m.yaml", ["model.vocab_size=50257"])
     model = gpt_model.GPT(for_device(cfg.model))
     abstract = jax.eval_shape(lambda k: gpt_model.init_params(model, k), jax.random.key(0))
-    assert gpt_model.count_params(abstract, exclude_positions=True) == n
+    assert gpt_model.count_params(abstract, matmul_only=True) == n
 
 
 def test_tpu_v3_peak_is_per_core_and_the_seed_notes_67_percent_warns():

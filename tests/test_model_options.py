@@ -15,6 +15,9 @@ from zerolm.device_policy import for_device
 pytestmark = requires_devices(8)
 
 
+# The Llama layout: rotary positions, RMSNorm, SwiGLU, two key/value heads for four query heads, untied.
+LLAMA = ("model.position=rope", "model.norm=rmsnorm", "model.mlp=swiglu", "model.mlp_hidden=64", "model.n_kv_head=2",
+         "model.tie_embeddings=false", "model.bias=false")
 DROPOUT = ("model.residual_dropout=0.2", "model.attention_dropout=0.2", "model.embedding_dropout=0.1")
 
 
@@ -22,7 +25,12 @@ DROPOUT = ("model.residual_dropout=0.2", "model.attention_dropout=0.2", "model.e
     ("model.position=alibi", *DROPOUT, "model.attention=xla", "model.scan_layers=true"),
     ("model.position=alibi", "model.bias=false", *DROPOUT, "model.attention=blockwise", "model.attention_block=8",
      "model.scan_layers=false", "model.remat=full", "model.document_mask=true", "model.eot_id=3"),
-], ids=["alibi-dropout-xla-scan", "alibi-nobias-dropout-blockwise-unrolled-remat-documents"])
+    ("model.attention=xla", "model.scan_layers=true", *LLAMA),
+    (*LLAMA, "model.n_kv_head=auto", "model.attention=blockwise", "model.attention_block=8", "model.scan_layers=false",
+     "model.remat=full", "model.document_mask=true", "model.eot_id=3", "model.document_positions=restart",
+     *DROPOUT),
+], ids=["alibi-dropout-xla-scan", "alibi-nobias-dropout-blockwise-unrolled-remat-documents", "llama-gqa-xla-scan",
+        "llama-blockwise-unrolled-remat-documents-restart-dropout"])
 def test_model_options_step_like_one_device_at_every_layout(sets):
     """ZeRO-3 on dp 8 (every reduction and gather of the design) and ZeRO-1 on dp 4 × tp 2 (heads split: each
     device's heads keep their own slopes) against one device. (ZeRO-1 on dp 8 equals stage 3: test_zero_stages.)"""

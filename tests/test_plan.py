@@ -179,7 +179,7 @@ def test_plan_cli_json_and_text():
     (["--config", TINY, "--set", "model.n_layer=0"], "model.n_layer: Input should be greater than 0"),
     (["--config", "nope.yaml"], "nope.yaml: cannot read config file"),
     (["--params", "1e9", "--tp", "5"], "--tp: 5 does not divide"),
-    (["--config", C125M, "--tp", "5"], "--tp: 5 does not divide the 12 heads and the MLP width 3072 of"),
+    (["--config", C125M, "--tp", "5"], "--tp: 5 does not divide model.n_head=12 (tensor parallelism splits whole attention heads) of"),
     ([], "give the model as --config FILE or as --params N"),
     (["--params", "1e9", "--set", "model.n_layer=3"], "--set needs --config"),
     (["--params", "nan"], "--params: nan is not a number of parameters, devices or sequences"),

@@ -121,6 +121,9 @@ def causal_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.
         raise ValueError("ALiBi and attention dropout run in the xla and blockwise attentions (ALiBi also in cudnn), "
                          "not in pallas's kernel")
     if implementation == "pallas":
+        # The kernel takes as many key/value heads as query heads: grouped ones are repeated for it.
+        groups = q_BxTxHxK.shape[2] // k_BxTxHxK.shape[2]
+        k_BxTxHxK, v_BxTxHxK = (jnp.repeat(x, groups, axis=2) if groups > 1 else x for x in (k_BxTxHxK, v_BxTxHxK))
         q, k, v = (x.transpose(0, 2, 1, 3) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK))  # the kernel's (B, H, T, K)
         return pallas_attention(q, k, v, segment_ids_BxT, block_size(q_BxTxHxK.shape[1], block)).transpose(0, 2, 1, 3)
     raise ValueError(f"unknown attention implementation {implementation!r}; one of {', '.join(IMPLEMENTATIONS)}")
@@ -134,17 +137,20 @@ def _xla_with_dropout(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias: Bias):
     segment_ids_BxT, slopes_H, dropout = bias
     assert dropout is not None
     keys_B, layer, rate = dropout
-    T = q_BxTxHxK.shape[1]
-    s = jnp.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxTxHxK, preferred_element_type=jnp.float32)
-    s = s / math.sqrt(q_BxTxHxK.shape[-1])
+    B, T, H, K = q_BxTxHxK.shape
+    G = k_BxTxHxK.shape[2]  # key/value heads: query head h reads key/value head h // (H / G)
+    q_BxTxGxRxK = q_BxTxHxK.reshape(B, T, G, H // G, K)
+    s = jnp.einsum("btgrk,bsgk->bgrts", q_BxTxGxRxK, k_BxTxHxK, preferred_element_type=jnp.float32)
+    s = s.reshape(B, H, T, T) / math.sqrt(K)
     if slopes_H is not None:
         s = s + alibi_bias(slopes_H, jnp.arange(T), jnp.arange(T))
     visible = jnp.tril(jnp.ones((T, T), bool))[None, None]
     if segment_ids_BxT is not None:
         visible = visible & (segment_ids_BxT[:, None, :, None] == segment_ids_BxT[:, None, None, :])
     p = jax.nn.softmax(jnp.where(visible, s, _MASKED), axis=-1)
-    p = dropout_lib.drop(p, keys_B, rate, layer, dropout_lib.ATTENTION_PROBS)
-    return jnp.einsum("bhts,bshk->bthk", p.astype(v_BxTxHxK.dtype), v_BxTxHxK).astype(q_BxTxHxK.dtype)
+    p = dropout_lib.drop(p, keys_B, rate, layer, dropout_lib.ATTENTION_PROBS).reshape(B, G, H // G, T, T)
+    out = jnp.einsum("bgrts,bsgk->btgrk", p.astype(v_BxTxHxK.dtype), v_BxTxHxK).astype(q_BxTxHxK.dtype)
+    return out.reshape(B, T, H, K)
 
 
 def _dropped(p, bias: Bias, i, j):
@@ -163,29 +169,36 @@ def block_size(seq_len: int, block: int = BLOCK) -> int:
     return math.gcd(seq_len, block)
 
 
-def _blocks(x_BxTxHxK, block):
-    """(B, T, H, K) -> (T/block, B, H, block, K)."""
+def _blocks(x_BxTxHxK, block, groups=1):
+    """(B, T, H, K) -> (T/block, B, H/groups, groups·block, K): with grouped-query attention (`groups` query
+    heads per key/value head), a query block holds its key/value head's group as rows, (group, position)."""
     B, T, H, K = x_BxTxHxK.shape
-    return x_BxTxHxK.reshape(B, T // block, block, H, K).transpose(1, 0, 3, 2, 4)
+    x = x_BxTxHxK.reshape(B, T // block, block, H // groups, groups, K).transpose(1, 0, 3, 4, 2, 5)
+    return x.reshape(T // block, B, H // groups, groups * block, K)
 
 
-def _unblocks(x_NxBxHxCxK):
-    N, B, H, C, K = x_NxBxHxCxK.shape
-    return x_NxBxHxCxK.transpose(1, 0, 3, 2, 4).reshape(B, N * C, H, K)
+def _unblocks(x_NxBxGxRCxK, groups=1):
+    N, B, G, RC, K = x_NxBxGxRCxK.shape
+    x = x_NxBxGxRCxK.reshape(N, B, G, groups, RC // groups, K).transpose(1, 0, 4, 2, 3, 5)
+    return x.reshape(B, N * (RC // groups), G * groups, K)
 
 
-def _scores(q_BxHxCxK, k_BxHxCxK, i, j, block, bias: Bias = NO_BIAS):
+def _scores(q_BxGxRCxK, k_BxGxCxK, i, j, block, bias: Bias = NO_BIAS):
     """One block of scaled, causally masked float32 scores: query block i against key block j (and, with
-    segment ids, (T/block, B, block), only keys of the query's segment; with slopes, ALiBi's bias added)."""
+    segment ids, (T/block, B, block), only keys of the query's segment; with slopes, ALiBi's bias added).
+    A query block's rows are its key/value head's group of query heads, R of them, each over the block."""
     segs_NxBxC, slopes_H, _ = bias
-    s = jnp.einsum("bhqk,bhsk->bhqs", q_BxHxCxK, k_BxHxCxK, preferred_element_type=jnp.float32)
-    s = s / math.sqrt(q_BxHxCxK.shape[-1])
-    queries, keys = i * block + jnp.arange(block), j * block + jnp.arange(block)
-    if slopes_H is not None:
-        s = s + alibi_bias(slopes_H, queries, keys)
+    G, groups = k_BxGxCxK.shape[1], q_BxGxRCxK.shape[2] // block
+    s = jnp.einsum("bhqk,bhsk->bhqs", q_BxGxRCxK, k_BxGxCxK, preferred_element_type=jnp.float32)
+    s = s / math.sqrt(q_BxGxRCxK.shape[-1])
+    queries, keys = i * block + jnp.tile(jnp.arange(block), groups), j * block + jnp.arange(block)
+    if slopes_H is not None:  # each row's head's slope: (G, R) heads, each over the block's positions
+        slopes_GxRC = jnp.repeat(slopes_H.reshape(G, groups), block, axis=1)
+        s = s + slopes_GxRC[None, :, :, None] * (keys[None, :] - queries[:, None]).astype(jnp.float32)
     visible = queries[:, None] >= keys[None, :]
     if segs_NxBxC is not None:
-        visible = visible & (segs_NxBxC[i][:, None, :, None] == segs_NxBxC[j][:, None, None, :])
+        query_segs_BxRC = jnp.tile(segs_NxBxC[i], (1, groups))
+        visible = visible & (query_segs_BxRC[:, None, :, None] == segs_NxBxC[j][:, None, None, :])
     return jnp.where(visible, s, _MASKED)
 
 
@@ -207,7 +220,8 @@ def blockwise_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias: Bias, block: int)
 
 
 def _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias: Bias, block):
-    qs, ks, vs = (_blocks(x, block) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK))
+    groups = q_BxTxHxK.shape[2] // k_BxTxHxK.shape[2]
+    qs, ks, vs = _blocks(q_BxTxHxK, block, groups), _blocks(k_BxTxHxK, block), _blocks(v_BxTxHxK, block)
     segs = _segment_blocks(bias.segment_ids_BxT, block)
     blocked = bias._replace(segment_ids_BxT=segs)
 
@@ -234,19 +248,21 @@ def _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias: Bias, block):
         return None, ((acc / l[..., None]).astype(q_BxHxCxK.dtype), m + jnp.log(l))
 
     _, (out_NxBxHxCxK, lse_NxBxHxC) = lax.scan(query_block, None, (jnp.arange(qs.shape[0]), qs))
-    out = checkpoint_name(_unblocks(out_NxBxHxCxK), SAVED[0])
+    out = checkpoint_name(_unblocks(out_NxBxHxCxK, groups), SAVED[0])
     lse_NxBxHxC = checkpoint_name(lse_NxBxHxC, SAVED[1])
     return out, (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias, out, lse_NxBxHxC)
 
 
 def _backward(block, residuals, dout_BxTxHxK):
     q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias, out, lse_NxBxHxC = residuals
-    qs, ks, vs, dos = (_blocks(x, block) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, dout_BxTxHxK))
+    groups = q_BxTxHxK.shape[2] // k_BxTxHxK.shape[2]
+    qs, dos = _blocks(q_BxTxHxK, block, groups), _blocks(dout_BxTxHxK, block, groups)
+    ks, vs = _blocks(k_BxTxHxK, block), _blocks(v_BxTxHxK, block)
     segs = _segment_blocks(bias.segment_ids_BxT, block)
     blocked = bias._replace(segment_ids_BxT=segs)
     # D = rowsum(dO ∘ O): the softmax's backward term, one number per query.
     d_NxBxHxC = _blocks((dout_BxTxHxK.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1, keepdims=True),
-                        block)[..., 0]
+                        block, groups)[..., 0]
     scale = 1.0 / math.sqrt(q_BxTxHxK.shape[-1])
 
     def query_block(carry, inputs):
@@ -273,7 +289,8 @@ def _backward(block, residuals, dout_BxTxHxK):
     zeros = _varying(jnp.zeros(ks.shape, jnp.float32), qs, ks, vs, dos, *_arrays(blocked), lse_NxBxHxC, d_NxBxHxC)
     (dk, dv), dq = lax.scan(query_block, (zeros, zeros),
                             (jnp.arange(qs.shape[0]), qs, dos, lse_NxBxHxC, d_NxBxHxC))
-    grads = tuple(_unblocks(g).astype(x.dtype) for g, x in ((dq, q_BxTxHxK), (dk, k_BxTxHxK), (dv, v_BxTxHxK)))
+    grads = (_unblocks(dq, groups).astype(q_BxTxHxK.dtype), _unblocks(dk).astype(k_BxTxHxK.dtype),
+             _unblocks(dv).astype(v_BxTxHxK.dtype))
     return (*grads, _no_bias_gradient(bias))
 
 

@@ -19,7 +19,8 @@ BEFORE_RECORDED: dict[str, dict[str, Any]] = {
     "model": {"attention_block": 512, "scan_layers": "auto", "document_mask": False, "document_positions": "continue",
               "eot_id": "auto", "position": "learned", "bias": True,
               "activation": "gelu_tanh", "embedding_dropout": 0.0, "residual_dropout": 0.0,
-              "attention_dropout": 0.0},
+              "attention_dropout": 0.0, "rope_theta": 10000.0, "norm": "layernorm", "norm_eps": 1e-5, "mlp": "gelu",
+              "mlp_hidden": "auto", "n_kv_head": "auto", "tie_embeddings": True},
     "zero": {"precision": "fp32", "stage": 1},
     "train": {"init_from": None},
 }

@@ -204,8 +204,10 @@ class Config(_Section):
             raise _KeyError("mesh.dp", f"dp × tp = {dp} × {self.mesh.tp} = {dp * self.mesh.tp}, "
                             f"but there are {device_count} devices")
         tp = self.mesh.tp
-        if (why := tp_split_problem(self.model.n_head, self.model.d_model, tp)) is not None:
-            raise _KeyError("mesh.tp", f"tp={tp} {why}", related=("model.n_head" if "n_head" in why else "model.d_model",))
+        m = self.model
+        if (why := tp_split_problem(m.n_head, m.mlp_width, tp, m.kv_heads)) is not None:
+            key = next(k for k in ("n_kv_head", "n_head", "mlp_hidden") if f"model.{k}" in why)
+            raise _KeyError("mesh.tp", f"tp={tp} {why}", related=(f"model.{key}",))
         if dp != "auto":
             per_step = self.train.micro_batch_size * dp
             if self.train.global_batch_size % per_step:

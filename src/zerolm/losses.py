@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from zerolm.model import GPT, output_logits
+from zerolm.model import GPT, output_embedding, output_logits
 
 
 def token_cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
@@ -106,7 +106,7 @@ def token_losses(model: GPT, params, tokens_BxT1: jax.Array) -> jax.Array:
     if not chunk or chunk >= targets_BxT.size:
         return token_cross_entropy(_apply(model, params, inputs_BxT), targets_BxT)
     x_BxTxD = _apply(model, params, inputs_BxT, hidden_only=True)
-    return chunked_token_cross_entropy(x_BxTxD, params["wte"], targets_BxT, model.cfg.vocab, chunk)
+    return chunked_token_cross_entropy(x_BxTxD, output_embedding(params), targets_BxT, model.cfg.vocab, chunk)
 
 
 def _apply(model: GPT, params, inputs_BxT: jax.Array, **kw) -> jax.Array:
@@ -131,5 +131,5 @@ def lm_loss(model: GPT, params, tokens_BxT1: jax.Array, layer_params=None, dropo
     # A micro-batch of at most one chunk is one chunk: still fused, so autodiff keeps no extra copy of
     # the float32 logits (the TPU compiler's buffer assignment showed three).
     x_BxTxD = model.apply({"params": params}, inputs_BxT, hidden_only=True, dropout_keys=dropout_keys)
-    return fused_mean_cross_entropy(x_BxTxD, params["wte"], targets_BxT, model.cfg.vocab_size,
+    return fused_mean_cross_entropy(x_BxTxD, output_embedding(params), targets_BxT, model.cfg.vocab_size,
                                     min(chunk, targets_BxT.size))

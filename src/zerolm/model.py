@@ -27,8 +27,6 @@ from zerolm import dropout as dropout_lib
 from zerolm.attention import SAVED, Bias, Dropout, alibi_bias, alibi_slopes, causal_attention
 from zerolm.config import ModelConfig
 
-LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon
-
 # model.remat -> what each block's backward pass may keep from its forward pass (the rest is recomputed).
 # Every policy keeps the block's input. "none" recomputes no matmul and no attention, only what costs no
 # FLOPs worth counting: the LayerNorms' and the GELU's outputs and intermediates are rebuilt from the kept
@@ -70,33 +68,58 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array, start: jax.Array | None = None,
-                 segment_ids_BxT: jax.Array | None = None, dropout: Dropout | None = None) -> jax.Array:
+                 segment_ids_BxT: jax.Array | None = None, dropout: Dropout | None = None,
+                 positions_BxT: jax.Array | None = None) -> jax.Array:
+        """`positions_BxT`: each token's position, for rotary embeddings (training; decoding counts from `start`)."""
         B, T, D = x_BxTxD.shape
-        H = self.cfg.n_head
-        init = nn.initializers.normal(0.02)
-        qkv_BxTx3xD = nn.DenseGeneral((3, D), dtype=self.dtype, name="c_attn", use_bias=self.cfg.bias,
-                                      kernel_init=_named(init, "embed", "qkv", "heads"),
-                                      bias_init=_named(nn.initializers.zeros, "qkv", "heads"))(x_BxTxD)
-        q_BxTxHxK, k_BxTxHxK, v_BxTxHxK = (qkv_BxTx3xD[:, :, i].reshape(B, T, H, D // H) for i in range(3))
-        slopes_H = jnp.asarray(alibi_slopes(H)) if self.cfg.position == "alibi" else None
+        q_BxTxHxK, k_BxTxGxK, v_BxTxGxK = self._project(x_BxTxD)
+        if self.cfg.position == "rope":
+            if start is not None:
+                positions_BxT = jnp.broadcast_to(start + jnp.arange(T), (B, T))
+            elif positions_BxT is None:
+                positions_BxT = jnp.broadcast_to(jnp.arange(T), (B, T))
+            q_BxTxHxK, k_BxTxGxK = (rotary(x, positions_BxT, self.cfg.rope_theta) for x in (q_BxTxHxK, k_BxTxGxK))
+        slopes_H = jnp.asarray(alibi_slopes(self.cfg.n_head)) if self.cfg.position == "alibi" else None
         if start is None:
-            y = causal_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, self.implementation, self.cfg.attention_block,
+            y = causal_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, self.implementation, self.cfg.attention_block,
                                  Bias(segment_ids_BxT, slopes_H, dropout))
         else:
-            y = self._cached_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, start, slopes_H)
+            y = self._cached_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, start, slopes_H)
         # GPT-2 scales the residual projections' init by 1/sqrt(2 * n_layer).
         proj_init = nn.initializers.normal(0.02 / math.sqrt(2 * self.cfg.n_layer))
         return nn.Dense(D, dtype=self.dtype, kernel_init=_named(proj_init, "heads", "embed"), use_bias=self.cfg.bias,
                         bias_init=_named(nn.initializers.zeros, "embed"), name="c_proj")(y.reshape(B, T, D))
 
+    def _project(self, x_BxTxD):
+        """Queries (B, T, H, K), keys and values (B, T, G, K) of G = model.n_kv_head heads. With as many
+        key/value heads as query heads, one `c_attn` kernel (d, 3, d) = (embed, qkv, heads), GPT-2's
+        Conv1D column for column; with fewer (grouped-query attention), `c_q` (d, d) and `c_kv`
+        (d, 2, G·K) = (embed, qkv, kv_heads), so tensor parallelism splits whole key/value heads with
+        their groups of query heads."""
+        B, T, D = x_BxTxD.shape
+        H, G, K = self.cfg.n_head, self.cfg.kv_heads, self.cfg.head_dim
+        init = nn.initializers.normal(0.02)
+        dense = functools.partial(nn.DenseGeneral, dtype=self.dtype, use_bias=self.cfg.bias)
+        if G == H:
+            qkv_BxTx3xD = dense((3, D), name="c_attn", kernel_init=_named(init, "embed", "qkv", "heads"),
+                                bias_init=_named(nn.initializers.zeros, "qkv", "heads"))(x_BxTxD)
+            q, k, v = (qkv_BxTx3xD[:, :, i].reshape(B, T, H, K) for i in range(3))
+            return q, k, v
+        q = dense(D, name="c_q", kernel_init=_named(init, "embed", "heads"),
+                  bias_init=_named(nn.initializers.zeros, "heads"))(x_BxTxD).reshape(B, T, H, K)
+        kv_BxTx2xGK = dense((2, G * K), name="c_kv", kernel_init=_named(init, "embed", "qkv", "kv_heads"),
+                            bias_init=_named(nn.initializers.zeros, "qkv", "kv_heads"))(x_BxTxD)
+        k, v = (kv_BxTx2xGK[:, :, i].reshape(B, T, G, K) for i in range(2))
+        return q, k, v
 
-    def _cached_attention(self, q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, start, slopes_H=None):
-        """Decoding: write these S positions' keys and values into the `cache` collection at `start`,
-        then attend over every cached position up to each query's own (with ALiBi's bias, given slopes)."""
-        B, S, H, K = q_BxSxHxK.shape
+    def _cached_attention(self, q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, start, slopes_H=None):
+        """Decoding: write these S positions' keys and values (G = model.n_kv_head heads) into the `cache`
+        collection at `start`, then attend over every cached position up to each query's own (with ALiBi's
+        bias, given slopes)."""
+        B, S, G, K = k_BxSxGxK.shape
         T = self.cfg.seq_len
-        cached = [self.variable("cache", name, jnp.zeros, (B, T, H, K), k_BxSxHxK.dtype) for name in ("k", "v")]
-        for var, new in zip(cached, (k_BxSxHxK, v_BxSxHxK), strict=True):
+        cached = [self.variable("cache", name, jnp.zeros, (B, T, G, K), k_BxSxGxK.dtype) for name in ("k", "v")]
+        for var, new in zip(cached, (k_BxSxGxK, v_BxSxGxK), strict=True):
             var.value = lax.dynamic_update_slice(var.value, new.astype(var.value.dtype), (0, start, 0, 0))
         queries_S = start + jnp.arange(S)
         visible_SxT = jnp.arange(T)[None, :] <= queries_S[:, None]
@@ -105,16 +128,32 @@ class Attention(nn.Module):
                                             mask=visible_SxT[None, None], implementation="xla")
 
 
+def rotary(x_BxTxHxK: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021), Llama's rotate-half form (Hugging Face's): dimension i of
+    a head's first half and i of its second are the pair turned by position · theta^(-2i/K), in float32."""
+    K = x_BxTxHxK.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, K, 2, dtype=jnp.float32) / K))
+    angles_BxTx1xK2 = (positions_BxT.astype(jnp.float32)[:, :, None] * inv_freq)[:, :, None, :]
+    cos, sin = jnp.cos(angles_BxTx1xK2), jnp.sin(angles_BxTx1xK2)
+    x1, x2 = jnp.split(x_BxTxHxK.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxTxHxK.dtype)
+
+
 class MLP(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype
 
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        D = x_BxTxD.shape[-1]
-        h = nn.Dense(4 * D, dtype=self.dtype, kernel_init=_named(nn.initializers.normal(0.02), "embed", "mlp"),
-                     use_bias=self.cfg.bias, bias_init=_named(nn.initializers.zeros, "mlp"), name="c_fc")(x_BxTxD)
-        h = nn.gelu(h, approximate=self.cfg.activation == "gelu_tanh")  # GPT-2's "gelu_new", or the exact one
+        D, F = x_BxTxD.shape[-1], self.cfg.mlp_width
+        dense = functools.partial(nn.Dense, F, dtype=self.dtype, use_bias=self.cfg.bias,
+                                  kernel_init=_named(nn.initializers.normal(0.02), "embed", "mlp"),
+                                  bias_init=_named(nn.initializers.zeros, "mlp"))
+        h = dense(name="c_fc")(x_BxTxD)
+        if self.cfg.mlp == "swiglu":  # Llama's: silu of the gate times the up projection (c_fc)
+            h = nn.silu(dense(name="c_gate")(x_BxTxD)) * h
+        else:
+            h = nn.gelu(h, approximate=self.cfg.activation == "gelu_tanh")  # GPT-2's "gelu_new", or the exact one
         proj_init = nn.initializers.normal(0.02 / math.sqrt(2 * self.cfg.n_layer))
         return nn.Dense(D, dtype=self.dtype, kernel_init=_named(proj_init, "mlp", "embed"), use_bias=self.cfg.bias,
                         bias_init=_named(nn.initializers.zeros, "embed"), name="c_proj")(h)
@@ -127,16 +166,16 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, carry, start: jax.Array | None, segment_ids_BxT: jax.Array | None,
-                 keys_B: jax.Array | None) -> tuple[Any, None]:
+                 keys_B: jax.Array | None, positions_BxT: jax.Array | None = None) -> tuple[Any, None]:
         """`carry`: the hidden states, or in training with dropout (`keys_B`, each sample's key) the pair
         (hidden states, this layer's index), which each mask is drawn with (zerolm.dropout)."""
-        cfg, ln = self.cfg, functools.partial(layer_norm, self.cfg, self.dtype)
+        cfg, ln = self.cfg, functools.partial(norm, self.cfg, self.dtype)
         x_BxTxD, layer = carry if keys_B is not None else (carry, jnp.int32(0))
         attention_dropout = None
         if keys_B is not None and cfg.attention_dropout:
             attention_dropout = Dropout(keys_B, layer, cfg.attention_dropout)
         y = Attention(cfg, self.dtype, self.implementation, name="attn")(ln("ln_1")(x_BxTxD), start, segment_ids_BxT,
-                                                                         attention_dropout)
+                                                                         attention_dropout, positions_BxT)
         x_BxTxD = x_BxTxD + dropout_lib.drop(y, keys_B, cfg.residual_dropout, layer, dropout_lib.ATTENTION_OUT)
         y = MLP(cfg, self.dtype, name="mlp")(ln("ln_2")(x_BxTxD))
         x_BxTxD = x_BxTxD + dropout_lib.drop(y, keys_B, cfg.residual_dropout, layer, dropout_lib.MLP_OUT)
@@ -211,17 +250,32 @@ class GPT(nn.Module):
                          in_axes=nn.broadcast, length=cfg.n_layer, unroll=1 if scanned else cfg.n_layer,
                          metadata_params={nn.PARTITION_NAME: "layers"})
         carry = x_BxTxD if dropout_keys is None else (x_BxTxD, jnp.int32(0))
-        carry, _ = blocks(cfg, dtype, cfg.attention, name="h")(carry, start, segment_ids_BxT, dropout_keys)
+        rope_positions = positions_BxT if cfg.position == "rope" else None
+        carry, _ = blocks(cfg, dtype, cfg.attention, name="h")(carry, start, segment_ids_BxT, dropout_keys,
+                                                               rope_positions)
         x_BxTxD = carry if dropout_keys is None else carry[0]
-        x_BxTxD = layer_norm(cfg, dtype, "ln_f")(x_BxTxD)
+        x_BxTxD = norm(cfg, dtype, "ln_f")(x_BxTxD)
+        out_VxD = wte_VxD
+        if not cfg.tie_embeddings:  # the output layer's own matrix, (vocab, embed) as wte
+            out_VxD = self.param("lm_head", _named(nn.initializers.normal(0.02), "vocab", "embed"), (V, D), jnp.float32)
         if hidden_only:
             return x_BxTxD
-        return output_logits(x_BxTxD, wte_VxD, cfg.vocab)
+        return output_logits(x_BxTxD, out_VxD, cfg.vocab)
 
 
-def layer_norm(cfg: ModelConfig, dtype: jnp.dtype, name: str) -> nn.LayerNorm:
-    return nn.LayerNorm(epsilon=LN_EPS, dtype=dtype, name=name, use_bias=cfg.bias,
-                        scale_init=_named(nn.initializers.ones, "embed"), bias_init=_named(nn.initializers.zeros, "embed"))
+def norm(cfg: ModelConfig, dtype: jnp.dtype, name: str) -> nn.Module:
+    """model.norm: GPT-2's LayerNorm (with a bias unless model.bias is false) or Llama's RMSNorm."""
+    scale_init = _named(nn.initializers.ones, "embed")
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(epsilon=cfg.norm_eps, dtype=dtype, name=name, scale_init=scale_init)
+    return nn.LayerNorm(epsilon=cfg.norm_eps, dtype=dtype, name=name, use_bias=cfg.bias, scale_init=scale_init,
+                        bias_init=_named(nn.initializers.zeros, "embed"))
+
+
+def output_embedding(params) -> jax.Array:
+    """The output layer's (vocab, embed) matrix: `lm_head` where the model has its own (model.tie_embeddings
+    false), else the token embedding `wte`."""
+    return params["lm_head"] if "lm_head" in params else params["wte"]
 
 
 def documents(tokens_BxT: jax.Array, eot_id: int, restart: bool) -> tuple[jax.Array, jax.Array]:
@@ -268,6 +322,11 @@ def logical_axes(model: GPT):
     return nn.get_partition_spec(jax.eval_shape(functools.partial(_init_boxed, model), jax.random.key(0)))
 
 
-def count_params(params, exclude_positions: bool = False) -> int:
+def count_params(params, matmul_only: bool = False) -> int:
+    """Every parameter, or (`matmul_only`, the N of MFU's 6·N: zerolm.mfu) those a matmul reads: without the
+    position table, and without the token embedding where the output layer has its own matrix (a lookup)."""
     n = sum(x.size for x in jax.tree.leaves(params))
-    return n - (params["wpe"].size if exclude_positions and "wpe" in params else 0)
+    if not matmul_only:
+        return n
+    lookups = ("wpe", "wte") if "lm_head" in params else ("wpe",)
+    return n - sum(params[k].size for k in lookups if k in params)

@@ -13,13 +13,16 @@ from zerolm.config_section import PositiveInt
 from zerolm.config_section import Section as _Section
 
 
-def tp_split_problem(n_head: int, d_model: int, tp: int) -> str | None:
-    """Why tensor parallelism over `tp` devices cannot split this model (it splits whole attention heads and
-    the MLP's 4·d_model hidden units), or None."""
+def tp_split_problem(n_head: int, mlp_width: int, tp: int, n_kv_head: int | None = None) -> str | None:
+    """Why tensor parallelism over `tp` devices cannot split this model (it splits whole attention heads,
+    query and key/value alike, and the MLP's hidden units), or None."""
     if n_head % tp:
         return f"does not divide model.n_head={n_head} (tensor parallelism splits whole attention heads)"
-    if (4 * d_model) % tp:
-        return f"does not divide the MLP width 4 × model.d_model = {4 * d_model}"
+    if n_kv_head is not None and n_kv_head % tp:
+        return (f"does not divide model.n_kv_head={n_kv_head} (tensor parallelism splits whole key/value heads, "
+                "each with its group of query heads)")
+    if mlp_width % tp:
+        return f"does not divide the MLP width {mlp_width} (model.mlp_hidden)"
     return None
 
 
@@ -45,9 +48,20 @@ class ModelConfig(_Section):
     eot_id: int | Literal["auto"]  # auto: the dataset tokenizer's end-of-text
     # Positions: a learned table added to the embeddings (GPT-2), or ALiBi's per-head linear biases on the
     # attention scores (Press et al. 2022; no table, so a model evaluates past its trained seq_len).
-    position: Literal["learned", "alibi"]
+    # Or rotary embeddings of the queries and keys (Su et al. 2021; Llama's, rotate-half), base rope_theta.
+    position: Literal["learned", "alibi", "rope"]
+    rope_theta: float = Field(gt=0)
     bias: bool  # false: LayerNorms and linear layers without bias (the seed model's layout)
+    norm: Literal["layernorm", "rmsnorm"]  # every norm of the model: GPT-2's LayerNorm, or Llama's RMSNorm
+    norm_eps: float = Field(gt=0)
+    # The MLP: up, GELU, down (GPT-2's; model.activation says which GELU), or Llama's SwiGLU
+    # (down(silu(gate x) · up x)); mlp_hidden its hidden units, auto: 4·d_model for gelu, Llama's
+    # 8/3·d_model rounded up to a multiple of 256 for swiglu.
+    mlp: Literal["gelu", "swiglu"]
+    mlp_hidden: int | Literal["auto"]
     activation: Literal["gelu_tanh", "gelu"]  # the MLP's: GPT-2's tanh approximation, or the exact erf GELU (MPT's)
+    n_kv_head: int | Literal["auto"]  # key/value heads, each shared by n_head / n_kv_head query heads; auto: n_head
+    tie_embeddings: bool  # the output layer is the token embedding (GPT-2), or a matrix of its own (lm_head)
     # Dropout in training (zerolm.dropout: masks from the seed, step, sample and layer): after the embeddings,
     # on each residual branch's output, and on the attention's probabilities.
     embedding_dropout: float = Field(ge=0, lt=1)
@@ -63,6 +77,14 @@ class ModelConfig(_Section):
     def _heads_divide(self) -> ModelConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        if self.n_kv_head != "auto" and (self.n_kv_head < 1 or self.n_head % self.n_kv_head):
+            raise _KeyError("model.n_kv_head", f"{self.n_kv_head} does not divide model.n_head={self.n_head} "
+                            "(each key/value head serves a whole group of query heads)", related=("model.n_head",))
+        if self.mlp_hidden != "auto" and self.mlp_hidden < 1:
+            raise _KeyError("model.mlp_hidden", f"{self.mlp_hidden}: the MLP needs at least one hidden unit")
+        if self.position == "rope" and (self.d_model // self.n_head) % 2:
+            raise _KeyError("model.position", f"rope rotates pairs of a head's dimensions, and d_model / n_head = "
+                            f"{self.d_model // self.n_head} is odd", related=("model.d_model", "model.n_head"))
         if self.document_positions == "restart" and not self.document_mask:
             raise _KeyError("model.document_positions", "restart counts positions from each document's start, "
                             "which needs model.document_mask: true (without it a sample is one sequence)",
@@ -84,6 +106,23 @@ class ModelConfig(_Section):
                                 f"{self.attention_block} give {block_size(self.seq_len, self.attention_block)}",
                                 related=("model.seq_len", "model.attention_block"))
         return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_head if self.n_kv_head == "auto" else self.n_kv_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def mlp_width(self) -> int:
+        """model.mlp_hidden, resolved."""
+        if self.mlp_hidden != "auto":
+            return self.mlp_hidden
+        if self.mlp == "gelu":
+            return 4 * self.d_model
+        return 256 * math.ceil(8 * self.d_model / 3 / 256)
 
     @property
     def eot(self) -> int:

@@ -33,7 +33,7 @@ def make_optimizer(train_cfg) -> tuple[optax.GradientTransformation, optax.Sched
 def decay_mask(params: PyTree) -> PyTree:
     """Weight decay on matrices and embeddings; none on biases or LayerNorm scales."""
     def decays(path, _):
-        return jax.tree_util.keystr(path[-1:], simple=True) in ("kernel", "wte", "wpe")
+        return jax.tree_util.keystr(path[-1:], simple=True) in ("kernel", "wte", "wpe", "lm_head")
     return jax.tree_util.tree_map_with_path(decays, params)
 
 

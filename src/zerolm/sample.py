@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 
 from zerolm.errors import UsageError
-from zerolm.model import GPT, init_cache, output_logits
+from zerolm.model import GPT, init_cache, output_embedding, output_logits
 
 MIN_BUCKET = 16
 
@@ -82,7 +82,7 @@ def _generate(model: GPT, params, prompt_P: jax.Array, decode: _Decode):
     def logits_at(cache, tokens_1xS, start, last):
         x_1xSxD, variables = model.apply({"params": params, "cache": cache}, tokens_1xS, start=start,
                                          hidden_only=True, mutable=["cache"])
-        return output_logits(x_1xSxD[0, last], params["wte"], vocab), variables["cache"]
+        return output_logits(x_1xSxD[0, last], output_embedding(params), vocab), variables["cache"]
 
     # Prefill: the padding after the prompt is written into the cache too, but no query sees it before
     # a generated token overwrites it (each query sees only positions up to its own).

@@ -1,8 +1,8 @@
 """Every sharding of the training step, derived in one place: the table the other modules ask.
 
 - **Parameters** (tensor parallelism): each parameter's logical axis names (from the model) go through
-  `RULES`, Megatron-style: attention heads and the MLP hidden dimension are split over `tp`
-  (column-parallel `c_attn`/`c_fc`, row-parallel `c_proj`s); everything else, the embedding
+  `RULES`, Megatron-style: attention heads (query and key/value alike) and the MLP hidden dimension are
+  split over `tp` (column-parallel `c_attn`/`c_q`/`c_kv`/`c_fc`/`c_gate`, row-parallel `c_proj`s); everything else, the embedding
   included, is replicated over `tp`. Replicating the embedding keeps the embedding lookup, the tied
   output layer and the chunked loss free of vocabulary collectives; its cost is the output layer's
   FLOPs repeated on each tp device and its parameters held whole (the optimizer state is still
@@ -39,7 +39,7 @@ PyTree = Any
 
 # logical axis -> mesh axis (None: replicated).
 RULES = (("layers", None), ("vocab", None), ("position", None), ("embed", None), ("qkv", None),
-         ("heads", TP), ("mlp", TP))
+         ("heads", TP), ("kv_heads", TP), ("mlp", TP))
 # The alternative, measured in BENCHMARKS.md: the token embedding (and so the output layer) split over tp.
 VOCAB_PARALLEL_RULES = tuple((name, TP if name == "vocab" else axis) for name, axis in RULES)
 

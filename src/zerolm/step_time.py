@@ -283,7 +283,7 @@ def of_step(built: BuiltStep, device: Device) -> StepModel:
     from zerolm.model import count_params
 
     cfg = built.cfg
-    n = count_params(built.zero.abstract_params, exclude_positions=True)
+    n = count_params(built.zero.abstract_params, matmul_only=True)
     per_token = flops_per_token(n, cfg.model.n_layer, cfg.model.d_model, cfg.model.seq_len)
     devices = cfg.dp * cfg.mesh.tp
     return model(built.compiled.texts, device, devices, cfg.train.global_batch_size * cfg.model.seq_len, per_token)

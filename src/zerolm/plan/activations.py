@@ -50,7 +50,7 @@ def activation_bytes(m: Model, micro: int, tp: int, remat: str, flash: bool) -> 
     s, b, h, a, e = m.seq_len, micro, m.d_model, m.n_head, m.act_bytes
     sbh = s * b * h
     scores = 4 * a * s * b // tp if flash else a * s * s * b * e // tp
-    layer = 4 * sbh * e + 12 * sbh * e // tp + scores
+    layer = 4 * sbh * e + round(12 * m.layer_outputs_ratio * sbh * e) // tp + scores
     layers = m.n_layer * layer if remat == "none" else m.n_layer * sbh * e + layer
     tokens = b * s
     if m.loss_chunk and m.loss_chunk < tokens:
@@ -105,11 +105,12 @@ def step_activation_bytes(m: Model, micro: int, tp: int, attention: str, accum_s
         one = accum_steps == 1
         kept = ((KEPT_PER_LAYER_UNROLLED_ONE_MICRO_STEP if one else KEPT_PER_LAYER_UNROLLED) if not scanned else
                 KEPT_PER_LAYER_ONE_MICRO_STEP if one else KEPT_PER_LAYER)
-        weights = LAYER_WEIGHTS_KEPT * h * h * e // t if scanned and accum_steps > 1 else 0
-        layers = L * (kept * sbh * e // t + weights + scores) + pallas_once + mask_once
+        weights = round(LAYER_WEIGHTS_KEPT * m.layer_weights_ratio * h * h * e) // t if scanned and accum_steps > 1 else 0
+        layers = L * (round(kept * m.layer_outputs_ratio * sbh * e) // t + weights + scores) + pallas_once + mask_once
     else:
         rebuilt = REBUILT_LAYER if scanned else REBUILT_LAYER_UNROLLED
-        layers = L * sbh * e + rebuilt * sbh * e // t + scores + pallas_once + mask_once
+        layers = (L * sbh * e + round(rebuilt * m.layer_outputs_ratio * sbh * e) // t + scores + pallas_once
+                  + mask_once)
     tokens = b * s
     # The fused loss's chunk: its float32 logits, and the gradient of them in the compute dtype where the
     # compiler writes it out for the two matmuls that read it (a GPU's cuBLAS does; the TPU compiler fuses

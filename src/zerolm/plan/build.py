@@ -75,5 +75,7 @@ def from_config(cfg, dp: int, tp: int) -> tuple[Model, Any]:
                   param_bytes=2 if cfg.zero.precision == "mixed" else 4,
                   acc_bytes=2 if cfg.zero.accumulate_dtype == "bfloat16" else 4, attention=cfg.model.attention,
                   attention_block=cfg.model.attention_block, document_mask=cfg.model.document_mask,
-                  scan_layers=scan_layers_at_stage(cfg.model.scan_layers, cfg.zero.stage))
+                  scan_layers=scan_layers_at_stage(cfg.model.scan_layers, cfg.zero.stage),
+                  kv_heads=cfg.model.kv_heads, mlp_width=cfg.model.mlp_width, gated_mlp=cfg.model.mlp == "swiglu",
+                  matmul_params=gpt_model.count_params(abstract, matmul_only=True))
     return model, states

@@ -65,9 +65,8 @@ def planner_for(request: PlanRequest) -> Planner:
     request.check()
     cfg = load_config(request.config, list(request.sets)) if request.config is not None else None
     tp = request.tp or (cfg.mesh.tp if cfg else 1)
-    if cfg is not None and tp_split_problem(cfg.model.n_head, cfg.model.d_model, tp):
-        raise PlanError(f"--tp: {tp} does not divide the {cfg.model.n_head} heads and the MLP width "
-                        f"{4 * cfg.model.d_model} of {request.config}")
+    if cfg is not None and (why := tp_split_problem(cfg.model.n_head, cfg.model.mlp_width, tp, cfg.model.kv_heads)):
+        raise PlanError(f"--tp: {tp} {why} of {request.config}")
     dp = request.dp or (cfg.mesh.dp if cfg and cfg.mesh.dp != "auto" else max(1, device.per_node // tp))
     global_batch = request.global_batch or (cfg.train.global_batch_size if cfg else 256)
     if global_batch % dp:
@@ -84,9 +83,8 @@ def planner_for(request: PlanRequest) -> Planner:
         assert request.params is not None  # check(): one of config and params
         model = model_from_params(int(request.params), request.layers, request.width, request.heads, request.seq_len,
                                   request.vocab, request.remat or "none")
-        if tp_split_problem(model.n_head, model.d_model, tp):
-            raise PlanError(f"--tp: {tp} does not divide the {model.n_head} heads and the MLP width "
-                            f"{4 * model.d_model}")
+        if why := tp_split_problem(model.n_head, 4 * model.d_model, tp):
+            raise PlanError(f"--tp: {tp} {why}")
         factory = functools.partial(AnalyticStates, model)
     precision = request.precision or (cfg.zero.precision if cfg is not None else "fp32")
     return Planner(model, factory, device, Parallelism(dp, tp, global_batch),

@@ -49,10 +49,32 @@ class Model:
     document_mask: bool = False  # model.document_mask: segment ids beside each layer's attention
     scan_layers: bool | str = "auto"  # model.scan_layers (auto: the device's choice, zerolm.device_policy.resolve_scan_layers)
 
+    # The layer's layout where it is not GPT-2's (a config's model; zerolm.plan.build.from_config):
+    kv_heads: int = 0  # model.n_kv_head; 0: n_head
+    mlp_width: int = 0  # the MLP's hidden units; 0: 4·d_model
+    gated_mlp: bool = False  # model.mlp: swiglu (a gate beside the up projection)
+    matmul_params: int = 0  # zerolm.mfu's N (zerolm.model.count_params(matmul_only)); 0: params less a position table
+
     @property
     def flops_params(self) -> int:
-        """N without the position embedding (zerolm.mfu's convention)."""
-        return self.params - self.seq_len * self.d_model
+        """N without the position embedding (zerolm.mfu's convention), nor an untied token embedding."""
+        return self.matmul_params or self.params - self.seq_len * self.d_model
+
+    @property
+    def layer_outputs_ratio(self) -> float:
+        """What a layer's matmuls write per token (q, k, v, the attention's output, the MLP's hidden units and
+        their activation: 12·d_model in GPT-2's layout, which the activation constants were measured on), over
+        GPT-2's: the planner scales what a layer keeps by it."""
+        h, head = self.d_model, self.d_model // self.n_head
+        kv, f = (self.kv_heads or self.n_head) * head, self.mlp_width or 4 * h
+        return (h + 2 * kv + h + (3 if self.gated_mlp else 2) * f) / (12 * h)
+
+    @property
+    def layer_weights_ratio(self) -> float:
+        """A layer's weight matrices over GPT-2's 12·d_model²."""
+        h, head = self.d_model, self.d_model // self.n_head
+        kv, f = (self.kv_heads or self.n_head) * head, self.mlp_width or 4 * h
+        return (h * (h + 2 * kv) + h * h + (3 if self.gated_mlp else 2) * h * f) / (12 * h * h)
 
 
 @dataclasses.dataclass(frozen=True)
