@@ -18,8 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from zerolm.config_section import KeyProblem as _KeyError
-from zerolm.config_section import PositiveInt
+from zerolm.config_section import PositiveInt, _KeyError
 from zerolm.config_section import Section as _Section
 from zerolm.errors import ZerolmError
 from zerolm.model_config import ModelConfig, tp_split_problem

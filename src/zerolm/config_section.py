@@ -29,7 +29,7 @@ class Section(BaseModel):
 PositiveInt = Field(gt=0)
 
 
-class KeyProblem(ValueError):
+class _KeyError(ValueError):
     """Raised inside validators to point at a key other than the one pydantic is validating."""
 
     def __init__(self, key: str, message: str, related: tuple[str, ...] = ()):

@@ -8,8 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from zerolm.config_section import KeyProblem as _KeyError
-from zerolm.config_section import PositiveInt
+from zerolm.config_section import PositiveInt, _KeyError
 from zerolm.config_section import Section as _Section
 
 
