@@ -128,10 +128,10 @@ def committed(run_dir) -> bool:
     return any(p.name.isdigit() for p in (run_dir / "ckpt").glob("*"))
 
 
-def kill_9_after(run_dir, *extra_sets, before_step=10):
+def kill_9_after(run_dir, *extra_sets, before_step=10, **kw):
     """Start a run, kill -9 it while it is held before step `before_step`, once a checkpoint is committed."""
     import signal
 
-    proc = start_held(run_dir, *extra_sets, before_step=before_step, until=lambda: committed(run_dir))
+    proc = start_held(run_dir, *extra_sets, before_step=before_step, until=lambda: committed(run_dir), **kw)
     proc.send_signal(signal.SIGKILL)
     proc.wait()

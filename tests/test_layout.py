@@ -103,7 +103,7 @@ FLOORS = {
             "zerolm.compilation_cache", "zerolm.library_log", "zerolm.launch", "zerolm.evaluate", "zerolm.sample",
             "zerolm.export", "zerolm.hf_layouts", "zerolm.restored", "zerolm.plot", "zerolm.aot", "zerolm.advice", "zerolm.comms",
             "zerolm.census", "zerolm.plan", "zerolm.checkpoint", "zerolm.header", "zerolm.run_data", "zerolm.warm_start",
-            "zerolm.grow", "zerolm.step_time", "zerolm.fastest", "zerolm.report", "zerolm.launches",
+            "zerolm.grow", "zerolm.import_hf", "zerolm.step_time", "zerolm.fastest", "zerolm.report", "zerolm.launches",
             "zerolm.harness", "zerolm.downstream", "zerolm.tasks"),
     "step": ("zerolm.step", "zerolm.zero", "zerolm.sharded_grad", "zerolm.scatter", "zerolm.optim", "zerolm.naive",
              "zerolm.model", "zerolm.losses", "zerolm.device_policy"),

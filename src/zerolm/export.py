@@ -97,7 +97,7 @@ def export(model_run, tokenizer: Tokenizer, out, overwrite: bool = False):
         hf_tokenizer(tokenizer).save(str(partial / "tokenizer.json"))
         (partial / "tokenizer_config.json").write_text(json.dumps({
             "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.seq_len,
-            "bos_token": EOT, "eos_token": EOT, "unk_token": EOT, "add_prefix_space": False,
+            "bos_token": tokenizer.eot, "eos_token": tokenizer.eot, "unk_token": tokenizer.eot, "add_prefix_space": False,
             "clean_up_tokenization_spaces": False}, indent=2) + "\n")
         (partial / "generation_config.json").write_text(json.dumps({
             "bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id}, indent=2) + "\n")

@@ -21,22 +21,17 @@ read it like any checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import secrets
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-import zerolm
-from zerolm import device_policy, restored, storage
-from zerolm.checkpoint import Checkpoints, move_aside, parameter_differences, quiet_orbax
-from zerolm.checkpoint_meta import CheckpointMeta
+from zerolm import restored, storage
+from zerolm.checkpoint import parameter_differences
 from zerolm.config import Config
 from zerolm.errors import ZerolmError
-from zerolm.mesh import make_mesh
-from zerolm.step import build_step
+from zerolm.warm_start import Origin, save_start
 
 PROJECTIONS = (("attn", "c_proj"), ("mlp", "c_proj"))  # what a block adds to the residual stream, last
 
@@ -153,25 +148,9 @@ def grow(growth: Growth, say: Callable[[str], None] = lambda line: None) -> Grow
     check_models(src_model, cfg.model.model_dump())
     layer_map = check_map(growth.layer_map, src_model["n_layer"], cfg.model.n_layer, growth.function_preserving)
     params, zeroed = grown_params(jax.device_get(source.params), layer_map, growth.function_preserving)
-    # (An attention this machine lacks is only how the model computes: the step built here runs nothing.)
-    unrunnable = device_policy.unrunnable_attention(cfg.model, device[0]) is not None
-    _, zero, init_fn = build_step(cfg.resolve(model__attention="auto") if unrunnable else cfg, make_mesh(1, 1, device))
-    expected = jax.tree.map(lambda a: a.shape, jax.eval_shape(init_fn, jax.random.key(0)))
-    assert jax.tree.map(np.shape, params) == expected, "the grown parameters are not the config's model's"
-    state = zero.init_from_params(jax.device_put(params, zero.table.param_shardings))
-    meta = CheckpointMeta(step=0, time=time.time(), config={**cfg.model_dump(), "data": source.config["data"]},
-                          dp=1, tp=1, accum_steps=cfg.accum_steps, dataset=source.meta.dataset, tokens_seen=0,
-                          loss=None, wandb_id=secrets.token_hex(4), dataset_location=source.meta.dataset_location,
-                          zerolm_version=zerolm.__version__)
-    if out.exists():
-        say(f"--overwrite: moved what {out} held aside to {move_aside(out)}")
-    with quiet_orbax():
-        ckpts = Checkpoints(out)
-        try:
-            ckpts.save(state, meta, wait=True)
-        finally:
-            ckpts.close()
-    return Grown(ckpts.directory / "0", source.where, src_model["n_layer"], tuple(layer_map), tuple(zeroed))
+    where = save_start(cfg, params, out, Origin(source.meta.dataset, source.meta.dataset_location,
+                                                source.config["data"]), say)
+    return Grown(where, source.where, src_model["n_layer"], tuple(layer_map), tuple(zeroed))
 
 
 def _resolved(cfg: Config, source_model: dict, out: str) -> Config:

@@ -28,7 +28,7 @@ from zerolm.checkpoint_meta import CheckpointMeta
 from zerolm.config import ModelConfig
 from zerolm.data.dataset import recorded_dataset
 from zerolm.data.shards import DataError
-from zerolm.data.tokenizer import Tokenizer, TokenizerError, from_file
+from zerolm.data.tokenizer import Tokenizer, TokenizerError, from_bytes, from_file
 from zerolm.errors import first_line
 from zerolm.mesh import make_mesh
 from zerolm.sharding import with_shardings
@@ -59,6 +59,9 @@ class Restored:
             except TokenizerError as e:
                 raise CheckpointError(f"--tokenizer: {e}") from None
             source = f"--tokenizer: {path}"
+        elif self.meta.dataset_location is None and (beside := self.where.parent / "tokenizer.json").exists():
+            tok = from_bytes(beside.name, beside.read_bytes(), where=str(beside))  # an import's (zerolm.import_hf)
+            source = str(beside)
         else:
             location = self.meta.dataset_location
             try:

@@ -15,14 +15,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import secrets
+import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
-from zerolm.checkpoint import CheckpointError, Checkpoints, parameter_differences, quiet_orbax
+import zerolm
+from zerolm import device_policy
+from zerolm.checkpoint import CheckpointError, Checkpoints, move_aside, parameter_differences, quiet_orbax
 from zerolm.checkpoint_meta import CheckpointMeta
 from zerolm.config import Config
+from zerolm.mesh import make_mesh
 from zerolm.restored import locate
 from zerolm.sharding import with_shardings
 from zerolm.zero import TrainState, Zero
@@ -99,3 +105,41 @@ def initial_state(cfg: Config, zero: Zero, init_fn: Callable[[jax.Array], Any], 
         say(f"parameters from {source.where} ({KEY}: step {meta.step} of a run on dp={meta.dp} tp={meta.tp} "
             f"ZeRO-{meta.stage}); a fresh optimizer state, from step 0")
     return zero.init_from_params(params)
+
+
+class Origin(NamedTuple):
+    """What a written start records of where its parameters came from."""
+
+    dataset: dict  # the data's identity (its tokenizer's sha256 above all: zerolm.data.dataset.dataset_identity)
+    dataset_location: str | None  # where that data is (or None: nowhere; an import's tokenizer is beside it)
+    data: dict | None = None  # the config's data section to record instead of the config's own (a source run's)
+
+
+def save_start(cfg: Config, params: Any, out: Any, origin: Origin, say: Callable[[str], None] = lambda line: None) -> Any:
+    """Write `params` (host arrays of `cfg`'s model) as the checkpoint of step 0 at `out` (an epath) that
+    train.init_from starts from (`zerolm grow`'s and `zerolm import-hf`'s output): a fresh optimizer state laid
+    out for one device (a run on any mesh restores it), `cfg` as the run's config, and `origin`. What `out` held
+    is moved aside first. The step directory written."""
+    device = jax.local_devices()[:1]
+    cfg = cfg.resolve(mesh__dp=1, mesh__tp=1)
+    # (An attention this machine lacks is only how the model computes: the step built here runs nothing.)
+    unrunnable = device_policy.unrunnable_attention(cfg.model, device[0]) is not None
+    from zerolm.step import build_step
+
+    _, zero, init_fn = build_step(cfg.resolve(model__attention="auto") if unrunnable else cfg, make_mesh(1, 1, device))
+    expected = jax.tree.map(lambda a: a.shape, jax.eval_shape(init_fn, jax.random.key(0)))
+    assert jax.tree.map(np.shape, params) == expected, "the parameters are not the config's model's"
+    state = zero.init_from_params(jax.device_put(params, zero.table.param_shardings))
+    config = {**cfg.model_dump(), **({"data": origin.data} if origin.data else {})}
+    meta = CheckpointMeta(step=0, time=time.time(), config=config, dp=1, tp=1, accum_steps=cfg.accum_steps,
+                          dataset=origin.dataset, tokens_seen=0, loss=None, wandb_id=secrets.token_hex(4),
+                          dataset_location=origin.dataset_location, zerolm_version=zerolm.__version__)
+    if out.exists():
+        say(f"--overwrite: moved what {out} held aside to {move_aside(out)}")
+    with quiet_orbax():
+        ckpts = Checkpoints(out)
+        try:
+            ckpts.save(state, meta, wait=True)
+        finally:
+            ckpts.close()
+    return ckpts.directory / "0"

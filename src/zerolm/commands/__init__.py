@@ -39,7 +39,9 @@ COMMANDS = {
     "plot": ("plot", "loss, throughput, MFU and lr of runs, as a PNG"),
     "report": ("report", "a run's training log (model, data, hardware, speed, curves, tasks, where the time "
                          "went) as markdown and PNGs in RUN_DIR/report"),
-    "export-hf": ("export_hf", "a checkpoint as a Hugging Face GPT-2 model directory"),
+    "export-hf": ("export_hf", "a checkpoint as a Hugging Face model directory (GPT-2, MPT or Llama by its layout)"),
+    "import-hf": ("import_hf", "a local Hugging Face GPT-2, MPT or Llama model directory as a checkpoint train.init_from "
+                               "starts from"),
     "grow": ("grow", "a deeper model from a trained one (layers repeated), as a checkpoint train.init_from starts from"),
     "plan": ("plan", "per-device memory of ZeRO stages 0-3, the micro-batch that fits, and the step time, before "
                      "launching"),

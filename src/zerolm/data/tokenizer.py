@@ -24,6 +24,9 @@ class TokenizerError(ZerolmError):
 
 
 EOT = "<|endoftext|>"
+# A tokenizer.json's end-of-text token, the first of these it has: GPT-2's (and zerolm's own BPE's), Llama 3's,
+# and the sentencepiece-era Llama's and Mistral's end of sequence.
+END_OF_TEXT = (EOT, "<|end_of_text|>", "</s>")
 MIN_BPE_VOCAB = 257  # a byte-level BPE holds the 256 bytes and the end-of-text token at least
 # GPT-2's pre-tokenization regex (tiktoken's r50k_base); a .tiktoken file carries only the ranks.
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -44,13 +47,15 @@ class Tokenizer:
         self.file_bytes = file_bytes
         self.sha256 = hashlib.sha256(file_bytes).hexdigest()
         if kind == "hf":
-            self.eot_id = backend.token_to_id(EOT)
+            eot_id = next((i for i in map(backend.token_to_id, END_OF_TEXT) if i is not None), None)
             self.vocab_size = backend.get_vocab_size()
         else:
-            self.eot_id = backend.eot_token
+            eot_id = backend.eot_token
             self.vocab_size = backend.n_vocab
-        if self.eot_id is None:
-            raise TokenizerError(f"tokenizer {name}: has no {EOT} token")
+        if eot_id is None:
+            raise TokenizerError(f"tokenizer {name}: has no end-of-text token (none of {', '.join(END_OF_TEXT)})")
+        self.eot_id: int = eot_id
+        self.eot: str = backend.id_to_token(eot_id) if kind == "hf" else EOT  # the end-of-text token's text
 
     @property
     def identity(self) -> dict:

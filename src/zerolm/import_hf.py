@@ -1,0 +1,148 @@
+"""`zerolm import-hf DIR --out CHECKPOINT`: a local transformers model directory (GPT-2, MPT or the Llama
+layout; safetensors) as a zerolm checkpoint that `zerolm train --set train.init_from=CHECKPOINT` continues
+from (zerolm.warm_start), and that `zerolm eval`, `sample` and `export-hf` read like any checkpoint.
+
+DIR's `config.json` says the architecture (`model_type`) and the shape: `model_settings` turns it into zerolm's
+model settings (GPT-2's layout, MPT's with ALiBi, or Llama's with rotary positions, RMSNorm, SwiGLU and
+grouped-query attention), and refuses, in one line naming the key, what zerolm's model would not compute the
+same (another activation, rotary scaling, biases where zerolm has none). The weights (`model.safetensors`, or
+the shards `model.safetensors.index.json` lists) are read through the same name tables the export writes by
+(zerolm.hf_layouts), backwards. The tokenizer (`tokenizer.json`) is copied into CHECKPOINT: the run continuing
+from it prepares its data with that file (`zerolm prepare --tokenizer CHECKPOINT/tokenizer.json`), and
+evaluation and sampling find it there. The checkpoint is step 0, float32 parameters, a fresh optimizer state,
+the run config `--config` with the imported model's settings. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zerolm import storage
+from zerolm.config import Config
+from zerolm.data.tokenizer import Tokenizer, TokenizerError, from_file
+from zerolm.errors import ZerolmError
+from zerolm.hf_layouts import GPT2, LLAMA, MPT, Layout, zerolm_params
+
+TOKENIZER = "tokenizer.json"  # the imported tokenizer, in the checkpoint's directory
+
+
+class ImportError_(ZerolmError):  # noqa: N801 (ImportError is Python's)
+    """A transformers directory zerolm cannot import exactly; one line naming the file and key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Imported:
+    where: Any  # the step directory written
+    architecture: str
+    settings: dict[str, Any]  # the model settings read from config.json (model.<key>: value)
+    tokenizer: Tokenizer
+
+
+def model_settings(hf: dict, where: str) -> tuple[Layout, dict[str, Any]]:
+    """(the layout, zerolm's model settings) of a transformers config.json; ImportError_ for one zerolm's model
+    would not compute the same."""
+    kind = hf.get("model_type")
+
+    def need(key: str, ok: bool, what: str) -> None:
+        if not ok:
+            raise ImportError_(f"{where}: {key}: {hf.get(key)!r}: zerolm's {kind} layout computes {what}")
+
+    if kind == "gpt2":
+        need("activation_function", hf.get("activation_function", "gelu_new") == "gelu_new", "the tanh GELU (gelu_new)")
+        need("n_inner", hf.get("n_inner") in (None, 4 * hf["n_embd"]), "an MLP of 4 × n_embd")
+        return GPT2, {"vocab_size": hf["vocab_size"], "n_layer": hf["n_layer"], "d_model": hf["n_embd"],
+                      "n_head": hf["n_head"], "seq_len": hf["n_positions"], "position": "learned", "bias": True,
+                      "norm": "layernorm", "norm_eps": hf.get("layer_norm_epsilon", 1e-5), "mlp": "gelu",
+                      "activation": "gelu_tanh", "n_kv_head": "auto", "tie_embeddings": True}
+    if kind == "mpt":
+        attn = hf.get("attn_config", {})
+        need("attn_config", attn.get("alibi", False) and attn.get("softmax_scale") is None,
+             "ALiBi attention at the usual 1/√head_dim scale")
+        need("expansion_ratio", hf.get("expansion_ratio", 4) == 4, "an MLP of 4 × d_model")
+        need("logit_scale", hf.get("logit_scale") is None, "unscaled logits")
+        return MPT, {"vocab_size": hf["vocab_size"], "n_layer": hf["n_layers"], "d_model": hf["d_model"],
+                     "n_head": hf["n_heads"], "seq_len": hf["max_seq_len"], "position": "alibi", "bias": False,
+                     "norm": "layernorm", "norm_eps": hf.get("layer_norm_epsilon", 1e-5), "mlp": "gelu",
+                     "activation": "gelu", "n_kv_head": "auto", "tie_embeddings": True}
+    if kind == "llama":
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        need("rope_parameters", rope.get("rope_type", rope.get("type", "default")) == "default",
+             "rotary positions without scaling (rope_type default)")
+        need("hidden_act", hf.get("hidden_act", "silu") == "silu", "SwiGLU (silu)")
+        need("attention_bias", not hf.get("attention_bias", False), "attention without biases")
+        need("mlp_bias", not hf.get("mlp_bias", False), "an MLP without biases")
+        heads = hf["num_attention_heads"]
+        need("head_dim", hf.get("head_dim") in (None, hf["hidden_size"] // heads), "heads of hidden_size / heads")
+        return LLAMA, {"vocab_size": hf["vocab_size"], "n_layer": hf["num_hidden_layers"],
+                       "d_model": hf["hidden_size"], "n_head": heads, "seq_len": hf["max_position_embeddings"],
+                       "position": "rope", "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+                       "bias": False, "norm": "rmsnorm", "norm_eps": hf.get("rms_norm_eps", 1e-6), "mlp": "swiglu",
+                       "mlp_hidden": hf["intermediate_size"],
+                       "n_kv_head": hf.get("num_key_value_heads") or heads,
+                       "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
+    raise ImportError_(f"{where}: model_type: {kind!r}: zerolm imports gpt2, llama and mpt")
+
+
+def read_tensors(directory: Path) -> dict[str, np.ndarray]:
+    """Every tensor of the directory's safetensors (one file, or the shards its index lists), as float32."""
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (directory / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        bin_only = " (it has PyTorch .bin weights: save them as safetensors with transformers' save_pretrained)" \
+            if list(directory.glob("*.bin")) else ""
+        raise ImportError_(f"{directory}: no model.safetensors or model.safetensors.index.json{bin_only}")
+    tensors = {}
+    for name in files:
+        with safe_open(str(directory / name), framework="flax") as f:  # bfloat16 too (numpy has none)
+            for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                tensors[key] = np.asarray(f.get_tensor(key), np.float32)
+    return tensors
+
+
+def _tokenizer(directory: Path) -> Tokenizer:
+    path = directory / TOKENIZER
+    if not path.exists():
+        raise ImportError_(f"{directory}: no {TOKENIZER} (a fast tokenizer's file; transformers writes one with "
+                           "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR))")
+    try:
+        return from_file(path)
+    except TokenizerError as e:
+        raise ImportError_(str(e)) from None
+
+
+def import_hf(directory: Path, cfg: Config, out: str, overwrite: bool = False, say=lambda line: None) -> Imported:
+    """Read the transformers directory, write the checkpoint of step 0 at `out` (local or gs://) with the
+    tokenizer beside it; `cfg`: the run config its model goes into (its model's shape keys are the import's)."""
+    from zerolm.warm_start import Origin, save_start
+
+    target = storage.path(out)
+    if target.exists() and not overwrite:
+        raise ImportError_(f"--out: {out} already exists (pass --overwrite to move it aside and write anew)")
+    try:
+        hf = json.loads((directory / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ImportError_(f"{directory / 'config.json'}: cannot read a transformers config ({e})") from None
+    layout, settings = model_settings(hf, str(directory / "config.json"))
+    tokenizer = _tokenizer(directory)
+    settings["eot_id"] = tokenizer.eot_id
+    if tokenizer.vocab_size > settings["vocab_size"]:
+        raise ImportError_(f"{directory / TOKENIZER}: {tokenizer.vocab_size} tokens, more than the model's "
+                           f"vocab_size {settings['vocab_size']}")
+    model = {**cfg.model.model_dump(), **settings, "mlp_hidden": settings.get("mlp_hidden", "auto")}
+    cfg = cfg.resolve(model=model, checkpoint__dir=out)
+    params = zerolm_params(read_tensors(directory), cfg.model, layout)
+    origin = Origin({"tokenizer_sha256": tokenizer.sha256, "tokenizer": tokenizer.identity,
+                     "imported_from": str(directory.absolute())}, None)
+    where = save_start(cfg, params, target, origin, say)
+    (where.parent / TOKENIZER).write_bytes(tokenizer.file_bytes)
+    return Imported(where, layout.architecture, {**settings, "mlp_hidden": model["mlp_hidden"]}, tokenizer)
