@@ -1,5 +1,6 @@
-"""What ALiBi and dropout cost, by the compilers (no TPU or GPU needed): the 1_3b config's step compiled for a
-target as shipped (learned positions, no dropout) and with each option, and the seed's own config; per variant,
+"""What ALiBi, dropout and the Llama layout cost, by the compilers (no TPU or GPU needed): the 1_3b config's step compiled for a
+target as shipped (learned positions, no dropout) and with each option, the seed's own config and llama_1b (the
+Llama layout at TinyLlama-1.1B's shape); per variant,
 the attention the target resolves to, the step's peak per device, the bytes its collectives move per device
 per step, and (`--census`, for a GPU target: one device has no collectives) the bytes its kernels move per
 step (`zerolm compile --json [--census]`, each in its own process).
@@ -24,6 +25,7 @@ VARIANTS = {
     "dropout 0.1 (residual, attention)": ("configs/1_3b.yaml", ["model.residual_dropout=0.1",
                                                                 "model.attention_dropout=0.1"]),
     "1_3b_seed (alibi, no bias, dropout, 1024)": ("configs/1_3b_seed.yaml", []),
+    "llama_1b (rope, rmsnorm, swiglu, 4 kv heads, untied)": ("configs/llama_1b.yaml", []),
 }
 
 

@@ -305,12 +305,15 @@ def test_the_search_walks_down_from_advice_the_compiler_refuses():
         advice.describe(found)[0]
 
 
-@pytest.mark.parametrize("target, attention", [("v3-8", "blockwise"), ("v5e-8", "pallas")])
-def test_a_document_masked_step_compiles_for_the_tpu_attentions(target, attention):
+@pytest.mark.parametrize("target, attention, config", [("v3-8", "blockwise", TINY),
+                                                       ("v5e-8", "pallas", TINY.parent / "tiny_llama.yaml")])
+def test_a_document_masked_step_compiles_for_the_tpu_attentions(target, attention, config):
     """model.document_mask through the real step, compiled by libtpu for the attention `auto` takes there
-    (the blockwise one on v3, Pallas's on v5e: the sweep found the blockwise one failing inside the step)."""
-    r = json.loads(compile_cmd("--config", TINY, "--target", target, "--set", "model.vocab_size=1024", "--set",
-                               "model.document_mask=true", "--json").stdout)
+    (the blockwise one on v3, Pallas's on v5e: the sweep found the blockwise one failing inside the step); on v5e
+    in the Llama layout (Pallas's kernel takes the grouped key/value heads repeated; rotary positions restart)."""
+    r = json.loads(compile_cmd("--config", config, "--target", target, "--set", "model.vocab_size=1024", "--set",
+                               "model.document_mask=true", "--set", "model.document_positions=restart",
+                               "--json").stdout)
     assert r["attention"] == attention and r["fits"]
     kernels = r["pallas_kernels"]["grad"]  # Pallas's forward, dk/dv and dq kernels
     assert kernels >= 3 if attention == "pallas" else kernels == 0
