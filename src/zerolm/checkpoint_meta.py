@@ -23,6 +23,7 @@ BEFORE_RECORDED: dict[str, dict[str, Any]] = {
               "mlp_hidden": "auto", "n_kv_head": "auto", "tie_embeddings": True},
     "zero": {"precision": "fp32", "stage": 1},
     "train": {"init_from": None},
+    "eval": {"tasks": [], "every": None, "limit": None, "include_path": None},
 }
 
 

@@ -168,6 +168,31 @@ class SampleConfig(_Section):
     every: int | None = PositiveInt
 
 
+class EvalConfig(_Section):
+    # lm-evaluation-harness tasks evaluated during training (zerolm.downstream): zerolm's, the harness's, or
+    # include_path's; a YAML list or "a,b". Each is checked (known, its data here) before the step compiles.
+    tasks: tuple[str, ...]
+    every: int | None = PositiveInt  # steps between task evaluations (and one at the end); null: train.eval_every
+    limit: int | None = PositiveInt  # each task's first N documents; null: all
+    include_path: str | None  # a local directory of your own task definitions (the harness's --include_path)
+
+    @field_validator("tasks", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):  # --set eval.tasks=zerolm_cloze,zerolm_choice
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
+    @field_validator("tasks")
+    @classmethod
+    def _each_once(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if twice := sorted({name for name in value if value.count(name) > 1}):
+            raise ValueError(f"{', '.join(twice)} named more than once")
+        if "" in (name.strip() for name in value):
+            raise ValueError("an empty task name")
+        return value
+
+
 class Config(_Section):
     name: str
     model: ModelConfig
@@ -178,6 +203,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig
     logging: LoggingConfig
     sample: SampleConfig
+    eval: EvalConfig
 
     @model_validator(mode="before")
     @classmethod
