@@ -4,7 +4,8 @@
 
 Before it computes step N, the run writes its pid to the hold file and waits until the test removes the
 file (at most 120 s). A test then acts (a signal, kill -9, a second run) while the run is certainly alive,
-at a known step, however fast or slow the machine is: nothing races the clock.
+at a known step, however fast or slow the machine is: nothing races the clock. With ZEROLM_TEST_HOLD_IN=tasks
+it holds instead as the evaluation of eval.tasks after step N begins (before its row is written).
 """
 
 import os
@@ -12,23 +13,37 @@ import sys
 import time
 from pathlib import Path
 
+from zerolm.downstream import DuringTraining
 from zerolm.zero import Zero
 
 HOLD = Path(os.environ["ZEROLM_TEST_HOLD"])
 BEFORE_STEP = int(os.environ["ZEROLM_TEST_HOLD_BEFORE_STEP"])
-_step = Zero.step
+_step, _tasks = Zero.step, DuringTraining.__call__
+
+
+def _hold():
+    HOLD.write_text(str(os.getpid()))
+    deadline = time.monotonic() + 120
+    while HOLD.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _held_step(self, state, batch):
     if int(state.step) + 1 == BEFORE_STEP:
-        HOLD.write_text(str(os.getpid()))
-        deadline = time.monotonic() + 120
-        while HOLD.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _hold()
     return _step(self, state, batch)
 
 
-Zero.__call__ = _held_step
+def _held_tasks(self, params, step):
+    if step == BEFORE_STEP:
+        _hold()
+    return _tasks(self, params, step)
+
+
+if os.environ.get("ZEROLM_TEST_HOLD_IN") == "tasks":
+    DuringTraining.__call__ = _held_tasks
+else:
+    Zero.__call__ = _held_step
 
 from zerolm.commands import main  # noqa: E402
 

@@ -1,6 +1,7 @@
 """Downstream tasks through lm-evaluation-harness (zerolm.harness, zerolm.downstream, zerolm.tasks): the zerolm
 backend gives the harness's own `hf` backend's numbers on the exported model, the same on any layout the
-parameters are sharded in, and `zerolm eval --tasks` writes them beside the checkpoint; bad tasks are one line."""
+parameters are sharded in, and `zerolm eval --tasks` writes them beside the checkpoint; bad tasks are one line;
+a training run's eval.tasks write those numbers at their steps, once each, through SIGTERM and kill -9."""
 
 import json
 
@@ -132,3 +133,84 @@ def test_an_unknown_task_or_one_without_its_data_is_one_line_and_exit_2(trained_
     assert main(["eval", "--checkpoint", str(trained_run / "ckpt"), "--tasks", tasks]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: {message}")
+
+
+# eval.tasks during training: zerolm_cloze's first 4 documents at steps 8 and 16 (train.eval_every, the default
+# of eval.every; the 16 steps' last is evaluated too), checkpoints every 4.
+DURING = ["eval.tasks=zerolm_cloze", "eval.limit=4", "train.eval_every=8"]
+CLOZE = {"tasks/zerolm_cloze/acc", "tasks/zerolm_cloze/perplexity"}
+
+
+def task_rows(run_dir) -> dict[int, dict[str, float]]:
+    """step -> its metrics.jsonl row of task metrics; each step has at most one."""
+    rows: dict[int, dict[str, float]] = {}
+    for line in (run_dir / "log" / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if any(key.startswith("tasks/") for key in record):
+            assert record["step"] not in rows, f"step {record['step']}: two task rows"
+            rows[record["step"]] = record
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tasks_run(tmp_path_factory):
+    """An uninterrupted run with DURING, and its task rows."""
+    import runs
+
+    run_dir = tmp_path_factory.mktemp("tasks")
+    runs.train(run_dir, *DURING)
+    return run_dir, task_rows(run_dir)
+
+
+def test_a_run_with_eval_tasks_writes_the_eval_commands_numbers_at_its_steps(tasks_run):
+    from zerolm import downstream
+
+    run_dir, rows = tasks_run
+    assert sorted(rows) == [8, 16]
+    assert set(rows[8]) == {"step", "tokens_seen", "tasks_s", *CLOZE} and rows[8]["tasks_s"] > 0
+    zerolm("eval", "--checkpoint", run_dir / "ckpt" / "8", "--tasks", "zerolm_cloze", "--limit", "4")
+    command = downstream.metrics(json.loads((run_dir / "ckpt" / "lm-eval-step8.json").read_text()))
+    assert command == {key: rows[8][key] for key in CLOZE}
+    assert rows[16]["tasks/zerolm_cloze/perplexity"] != rows[8]["tasks/zerolm_cloze/perplexity"]
+
+
+def test_a_task_evaluation_stopped_by_sigterm_or_kill_9_resumes_with_one_row_per_evaluated_step(tasks_run, tmp_path):
+    """SIGTERM during step 8's task evaluation: its row is written, the run saves step 9 and exits 75; kill -9
+    during step 16's: no row, no checkpoint of 16 (the tasks run before its save); resumed, the run trains and
+    evaluates step 16 again. The rows are the uninterrupted run's, each once."""
+    import signal
+
+    from runs import committed, losses, release, start_held, train
+    from zerolm.checkpoint import Checkpoints
+    from zerolm.exitcodes import EXIT_PREEMPTED
+
+    proc = start_held(tmp_path, *DURING, before_step=8, extra_env={"ZEROLM_TEST_HOLD_IN": "tasks"})
+    proc.send_signal(signal.SIGTERM)
+    release(tmp_path)
+    assert proc.wait(timeout=120) == EXIT_PREEMPTED
+    assert Checkpoints(tmp_path / "ckpt", read_only=True).latest_step() == 9 and sorted(task_rows(tmp_path)) == [8]
+    proc = start_held(tmp_path, *DURING, before_step=16, until=lambda: committed(tmp_path) and Checkpoints(
+        tmp_path / "ckpt", read_only=True).latest_step() == 12, extra_env={"ZEROLM_TEST_HOLD_IN": "tasks"})
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert sorted(task_rows(tmp_path)) == [8] and not list((tmp_path / "ckpt").glob("16*"))  # no save of 16 begun
+    train(tmp_path, *DURING)
+    untimed = lambda rows: {step: {k: v for k, v in row.items() if k != "tasks_s"} for step, row in rows.items()}
+    assert untimed(task_rows(tmp_path)) == untimed(tasks_run[1])
+    assert sorted(losses(tmp_path)) == list(range(1, 17))
+
+
+def test_a_misspelled_task_stops_the_run_in_one_line_before_compiling(tmp_path, monkeypatch, capsys):
+    from runs import SMALL
+    from zerolm import train
+    from zerolm.commands import main
+
+    def compiled(*args, **kwargs):
+        raise AssertionError("compiled the step")
+
+    monkeypatch.setattr(train, "build_and_compile", compiled)
+    sets = [*SMALL, f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.dir={tmp_path / 'log'}", "eval.tasks=zerolm_clozee"]
+    assert main(["train", "--config", str(TINY), *[a for s in sets for a in ("--set", s)]]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: eval.tasks: unknown task 'zerolm_clozee' (zerolm's: zerolm_cloze, zerolm_choice, "
+                   "zerolm_text; the harness's: `lm-eval ls tasks`; your own: eval.include_path DIR)\n")

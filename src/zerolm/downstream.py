@@ -11,6 +11,7 @@ in seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -48,7 +49,18 @@ def go_offline(download: bool = False) -> None:
             os.environ.setdefault(variable, "1")
 
 
-def task_manager(names: list[str], include_path: str | None = None):
+@dataclasses.dataclass(frozen=True)
+class Keys:
+    """What the user named the tasks and their directory with, for the one-line errors."""
+
+    tasks: str = "--tasks"
+    include_path: str = "--include-path"
+
+
+TRAINING = Keys("eval.tasks", "eval.include_path")
+
+
+def task_manager(names: list[str], include_path: str | None = None, keys: Keys = Keys()):
     """The harness's task index over zerolm's tasks and the directory `include_path` (--include-path), and
     over the harness's own tasks too unless those hold every name (indexing its thousands takes seconds)."""
     from lm_eval.tasks import TaskManager
@@ -58,31 +70,62 @@ def task_manager(names: list[str], include_path: str | None = None):
     paths = [str(DIRECTORY)]
     if include_path is not None:
         if not os.path.isdir(include_path):
-            raise UsageError(f"--include-path: {include_path} is not a directory of task definitions")
+            raise UsageError(f"{keys.include_path}: {include_path} is not a directory of task definitions")
         paths.append(include_path)
     ours = TaskManager(include_path=paths, include_defaults=False)
     return ours if set(names) <= set(ours.all_tasks) else TaskManager(include_path=paths)
 
 
-def check_tasks(names: list[str], manager) -> None:
+def check_tasks(names: list[str], manager, keys: Keys = Keys()) -> None:
     """Each task is known and its data loads here (TaskError, one line, otherwise)."""
     from zerolm.tasks import NAMES
 
     if not names:
-        raise UsageError("--tasks: no task named (e.g. --tasks zerolm_cloze,zerolm_choice)")
+        raise UsageError(f"{keys.tasks}: no task named (e.g. {keys.tasks} zerolm_cloze,zerolm_choice)")
     for name in names:
         if name not in manager.all_tasks:
-            raise TaskError(f"--tasks: unknown task {name!r} (zerolm's: {', '.join(NAMES)}; the harness's: "
-                            "`lm-eval ls tasks`; your own: --include-path DIR)")
+            raise TaskError(f"{keys.tasks}: unknown task {name!r} (zerolm's: {', '.join(NAMES)}; the harness's: "
+                            f"`lm-eval ls tasks`; your own: {keys.include_path} DIR)")
     for name in names:
         try:
             manager.load([name])
         except OSError as e:  # datasets' ConnectionError (offline) and DatasetNotFoundError (a FileNotFoundError)
             offline = os.environ.get("HF_DATASETS_OFFLINE", "0") not in ("0", "false", "")
-            raise TaskError(f"--tasks: {name}: its data is not on this machine ({first_line(e, 160)})"
+            raise TaskError(f"{keys.tasks}: {name}: its data is not on this machine ({first_line(e, 160)})"
                             + ("; download it on a machine with internet (zerolm eval --tasks "
                                f"{name} --download, which fills ~/.cache/huggingface) and copy that cache here"
                                if offline else "")) from None
+
+
+def prepare(names: list[str], include_path: str | None = None, download: bool = False, keys: Keys = Keys()):
+    """The harness's task index for `names`, each checked known and its data here, before any model is loaded
+    or compiled (TaskError or UsageError, one line, otherwise; the harness not installed too)."""
+    if problem := missing_harness():
+        raise UsageError(f"{keys.tasks}: {problem}")
+    go_offline(download)
+    manager = task_manager(names, include_path, keys)
+    check_tasks(names, manager, keys)
+    return manager
+
+
+class DuringTraining:
+    """Training's eval.tasks (zerolm.train): the tasks evaluated with a training run's current parameters on
+    its own mesh, sharded as trained. The backend is made once, so its programs compile at the first
+    evaluation only; standard errors are not bootstrapped (a number per metric, as the loss is)."""
+
+    def __init__(self, names: list[str], manager, loaded, limit: int | None):
+        """`loaded`: a zerolm.harness.Loaded of the run's model, mesh and tokenizer (its params replaced at
+        each evaluation). Batches are the backend's default rows (rounded up to a multiple of dp): the
+        scores' float32 logits are whole rows × length × vocab, which the training step never holds."""
+        from zerolm.harness import ZerolmLM
+
+        self.names, self.manager, self.limit = names, manager, limit
+        self.lm = ZerolmLM(loaded=loaded)
+
+    def __call__(self, params: Any, step: int) -> dict[str, float]:
+        """The `tasks/<task>/<metric>` numbers of the model with `params` (the state after step `step`)."""
+        self.lm.use_params(params, step)
+        return metrics(evaluate(self.lm, self.names, self.manager, self.limit, bootstrap_iters=0))
 
 
 def evaluate(lm, names: list[str], manager, limit: int | None = None, bootstrap_iters: int = BOOTSTRAP_ITERS,

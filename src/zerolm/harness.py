@@ -179,6 +179,12 @@ class ZerolmLM(TemplateLM):
         self.scorer = Scorer(loaded.model, loaded.params, loaded.mesh, _batch_rows(batch_size))
         self._max_gen_toks = int(max_gen_toks)
 
+    def use_params(self, params: Any, step: int) -> None:
+        """Score with `params` from now on (a training run's, at the step it evaluates), sharded as before:
+        the programs already compiled run again."""
+        self.loaded = dataclasses.replace(self.loaded, params=params, step=step)
+        self.scorer.params = params
+
     @property
     def eot_token_id(self) -> int:
         eot = self.zerolm_tokenizer.eot_id

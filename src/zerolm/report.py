@@ -28,7 +28,7 @@ NOT_RECORDED = "not recorded by this run"
 # Time fields of metrics.jsonl rows that the page names; any other `*_s` field (not a rate, `*_per_s`) gets its
 # own row, by its key.
 NAMED_TIMES = {"step_time_s": "training steps", "data_wait_s": "waiting for data", "save_s": "saving checkpoints",
-               "eval_s": "evaluating (validation loss)"}
+               "eval_s": "evaluating (validation loss)", "tasks_s": "evaluating downstream tasks (eval.tasks)"}
 
 
 class ReportError(ZerolmError):

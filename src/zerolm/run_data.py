@@ -23,7 +23,7 @@ class RunData:
     train: Split | MixedSplit
     val: Split | MixedSplit
     entropy: float  # the train split's unigram entropy, nats per token
-    tokenizer: Tokenizer | None  # for samples (None: sample.tokens is 0)
+    tokenizer: Tokenizer | None  # for samples and eval.tasks (None: sample.tokens is 0 and no eval.tasks)
 
 
 def open_data(cfg: Config) -> tuple[Config, RunData]:
@@ -35,7 +35,7 @@ def open_data(cfg: Config) -> tuple[Config, RunData]:
     train_split.verify()  # a missing or truncated shard stops the run now, not when first read
     val_split.verify()
     entropy = dataset.manifest.splits["train"].unigram_entropy or 0.0  # None only for an empty split
-    tokenizer = dataset.tokenizer() if cfg.sample.tokens else None  # fail now, not after training
+    tokenizer = dataset.tokenizer() if cfg.sample.tokens or cfg.eval.tasks else None  # fail now, not after training
     return cfg, RunData(dataset, train_split, val_split, entropy, tokenizer)
 
 

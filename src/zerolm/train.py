@@ -1,7 +1,7 @@
 """One training run, top to bottom: open it (`open_run`: its data, the directories' locks, the step compiled for
 its shapes, the evaluator and the sampler, as one `Run`), start it (`zerolm.resume`: fresh or from the newest
-intact checkpoint), then loop over the steps with the work between them as hooks: evaluation, samples and
-checkpoints, each with its `every`. `zerolm.commands.train` is its command line.
+intact checkpoint), then loop over the steps with the work between them as hooks: evaluation, downstream
+tasks, samples and checkpoints, each with its `every`. `zerolm.commands.train` is its command line.
 
 Steps are counted from 1 everywhere: step s is the s-th optimizer update, its line in metrics.jsonl
 holds that update's loss, and the checkpoint named s holds the state after it.
@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 import zerolm
-from zerolm import compilation_cache, launches, library_log, losses, storage
+from zerolm import compilation_cache, downstream, launches, library_log, losses, storage
 from zerolm.checkpoint import remove_unfinished
 from zerolm.checkpoint_meta import CheckpointMeta
 from zerolm.config import Config
@@ -105,6 +105,7 @@ class Run:
     data_id: dict[str, Any]  # the data's identity, which checkpoints record and a resume must match
     evaluate: Callable[[Any], float] | None  # params -> mean validation loss (None: no validation samples)
     sample: Callable[[Any], str] | None  # params -> the prompt and its continuation (None: sample.tokens is 0)
+    tasks: downstream.DuringTraining | None  # (params, step) -> eval.tasks' metrics (None: no eval.tasks)
     lock: RunLock | None  # the checkpoint directory's (None on processes other than 0)
     say: Say  # prints on the first host only
     out: Any
@@ -134,14 +135,17 @@ def _say_nothing_to_do(say: Say, cfg: Config, step: int) -> None:
 
 def open_run(cfg: Config, held: contextlib.ExitStack, out=sys.stdout, credentials: str | None = None,
              resume: Resume = Resume()) -> Run:
-    """Open `cfg`'s run: its data (checked), the directories' locks (held by `held`), whatever refuses the start
-    without a compiled step (zerolm.resume.check_before_compiling), then the step built and compiled for its
-    shapes and checked to fit, the evaluator and the sampler; the header said on the way."""
+    """Open `cfg`'s run: its eval.tasks and data (checked), the directories' locks (held by `held`), whatever
+    refuses the start without a compiled step (zerolm.resume.check_before_compiling), then the step built and
+    compiled for its shapes and checked to fit, the evaluators and the sampler; the header said on the way."""
     mesh = make_mesh(cfg.dp, cfg.mesh.tp)
     say: Say = (lambda line: print(line, file=out, flush=True)) if is_first_host(mesh) else (lambda line: None)
     if credentials:
         say(credentials)
     compilation_cache.use(cfg.train.compilation_cache)
+    # An unknown task (or one whose data is not here) stops the run in seconds, not after compiling.
+    manager = downstream.prepare(list(cfg.eval.tasks), cfg.eval.include_path, keys=downstream.TRAINING) \
+        if cfg.eval.tasks else None
     cfg, data = open_data(cfg)
     # Before the step is built and compiled: a directory in use is refused in seconds, not minutes.
     lock = _lock_directories(cfg, held)
@@ -167,8 +171,14 @@ def open_run(cfg: Config, held: contextlib.ExitStack, out=sys.stdout, credential
     for line in describe_data(built.cfg, data):
         say(line)
     cfg, model = built.cfg, built.model
+    tasks = None
+    if manager is not None and data.tokenizer is not None:
+        from zerolm.harness import Loaded  # (lm-evaluation-harness: imported when eval.tasks asks for it)
+
+        tasks = downstream.DuringTraining(list(cfg.eval.tasks), manager, Loaded(model, None, mesh, data.tokenizer),
+                                          cfg.eval.limit)
     return Run(cfg, mesh, data, model, zero, built.init_fn, accounting, data_id,
-               _evaluator(cfg, model, zero, data, say), _sampler(cfg, model, data), lock, say, out, compile_s)
+               _evaluator(cfg, model, zero, data, say), _sampler(cfg, model, data), tasks, lock, say, out, compile_s)
 
 
 def _lock_directories(cfg: Config, held: contextlib.ExitStack) -> RunLock | None:
@@ -204,7 +214,7 @@ def _evaluator(cfg: Config, model: GPT, zero: Zero, data: RunData, say: Say) -> 
 def _sampler(cfg: Config, model: GPT, data: RunData) -> Callable[[Any], str] | None:
     """The config's prompt and its continuation (every process runs it: the params span them all), or None."""
     tokenizer = data.tokenizer
-    if tokenizer is None:
+    if tokenizer is None or not cfg.sample.tokens:  # (eval.tasks loads the tokenizer too)
         return None
     sampling = Sampling(cfg.sample.temperature, cfg.sample.top_k, cfg.sample.top_p, seed=cfg.train.seed)
     prompt = tokenizer.encode(cfg.sample.prompt)[-(cfg.model.seq_len - 1):]
@@ -292,11 +302,16 @@ class _Loop:
         self.shares: Callable[[int], dict[str, float]] | None = None  # a mixture's realised shares
 
     def hooks(self, writer: MetricsWriter, bar, emitter: StepMetrics) -> list[Hook]:
-        """Evaluation, samples and checkpoints, in the order they run between two steps."""
+        """Evaluation, downstream tasks, samples and checkpoints, in the order they run between two steps. The
+        tasks run before the save of their step: a row lost to a kill was of a step no checkpoint holds, which
+        the resumed run trains and evaluates again (metrics.jsonl keeps the rows up to the step resumed)."""
         cfg, opened = self.run_.cfg, self.run_
         hooks = []
         if opened.evaluate is not None:
             hooks.append(Hook(cfg.train.eval_every, functools.partial(self.evaluate, writer, bar)))
+        if opened.tasks is not None:
+            hooks.append(Hook(cfg.eval.every or cfg.train.eval_every, functools.partial(self.evaluate_tasks, writer,
+                                                                                          bar)))
         if opened.sample is not None and cfg.sample.every:
             # at_last=False: the run's last sample is its closing line
             hooks.append(Hook(cfg.sample.every, functools.partial(self.sample, writer, bar), at_last=False))
@@ -311,6 +326,17 @@ class _Loop:
                             "tokens_seen": step * self.tokens_per_step, "eval_s": time.perf_counter() - t0})
         bar.write(f"step {step}: val loss {loss:.4f}, perplexity {perplexity(loss):.2f}", file=self.run_.out)
         return {"val_loss": loss}
+
+    def evaluate_tasks(self, writer: MetricsWriter, bar, step: int, state: TrainState,
+                       stopping: bool) -> dict[str, float]:
+        assert self.run_.tasks is not None
+        t0 = time.perf_counter()
+        numbers = self.run_.tasks(state.params, step)
+        writer.write(step, {**numbers, "tokens_seen": step * self.tokens_per_step, "tasks_s": time.perf_counter() - t0})
+        if self.is_main:
+            bar.write(f"step {step}: " + ", ".join(f"{key.removeprefix('tasks/')} {value:.4f}"
+                                                   for key, value in numbers.items()), file=self.run_.out)
+        return numbers
 
     def sample(self, writer: MetricsWriter, bar, step: int, state: TrainState, stopping: bool) -> dict[str, float]:
         assert self.run_.sample is not None

@@ -73,13 +73,10 @@ def run_tasks(args: argparse.Namespace, out=sys.stdout) -> int:
     for flag, value in (("--limit", args.limit), ("--batch-size", args.batch_size)):
         if value is not None and value <= 0:
             raise UsageError(f"{flag}: {value} must be > 0")
-    if problem := downstream.missing_harness():
-        raise UsageError(f"--tasks: {problem}")
     check(args.checkpoint, "--checkpoint")
-    downstream.go_offline(args.download)
     names = [name.strip() for name in args.tasks.split(",") if name.strip()]
-    manager = downstream.task_manager(names, args.include_path)
-    downstream.check_tasks(names, manager)  # before the model: an unknown task or missing data in seconds
+    # before the model: an unknown task or missing data in seconds
+    manager = downstream.prepare(names, args.include_path, args.download)
 
     from zerolm.harness import ZerolmLM, load_checkpoint
 
