@@ -57,7 +57,7 @@ def main() -> None:
             sent = sum(c["bytes_per_run"] or 0 for c in r["collectives"])
             print(f"| {target} | {name} | {r['attention']} | {r['micro_batch']} | {r['remat']} | "
                   f"{r['peak_bytes_per_device'] / 2**30:.2f} GiB ({r['peak_program']}) | "
-                  f"{'yes' if r['fits'] else 'NO'} | {sent / 1e9:.2f} GB | "
+                  f"{'yes' if r['fits'] else 'NO'} | {f'{sent / 1e9:.2f} GB' if r['collectives'] else '-'} | "
                   f"{f'{moved / 1e9:.1f} GB' if (moved := (r.get('census') or {}).get('bytes')) else '-'} |", flush=True)
 
 
