@@ -21,7 +21,7 @@ from zerolm.advice import planned, preset_for
 from zerolm.errors import ZerolmError
 from zerolm.step import REMAT_ORDER
 
-__all__ = ["REMAT_ORDER", "STAGES", "REMATS", "search", "describe"]
+__all__ = ["REMAT_ORDER", "STAGES", "REMATS", "search", "compile_plan", "describe"]
 
 STAGES = (1, 2, 3)
 REMATS = ("none", "dots_attention", "dots", "full")
@@ -87,13 +87,17 @@ def _planned_bytes(config: str, sets: list[str], target: aot.Target, dp: int, tp
     return planned_bytes
 
 
-def _compile(config: str, sets: list[str], target: aot.Target, devices: list, usable: int) -> tuple[Candidate, str]:
-    """One candidate compiled (`sets` name its stage, micro-batch, remat and block) and its attention."""
+def compile_plan(config: str, sets: list[str], target: aot.Target, devices: list | None = None,
+                 usable: int | None = None) -> tuple[Candidate, str]:
+    """One candidate compiled (`sets` name its stage, micro-batch, remat and block) and its attention: what
+    the search compiles for each, and times by zerolm.step_time."""
     from zerolm.data.dataset import load_planned
     from zerolm.hardware import preset
     from zerolm.mesh import make_mesh
     from zerolm.step import build_and_compile, step_peak
 
+    devices = devices or aot.target_devices(target)
+    usable = usable if usable is not None else aot.usable_bytes(target, devices[0])
     cfg = load_planned(config, sets, device_count=len(devices))
     built = build_and_compile(cfg, make_mesh(cfg.dp, cfg.mesh.tp, devices), usable)
     peak = step_peak(built.compiled, built.zero, built.cfg)
@@ -129,7 +133,7 @@ def search(config: str, sets: list[str], target: aot.Target, *, stages=STAGES, r
                 if planned_bytes(stage, micro, remat) > PRUNE_MARGIN * usable:
                     pruned += len(micros) - i
                     break
-                c, attention = _compile(config, [*sets, f"zero.stage={stage}", f"train.micro_batch_size={micro}",
+                c, attention = compile_plan(config, [*sets, f"zero.stage={stage}", f"train.micro_batch_size={micro}",
                                                  f"model.remat={remat}"], target, devices, usable)
                 found.append(c)
                 on_compile(c)
@@ -141,7 +145,7 @@ def search(config: str, sets: list[str], target: aot.Target, *, stages=STAGES, r
         for block in (best.block // 2, best.block * 2):
             if 0 < block <= base.model.seq_len:
                 try:
-                    c, _ = _compile(config, [*sets, *dataclasses.replace(best, block=block).sets()], target, devices,
+                    c, _ = compile_plan(config, [*sets, *dataclasses.replace(best, block=block).sets()], target, devices,
                                     usable)
                 except ZerolmError:  # a block the attention refuses (Pallas's lanes): not a candidate
                     continue
@@ -156,14 +160,15 @@ def _gib(n: int | None) -> str:
 
 def row(c: Candidate) -> str:
     m = c.model
-    timing = (f"{m.flops_ratio:9.3f} {m.exposed_bytes / 1e9:9.3f} {m.step_s:9.3g} {m.tokens_per_s:12,.0f} {m.mfu:6.1%}"
-              if m else f"{'-':>9s} {'-':>9s} {'-':>9s} {'-':>12s} {'-':>6s}")
+    timing = (f"{m.flops_ratio:9.3f} {m.sent_bytes / 1e9:7.3f} {m.exposed_bytes / 1e9:10.3f} {m.step_s:9.3g} "
+              f"{m.tokens_per_s:12,.0f} {m.mfu:6.1%}"
+              if m else f"{'-':>9s} {'-':>7s} {'-':>10s} {'-':>9s} {'-':>12s} {'-':>6s}")
     return (f"  {c.stage:5d} {c.micro:5d} {c.remat:>14s} {c.block if c.block is not None else '-':>5} "
             f"{_gib(c.peak_bytes):>8s} {'yes' if c.fits else 'no':>4s} {timing}")
 
 
 HEADER = (f"  {'stage':>5s} {'micro':>5s} {'remat':>14s} {'block':>5s} {'peak GiB':>8s} {'fits':>4s} "
-          f"{'FLOPs/mdl':>9s} {'exposed GB':>9s} {'step s':>9s} {'tokens/s':>12s} {'MFU':>6s}")
+          f"{'FLOPs/mdl':>9s} {'sent GB':>7s} {'exposed GB':>10s} {'step s':>9s} {'tokens/s':>12s} {'MFU':>6s}")
 
 
 def describe(s: Search, table: bool = True) -> list[str]:
@@ -171,8 +176,9 @@ def describe(s: Search, table: bool = True) -> list[str]:
     lines = [f"fastest plan of {s.config} on {s.target} (usable {s.usable_bytes / 2**30:.2f} GiB per device): "
              f"{len(s.candidates)} compiles, {s.pruned} candidates pruned by the planner's memory (over "
              f"{PRUNE_MARGIN}x the usable)", *([HEADER, *map(row, s.candidates)] if table else []),
-             "  (FLOPs/mdl: the compiled matmul FLOPs per token over the model's 6·N + 12·L·d·T; exposed GB: collective "
-             "bytes per device per step the schedule does not overlap; step s: zerolm.step_time's model, a lower bound)"]
+             "  (FLOPs/mdl: the compiled matmul FLOPs per token over the model's 6·N + 12·L·d·T; sent GB: every "
+             "collective's bytes per device per step; exposed GB: those the schedule does not overlap; step s: "
+             "zerolm.step_time's model, a lower bound)"]
     best = s.winner
     if best is None:
         lines.append("no candidate fits")

@@ -239,6 +239,11 @@ class StepModel:
         return sum(c.exposed_bytes for c in self.comms.values())
 
     @property
+    def sent_bytes(self) -> int:
+        """Every collective's bytes per device per step, overlapped or not (zerolm.hlo's count)."""
+        return sum(c.bytes for c in self.comms.values())
+
+    @property
     def tokens_per_s(self) -> float:
         return self.tokens_per_step / self.step_s
 
@@ -254,8 +259,8 @@ class StepModel:
     def to_json(self) -> dict:
         return {"compute_s": self.compute_s, "comm_s": self.comm_s, "step_s": self.step_s,
                 "flops_per_token": self.flops_per_token, "flops_ratio": self.flops_ratio,
-                "exposed_bytes": self.exposed_bytes, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
-                "uncounted_kernels": self.uncounted_kernels,
+                "exposed_bytes": self.exposed_bytes, "sent_bytes": self.sent_bytes, "tokens_per_s": self.tokens_per_s,
+                "mfu": self.mfu, "uncounted_kernels": self.uncounted_kernels,
                 "programs": {name: {**dataclasses.asdict(self.flops[name]), **dataclasses.asdict(self.comms[name])}
                              for name in self.flops}}
 
