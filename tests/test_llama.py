@@ -108,3 +108,15 @@ def test_the_layout_has_the_parameters_it_says_and_mfu_counts_the_matmuls():
 def test_a_layout_tensor_parallelism_cannot_split_is_one_line(sets, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         small_config(*sets, device_count=8)
+
+
+def test_auto_and_the_number_it_means_are_the_same_parameters():
+    """A checkpoint recorded with n_kv_head/mlp_hidden auto starts or resumes a run that spells them out
+    (zerolm import-hf writes numbers), and the other way round; another number is another model."""
+    from zerolm.checkpoint import parameter_differences
+
+    auto = small_config("model.mlp=swiglu").model.model_dump()
+    spelled = small_config("model.mlp=swiglu", "model.n_kv_head=4", "model.mlp_hidden=256").model.model_dump()
+    assert parameter_differences(auto, spelled) == [] and parameter_differences(spelled, auto) == []
+    other = small_config("model.mlp=swiglu", "model.mlp_hidden=64", "model.n_kv_head=2").model.model_dump()
+    assert [k for k, _, _ in parameter_differences(auto, other)] == ["mlp_hidden", "n_kv_head"]

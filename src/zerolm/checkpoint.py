@@ -304,8 +304,11 @@ _COMPUTE_ONLY = {"dtype", "attention", "attention_block", "remat", "scan_layers"
 def parameter_differences(saved_model: dict, model_config: dict, *, besides: tuple[str, ...] = ()) -> list[tuple]:
     """(key, saved value, config value) of each model setting that differs and makes other parameters
     (not one of _COMPUTE_ONLY, nor of `besides`), in the config's key order."""
-    return [(k, saved_model.get(k), v) for k, v in model_config.items()
-            if saved_model.get(k) != v and k not in _COMPUTE_ONLY and k not in besides]
+    from zerolm.model_config import resolved_shape
+
+    saved, wanted = resolved_shape(saved_model), resolved_shape(model_config)
+    return [(k, saved.get(k), v) for k, v in wanted.items()
+            if saved.get(k) != v and k not in _COMPUTE_ONLY and k not in besides]
 
 
 def directory_size(path: epath.Path) -> int:

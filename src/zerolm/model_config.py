@@ -25,6 +25,24 @@ def tp_split_problem(n_head: int, mlp_width: int, tp: int, n_kv_head: int | None
     return None
 
 
+def mlp_width(mlp: str, d_model: int, mlp_hidden: int | str) -> int:
+    """The MLP's hidden units: model.mlp_hidden, or for auto 4·d_model (gelu) or Llama's 8/3·d_model rounded up
+    to a multiple of 256 (swiglu)."""
+    if mlp_hidden != "auto":
+        return int(mlp_hidden)
+    return 4 * d_model if mlp == "gelu" else 256 * math.ceil(8 * d_model / 3 / 256)
+
+
+def resolved_shape(model: dict[str, Any]) -> dict[str, Any]:
+    """A model section (a checkpoint's record, or a config's) with the `auto`s that decide parameter shapes
+    resolved (model.n_kv_head, model.mlp_hidden), so that `auto` and the number it means compare equal."""
+    out = dict(model)
+    if out.get("n_kv_head", "auto") == "auto":
+        out["n_kv_head"] = out.get("n_head")
+    out["mlp_hidden"] = mlp_width(out.get("mlp", "gelu"), out["d_model"], out.get("mlp_hidden", "auto"))
+    return out
+
+
 class ModelConfig(_Section):
     vocab_size: int | Literal["auto"]  # "auto": the tokenizer's vocabulary size
     n_layer: int = PositiveInt
@@ -117,11 +135,7 @@ class ModelConfig(_Section):
     @property
     def mlp_width(self) -> int:
         """model.mlp_hidden, resolved."""
-        if self.mlp_hidden != "auto":
-            return self.mlp_hidden
-        if self.mlp == "gelu":
-            return 4 * self.d_model
-        return 256 * math.ceil(8 * self.d_model / 3 / 256)
+        return mlp_width(self.mlp, self.d_model, self.mlp_hidden)
 
     @property
     def eot(self) -> int:

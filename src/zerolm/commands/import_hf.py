@@ -5,7 +5,9 @@ safetensors) as a zerolm checkpoint that `zerolm train --set train.init_from=CHE
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -43,9 +45,22 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     done = import_hf(directory, cfg, args.out, args.overwrite, say=lambda line: print(line, file=out, flush=True))
     print(f"imported {done.architecture} from {directory} to {done.where} (step 0, float32, a fresh optimizer state); "
           f"its tokenizer: {done.where.parent / TOKENIZER}", file=out)
-    sets = "".join(f" --set model.{k}={v}" for k, v in done.settings.items())
+    sets = "".join(f" --set model.{k}={v if isinstance(v, str) else json.dumps(v)}"
+                   for k, v in _differing(cfg.model, done).items())
     print(f"prepare data with its tokenizer: zerolm prepare --source ... --tokenizer {done.where.parent / TOKENIZER} "
           f"--seq-len {cfg.model.seq_len} --out DATA", file=out)
     print(f"continue it: zerolm train --config {args.config}{''.join(f' --set {s}' for s in args.set)}{sets} "
           f"--set data.dataset=DATA --set train.init_from={args.out}", file=out)
     return 0
+
+
+def _differing(model, done) -> dict[str, Any]:
+    """The imported model's settings that the config's model (resolved, `auto` as a run resolves it with the
+    imported tokenizer) does not already have."""
+    as_imported = model.model_copy(update={k: done.settings[k] for k in ("mlp", "d_model", "n_head")})
+    resolved = {"mlp_hidden": as_imported.mlp_width, "n_kv_head": model.kv_heads,
+                "eot_id": done.tokenizer.eot_id if model.eot_id == "auto" else model.eot_id,
+                "vocab_size": done.tokenizer.vocab_size if model.vocab_size == "auto" else model.vocab_size}
+    imported = {**done.settings, "n_kv_head": done.settings["n_kv_head"] if done.settings["n_kv_head"] != "auto"
+                else done.settings["n_head"]}
+    return {k: v for k, v in imported.items() if resolved.get(k, getattr(model, k)) != v}
