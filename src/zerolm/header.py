@@ -18,7 +18,7 @@ from zerolm.zero import Zero
 
 
 def accounting_for(cfg: Config, zero: Zero) -> Accounting:
-    """The run's FLOP accounting (6·N + 12·L·d·T per token, N without the position table) on these devices."""
+    """The run's FLOP accounting (6·N + 12·L·d·T per token, N what a matmul reads: model.count_params) on these devices."""
     n = count_params(zero.abstract_params, matmul_only=True)
     return Accounting(flops_per_token(n, cfg.model.n_layer, cfg.model.d_model, cfg.model.seq_len),
                       jax.device_count(), jax.devices()[0].device_kind)

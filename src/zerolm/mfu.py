@@ -3,7 +3,8 @@
     MFU = (6·N + 12·L·d·T) · tokens/s per device / peak FLOP/s of one device
 
 (PaLM, Chowdhery et al. 2022, appendix B.) N is the parameter count without the position
-embeddings (the tied token embedding counts: it is the output matmul). 6·N is the forward (2) and
+embeddings (the tied token embedding counts: it is the output matmul; an untied one does not, its lm_head
+does: zerolm.model.count_params(matmul_only)). 6·N is the forward (2) and
 backward (4) FLOPs of every weight matmul per token. 12·L·d·T is attention's own matmuls, QKᵀ and
 A·V, forward and backward, counted over the full T×T score matrix as PaLM and most published MFU
 figures do: a causal kernel skips about half of that work, so this is the convention, not the

@@ -215,8 +215,9 @@ def speed_section(files: RunFiles) -> list[str]:
     timed = [r for r in files.steps if r["step"] not in files.first_steps]
     lines = ["## Throughput and MFU", "",
              "MFU = (6·N + 12·L·d·T) × tokens/s per device ÷ the peak FLOP/s of one device (`zerolm.mfu`, after "
-             "PaLM appendix B): N is the parameter count without the position table, 12·L·d·T counts attention's "
-             "matmuls over the full T×T scores; rematerialisation is not counted.", ""]
+             "PaLM appendix B): N is the parameter count without the position table (and without an untied token "
+             "embedding: a lookup), 12·L·d·T counts attention's matmuls over the full T×T scores; "
+             "rematerialisation is not counted.", ""]
     if not timed:
         return [*lines, "No step was timed apart from a launch's first (it includes warming up).", ""]
     rows = [["median tokens/s", f"{_median(timed, 'tokens_per_s'):,.0f}"],
