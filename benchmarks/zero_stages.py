@@ -2,7 +2,7 @@
 bytes each collective moves; the largest micro-batch of each stage; what the collectives overlap. The planner
 beside the compiler throughout.
 
-    python benchmarks/zero_stages.py stages [--config 1_3b] [--target v3-32] [--stages 1 2 3] [--write BENCHMARKS.md]
+    python benchmarks/zero_stages.py stages [--config 1_3b] [--target v3-32] [--stages 1 2 3] [--set K=V] [--write BENCHMARKS.md]
     python benchmarks/zero_stages.py fit [--configs 2_7b 6_7b] [--target v3-32] [--write BENCHMARKS.md]
     python benchmarks/zero_stages.py overlap [--config 6_7b] [--target v3-32] [--write BENCHMARKS.md]
 
@@ -53,11 +53,11 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / GIB:.2f}"
 
 
-def stage_rows(config: str, target: str, stage: int) -> tuple[list[str], list[str]]:
-    """(the memory row, the collectives' rows) of one stage."""
+def stage_rows(config: str, target: str, stage: int, extra: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
+    """(the memory row, the collectives' rows) of one stage (`extra`: more --set overrides)."""
     t = aot.parse_target(target)
     devices = aot.target_devices(t)
-    sets = [f"zero.stage={stage}"]
+    sets = [f"zero.stage={stage}", *extra]
     cfg = load_config(f"configs/{config}.yaml", [*sets, "mesh.dp=auto"], device_count=len(devices))
     r = aot.compile_for(cfg, t, devices).to_json()
     micro = r["micro_batch"]
@@ -85,12 +85,12 @@ def stages_table(args) -> tuple[str, list[str]]:
                    "per optimizer step | `zerolm plan`, per step | compiled ÷ planned |",
                    "|---:|---|---|---|---|---:|---:|---:|---:|"]
     for stage in args.stages:
-        m, c = stage_rows(args.config, args.target, stage)
+        m, c = stage_rows(args.config, args.target, stage, tuple(args.set))
         memory += m
         collectives += c
         print("\n".join(m + c), flush=True)
     command = (f"`python benchmarks/zero_stages.py stages --config {args.config} --target {args.target} --stages "
-               f"{' '.join(map(str, args.stages))}`")
+               f"{' '.join(map(str, args.stages))}{''.join(' --set ' + s for s in args.set)}`")
     return f"zero_stages:{args.config}:{args.target}", [command, "", *memory, "", *collectives]
 
 
@@ -183,6 +183,8 @@ def main() -> None:
         else:
             s.add_argument("--config", default="6_7b" if name.startswith("overlap") else "1_3b")
         s.add_argument("--stages", nargs="+", type=int, default=[1, 2, 3])
+        s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="stages: override a config key (the micro-batch and remat a table was compiled at)")
         s.add_argument("--write", type=Path, help="put the table into this markdown file between its markers")
     args = p.parse_args()
     if args.what == "overlap-report":
