@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import unittest.mock
 from typing import Any
 
 from zerolm.errors import UsageError, ZerolmError, first_line
@@ -121,20 +122,35 @@ class DuringTraining:
 
         self.names, self.manager, self.limit = names, manager, limit
         self.lm = ZerolmLM(loaded=loaded)
+        self.lm.quiet = True
 
     def __call__(self, params: Any, step: int) -> dict[str, float]:
-        """The `tasks/<task>/<metric>` numbers of the model with `params` (the state after step `step`)."""
+        """The `tasks/<task>/<metric>` numbers of the model with `params` (the state after step `step`), with
+        the harness's and datasets' progress bars off: the run's own bar and its one line per evaluation say it."""
+        import datasets
+
         self.lm.use_params(params, step)
-        return metrics(evaluate(self.lm, self.names, self.manager, self.limit, bootstrap_iters=0))
+        bars = datasets.utils.logging.is_progress_bar_enabled()
+        datasets.disable_progress_bars()
+        with unittest.mock.patch.dict(os.environ, {"TQDM_DISABLE": "1"}):  # tqdm reads it as each bar is made
+            try:
+                return metrics(evaluate(self.lm, self.names, self.manager, self.limit, bootstrap_iters=0))
+            finally:
+                if bars:
+                    datasets.enable_progress_bars()
 
 
 def evaluate(lm, names: list[str], manager, limit: int | None = None, bootstrap_iters: int = BOOTSTRAP_ITERS,
              log_samples: bool = False) -> dict[str, Any]:
     """The harness's results for `names` with the model `lm` (a zerolm.harness.ZerolmLM)."""
     import lm_eval
+    import lm_eval.evaluator
 
-    results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
-                                      bootstrap_iters=bootstrap_iters, log_samples=log_samples)
+    # The harness records the git commit of the working directory by running git, whose "fatal: not a git
+    # repository" reaches the terminal outside a checkout; zerolm's results record its checkpoint instead.
+    with unittest.mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None):
+        results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
+                                          bootstrap_iters=bootstrap_iters, log_samples=log_samples)
     assert results is not None  # None only on ranks other than 0 of the harness's own multi-process runs
     return results
 

@@ -39,7 +39,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from zerolm.data.tokenizer import EOT, Tokenizer
+from zerolm.data.tokenizer import Tokenizer
 from zerolm.errors import UsageError
 from zerolm.mesh import DP
 from zerolm.model import GPT
@@ -212,6 +212,11 @@ class ZerolmLM(TemplateLM):
     def tok_decode(self, tokens: Sequence[int] | np.ndarray) -> str:
         return self.zerolm_tokenizer.decode(tokens)
 
+    quiet = False  # no progress bar of the harness's own (a training run's evaluation: zerolm.downstream)
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or self.quiet)
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """`requests`: (cache key, context tokens, continuation tokens); each keeps its last seq_len + 1
         tokens, the continuation's scored (all of it that is left)."""
@@ -258,7 +263,7 @@ class ZerolmLM(TemplateLM):
             tokens = generate(self.loaded.model, self.loaded.params, prompt, max_new, Sampling(temperature=temperature),
                               self.eot_token_id)
             text = self.tok_decode(tokens[max(len(prompt), 1):])
-            for stop in [*until, EOT]:
+            for stop in [*until, self.zerolm_tokenizer.eot]:
                 if stop:
                     text = text.split(stop)[0]
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
