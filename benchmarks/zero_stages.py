@@ -3,7 +3,7 @@ bytes each collective moves; the largest micro-batch of each stage; what the col
 beside the compiler throughout.
 
     python benchmarks/zero_stages.py stages [--config 1_3b] [--target v3-32] [--stages 1 2 3] [--set K=V] [--write BENCHMARKS.md]
-    python benchmarks/zero_stages.py fit [--configs 2_7b 6_7b] [--target v3-32] [--write BENCHMARKS.md]
+    python benchmarks/zero_stages.py fit [--configs 2_7b 6_7b] [--target v3-32] [--set K=V] [--write BENCHMARKS.md]
     python benchmarks/zero_stages.py overlap [--config 6_7b] [--target v3-32] [--write BENCHMARKS.md]
 
 `stages` compiles the config's step at each stage for the target slice (aot.compile_for: what `zerolm compile`
@@ -94,10 +94,10 @@ def stages_table(args) -> tuple[str, list[str]]:
     return f"zero_stages:{args.config}:{args.target}", [command, "", *memory, "", *collectives]
 
 
-def fit_rows(config: str, target: str, stage: int) -> list[str]:
-    """One row per micro-batch compiled in the search for `config`'s largest at `stage`."""
+def fit_rows(config: str, target: str, stage: int, extra: tuple[str, ...] = ()) -> list[str]:
+    """One row per micro-batch compiled in the search for `config`'s largest at `stage` (`extra`: more --set)."""
     t = aot.parse_target(target)
-    sets = [f"zero.stage={stage}", "mesh.dp=auto"]
+    sets = [f"zero.stage={stage}", "mesh.dp=auto", *extra]
     compiled: dict[int, dict] = {}
 
     def on_compile(micro: int, report: aot.CompileReport) -> None:
@@ -126,9 +126,9 @@ def fit_table(args) -> tuple[str, list[str]]:
             "planned ÷ compiled | |", "|---|---:|---:|---|---:|---|---:|---:|---|"]
     for config in args.configs:
         for stage in args.stages:
-            rows += fit_rows(config, args.target, stage)
+            rows += fit_rows(config, args.target, stage, tuple(args.set))
     command = (f"`python benchmarks/zero_stages.py fit --configs {' '.join(args.configs)} --target {args.target} "
-               f"--stages {' '.join(map(str, args.stages))}`")
+               f"--stages {' '.join(map(str, args.stages))}{''.join(' --set ' + s for s in args.set)}`")
     note = (f"\"advised\": the planner's largest micro-batch (its peak with a {SAFETY_MARGIN:.0%} margin, "
             "`plan.SAFETY_MARGIN`, against the usable HBM); the search compiles it, then the next ones up while they "
             "fit, or down until one does.")
@@ -184,7 +184,7 @@ def main() -> None:
             s.add_argument("--config", default="6_7b" if name.startswith("overlap") else "1_3b")
         s.add_argument("--stages", nargs="+", type=int, default=[1, 2, 3])
         s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                       help="stages: override a config key (the micro-batch and remat a table was compiled at)")
+                       help="stages, fit: override a config key (the micro-batch and remat a table was compiled at)")
         s.add_argument("--write", type=Path, help="put the table into this markdown file between its markers")
     args = p.parse_args()
     if args.what == "overlap-report":
