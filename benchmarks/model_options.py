@@ -19,13 +19,16 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# The plan these were compared at (1_3b's until it shipped its fastest plan: BENCHMARKS.md, "The fastest plan
+# that fits"): ZeRO-1, micro-batch 2, full remat.
+PLAN = ["zero.stage=1", "train.micro_batch_size=2", "model.remat=full"]
 VARIANTS = {
-    "learned (as shipped)": ("configs/1_3b.yaml", []),
-    "alibi": ("configs/1_3b.yaml", ["model.position=alibi"]),
+    "learned": ("configs/1_3b.yaml", PLAN),
+    "alibi": ("configs/1_3b.yaml", ["model.position=alibi", *PLAN]),
     "dropout 0.1 (residual, attention)": ("configs/1_3b.yaml", ["model.residual_dropout=0.1",
-                                                                "model.attention_dropout=0.1"]),
+                                                                "model.attention_dropout=0.1", *PLAN]),
     "1_3b_seed (alibi, no bias, dropout, 1024)": ("configs/1_3b_seed.yaml", []),
-    "llama_1b (rope, rmsnorm, swiglu, 4 kv heads, untied)": ("configs/llama_1b.yaml", []),
+    "llama_1b (rope, rmsnorm, swiglu, 4 kv heads, untied)": ("configs/llama_1b.yaml", PLAN),
 }
 
 
