@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from conftest import REPO, TINY
-from zerolm import step_time
+from zerolm import hlo, step_time
 from zerolm.hardware import preset
 
 
@@ -63,6 +63,49 @@ def test_the_modeled_time_rises_with_exposed_bytes_and_with_flops():
     few, many = (step_time.model({"grad": _scan_of_matmuls(k)}, h100, 1, 1024, 1.0) for k in (3, 7))
     assert many.step_s > few.step_s > 0 and many.compute_s == pytest.approx(few.compute_s * 7 / 3)
     assert many.flops_per_token == 7 * 2 * 8 * 16 * 16 / 1024
+
+
+# libtpu's asynchronous collective fusion as its scheduled HLO writes it (the 6.7B's layer gathers with
+# OVERLAP_FLAGS, benchmarks/zero_stages.py), cut to one gather with a matmul between its start and its done.
+_ASYNC_FUSION = """HloModule m, is_scheduled=true
+
+%fused_gather (param_0: bf16[128,64]) -> (bf16[128,64], bf16[1024,64]) {
+  %param_0 = bf16[128,64]{1,0} parameter(0)
+  %all-gather.1 = bf16[1024,64]{1,0} all-gather(%param_0), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  ROOT %tuple.1 = (bf16[128,64]{1,0}, bf16[1024,64]{1,0}) tuple(%param_0, %all-gather.1)
+}
+
+%fused_done (param_0.1: bf16[1024,64]) -> bf16[1024,64] {
+  ROOT %param_0.1 = bf16[1024,64]{1,0} parameter(0)
+}
+
+%fused_dot (p0: bf16[64,64], p1: bf16[64,64]) -> bf16[64,64] {
+  %p0 = bf16[64,64]{1,0} parameter(0)
+  %p1 = bf16[64,64]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[64,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (w: bf16[128,64], x: bf16[64,64]) -> (bf16[1024,64], bf16[64,64]) {
+  %w = bf16[128,64]{1,0} parameter(0)
+  %x = bf16[64,64]{1,0} parameter(1)
+  %async-collective-start.1 = (bf16[128,64]{1,0}, bf16[1024,64]{1,0}) fusion(%w), kind=kCustom, calls=%fused_gather
+  %get-tuple-element.1 = bf16[1024,64]{1,0} get-tuple-element(%async-collective-start.1), index=1
+  %fusion.1 = bf16[64,64]{1,0} fusion(%x, %x), kind=kOutput, calls=%fused_dot, metadata={op_name="jit(step)/closed_call/h/mlp/c_fc/dot_general"}
+  %async-collective-done.1 = bf16[1024,64]{1,0} fusion(%get-tuple-element.1), kind=kCustom, calls=%fused_done
+  ROOT %tuple.2 = (bf16[1024,64]{1,0}, bf16[64,64]{1,0}) tuple(%async-collective-done.1, %fusion.1)
+}
+"""
+
+
+def test_a_gather_in_an_async_collective_fusion_with_a_matmul_between_is_not_exposed():
+    """The fusion's all-gather sits in its own computation (hlo.collectives), the start and done in the
+    caller's (hlo.async_collectives): matched, it is hidden; the same gather with nothing between is not."""
+    (a,) = hlo.async_collectives(_ASYNC_FUSION)
+    assert a.called == "fused_gather" and a.overlaps == ("h/mlp/c_fc",)
+    c = step_time.comms(_ASYNC_FUSION, preset("v3-core"), 8)
+    assert c.bytes == 1024 * 64 * 2 and c.exposed_bytes == 0 and c.exposed_s == 0
+    bare = _ASYNC_FUSION.replace('metadata={op_name="jit(step)/closed_call/h/mlp/c_fc/dot_general"}', "")
+    assert step_time.comms(bare, preset("v3-core"), 8).exposed_bytes == c.bytes
 
 
 @pytest.mark.slow  # GPU compiles (about 15 s)

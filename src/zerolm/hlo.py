@@ -280,6 +280,7 @@ class AsyncCollective:
     result_type: str  # of its done: what it delivers
     overlaps: tuple[str, ...]  # the compute scheduled between start and done: each matmul's op path (its
     # `dot_general` in the model, e.g. "h/attn/c_attn"), "loop:<path>" for a loop (the blockwise attention)
+    called: str = ""  # an asynchronous collective fusion's computation: where collectives() finds its collectives
 
     @property
     def bytes(self) -> int:
@@ -305,10 +306,12 @@ def async_collectives(hlo_text: str) -> list[AsyncCollective]:
             if not m or (m.group(2) == "fusion" and not m.group(1).startswith("%async-collective-start")):
                 continue
             start = m.group(1)
+            fused = ""
             if m.group(2) == "fusion":
                 done = re.compile(r"^\s*(?:ROOT )?" + re.escape(start.replace("-start", "-done")) + r" = (\S+) ")
                 called = _CALLED.search(line)
-                inner = "\n".join(comps.get(called.group(1).split(",")[0].strip().lstrip("%"), [])) if called else ""
+                fused = called.group(1).split(",")[0].strip().lstrip("%") if called else ""
+                inner = "\n".join(comps.get(fused, []))
                 ops = tuple(op for op in COLLECTIVE_OPS if f" {op}(" in inner)
             else:
                 done = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (\S+) \S+-done\(" + re.escape(start) + r"\)")
@@ -325,5 +328,5 @@ def async_collectives(hlo_text: str) -> list[AsyncCollective]:
                         label = ("loop:" if " while(" in later else "") + op.group(1)
                         if label not in between:
                             between.append(label)
-            found.append(AsyncCollective(ops, name, name in in_loop, result, tuple(between)))
+            found.append(AsyncCollective(ops, name, name in in_loop, result, tuple(between), fused))
     return found

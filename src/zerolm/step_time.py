@@ -184,8 +184,8 @@ def comms(hlo_text: str, device: Device, devices: int) -> Comms:
     """The program's collectives, and what of them the schedule leaves exposed (see the module docstring)."""
     hidden: dict[tuple[str, int], int] = {}  # (computation, bytes) -> asynchronous collectives with compute between
     for a in hlo.async_collectives(hlo_text):
-        if a.overlaps:
-            key = (a.computation, a.bytes)
+        if a.overlaps:  # a fusion's collectives sit in its own computation (hlo.collectives), not the caller's
+            key = (a.called or a.computation, a.bytes)
             hidden[key] = hidden.get(key, 0) + 1
     total = exposed = 0
     seconds = 0.0
