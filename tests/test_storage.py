@@ -10,12 +10,13 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 import numpy as np
 import pytest
 
 import runs
-from conftest import REPO, TINY
+from conftest import REPO, TINY, Bucket
 from gcs import FaultyProxy, GCSServer, environment
 from runs import command, env, losses, start_held, train, zerolm
 from zerolm import storage
@@ -311,55 +312,122 @@ def test_a_killed_holder_is_taken_over_once_stale_and_a_live_one_never(gcs):
     lock.release()
 
 
-def test_injected_503s_and_dropped_connections_are_retried(gcs, reference, tmp_path):
-    proxy = FaultyProxy(gcs.server.port, every=25, start=5)
+def _faults_injected(bucket, run_dir):
+    """A run to gs:// through a proxy that answers every 25th request with a 503 or drops it: (the
+    process, the faults injected)."""
+    proxy = FaultyProxy(bucket.server.port, every=25, start=5)
     try:
-        proc = subprocess.run(command(tmp_path, f"checkpoint.dir={gcs.url}/run"), env=environment(proxy.url),
+        proc = subprocess.run(command(run_dir, f"checkpoint.dir={bucket.url}/run"), env=environment(proxy.url),
                               cwd=REPO, capture_output=True, text=True, timeout=300)
     finally:
         proxy.close()
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proxy.faults["503"] >= 3 and proxy.faults["drop"] >= 3, (proxy.faults, proxy.requests)
-    assert losses(tmp_path) == reference
-    assert "Traceback" not in proc.stdout + proc.stderr
-    assert {n.split("/")[1] for n in gcs.objects("run/") if n.endswith("/commit_success.txt")} == {"8", "12", "16"}
+    return proc, proxy.faults, proxy.requests
 
 
-def test_storage_stopped_mid_run_stops_it_in_bounded_time_and_it_resumes(tmp_path):
-    server = GCSServer(tmp_path / "gcs").start()
+def _committed(server) -> list[int]:
+    return [int(n.split("/")[1]) for n in server.objects("bucket", "run/")
+            if n.endswith("/commit_success.txt") and n.count("/") == 2]
+
+
+def _storage_stopped(run_dir):
+    """A long run checkpointing every 5 steps to a GCS server of its own, which is stopped once the first
+    checkpoint is committed: (the server, stopped, the run's URL, the process, its stderr, the seconds
+    from the stop to the process's exit)."""
+    server = GCSServer(run_dir / "gcs").start()
+    url = server.make_bucket("bucket") + "/run"
+    proc = subprocess.Popen(command(run_dir, f"checkpoint.dir={url}", "train.schedule_steps=2000",
+                                    "checkpoint.every=5", steps=2000), env={**env(), **server.env()}, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        url = server.make_bucket("bucket") + "/run"
-        committed = lambda: [int(n.split("/")[1]) for n in server.objects("bucket", "run/")  # noqa: E731
-                             if n.endswith("/commit_success.txt") and n.count("/") == 2]
-        cmd_env = {**env(), **server.env()}
-        proc = subprocess.Popen(command(tmp_path, f"checkpoint.dir={url}", "train.schedule_steps=2000",
-                                        "checkpoint.every=5", steps=2000), env=cmd_env, cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 240
-        while not committed():
+        while not _committed(server):
             assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.05)
         server.stop()
         stopped = time.time()
-        out, err = proc.communicate(timeout=300)
+        _, err = proc.communicate(timeout=300)
+        return server, url, proc, err, time.time() - stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        server.stop()
+
+
+class Background:
+    """`scenario(*args)` run in a thread; `result()` joins it, and raises what failed in it."""
+
+    def __init__(self, scenario, *args):
+        self.value, self.error = None, None
+
+        def run():
+            try:
+                self.value = scenario(*args)
+            except BaseException as e:  # an assertion too: raised again in the test
+                self.error = e
+
+        self.thread = threading.Thread(target=run, name=scenario.__name__, daemon=True)
+        self.thread.start()
+
+    def result(self):
+        self.thread.join(timeout=600)
+        assert not self.thread.is_alive(), "the scenario did not finish in 10 minutes"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+@pytest.fixture(scope="module", autouse=True)
+def background(request, tmp_path_factory):
+    """The module's two runs that spend most of their time waiting on the storage clients' retries (faults
+    injected; a server stopped, tens of seconds of backing off before the run gives up) start with the
+    module, in threads, so that the waiting overlaps the tests before theirs; each of those tests checks
+    what its run did. Only the selected ones start."""
+    selected = {item.originalname for item in request.session.items if item.path == request.path}
+    started = {}
+    if "test_injected_503s_and_dropped_connections_are_retried" in selected:
+        request.getfixturevalue("reference")  # the data prepared and the step compiled before, by one run
+        bucket = Bucket(request.getfixturevalue("gcs_server"), f"zerolm-{uuid.uuid4().hex[:12]}")
+        run_dir = tmp_path_factory.mktemp("faults")
+        started["faults"] = bucket, run_dir, Background(_faults_injected, bucket, run_dir)
+    if "test_storage_stopped_mid_run_stops_it_in_bounded_time_and_it_resumes" in selected:
+        run_dir = tmp_path_factory.mktemp("stopped")
+        started["stopped"] = run_dir, Background(_storage_stopped, run_dir)
+    return started
+
+
+def test_injected_503s_and_dropped_connections_are_retried(background, reference):
+    bucket, run_dir, scenario = background["faults"]
+    proc, faults, requests = scenario.result()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert faults["503"] >= 3 and faults["drop"] >= 3, (faults, requests)
+    assert losses(run_dir) == reference
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert {n.split("/")[1] for n in bucket.objects("run/") if n.endswith("/commit_success.txt")} == {"8", "12", "16"}
+
+
+def test_storage_stopped_mid_run_stops_it_in_bounded_time_and_it_resumes(background):
+    run_dir, scenario = background["stopped"]
+    server, url, proc, err, stopping_s = scenario.result()
+    try:
         assert proc.returncode == EXIT_STORAGE, err[-3000:]
-        assert time.time() - stopped < 120
+        assert stopping_s < 120
         assert "Traceback" not in err, err[-3000:]
         last = err.strip().splitlines()[-1]
         assert last.startswith(f"error: {url}") and "stays the latest" in last, last
 
         server.start()  # the same objects, the same address
-        latest = max(committed())
+        latest = max(_committed(server))
         steps = {n.split("/")[1] for n in server.objects("bucket", "run/") if n.count("/") >= 2}
-        unfinished = sorted(steps - {str(c) for c in committed()}, key=int)  # saves cut short, if any
+        unfinished = sorted(steps - {str(c) for c in _committed(server)}, key=int)  # saves cut short, if any
         listing = zerolm("checkpoints", url, **server.env()).stdout
         assert f"`--resume auto` would take step {latest}" in listing and "DAMAGED" not in listing
-        proc = train(tmp_path, f"checkpoint.dir={url}", "train.schedule_steps=2000", "checkpoint.every=5",
+        proc = train(run_dir, f"checkpoint.dir={url}", "train.schedule_steps=2000", "checkpoint.every=5",
                      steps=latest + 3, extra_env=server.env())
     finally:
         server.stop()
     assert f"resumed from {url}/{latest} " in proc.stdout
-    assert sorted(losses(tmp_path))[-1] == latest + 3
+    assert sorted(losses(run_dir))[-1] == latest + 3
     if unfinished:  # never taken, and removed by the run that took the lease
         assert f"checkpoints: removed {len(unfinished)} unfinished save(s) of an earlier run that died while " \
                f"saving: {', '.join(unfinished)}" in proc.stdout
