@@ -182,6 +182,13 @@ def test_zero_3_on_tpu_gathers_and_reduce_scatters_each_layer_in_the_loop_as_the
         check=True).stdout)["zerolm_step"]
     assert planned["stage"] == 3 and planned["program"] == r["peak_program"] == "grad"
     assert planned["total_bytes"] * (1 + plan.SAFETY_MARGIN) >= r["peak_bytes_per_device"]
+    # zero.tpu_async_collectives auto: libtpu's asynchronous collective fusion at stage 3 (zerolm.tpu_flags), each
+    # layer's later gathers started before a matmul and done after it; off: libtpu's default, every one blocks.
+    assert {"h/attn/c_proj", "h/mlp/c_fc"} <= {o for a in r["async_collectives"] if a["in_loop"]
+                                               and "all-gather" in a["ops"] for o in a["overlaps"]}
+    off = compile_cmd("--config", TINY, "--target", "v3-8", "--set", "zero.stage=3", "--set", "zero.precision=mixed",
+                      "--set", "train.micro_batch_size=1", "--set", "zero.tpu_async_collectives=off").stdout
+    assert "libtpu:" not in off and "between their start and done: 0 (every collective blocks until done)" in off
 
 
 # The 125m config (mixed precision, as shipped) cut to 2 layers of 512 tokens: the shapes of the real

@@ -186,8 +186,10 @@ def test_a_checkpoints_config_from_before_the_model_settings_validates_as_today(
         del old["model"][key]
     del old["train"]["init_from"]
     del old["eval"]
+    del old["zero"]["tpu_async_collectives"]
     meta = CheckpointMeta(step=1, time=0.0, config=old, dp=1, accum_steps=1, dataset={}, tokens_seen=0, loss=None,
                           wandb_id="x")
     cfg = Config.model_validate(meta.full_config)
     assert (cfg.model.position, cfg.model.bias, cfg.train.init_from) == ("learned", True, None)
     assert cfg.eval == load_config(TINY).eval and cfg.eval.tasks == ()
+    assert cfg.zero.tpu_async_collectives == "off"  # zerolm set no libtpu flags then

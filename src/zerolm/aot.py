@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zerolm import census as census_lib
-from zerolm import comms
+from zerolm import comms, hlo
 from zerolm.config import Config
 from zerolm.errors import ZerolmError, first_line
 from zerolm.hardware import GPU_TYPES, GPUS_PER_HOST, TPU_TYPES, gpu_memory_fraction, grid
@@ -223,7 +223,10 @@ def compile_for(cfg: Config, target: Target, devices: list, *, census: bool = Fa
         compile_s=round(sum(r["compile_s"] for r in report_programs.values()), 2),
         memory_fraction=gpu_memory_fraction() if target.platform == "gpu" else None,
         scan_layers=bool(model.cfg.scan_layers), remat_choice=describe_remat_choice(built, usable),
-        census=census_lib.merge(census_lib.census(t) for t in texts.values()) if census else None)
+        census=census_lib.merge(census_lib.census(t) for t in texts.values()) if census else None,
+        async_collectives=[{"program": name, "ops": list(a.ops), "in_loop": a.in_loop, "bytes": a.bytes,
+                            "overlaps": list(a.overlaps)} for name, text in texts.items()
+                           for a in hlo.async_collectives(text)])
 
 
 @dataclasses.dataclass
@@ -259,6 +262,9 @@ class CompileReport:
     scan_layers: bool  # the layer loop compiled: a scan, or unrolled (model.scan_layers as the target resolves it)
     remat_choice: str | None  # model.remat auto: what each policy needed and which was taken
     census: census_lib.Census | None = None  # where the step's bytes go (--census)
+    # each collective the schedule split into a start and a done (zerolm.hlo.async_collectives): program, ops,
+    # in_loop, bytes, the compute between them (libtpu: zero.tpu_async_collectives, zerolm.tpu_flags)
+    async_collectives: list[dict] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
@@ -299,6 +305,10 @@ def describe(report: CompileReport) -> list[str]:
             lines.append(f"  {p.op} over {'+'.join(p.span or ['dp'])}{' in the loop' if p.in_loop else ''}: {found} "
                          f"bytes per device per step; zerolm plan predicts {p.bytes_per_step:,}"
                          + ("" if p.found_bytes_per_step is None else f" ({p.found_bytes_per_step / p.bytes_per_step:.1%})"))
+    overlapped = [a for a in report.async_collectives if a["overlaps"]]
+    lines.append(f"asynchronous collectives with compute between their start and done: {len(overlapped)}"
+                 + (f" ({sum(a['in_loop'] for a in overlapped)} in a loop, {sum(a['bytes'] for a in overlapped):,} "
+                    f"bytes per device per execution)" if overlapped else " (every collective blocks until done)"))
     if report.remat_choice:
         lines.append(report.remat_choice)
     if report.census is not None:

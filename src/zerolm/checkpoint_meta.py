@@ -21,7 +21,7 @@ BEFORE_RECORDED: dict[str, dict[str, Any]] = {
               "activation": "gelu_tanh", "embedding_dropout": 0.0, "residual_dropout": 0.0,
               "attention_dropout": 0.0, "rope_theta": 10000.0, "norm": "layernorm", "norm_eps": 1e-5, "mlp": "gelu",
               "mlp_hidden": "auto", "n_kv_head": "auto", "tie_embeddings": True},
-    "zero": {"precision": "fp32", "stage": 1},
+    "zero": {"precision": "fp32", "stage": 1, "tpu_async_collectives": "off"},
     "train": {"init_from": None},
     "eval": {"tasks": [], "every": None, "limit": None, "include_path": None},
 }

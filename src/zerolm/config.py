@@ -82,6 +82,14 @@ class ZeroConfig(_Section):
     precision: Literal["fp32", "mixed"]
     accumulate_dtype: Literal["float32", "bfloat16"]  # each device's gradient sum over its micro-batches
     scatter: Literal["auto", "collective", "two_stage", "ring"]  # how reduce_scatter runs (zerolm.zero.Zero)
+    # libtpu's asynchronous collective fusion (zerolm.tpu_flags): auto = on at stage 3 when the step runs or
+    # compiles for a TPU; on; off (libtpu's default schedule).
+    tpu_async_collectives: Literal["auto", "on", "off"]
+
+    @field_validator("tpu_async_collectives", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, v: Any) -> Any:
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v  # YAML reads on/off as booleans
 
     @model_validator(mode="after")
     def _scatter_needs_reduce_scatter(self) -> ZeroConfig:

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 
 import zerolm
-from zerolm import comms
+from zerolm import comms, tpu_flags
 from zerolm.config import Config
 from zerolm.mfu import Accounting, flops_per_token
 from zerolm.model import count_params
@@ -37,6 +37,8 @@ def describe_step(built: BuiltStep, accounting: Accounting, memory: str | None, 
     """The header's lines about the step: sizes, bytes per device, FLOPs, documents, collectives per step,
     the compiled peak against the device (`memory`, zerolm.step.check_fits) and remat auto's choice."""
     lines = _sizes(built, accounting)
+    if jax.devices()[0].platform == "tpu" and (flags := tpu_flags.applied()):
+        lines.append(flags.line())
     if built.cfg.model.document_mask:
         m = built.cfg.model
         lines.append(f"documents: attention stays inside each document of a sample (end-of-text {m.eot}), "

@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     if target.devices % cfg.mesh.tp:
         raise ConfigError(f"mesh.tp: {cfg.mesh.tp} does not divide the {target.devices} devices of {target.name}")
     if args.fastest:
-        return _fastest(args, target)
+        return _fastest(args, target, cfg.zero.tpu_async_collectives)
+    _libtpu_flags(target, cfg.zero.tpu_async_collectives, [cfg.zero.stage], args.json)
     if args.largest_micro_batch:
         from zerolm import advice
 
@@ -69,7 +70,17 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report.fits else EXIT_DOES_NOT_FIT
 
 
-def _fastest(args: argparse.Namespace, target) -> int:
+def _libtpu_flags(target, setting: str, stages: list[int], quiet: bool) -> None:
+    """libtpu's asynchronous collective fusion where zero.tpu_async_collectives wants it (zerolm.tpu_flags),
+    set before the compiler describes the slice (libtpu reads its flags once); its line before the report."""
+    from zerolm import tpu_flags
+
+    applied = tpu_flags.apply(setting, stages) if target.platform == "tpu" else None
+    if applied and not quiet:
+        print(applied.line(), flush=True)
+
+
+def _fastest(args: argparse.Namespace, target, async_collectives: str) -> int:
     import dataclasses
 
     from zerolm import fastest
@@ -83,6 +94,7 @@ def _fastest(args: argparse.Namespace, target) -> int:
     if bad := [x for x in stages if x not in fastest.STAGES] + [x for x in remats if x not in fastest.REMAT_ORDER]:
         raise ConfigError(f"--stages/--remats: {', '.join(map(str, bad))} not among stages 1,2,3 or remats "
                           f"{','.join(fastest.REMAT_ORDER)}")
+    _libtpu_flags(target, async_collectives, list(stages), args.json)  # one process: stages 1-2 compile with them too
     if not args.json:
         print(fastest.HEADER, flush=True)
     found = fastest.search(args.config, args.set, target, stages=stages, remats=remats,

@@ -51,8 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def config_of(args: argparse.Namespace, device_count: int):
-    """The run's config from these flags (ConfigError for a bad one)."""
+def config_of(args: argparse.Namespace, device_count: int | None):
+    """The run's config from these flags (ConfigError for a bad one); mesh.dp auto unresolved without
+    `device_count`."""
     from zerolm.config import load_config
 
     sets = args.set + ([f"logging.profile={args.profile}"] if args.profile else [])
@@ -82,6 +83,7 @@ def _run(args: argparse.Namespace) -> int:
     from zerolm.storage import StorageFault
 
     try:
+        _libtpu_flags(args)
         if args.distributed or args.coordinator or args.num_processes is not None or args.process_id is not None:
             initialize_distributed(args.coordinator, args.num_processes, args.process_id,
                                    heartbeat_timeout_s=args.heartbeat_timeout, init_timeout_s=args.init_timeout)
@@ -101,6 +103,16 @@ def _run(args: argparse.Namespace) -> int:
             exit_peer_lost(e)
         raise
     return 0
+
+
+def _libtpu_flags(args: argparse.Namespace) -> None:
+    """libtpu's asynchronous collective fusion where zero.tpu_async_collectives wants it (zerolm.tpu_flags),
+    before JAX opens the devices: libtpu reads its flags once. The header says what was set, on a TPU."""
+    from zerolm import tpu_flags
+
+    if tpu_flags.may_load_libtpu():
+        cfg = config_of(args, None)
+        tpu_flags.apply(cfg.zero.tpu_async_collectives, [cfg.zero.stage])
 
 
 def _exit_after_checkpoint_error(message: str, code: int) -> None:
