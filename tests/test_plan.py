@@ -162,8 +162,11 @@ def test_plan_cli_json_and_text():
     for row in report["stages"].values():
         assert {"params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "total_bytes"} <= set(row)
     assert report["layout"] == {"dp": 4, "tp": 1, "devices": 4, "global_batch": 32}
+    # The advice points at the compiler's fastest plan for this config on this slice (4 v5p chips: v5p-8).
+    assert report["fastest_command"] == f"zerolm compile --config {TINY} --target v5p-8 --fastest --set mesh.dp=4"
     text = zerolm("plan", "--params", "6.7e9", "--device", "a100", "--dp", "8", "--precision", "mixed").stdout
     assert "ZeRO-0" in text and "DOES NOT FIT" in text  # 16 bytes × 6.7e9 > 80 GB
+    assert "--fastest" not in text  # a parameter count has no config to compile
     assert "32 layers × 4096" in text  # GPT-3 6.7B's shape
 
 
@@ -211,6 +214,8 @@ def test_planned_mfu_is_the_mfu_training_would_log(remat):
 def test_plan_shows_small_states_in_small_units():
     text = zerolm("plan", "--config", TINY, "--device", "h100", "--dp", "1").stdout
     assert "0.00 GiB" not in text and " MiB" in text
+    assert (f"the fastest plan that fits (ZeRO stage × micro-batch × remat × attention block, compiled and timed): "
+            f"zerolm compile --config {TINY} --target h100 --fastest --set mesh.dp=1\n") in text
 
 
 def test_fits_means_the_tpu_compilers_limit_on_a_tpu_and_jaxs_share_of_a_gpu(monkeypatch):
@@ -258,3 +263,14 @@ def test_one_micro_step_per_step_keeps_fewer_activations_per_sequence():
     assert p.layout.per_rank == 4 and p.report().zerolm_step["largest_micro_batch"] == 4
     assert p.step_activation_bytes(4) < 2 * p.step_activation_bytes(2)
     assert p.step_peak(4)["total_bytes"] * (1 + plan.SAFETY_MARGIN) >= 3.21 * 2**30
+
+
+@pytest.mark.parametrize("preset, devices, target", [
+    ("v3-core", 32, "v3-32"), ("v4", 32, "v4-64"), ("v5e", 16, "v5e-16"), ("v5p", 64, "v5p-128"), ("h100", 8, "h100-8"),
+    ("a100", 1, "a100-80g"), ("h100", 16, None), ("v3-chip", 16, None), ("v3-core", 3, None)])
+def test_the_compile_target_the_advice_names_has_the_plans_devices(preset, devices, target):
+    from zerolm import advice, aot
+
+    assert advice.compile_target(preset, devices) == target
+    if target is not None:
+        assert aot.parse_target(target).devices == devices

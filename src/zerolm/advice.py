@@ -9,12 +9,13 @@ rank's sequences while they fit, or down from the advice until one fits: usually
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import shlex
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from zerolm import aot
 from zerolm.data.dataset import load_planned
-from zerolm.hardware import GPU_TYPES
+from zerolm.hardware import GPU_TYPES, GPUS_PER_HOST
 from zerolm.plan import SAFETY_MARGIN
 
 # The planner's device preset for each TPU generation libtpu compiles for (zerolm.hardware).
@@ -102,6 +103,32 @@ def search(config: str, sets: list[str], target: aot.Target,
     return MicroBatchSearch(base.name, target.name, dp, per_rank, preset_for(target), advised, largest,
                             compiled,
                             aot.usable_bytes(target, devices[0]))
+
+
+def compile_target(preset: str, devices: int) -> str | None:
+    """The `zerolm compile --target` of `devices` of the planner's device `preset` (`v3-core` × 32: v3-32;
+    `h100` × 8: h100-8), or None where there is none (v3-chip; GPUs beyond one host)."""
+    gpu = next((g.name for g in GPU_TYPES.values() if g.preset == preset), None)
+    if gpu is not None:
+        return None if devices > GPUS_PER_HOST else gpu if devices == 1 else f"{gpu}-{devices}"
+    generation = next((g for g, p in PRESETS.items() if p == preset), None)
+    for n in (devices, 2 * devices) if generation else ():
+        try:
+            if aot.parse_target(f"{generation}-{n}").devices == devices:
+                return f"{generation}-{n}"
+        except aot.TargetError:
+            pass
+    return None
+
+
+def fastest_command(config: str, sets: Sequence[str], preset: str, devices: int) -> str | None:
+    """The `zerolm compile --fastest` of `config` (with `sets`) on `devices` of `preset`: what `zerolm plan`
+    points at for the fastest plan that fits, by the compiler (zerolm.fastest); None without a target."""
+    target = compile_target(preset, devices)
+    if target is None:
+        return None
+    return shlex.join(["zerolm", "compile", "--config", config, "--target", target, "--fastest",
+                       *(a for kv in sets for a in ("--set", kv))])
 
 
 def describe(s: MicroBatchSearch) -> list[str]:

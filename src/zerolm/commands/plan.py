@@ -65,5 +65,13 @@ def run(args: argparse.Namespace) -> int:
     from zerolm.plan import describe
 
     planner = build(args)
-    print_report(planner.report(args.stage), args.json, describe)
+    report = planner.report(args.stage)
+    if args.config:  # what the compiler says is fastest: the exact command for this config and target
+        from zerolm.advice import fastest_command
+
+        sets = [*args.set, *([f"mesh.dp={args.dp}"] if args.dp else []),
+                *([f"train.global_batch_size={args.global_batch}"] if args.global_batch else [])]
+        report = dataclasses.replace(report, fastest_command=fastest_command(
+            args.config, sets, planner.device.name, planner.layout.devices))
+    print_report(report, args.json, describe)
     return 0

@@ -27,6 +27,7 @@ class PlanReport:
     stages: dict[str, dict[str, Any]]  # ZeRO stage -> memory per device and the largest micro-batch
     step: dict[str, Any]  # the step time
     scaling: list[dict[str, Any]]
+    fastest_command: str | None = None  # `zerolm compile --fastest` for this config and target (zerolm.advice)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -118,5 +119,8 @@ def describe(report: PlanReport) -> list[str]:
         lines.append(f"  {row['dp']:5d} {row['devices']:7d} {row['micro_batch']:6d} {row['accum_steps']:5d} "
                      f"{_ms(row['compute_s'])} {_ms(row['comm_s'])} {_ms(row['step_s'])} {_ms(row['overlapped_s'])} "
                      f"{row['tokens_per_s']:10.0f} {row['mfu']:6.1%}")
+    if r["fastest_command"]:
+        lines += ["", "the fastest plan that fits (ZeRO stage × micro-batch × remat × attention block, compiled and "
+                      f"timed): {r['fastest_command']}"]
     lines += ["", f"device: {Device(**dev).describe()}"]
     return lines
