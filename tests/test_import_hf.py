@@ -91,7 +91,8 @@ def made(kind, model_run, directory):
 def test_import_hf_gives_transformers_logits_and_loss(model_run, tmp_path, kind):
     hf = made(kind, model_run, tmp_path / "hf")
     proc = zerolm("import-hf", tmp_path / "hf", "--out", tmp_path / "ckpt", devices=1)
-    assert f"continue it: zerolm train --config configs/defaults.yaml --set model.vocab_size=" in proc.stdout
+    assert "continue it: zerolm train --config configs/defaults.yaml --set model.n_layer=2 --set model.d_model=32 " \
+        in proc.stdout and proc.stdout.rstrip().endswith(f"--set train.init_from={tmp_path / 'ckpt'}")
     imported = restored.load(str(tmp_path / "ckpt"), jax.local_devices()[:1])
     assert imported.tokenizer().sha256 == model_run.tokenizer().sha256  # found beside the checkpoint
     V = hf.config.vocab_size
