@@ -377,7 +377,7 @@ def test_overwrite_moves_the_old_runs_logs_aside_with_its_checkpoints(straight, 
     old_logs = runs.snapshot(tmp_path / "log")
     proc = runs.train(tmp_path, steps=4, args=("--resume", "never", "--overwrite"))
     line = next(x for x in proc.stdout.splitlines() if x.startswith("checkpoints: moved the old run aside to "))
-    aside = Path(re.search(r"; its metrics and logs \(metrics\.jsonl, wandb\) to (\S+)$", line).group(1))
+    aside = Path(re.search(r"; its metrics and logs \(launches\.jsonl, metrics\.jsonl, wandb\) to (\S+)$", line).group(1))
     assert aside.parent == tmp_path and aside.name.startswith("log.replaced-")
     assert runs.snapshot(aside) == old_logs
     assert sorted(runs.losses(tmp_path)) == [1, 2, 3, 4]  # the new run's own lines only

@@ -306,9 +306,12 @@ def parameter_differences(saved_model: dict, model_config: dict, *, besides: tup
     (not one of _COMPUTE_ONLY, nor of `besides`), in the config's key order."""
     from zerolm.model_config import resolved_shape
 
+    # A key differs where it is written differently and means different shapes (auto and the number it resolves
+    # to are the same; two autos are, whatever a differing key makes of them: that key is named instead).
     saved, wanted = resolved_shape(saved_model), resolved_shape(model_config)
-    return [(k, saved.get(k), v) for k, v in wanted.items()
-            if saved.get(k) != v and k not in _COMPUTE_ONLY and k not in besides]
+    return [(k, saved_model.get(k), v) for k, v in model_config.items()
+            if saved_model.get(k) != v and saved.get(k) != wanted.get(k) and k not in _COMPUTE_ONLY
+            and k not in besides]
 
 
 def directory_size(path: epath.Path) -> int:
