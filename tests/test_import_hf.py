@@ -123,11 +123,11 @@ def test_import_hf_refuses_what_it_cannot_hold_in_one_line(model_run, tmp_path):
 def test_a_run_continued_from_an_imported_llama_resumes_bit_identical_after_kill_9(model_run, tmp_path):
     made("llama", model_run, tmp_path / "hf")
     zerolm("import-hf", tmp_path / "hf", "--out", tmp_path / "imported", devices=1)
-    sets = [*LLAMA_SETS, "model.rope_theta=500.0", f"train.init_from={tmp_path / 'imported'}", "zero.stage=3"]
+    sets = [*LLAMA_SETS, "model.rope_theta=500.0", f"train.init_from={tmp_path / 'imported'}"]
     straight = tmp_path / "straight"
-    proc = runs.train(straight, *sets, steps=8)
+    proc = runs.train(straight, *sets, steps=8, devices=2)  # (the layouts equal one device: test_model_options)
     assert f"parameters from {tmp_path / 'imported'}/0" in proc.stdout
     killed = tmp_path / "killed"
-    runs.kill_9_after(killed, *sets, steps=8, before_step=6)
-    runs.train(killed, *sets, steps=8)
+    runs.kill_9_after(killed, *sets, steps=8, before_step=6, extra_env={"XLA_FLAGS": runs.cpu_flags(2)})
+    runs.train(killed, *sets, steps=8, devices=2)
     assert runs.losses(killed) == runs.losses(straight)
