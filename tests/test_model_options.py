@@ -1,4 +1,5 @@
-"""The model's settings (`model.position: alibi`, `model.bias: false`, dropout) through the real sharded step
+"""The model's settings (`model.position: alibi | rope`, `model.bias: false`, dropout, and the Llama layout's
+RMSNorm, SwiGLU, grouped-query attention and untied output layer) through the real sharded step
 (zerolm.step.build_step): on dp 8 at ZeRO stages 1 and 3 and on dp 4 × tp 2, each steps like one device, for
 each attention and layer loop that runs on CPU, with and without document masks (dropout too: its masks are
 drawn per sample, not per device); and each changes the parameters or the function it should."""
@@ -22,15 +23,16 @@ DROPOUT = ("model.residual_dropout=0.2", "model.attention_dropout=0.2", "model.e
 
 
 @pytest.mark.parametrize("sets", [
-    ("model.position=alibi", *DROPOUT, "model.attention=xla", "model.scan_layers=true"),
+    # ALiBi composed with the rest of the Llama layout (grouped heads each keep their own slopes)
+    ("model.position=alibi", *DROPOUT, "model.attention=xla", "model.scan_layers=true",
+     *(s for s in LLAMA if not s.startswith(("model.position", "model.bias")))),
     ("model.position=alibi", "model.bias=false", *DROPOUT, "model.attention=blockwise", "model.attention_block=8",
      "model.scan_layers=false", "model.remat=full", "model.document_mask=true", "model.eot_id=3"),
-    ("model.attention=xla", "model.scan_layers=true", *LLAMA),
-    (*LLAMA, "model.n_kv_head=auto", "model.attention=blockwise", "model.attention_block=8", "model.scan_layers=false",
+    (*LLAMA, "model.attention=blockwise", "model.attention_block=8", "model.scan_layers=false",
      "model.remat=full", "model.document_mask=true", "model.eot_id=3", "model.document_positions=restart",
      *DROPOUT),
-], ids=["alibi-dropout-xla-scan", "alibi-nobias-dropout-blockwise-unrolled-remat-documents", "llama-gqa-xla-scan",
-        "llama-blockwise-unrolled-remat-documents-restart-dropout"])
+], ids=["alibi-dropout-gqa-swiglu-rmsnorm-untied-xla-scan", "alibi-nobias-dropout-blockwise-unrolled-remat-documents",
+        "llama-gqa-blockwise-unrolled-remat-documents-restart-dropout"])
 def test_model_options_step_like_one_device_at_every_layout(sets):
     """ZeRO-3 on dp 8 (every reduction and gather of the design) and ZeRO-1 on dp 4 × tp 2 (heads split: each
     device's heads keep their own slopes) against one device. (ZeRO-1 on dp 8 equals stage 3: test_zero_stages.)"""
