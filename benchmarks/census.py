@@ -138,7 +138,7 @@ def main() -> None:
     target = aot.parse_target(args.target)
     devices = aot.target_devices(target)
     sets = [f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={2 * args.micro_batch}",
-            f"model.remat={args.remat}", "mesh.dp=1", *args.set]
+            f"model.remat={args.remat}", "mesh.dp=1", "zero.stage=1", *args.set]
     config = args.config if args.config.endswith(".yaml") else str(REPO / "configs" / f"{args.config}.yaml")
     results = {}
     for variant in args.variants:

@@ -5,7 +5,7 @@
     python benchmarks/plan_vs_compile.py --from-cache --write BENCHMARKS.md   # every cached compile
     python benchmarks/plan_vs_compile.py --advice --write BENCHMARKS.md       # advised against the compiler's largest
 
-For each config, target slice and setting (micro-batch:remat, the config's precision, attention and
+For each config, target slice and setting (micro-batch:remat, at ZeRO-1, the config's precision, attention and
 reduce-scatter as resolved for the target), compiles the step with libtpu ahead of time
 (aot.compile_for: the peak of its programs by the documented rule) and asks the planner for its
 prediction of the same step (plan.Planner.step_peak). Compiles are cached in --cache (keyed by every
@@ -38,7 +38,7 @@ BEGIN, END = "<!-- plan_vs_compile:begin -->", "<!-- plan_vs_compile:end -->"
 def cached(cache: Path, config: str, target: str, micro: int, remat: str, devices: list) -> dict | None:
     """A compile of this setting in the cache, if one was made with what the target resolves today."""
     cfg = load_config(f"configs/{config}.yaml", [f"train.micro_batch_size={micro}", f"model.remat={remat}",
-                                                 "mesh.dp=auto"], device_count=len(devices))
+                                                 "mesh.dp=auto", "zero.stage=1"], device_count=len(devices))
     attention = for_device(cfg.model, devices[0]).attention  # auto, as the slice resolves it
     scatter = resolve_scatter(cfg.zero.scatter, make_mesh(cfg.dp, cfg.mesh.tp, devices))  # likewise
     key = {"config": config, "target": target, "micro": micro, "remat": remat}
@@ -57,7 +57,7 @@ def compiled(cache: Path, config: str, target: str, micro: int, remat: str) -> d
     if row is not None:
         return row
     cfg = load_config(f"configs/{config}.yaml", [f"train.micro_batch_size={micro}", f"model.remat={remat}",
-                                                 "mesh.dp=auto"], device_count=len(devices))
+                                                 "mesh.dp=auto", "zero.stage=1"], device_count=len(devices))
     return store(cache, config, target, micro, remat, aot.compile_for(cfg, t, devices).to_json())
 
 
