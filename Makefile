@@ -35,7 +35,7 @@ lint: install-test
 	$(VENV)/bin/mypy
 
 # The whole suite on two xdist workers, one test file each at a time, the longest first (README.md, Tests: its time as measured,
-# 15:49 in pytest on 2 cores at 5e4b467, over its 15-minute budget; a third worker measured no faster: 17:41 earlier).
+# 19:45 and 22:17 in pytest on 2 cores at 5860f27/a93a282, over its 15-minute budget; a third worker measured no faster earlier).
 test: lint
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
