@@ -120,3 +120,17 @@ def test_auto_and_the_number_it_means_are_the_same_parameters():
     assert parameter_differences(auto, spelled) == [] and parameter_differences(spelled, auto) == []
     other = small_config("model.mlp=swiglu", "model.mlp_hidden=64", "model.n_kv_head=2").model.model_dump()
     assert [k for k, _, _ in parameter_differences(auto, other)] == ["mlp_hidden", "n_kv_head"]
+
+
+@pytest.mark.parametrize("eot", ["<|end_of_text|>", "</s>"])
+def test_an_imported_tokenizers_end_of_text_is_its_own(eot):
+    """Llama 3's and the sentencepiece-era Llama's end-of-text tokens are found (zerolm.import_hf copies such a
+    tokenizer.json beside the checkpoint; documents are packed and masked at that id)."""
+    import tokenizers
+
+    from zerolm.data.tokenizer import from_bytes
+
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1}, unk_token="a"))
+    tok.add_special_tokens(["<s>", eot])
+    loaded = from_bytes("tokenizer.json", tok.to_str().encode())
+    assert (loaded.eot_id, loaded.eot) == (3, eot)

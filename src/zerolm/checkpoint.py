@@ -43,6 +43,7 @@ from etils import epath
 from zerolm import storage
 from zerolm.checkpoint_meta import FORMAT, CheckpointMeta
 from zerolm.errors import ZerolmError, first_line
+from zerolm.model_config import resolved_shape
 from zerolm.sharding import with_shardings
 from zerolm.zero import TrainState, Zero
 
@@ -304,8 +305,6 @@ _COMPUTE_ONLY = {"dtype", "attention", "attention_block", "remat", "scan_layers"
 def parameter_differences(saved_model: dict, model_config: dict, *, besides: tuple[str, ...] = ()) -> list[tuple]:
     """(key, saved value, config value) of each model setting that differs and makes other parameters
     (not one of _COMPUTE_ONLY, nor of `besides`), in the config's key order."""
-    from zerolm.model_config import resolved_shape
-
     # A key differs where it is written differently and means different shapes (auto and the number it resolves
     # to are the same; two autos are, whatever a differing key makes of them: that key is named instead).
     saved, wanted = resolved_shape(saved_model), resolved_shape(model_config)

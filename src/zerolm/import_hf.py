@@ -31,7 +31,7 @@ from zerolm.hf_layouts import GPT2, LLAMA, MPT, Layout, zerolm_params
 TOKENIZER = "tokenizer.json"  # the imported tokenizer, in the checkpoint's directory
 
 
-class ImportError_(ZerolmError):  # noqa: N801 (ImportError is Python's)
+class HFImportError(ZerolmError):
     """A transformers directory zerolm cannot import exactly; one line naming the file and key."""
 
 
@@ -44,13 +44,13 @@ class Imported:
 
 
 def model_settings(hf: dict, where: str) -> tuple[Layout, dict[str, Any]]:
-    """(the layout, zerolm's model settings) of a transformers config.json; ImportError_ for one zerolm's model
+    """(the layout, zerolm's model settings) of a transformers config.json; HFImportError for one zerolm's model
     would not compute the same."""
     kind = hf.get("model_type")
 
     def need(key: str, ok: bool, what: str) -> None:
         if not ok:
-            raise ImportError_(f"{where}: {key}: {hf.get(key)!r}: zerolm's {kind} layout computes {what}")
+            raise HFImportError(f"{where}: {key}: {hf.get(key)!r}: zerolm's {kind} layout computes {what}")
 
     if kind == "gpt2":
         need("activation_function", hf.get("activation_function", "gelu_new") == "gelu_new", "the tanh GELU (gelu_new)")
@@ -85,7 +85,7 @@ def model_settings(hf: dict, where: str) -> tuple[Layout, dict[str, Any]]:
                        "mlp_hidden": hf["intermediate_size"],
                        "n_kv_head": hf.get("num_key_value_heads") or heads,
                        "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
-    raise ImportError_(f"{where}: model_type: {kind!r}: zerolm imports gpt2, llama and mpt")
+    raise HFImportError(f"{where}: model_type: {kind!r}: zerolm imports gpt2, llama and mpt")
 
 
 def read_tensors(directory: Path) -> dict[str, np.ndarray]:
@@ -100,7 +100,7 @@ def read_tensors(directory: Path) -> dict[str, np.ndarray]:
     else:
         bin_only = " (it has PyTorch .bin weights: save them as safetensors with transformers' save_pretrained)" \
             if list(directory.glob("*.bin")) else ""
-        raise ImportError_(f"{directory}: no model.safetensors or model.safetensors.index.json{bin_only}")
+        raise HFImportError(f"{directory}: no model.safetensors or model.safetensors.index.json{bin_only}")
     tensors = {}
     for name in files:
         with safe_open(str(directory / name), framework="flax") as f:  # bfloat16 too (numpy has none)
@@ -112,12 +112,12 @@ def read_tensors(directory: Path) -> dict[str, np.ndarray]:
 def _tokenizer(directory: Path) -> Tokenizer:
     path = directory / TOKENIZER
     if not path.exists():
-        raise ImportError_(f"{directory}: no {TOKENIZER} (a fast tokenizer's file; transformers writes one with "
+        raise HFImportError(f"{directory}: no {TOKENIZER} (a fast tokenizer's file; transformers writes one with "
                            "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR))")
     try:
         return from_file(path)
     except TokenizerError as e:
-        raise ImportError_(str(e)) from None
+        raise HFImportError(str(e)) from None
 
 
 def import_hf(directory: Path, cfg: Config, out: str, overwrite: bool = False, say=lambda line: None) -> Imported:
@@ -127,16 +127,16 @@ def import_hf(directory: Path, cfg: Config, out: str, overwrite: bool = False, s
 
     target = storage.path(out)
     if target.exists() and not overwrite:
-        raise ImportError_(f"--out: {out} already exists (pass --overwrite to move it aside and write anew)")
+        raise HFImportError(f"--out: {out} already exists (pass --overwrite to move it aside and write anew)")
     try:
         hf = json.loads((directory / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ImportError_(f"{directory / 'config.json'}: cannot read a transformers config ({e})") from None
+        raise HFImportError(f"{directory / 'config.json'}: cannot read a transformers config ({e})") from None
     layout, settings = model_settings(hf, str(directory / "config.json"))
     tokenizer = _tokenizer(directory)
     settings["eot_id"] = tokenizer.eot_id
     if tokenizer.vocab_size > settings["vocab_size"]:
-        raise ImportError_(f"{directory / TOKENIZER}: {tokenizer.vocab_size} tokens, more than the model's "
+        raise HFImportError(f"{directory / TOKENIZER}: {tokenizer.vocab_size} tokens, more than the model's "
                            f"vocab_size {settings['vocab_size']}")
     model = {**cfg.model.model_dump(), **settings, "mlp_hidden": settings.get("mlp_hidden", "auto")}
     cfg = cfg.resolve(model=model, checkpoint__dir=out)
