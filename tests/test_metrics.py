@@ -2,7 +2,9 @@
 
 import json
 import math
+import statistics
 import subprocess
+import time
 import warnings
 
 import pytest
@@ -76,3 +78,24 @@ def test_wandb_writes_only_inside_the_run_directory(tmp_path, mode):
         assert any(f.startswith("log/wandb/offline-run-") and f.endswith(".wandb") for f in wandb_files), wandb_files
         record = next((tmp_path / "run" / "log" / "wandb").glob("offline-run-*/*.wandb")).read_bytes()
         assert b"device_kind" in record and b"tokens_per_step" in record  # the run's facts are in its config
+
+
+@pytest.mark.slow
+def test_each_step_logs_its_own_time_at_zero_3_with_tp(tmp_path):
+    """ZeRO-3 on dp 4 x tp 2: dispatching a step can block until the one before has ended, and a step timed by
+    when the loop got round to reading it logged twice its time, the next one almost none (tokens/s 40-60x the
+    real rate). Timed by its own completion, no step is far from the others, and together they are the loop's
+    time: the first step's start to the last one's end."""
+    import runs
+
+    steps = 24
+    started = time.perf_counter()
+    runs.train(tmp_path, "zero.stage=3", "mesh.tp=2", "checkpoint.every=1000", steps=steps)
+    wall = time.perf_counter() - started
+    records = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    times = [r["step_time_s"] for r in records if "step_time_s" in r]
+    assert len(times) == steps
+    median = statistics.median(times[1:])
+    # The failure this guards against: a step under a tenth of the median right after one near twice it.
+    assert min(times[1:]) > median / 4, [round(t, 4) for t in times]
+    assert sum(times) < wall

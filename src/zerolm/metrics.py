@@ -21,6 +21,8 @@ import dataclasses
 import json
 import math
 import os
+import queue
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -160,12 +162,58 @@ def _drop_after(path: Path, step: int) -> None:
         os.replace(tmp, path)
 
 
+class CompletionClock:
+    """When each step finished on the device, noted by a thread that waits on the steps' outputs in turn.
+
+    The loop reads a step's metrics one step late, after dispatching the next step. Dispatch may block
+    (on a full queue of device work, or while the runtime runs a program inline), so the moment the loop
+    reads a step's values can be long after the step ended: timing steps by those reads gives one step
+    twice its time and the next nearly none. This thread blocks on each step's outputs as soon as the
+    step is dispatched and notes the time they become ready, so a step's end is its own whatever the loop
+    was doing then; the loop never waits on it beyond the read it already makes."""
+
+    def __init__(self):
+        self._pending: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: dict[int, float] = {}
+        self._ready = threading.Condition()
+        self._thread = threading.Thread(target=self._watch, name="zerolm-step-clock", daemon=True)
+        self._thread.start()
+
+    def watch(self, step: int, outputs: Any) -> None:
+        """Note when `outputs` (the step's device arrays) are ready."""
+        self._pending.put((step, outputs))
+
+    def done_at(self, step: int) -> float:
+        """The `time.perf_counter()` at which step `step`'s outputs were ready (waits for the thread)."""
+        with self._ready:
+            self._ready.wait_for(lambda: step in self._done)
+            return self._done.pop(step)
+
+    def close(self) -> None:
+        """Let the thread end once it has seen the steps before (not waited for: a failed device may never
+        answer, and the thread is a daemon)."""
+        self._pending.put(None)
+
+    def _watch(self) -> None:
+        while (item := self._pending.get()) is not None:
+            step, outputs = item
+            try:
+                jax.block_until_ready(outputs)
+            except Exception:  # noqa: BLE001  (the loop's own read of these outputs raises it)
+                pass
+            ready = time.perf_counter()
+            with self._ready:
+                self._done[step] = ready
+                self._ready.notify_all()
+
+
 class StepMetrics:
     """Turns a step's device metrics into logged numbers one step late, so dispatch never waits.
 
-    `step_time_s` is the time from the end of the previous step (its metrics ready on the device) to the
-    end of this one: the step itself, its wait for data included, but not the saves, evaluations and
-    samples between steps (`save_s` and `eval_s` have those). tokens/s and MFU follow from it."""
+    `step_time_s` is the time from the end of the previous step on the device (or from the end of the host
+    work between steps: saves, evaluations, samples, which `save_s`, `eval_s` and `tasks_s` time) to the end
+    of this one (`CompletionClock`): the step itself, its wait for data included. tokens/s and MFU follow
+    from it."""
 
     def __init__(self, writer, bar, tokens_per_step, accounting: Accounting, every, max_skips: int | None):
         self.writer, self.bar = writer, bar
@@ -173,9 +221,11 @@ class StepMetrics:
         self.tokens_per_step, self.accounting = tokens_per_step, accounting
         self.every, self.max_skips = every, max_skips
         self.pending: tuple[int, dict[str, Any], float] | None = None
+        self.clock = CompletionClock()
         self.last_time = time.perf_counter()
 
     def push(self, step, metrics, waited):
+        self.clock.watch(step, metrics)
         self.flush()
         self.pending = (step, metrics, waited)
 
@@ -187,15 +237,19 @@ class StepMetrics:
         """After host work between steps (a save, an evaluation): the next step is timed from now."""
         self.last_time = time.perf_counter()
 
+    def close(self) -> None:
+        """Stop the completion clock's thread."""
+        self.clock.close()
+
     def flush(self):
         if self.pending is None:
             return
         step, metrics, waited = self.pending
         self.pending = None
         values = {k: float(v) for k, v in metrics.items()}  # blocks until that step is done
-        now = time.perf_counter()
-        step_time = max(now - self.last_time, 1e-9)
-        self.last_time = now
+        done = self.clock.done_at(step)
+        step_time = max(done - self.last_time, 1e-9)
+        self.last_time = max(done, self.last_time)
         values["perplexity"] = perplexity(values["loss"])
         values["tokens_seen"] = step * self.tokens_per_step
         values["step_time_s"] = step_time

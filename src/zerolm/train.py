@@ -387,6 +387,7 @@ class _Loop:
         held.callback(bar.close)
         emitter = StepMetrics(writer, bar, self.tokens_per_step, opened.accounting, cfg.logging.every,
                               cfg.train.max_consecutive_skips if cfg.train.skip_nonfinite else None)
+        held.callback(emitter.close)
         batches = loader.batches(start_step=start, prefetch=cfg.data.prefetch)
         held.callback(batches.close)
         self.shares = loader.order.shares if isinstance(loader.order, MixedOrder) else None
