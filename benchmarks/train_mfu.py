@@ -33,6 +33,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -117,6 +118,7 @@ def train_through_zerolm(args, cand: dict, workdir: Path, tag: str = "") -> dict
     """`zerolm train` in a subprocess; step times and memory from its metrics.jsonl, cuDNN attention
     calls from its dumped gradient program."""
     run_dir = workdir / f"{cand['config']}-{cand['remat']}-{cand['micro']}{tag}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a --workdir used before must not resume (and re-read) its old run
     sets = [*overrides(args, cand["micro"], cand["remat"]), f"train.steps={args.steps}",
             f"train.compilation_cache={workdir / 'xla-cache'}", "logging.wandb=disabled",
             f"train.schedule_steps={max(args.steps, 100)}", "train.warmup_steps=10", f"logging.dir={run_dir / 'log'}",
