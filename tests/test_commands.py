@@ -157,3 +157,21 @@ def test_a_jax_platforms_the_user_set_is_kept(monkeypatch, tmp_path, users):
     platforms.choose(dev=tmp_path)  # an empty /dev: no accelerator
     assert os.environ["JAX_PLATFORMS"] == ("cpu" if users is None else users)
     assert platforms.user_chose() == (users is not None)
+
+
+def test_xla_command_buffers_are_off_where_jax_may_open_an_nvidia_gpu(tmp_path, monkeypatch):
+    """XLA's CUDA graphs failed a cuDNN attention step on an H100 (platforms' docstring): off by default on a
+    machine with NVIDIA GPUs, unless JAX is kept off them or the user's XLA_FLAGS sets the flag."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    assert platforms.gpu_flags(dev, {}) is None  # no GPU
+    (dev / "nvidia0").touch()
+    assert platforms.gpu_flags(dev, {}) == "--xla_gpu_enable_command_buffer="
+    assert platforms.gpu_flags(dev, {"JAX_PLATFORMS": "cuda", "XLA_FLAGS": "--xla_dump_to=/tmp/d"}) == (
+        "--xla_dump_to=/tmp/d --xla_gpu_enable_command_buffer=")
+    assert platforms.gpu_flags(dev, {"JAX_PLATFORMS": "cpu"}) is None
+    assert platforms.gpu_flags(dev, {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION"}) is None
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
+    platforms.choose(dev=dev)  # what every command does before importing JAX
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/d --xla_gpu_enable_command_buffer="

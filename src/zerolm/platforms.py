@@ -16,6 +16,12 @@ A JAX_PLATFORMS the user set, even to "" (JAX's own choice), is never touched. C
 target (zerolm.aot) needs none of these backends: libtpu and the CUDA plugin compile under `cpu`.
 Commands that need shapes but no device (`zerolm plan`, `zerolm compile`) ask for `cpu` alone through
 `no_device_needed`, so that they do not take a GPU or TPU a run is using.
+
+On a machine with NVIDIA GPUs that JAX may open, `choose` also turns off XLA's command buffers (its CUDA
+graphs) unless the user's XLA_FLAGS sets them: with jax 0.11.2 on an H100, the 125m config at micro-batch 32
+failed at its first step with "cuda_graph_end_capture ... capturing stream has unjoined work" where XLA
+captured a cuDNN attention graph into one, and trained without them; on 125m at micro-batch 16 they moved
+the step by 0.3% (BENCHMARKS.md, "H100"). XLA reads XLA_FLAGS when its backend starts, so this runs before.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from pathlib import Path
 VARIABLE = "JAX_PLATFORMS"
 _NVIDIA = ("nvidia0", "nvidiactl")  # JAX's own test (hardware_utils.has_visible_nvidia_gpu), less WSL's dxg
 _OTHER_ACCELERATORS = ("accel*", "vfio/[0-9]*", "kfd", "dxg")  # TPU v2-v4, TPU v5+, AMD, WSL (any GPU)
+
+# XLA's GPU flag that, empty, records no program into a CUDA graph (module docstring).
+COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 
 _set_by_zerolm = False
 
@@ -50,14 +59,30 @@ def _cuda_plugin_installed() -> bool:
 
 
 def choose(dev: Path = Path("/dev")) -> None:
-    """Set JAX_PLATFORMS for this machine unless the user set it. Call before JAX is imported."""
+    """Set JAX_PLATFORMS for this machine unless the user set it, and XLA's GPU flags where JAX may open an
+    NVIDIA GPU (`gpu_flags`). Call before JAX is imported."""
     global _set_by_zerolm
-    if VARIABLE in os.environ:
-        return
-    platforms = for_machine(dev)
-    if platforms is not None:
-        os.environ[VARIABLE] = platforms
-        _set_by_zerolm = True
+    if VARIABLE not in os.environ:
+        platforms = for_machine(dev)
+        if platforms is not None:
+            os.environ[VARIABLE] = platforms
+            _set_by_zerolm = True
+    if (flags := gpu_flags(dev, os.environ)) is not None:
+        os.environ["XLA_FLAGS"] = flags
+
+
+def gpu_flags(dev: Path, env) -> str | None:
+    """XLA_FLAGS with command buffers off, where this machine has NVIDIA GPUs, JAX_PLATFORMS lets JAX open them
+    (unset, empty, or naming cuda or gpu) and the user's XLA_FLAGS does not set the flag; else None."""
+    if not any((dev / name).exists() for name in _NVIDIA):
+        return None
+    chosen = env.get(VARIABLE, "")
+    if chosen and not {"cuda", "gpu"} & set(chosen.split(",")):
+        return None
+    flags = env.get("XLA_FLAGS", "")
+    if COMMAND_BUFFERS.split("=")[0] in flags:
+        return None
+    return f"{flags} {COMMAND_BUFFERS}".strip()
 
 
 def user_chose() -> bool:
