@@ -71,7 +71,9 @@ def memory_of(compiled) -> int:
 def overrides(args, micro: int, remat: str) -> list[str]:
     return [f"model.seq_len={args.seq_len}", f"model.vocab_size={args.vocab_size}", f"model.remat={remat}",
             f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * args.accum}", "mesh.dp=1",
-            *args.set]
+            # One device: the ZeRO-1 step, whatever stage the config ships for a slice (a stage-2 config's
+            # per-layer reduce-scatters have nothing to split at dp 1, and keep its layers in a scan).
+            "zero.stage=1", *args.set]
 
 
 def load(args, config: str, micro: int, remat: str):
