@@ -71,7 +71,7 @@ def search_lines(r: dict, command: str) -> list[str]:
         peak = "refused" if c["peak_bytes"] is None else f"{c['peak_bytes'] / 2**30:.2f}"
         sent = sum(p["bytes"] for p in m["programs"].values()) if m else 0  # = m["sent_bytes"]
         timing = (f"{m['flops_ratio']:.3f} | {sent / 1e9:.2f} | {m['exposed_bytes'] / 1e9:.2f} | "
-                  f"{bold}{m['step_s']:.3f}{bold} | {m['tokens_per_s']:,.0f} | {m['mfu']:.1%}" if m else "- | - | - | - | - | -")
+                  f"{bold}{m['step_s']:.3f}{bold} | {m['tokens_per_s']:,.0f} | {'-' if m['mfu'] is None else format(m['mfu'], '.1%')}" if m else "- | - | - | - | - | -")
         lines.append(f"| {c['stage']} | {c['micro']} | {c['remat']} | {c['block'] if c['block'] is not None else '-'} | "
                      f"{peak} | {'yes' if c['fits'] else 'no'} | {timing} |")
     return lines

@@ -43,7 +43,7 @@ def main() -> None:
         m = step_time.of_step(built, preset("h100"))
         measured_mfu = m.model_flops_per_token * m.tokens_per_step / measured / m.peak_flops
         print(f"| {name} | {remat} | {micro} | {measured:.3f} | {m.step_s:.3f} | {m.step_s / measured:.2f} | "
-              f"{m.flops_ratio:.3f} | {m.mfu:.1%} | {measured_mfu:.1%} |", flush=True)
+              f"{m.flops_ratio:.3f} | {m.mfu_text()} | {measured_mfu:.1%} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,23 @@ def test_the_flops_of_a_scan_of_k_matmuls_are_k_times_one_matmuls():
         assert step_time.flops(_scan_of_matmuls(k)).total == k * 2 * 8 * 16 * 16
 
 
+def test_the_blockwise_attentions_causal_key_block_loops_count_at_their_real_trip_counts():
+    """Query block i reads key blocks 0..i: a loop bound the compiler cannot state. Counted once, the 4-block
+    attention's FLOPs came out at 2 of the 10 block pairs it computes; at the mean trip count, exactly the
+    analytic count: per (query, key) block pair 2 matmuls forward, 5 backward (QKᵀ again, dV, dP, dQ, dK)."""
+    from zerolm import attention
+
+    B, T, H, K, block = 2, 512, 4, 32, 128
+    q = jnp.ones((B, T, H, K), jnp.float32)
+    grad = jax.jit(jax.grad(lambda q, k, v: attention.blockwise_attention(q, k, v, attention.NO_BIAS, block).sum(),
+                            argnums=(0, 1, 2)))
+    counted = step_time.flops(grad.lower(q, q, q).compile().as_text())
+    n = T // block
+    pairs = n * (n + 1) // 2
+    assert counted.total == pairs * (2 + 5) * 2 * B * H * block * block * K
+    assert counted.triangular_loops == 2 and counted.unknown_loops == 0
+
+
 # The TPU compiler's form of a batched matmul: a convolution whose window, stride and dilation line up one
 # kernel position per output (4 × 4 batch positions of a 128 × 32 by 32 × 128 product).
 _CONV = """HloModule m, entry_computation_layout={()->f32[4,4,128,128]}
@@ -127,3 +144,16 @@ def test_fastest_on_the_tiny_config_for_an_h100_prints_a_winner_that_fits():
     assert winner["fits"] and winner["model"]["step_s"] == min(c["model"]["step_s"] for c in r["candidates"] if c["fits"])
     full = [c for c in r["candidates"] if c["remat"] == "full"]
     assert all(c["model"]["flops_ratio"] > 1.05 * winner["model"]["flops_ratio"] for c in full)  # recomputation seen
+
+
+def test_a_modeled_mfu_over_100_percent_is_not_reported():
+    """The model times matmuls at peak and MFU counts the attention's whole T × T: where that bound passes 100%
+    it says nothing, and the output says so instead of a number over 100%."""
+    flops = {"grad": step_time.Flops(total=9 * 10**12, kernels=0, uncounted_kernels=0, unknown_loops=0)}
+    comms = {"grad": step_time.Comms(0, 0, 0.0)}
+    h100 = preset("h100")
+    under = step_time.StepModel(flops, comms, h100.flops, 1000, 1, 8 * 10**9)  # 0.9 of the model's FLOPs per token
+    over = step_time.StepModel(flops, comms, h100.flops, 1000, 1, 10 * 10**9)
+    assert under.mfu == pytest.approx(8 / 9)  # the model's FLOPs over the compiled ones, at peak with nothing exposed
+    assert over.mfu is None and "MFU not modeled (its bound exceeds 100%)" in over.describe()
+    assert json.loads(json.dumps(over.to_json()))["mfu"] is None

@@ -14,19 +14,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from zerolm import aot
+from zerolm.aot import PRESETS, preset_for
 from zerolm.data.dataset import load_planned
 from zerolm.hardware import GPU_TYPES, GPUS_PER_HOST
 from zerolm.plan import SAFETY_MARGIN
-
-# The planner's device preset for each TPU generation libtpu compiles for (zerolm.hardware).
-PRESETS = {"v3": "v3-core", "v4": "v4", "v5e": "v5e", "v5p": "v5p"}
-
-
-def preset_for(target: aot.Target) -> str | None:
-    """The planner's device preset for a target (zerolm.hardware.PRESETS), or None if it has none."""
-    if target.platform == "gpu":
-        return GPU_TYPES[target.generation].preset
-    return PRESETS.get(target.generation)
 
 
 @dataclasses.dataclass

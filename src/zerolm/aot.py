@@ -36,10 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from zerolm import census as census_lib
-from zerolm import comms, hlo
+from zerolm import comms, hlo, step_time
 from zerolm.config import Config
 from zerolm.errors import ZerolmError, first_line
-from zerolm.hardware import GPU_TYPES, GPUS_PER_HOST, TPU_TYPES, gpu_memory_fraction, grid
+from zerolm.hardware import GPU_TYPES, GPUS_PER_HOST, TPU_TYPES, gpu_memory_fraction, grid, preset
 from zerolm.mesh import TP, make_mesh
 from zerolm.plan.traffic import Prediction, step_predictions
 from zerolm.sharding import shard_bytes
@@ -58,6 +58,10 @@ _EXAMPLES = ("v2-8, v3-8, v3-32, v4-8, v4-64, v5litepod-16 (or v5e-16), v5p-128,
              + ", ".join(GPU_TYPES) + " (one GPU), h100-8 (eight of one host)")
 
 
+# The planner's device preset for each TPU generation libtpu compiles for (zerolm.hardware).
+PRESETS = {"v3": "v3-core", "v4": "v4", "v5e": "v5e", "v5p": "v5p"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     name: str  # as given, e.g. v3-32, h100-8
@@ -66,6 +70,13 @@ class Target:
     topology: str  # libtpu's topology name (v3:4x4), or the GPU plugin's (1x1x8: one host of 8 GPUs)
     chip_config: str  # TPU: default | megacore; GPU: ""
     devices: int  # JAX devices of the slice or host
+
+
+def preset_for(target: Target) -> str | None:
+    """The planner's device preset for a target (zerolm.hardware.PRESETS), or None if it has none."""
+    if target.platform == "gpu":
+        return GPU_TYPES[target.generation].preset
+    return PRESETS.get(target.generation)
 
 
 def parse_target(name: str) -> Target:
@@ -224,6 +235,9 @@ def compile_for(cfg: Config, target: Target, devices: list, *, census: bool = Fa
         memory_fraction=gpu_memory_fraction() if target.platform == "gpu" else None,
         scan_layers=bool(model.cfg.scan_layers), remat_choice=describe_remat_choice(built, usable),
         census=census_lib.merge(census_lib.census(t) for t in texts.values()) if census else None,
+        step_model=(step_time.of_step(built, preset(device_preset)) if (device_preset := preset_for(target))
+                    and not compiled.refused
+                    else None),
         async_collectives=[{"program": name, "ops": list(a.ops), "in_loop": a.in_loop, "bytes": a.bytes,
                             "overlaps": list(a.overlaps)} for name, text in texts.items()
                            for a in hlo.async_collectives(text)])
@@ -265,12 +279,15 @@ class CompileReport:
     # each collective the schedule split into a start and a done (zerolm.hlo.async_collectives): program, ops,
     # in_loop, bytes, the compute between them (libtpu: zero.tpu_async_collectives, zerolm.tpu_flags)
     async_collectives: list[dict] = dataclasses.field(default_factory=list)
+    # zerolm.step_time's model of the step on the target's planner preset (None: no preset, or a refused program)
+    step_model: step_time.StepModel | None = None
 
     def to_json(self) -> dict:
         return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
                 "collectives": [r.as_dict() for r in self.collectives],
                 "predicted": [p.to_json() for p in self.predicted],
-                "census": self.census.to_json() if self.census else None}
+                "census": self.census.to_json() if self.census else None,
+                "step_model": self.step_model.to_json() if self.step_model else None}
 
 
 def _gib(n: int | None) -> str:
@@ -311,6 +328,8 @@ def describe(report: CompileReport) -> list[str]:
                     f"bytes per device per execution)" if overlapped else " (every collective blocks until done)"))
     if report.remat_choice:
         lines.append(report.remat_choice)
+    if report.step_model is not None:
+        lines.append(report.step_model.describe())
     if report.census is not None:
         lines += census_lib.describe(report.census)
     verdict = "FITS" if r["fits"] else "DOES NOT FIT"

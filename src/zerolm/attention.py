@@ -164,6 +164,12 @@ def _dropped(p, bias: Bias, i, j):
     return jnp.where(keep, p / (1.0 - rate), 0.0)
 
 
+# The name scope of the blockwise attention's key-block loops: query block i reads key blocks 0..i, a trip count
+# the compiler cannot state (its bound is the query loop's index + 1). zerolm.hlo counts a loop in this scope at
+# the mean of its trip counts, (N + 1) / 2 of N blocks, for the FLOPs of zerolm.step_time.
+TRIANGULAR_LOOP = "triangular_loop"
+
+
 def block_size(seq_len: int, block: int = BLOCK) -> int:
     """The largest block ≤ `block` that divides the sequence."""
     return math.gcd(seq_len, block)
@@ -244,7 +250,8 @@ def _forward(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias: Bias, block):
         # Inside shard_map the carries must vary over the mesh axes as the values the loop reads do.
         row = _varying(jnp.zeros(q_BxHxCxK.shape[:-1], jnp.float32), q_BxHxCxK, ks, vs, *_arrays(blocked))
         init = (row + _MASKED, row, _varying(jnp.zeros(q_BxHxCxK.shape, jnp.float32), row))
-        m, l, acc = lax.fori_loop(0, i + 1, key_block, init)  # key blocks 0..i: the causal ones
+        with jax.named_scope(TRIANGULAR_LOOP):  # key blocks 0..i: the causal ones
+            m, l, acc = lax.fori_loop(0, i + 1, key_block, init)
         return None, ((acc / l[..., None]).astype(q_BxHxCxK.dtype), m + jnp.log(l))
 
     _, (out_NxBxHxCxK, lse_NxBxHxC) = lax.scan(query_block, None, (jnp.arange(qs.shape[0]), qs))
@@ -283,7 +290,8 @@ def _backward(block, residuals, dout_BxTxHxK):
             return dq_BxHxCxK, dk_acc.at[j].add(dk), dv_acc.at[j].add(dv)
 
         dq = _varying(jnp.zeros(q_BxHxCxK.shape, jnp.float32), dk_acc)
-        dq, dk_acc, dv_acc = lax.fori_loop(0, i + 1, key_block, (dq, dk_acc, dv_acc))
+        with jax.named_scope(TRIANGULAR_LOOP):
+            dq, dk_acc, dv_acc = lax.fori_loop(0, i + 1, key_block, (dq, dk_acc, dv_acc))
         return (dk_acc, dv_acc), dq
 
     zeros = _varying(jnp.zeros(ks.shape, jnp.float32), qs, ks, vs, dos, *_arrays(blocked), lse_NxBxHxC, d_NxBxHxC)

@@ -17,7 +17,8 @@ import dataclasses
 from collections.abc import Callable
 
 from zerolm import aot, step_time
-from zerolm.advice import planned, preset_for
+from zerolm.advice import planned
+from zerolm.aot import preset_for
 from zerolm.errors import ZerolmError
 from zerolm.step import REMAT_ORDER
 
@@ -161,7 +162,7 @@ def _gib(n: int | None) -> str:
 def row(c: Candidate) -> str:
     m = c.model
     timing = (f"{m.flops_ratio:9.3f} {m.sent_bytes / 1e9:7.3f} {m.exposed_bytes / 1e9:10.3f} {m.step_s:9.3g} "
-              f"{m.tokens_per_s:12,.0f} {m.mfu:6.1%}"
+              f"{m.tokens_per_s:12,.0f} {f'{m.mfu:.1%}' if m.mfu is not None else '-':>6s}"
               if m else f"{'-':>9s} {'-':>7s} {'-':>10s} {'-':>9s} {'-':>12s} {'-':>6s}")
     return (f"  {c.stage:5d} {c.micro:5d} {c.remat:>14s} {c.block if c.block is not None else '-':>5} "
             f"{_gib(c.peak_bytes):>8s} {'yes' if c.fits else 'no':>4s} {timing}")
@@ -178,7 +179,7 @@ def describe(s: Search, table: bool = True) -> list[str]:
              f"{PRUNE_MARGIN}x the usable)", *([HEADER, *map(row, s.candidates)] if table else []),
              "  (FLOPs/mdl: the compiled matmul FLOPs per token over the model's 6·N + 12·L·d·T; sent GB: every "
              "collective's bytes per device per step; exposed GB: those the schedule does not overlap; step s: "
-             "zerolm.step_time's model, a lower bound)"]
+             "zerolm.step_time's model, a lower bound; MFU: at that step, an upper bound, '-' where it exceeds 100%)"]
     best = s.winner
     if best is None:
         lines.append("no candidate fits")

@@ -21,6 +21,8 @@ import re
 
 import numpy as np
 
+from zerolm.attention import TRIANGULAR_LOOP
+
 COLLECTIVE_OPS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
@@ -53,7 +55,7 @@ class Collective:
     in_loop: bool  # inside a while body (or something a while body calls)
     result_type: str
     groups: tuple[frozenset[int], ...] = ()  # replica groups; () = all devices in one group
-    runs: int | None = 1  # times it runs per execution of the program (the enclosing loops' trip counts); None: unknown
+    runs: float | None = 1  # times it runs per execution of the program (the enclosing loops' trip counts); None: unknown
 
     @property
     def elements(self) -> int:
@@ -148,31 +150,54 @@ def _loop_computations(comps: dict[str, list[str]], callees: dict[str, set[str]]
     return in_loop
 
 
-def runs(hlo_text: str) -> dict[str, int | None]:
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def runs(hlo_text: str) -> dict[str, float | None]:
     """Times each computation of a compiled program runs per execution of it (`_runs`), by name."""
     comps = _computations(hlo_text)
     return _runs(hlo_text, comps, _callees(comps))
 
 
-def _runs(hlo_text: str, comps: dict[str, list[str]], callees: dict[str, set[str]]) -> dict[str, int | None]:
-    """Times each computation runs per execution of the entry computation: a while body runs its
-    `known_trip_count` times per run of its caller (unknown trip count: None)."""
+def triangular_loops(hlo_text: str) -> int:
+    """How many while loops of a compiled program are counted at the mean of a triangular trip count
+    (`_is_triangular`)."""
+    return sum(_is_triangular(line) for lines in _computations(hlo_text).values() for line in lines
+               if _WHILE_BODY.search(line))
+
+
+def _is_triangular(while_line: str) -> bool:
+    """A while loop in the name scope of a loop whose trip count is its enclosing loop's index + 1 (over that
+    loop's N iterations: 1, 2, ..., N; zerolm.attention.TRIANGULAR_LOOP), whose trip count the compiler does
+    not state."""
+    name = _OP_NAME.search(while_line)
+    return name is not None and f"/{TRIANGULAR_LOOP}/" in f"/{name.group(1)}/" and not _TRIP_COUNT.search(while_line)
+
+
+def _runs(hlo_text: str, comps: dict[str, list[str]], callees: dict[str, set[str]]) -> dict[str, float | None]:
+    """Times each computation runs per execution of the entry computation: a while body runs its trip count
+    (`_trip_count`) times per run of its caller; a triangular loop (`_is_triangular`) the mean of its trip
+    counts, (N + 1) / 2 inside a loop of N iterations; unknown: None."""
     entry = next((m.group(1) for line in hlo_text.splitlines() if line.startswith("ENTRY")
                   for m in [_COMPUTATION.match(line)] if m), None)
-    runs: dict[str, int | None] = {}
-    stack: list[tuple[str, int | None]] = [(entry, 1)] if entry else []
+    runs: dict[str, float | None] = {}
+    # (computation, its runs, the trip count of the innermost loop around it: what a triangular loop's mean needs)
+    stack: list[tuple[str, float | None, int | None]] = [(entry, 1, None)] if entry else []
     while stack:
-        name, times = stack.pop()
+        name, times, around = stack.pop()
         if name in runs:
             continue
         runs[name] = times
-        bodies: dict[str, int | None] = {}
+        bodies: dict[str, tuple[float | None, int | None]] = {}
         for line in comps.get(name, ()):
             if m := _WHILE_BODY.search(line):
                 trip = _trip_count(line, comps)
-                bodies[m.group(1)] = None if times is None or trip is None else times * trip
-        stack.extend(bodies.items())
-        stack.extend((callee, times) for callee in callees.get(name, ()) if callee not in bodies)
+                mean: float | None = trip
+                if trip is None and _is_triangular(line) and around is not None:
+                    mean = (around + 1) / 2
+                bodies[m.group(1)] = (None if times is None or mean is None else times * mean, trip)
+        stack.extend((body, body_runs, trip) for body, (body_runs, trip) in bodies.items())
+        stack.extend((callee, times, around) for callee in callees.get(name, ()) if callee not in bodies)
     return runs
 
 

@@ -6,7 +6,10 @@ For each compiled program of the step (grad, reshard, update; zerolm.aot):
 - **FLOPs**: every `dot` (2 · result elements · contracted elements) and `convolution` (2 · result elements
   · kernel elements per output feature) of the optimized HLO, fused or not, times the runs of the
   computation that holds it: the trip counts of the while loops around it (zerolm.hlo.runs: the layer scan,
-  the accumulation loop, the blockwise attention's blocks). cuDNN's flash attention (a custom call) is
+  the accumulation loop, the blockwise attention's query blocks), and for the blockwise attention's key-block
+  loop, whose bound is its query block's index + 1, the mean of its trip counts ((N + 1) / 2 of N blocks:
+  zerolm.hlo.TRIANGULAR_LOOP; `triangular_loops` says how many). A loop of unknown trip count is counted once
+  (`unknown_loops`). cuDNN's flash attention (a custom call) is
   counted by its shapes: forward QKᵀ and A·V, 4·B·H·Tq·Tk·dh; backward those recomputed and the three
   gradients' matmuls, 10·B·H·Tq·Tk·dh; half of each under a causal mask (the kernel skips the masked tiles).
   Other custom calls (the TPU's Pallas kernels, a cuBLAS call with no dot dimensions stated) are not
@@ -127,13 +130,15 @@ class Flops:
     kernels: int  # of which cuDNN's attention, counted from its shapes
     uncounted_kernels: int  # executions of custom calls whose FLOPs are not counted (Pallas, ...)
     unknown_loops: int  # computations with matmuls inside a loop of unknown trip count (counted once)
+    triangular_loops: int = 0  # loops counted at the mean of their trip counts (zerolm.hlo.TRIANGULAR_LOOP)
 
 
 def flops(hlo_text: str) -> Flops:
     """The matmul FLOPs one execution of a compiled program runs per device (see the module docstring)."""
     comps = hlo._computations(hlo_text)
     runs = hlo.runs(hlo_text)
-    total = kernels = uncounted = unknown = 0
+    total = kernels = 0.0
+    uncounted = unknown = 0
     for name, lines in comps.items():
         instructions = census.parse(lines)
         types = {ins.name: ins.result for ins in instructions}
@@ -154,11 +159,11 @@ def flops(hlo_text: str) -> Flops:
                 elif ("cublas" in kind or "gemm" in kind) and _GEMM_CONTRACTING.search(ins.attributes):
                     found += _gemm_flops(ins, types)
                 elif any(k in kind for k in _MATMUL_KERNELS):
-                    uncounted += times or 1
+                    uncounted += round(times or 1)
         if found and times is None:
             unknown += 1
         total += found * (times or 1)
-    return Flops(total, kernels, uncounted, unknown)
+    return Flops(round(total), round(kernels), uncounted, unknown, hlo.triangular_loops(hlo_text))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +192,7 @@ def comms(hlo_text: str, device: Device, devices: int) -> Comms:
         if a.overlaps:  # a fusion's collectives sit in its own computation (hlo.collectives), not the caller's
             key = (a.called or a.computation, a.bytes)
             hidden[key] = hidden.get(key, 0) + 1
-    total = exposed = 0
+    total = exposed = 0.0
     seconds = 0.0
     for c in hlo.collectives(hlo_text):
         times = c.runs or 1
@@ -198,7 +203,7 @@ def comms(hlo_text: str, device: Device, devices: int) -> Comms:
             continue
         exposed += c.bytes * times
         seconds += _collective_s(device, c, devices) * times
-    return Comms(total, exposed, seconds)
+    return Comms(round(total), round(exposed), seconds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,9 +253,16 @@ class StepModel:
         return self.tokens_per_step / self.step_s
 
     @property
-    def mfu(self) -> float:
-        """zerolm.mfu's MFU at the modeled step time."""
-        return self.model_flops_per_token * self.tokens_per_s / self.devices / self.peak_flops
+    def mfu(self) -> float | None:
+        """zerolm.mfu's MFU at the modeled step time: an upper bound, as the time is a lower one. None where it
+        would exceed 1, which says nothing: the model runs every matmul at peak, MFU's 6·N + 12·L·d·T counts
+        the attention's whole T × T while a causal kernel computes about half of it, and kernels it cannot
+        count (`uncounted_kernels`) cost it nothing."""
+        value = self.model_flops_per_token * self.tokens_per_s / self.devices / self.peak_flops
+        return value if value <= 1 else None
+
+    def mfu_text(self) -> str:
+        return f"{self.mfu:.1%}" if self.mfu is not None else "not modeled (its bound exceeds 100%)"
 
     @property
     def uncounted_kernels(self) -> int:
@@ -270,8 +282,15 @@ class StepModel:
         return (f"modeled step {self.step_s:.3f} s = {self.compute_s:.3f} s of matmuls at "
                 f"{self.peak_flops / 1e12:.0f} TFLOP/s + {self.comm_s:.3f} s of exposed collectives "
                 f"({self.exposed_bytes / 1e9:.2f} GB per device); {self.flops_ratio:.3f}x the model's FLOPs per "
-                f"token; {self.tokens_per_s:,.0f} tokens/s, MFU {self.mfu:.1%} (a lower bound on the time: "
-                f"zerolm.step_time says what it leaves out{missing})")
+                f"token; {self.tokens_per_s:,.0f} tokens/s, MFU {self.mfu_text()} (a lower bound on the time: "
+                f"zerolm.step_time says what it leaves out{missing}{self.loops_note()})")
+
+    def loops_note(self) -> str:
+        """What the FLOPs assumed of loops whose trip count the compiler does not state."""
+        triangular = sum(f.triangular_loops for f in self.flops.values())
+        unknown = sum(f.unknown_loops for f in self.flops.values())
+        return ((f"; {triangular} causal key-block loops counted at their mean trip count" if triangular else "")
+                + (f"; {unknown} loops of unknown trip count counted once" if unknown else ""))
 
 
 def model(texts: dict[str, str], device: Device, devices: int, tokens_per_step: int,
