@@ -214,3 +214,24 @@ def test_a_misspelled_task_stops_the_run_in_one_line_before_compiling(tmp_path, 
     err = capsys.readouterr().err
     assert err == ("error: eval.tasks: unknown task 'zerolm_clozee' (zerolm's: zerolm_cloze, zerolm_choice, "
                    "zerolm_text; the harness's: `lm-eval ls tasks`; your own: eval.include_path DIR)\n")
+
+
+def test_ctrl_c_during_the_last_steps_task_evaluation_saves_that_step_and_exits_75_without_sampling(tmp_path):
+    """Ctrl-C while the tasks of the run's last step (16) are evaluated: the evaluation ends and its row is
+    written, step 16 is saved, the message names step 16 (there is no step 17), and the run exits 75 without
+    its closing sample."""
+    import signal
+
+    from runs import release, start_held
+    from zerolm.checkpoint import Checkpoints
+    from zerolm.exitcodes import EXIT_PREEMPTED
+
+    proc = start_held(tmp_path, *DURING, "sample.tokens=4", before_step=16, extra_env={"ZEROLM_TEST_HOLD_IN": "tasks"})
+    proc.send_signal(signal.SIGINT)
+    release(tmp_path)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err[-2000:]
+    assert "stopping after step 16 " in err and "step 17" not in err
+    assert "interrupted: checkpoint saved at step 16" in err
+    assert "sample:" not in out
+    assert Checkpoints(tmp_path / "ckpt", read_only=True).latest_step() == 16 and sorted(task_rows(tmp_path)) == [8, 16]

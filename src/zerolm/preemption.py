@@ -77,6 +77,16 @@ class PreemptionWatch:
         """The loop is about to dispatch `step`: a stop requested from now on saves it."""
         self.stop_at = step
 
+    def finishing(self, step: int) -> None:
+        """`step` is the run's last, and the work after it (evaluations, its save) runs now: a stop requested
+        from now on saves it, and the run stops there (`stopped`) instead of going on to its closing work."""
+        self.stop_at = step
+
+    def stopped(self) -> bool:
+        """Whether a stop was requested in one process since `finishing` (in a multi-process run JAX's notifier
+        stops at a step, and the last step has none after it: the run ends as it would have)."""
+        return not self.multi and self.flag
+
     @property
     def why(self) -> str:
         return "interrupted" if self.interrupted else "preempted"

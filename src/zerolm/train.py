@@ -408,6 +408,8 @@ class _Loop:
             self.check_health()
             emitter.push(step, self.with_data_metrics(step, metrics), waited)  # emits the previous step's
             stopping = preemption.reached(step)
+            if step == cfg.train.steps:
+                preemption.finishing(step)  # a stop during the last step's work saves this step, not one after
             due = [h for h in hooks if h.due(step, step == cfg.train.steps, stopping)]
             if due:
                 emitter.flush()  # a non-finite step raises here, before it could be saved
@@ -415,7 +417,8 @@ class _Loop:
                     summary.update(hook.run(step, state, stopping))
                 emitter.restart_clock()  # the next step's time is its own, not this host work's
             profiler.after(step, state)
-            if stopping:
+            if stopping or (step == cfg.train.steps and preemption.stopped()):
+                self.start.checkpoints.wait()  # (a stop during the last step's work came after its save began)
                 raise Preempted(step, preemption.why)
         emitter.flush()
         self.start.checkpoints.wait()
