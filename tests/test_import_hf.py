@@ -1,7 +1,11 @@
 """Hugging Face in both directions for the Llama layout, and `zerolm import-hf` for GPT-2, MPT and Llama: models
 transformers makes from random weights (nothing is downloaded) import with logits and losses equal to transformers'
 own forward pass; a Llama-layout zerolm model exports as LlamaForCausalLM with equal logits and greedy text; a run
-continued from an imported checkpoint resumes bit-identical after kill -9."""
+continued from an imported checkpoint resumes bit-identical after kill -9; every config.json key transformers' forward
+pass reads is understood or refused in one line naming it. (The tests on the trained run are `slow`, through its
+fixture; the config.json checks are not.)"""
+
+import json
 
 import jax
 import numpy as np
@@ -11,8 +15,7 @@ import runs
 from runs import zerolm
 from test_export import assert_same_greedy, assert_same_model, sharp
 from zerolm import export, hf_layouts, restored
-
-pytestmark = pytest.mark.slow  # PyTorch, transformers, trained and imported runs
+from zerolm.commands import main
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -131,3 +134,127 @@ def test_a_run_continued_from_an_imported_llama_resumes_bit_identical_after_kill
     runs.kill_9_after(killed, *sets, steps=8, before_step=6, extra_env={"XLA_FLAGS": runs.cpu_flags(2)})
     runs.train(killed, *sets, steps=8, devices=2)
     assert runs.losses(killed) == runs.losses(straight)
+
+
+def tiny_config(kind: str, **settings):
+    """transformers' config of a one-layer model of `kind` (vocabulary 64, d 32, 4 heads) with `settings`."""
+    if kind == "gpt2":
+        return transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=32, **settings)
+    if kind == "mpt":
+        attn = {"attn_config": {**settings.pop("attn_config")}} if "attn_config" in settings else {}
+        return transformers.MptConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=32, **attn, **settings)
+    return transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                    num_attention_heads=4, max_position_embeddings=32, **settings)
+
+
+def saved(config, directory):
+    """A model of `config` saved by transformers itself (random weights): config.json is transformers' own."""
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory / "config.json"
+
+
+def refused(directory, out, capsys) -> str:
+    """`zerolm import-hf DIR --out OUT`, in this process: its one line on stderr (exit code 2, nothing at OUT)."""
+    capsys.readouterr()
+    assert main(["import-hf", str(directory), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and not out.exists(), err
+    return err
+
+
+@pytest.mark.parametrize("kind, settings, line", [
+    ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx: True: zerolm's gpt2 layout "
+     "computes the same score scale in every layer"),
+    ("gpt2", {"scale_attn_weights": False}, "scale_attn_weights: False: zerolm's gpt2 layout computes scores scaled by "
+     "1/√head_dim"),
+    ("gpt2", {"activation_function": "relu"}, "activation_function: 'relu': zerolm's gpt2 layout computes the tanh "
+     "GELU (gelu_new)"),
+    ("gpt2", {"tie_word_embeddings": False}, "tie_word_embeddings: False: zerolm's gpt2 layout computes its output "
+     "layer tied to the token embedding"),
+    ("mpt", {"attn_config": {"clip_qkv": 6.0}}, "attn_config.clip_qkv: 6.0: zerolm's mpt layout computes queries, keys "
+     "and values unclipped"),
+    ("mpt", {"attn_config": {"softmax_scale": 0.5}}, "attn_config.softmax_scale: 0.5: zerolm's mpt layout computes "
+     "scores scaled by 1/√head_dim"),
+    ("mpt", {"attn_config": {"alibi_bias_max": 16}}, "attn_config.alibi_bias_max: 16: zerolm's mpt layout computes "
+     "ALiBi's slopes of bias max 8"),
+    ("mpt", {"logit_scale": 0.5}, "logit_scale: 0.5: zerolm's mpt layout computes unscaled logits"),
+    ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_parameters: {'factor': 2.0, "
+     "'rope_theta': 10000.0, 'rope_type': 'linear'}: zerolm's llama layout computes rotary positions without scaling "
+     "(rope_type default)"),
+    ("llama", {"attention_bias": True}, "attention_bias: True: zerolm's llama layout computes attention without biases"),
+    ("llama", {"mlp_bias": True}, "mlp_bias: True: zerolm's llama layout computes an MLP without biases"),
+    ("llama", {"head_dim": 16}, "head_dim: 16: zerolm's llama layout computes heads of hidden_size / "
+     "num_attention_heads"),
+])
+def test_a_setting_transformers_computes_otherwise_with_is_refused_naming_it(tmp_path, capsys, kind, settings, line):
+    config = saved(tiny_config(kind, **settings), tmp_path / "hf")
+    assert refused(tmp_path / "hf", tmp_path / "ckpt", capsys).startswith(f"error: {config}: {line}")
+
+
+def test_rope_scaling_is_read_as_transformers_reads_it_and_refused_by_its_own_name(tmp_path, capsys):
+    """An older file's `rope_scaling` (transformers 4 wrote it beside `rope_theta`), alone or beside a default
+    `rope_parameters`: transformers 5 takes it over rope_parameters, so zerolm does too."""
+    config = saved(tiny_config("llama", rope_parameters={"rope_type": "linear", "factor": 2.0}), tmp_path / "hf")
+    hf = json.loads(config.read_text())
+    old = {**{k: v for k, v in hf.items() if k != "rope_parameters"}, "rope_theta": 10000.0,
+           "rope_scaling": {"type": "linear", "factor": 2.0}}
+    both = {**hf, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "rope_scaling": {"type": "linear", "factor": 2.0}}
+    for written in (old, both):
+        config.write_text(json.dumps(written))
+        assert transformers.AutoConfig.from_pretrained(tmp_path / "hf").rope_parameters["rope_type"] == "linear"
+        assert refused(tmp_path / "hf", tmp_path / "ckpt", capsys) == (
+            f"error: {config}: rope_scaling: {{'type': 'linear', 'factor': 2.0}}: zerolm's llama layout computes "
+            "rotary positions without scaling (rope_type default)\n")
+
+
+def test_a_key_zerolm_does_not_know_is_refused_naming_it(tmp_path, capsys):
+    config = saved(tiny_config("llama"), tmp_path / "hf")
+    config.write_text(json.dumps({**json.loads(config.read_text()), "quantization_config": {"quant_method": "fp8"}}))
+    assert refused(tmp_path / "hf", tmp_path / "ckpt", capsys) == (
+        f"error: {config}: quantization_config: {{'quant_method': 'fp8'}}: a key zerolm's llama import does not know, "
+        "so it cannot tell whether its model would compute what transformers' does\n")
+
+
+# config.json as published: GPT-2's (openai-community/gpt2), TinyLlama-1.1B's (transformers 4.35), MPT-7B's.
+PUBLISHED = {
+    "gpt2": {"activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.1,
+             "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256, "initializer_range": 0.02,
+             "layer_norm_epsilon": 1e-05, "model_type": "gpt2", "n_ctx": 1024, "n_embd": 768, "n_head": 12,
+             "n_layer": 12, "n_positions": 1024, "resid_pdrop": 0.1, "summary_activation": None,
+             "summary_first_dropout": 0.1, "summary_proj_to_labels": True, "summary_type": "cls_index",
+             "summary_use_proj": True, "task_specific_params": {"text-generation": {"do_sample": True, "max_length": 50}},
+             "vocab_size": 50257},
+    "llama": {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2,
+              "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 5632,
+              "max_position_embeddings": 2048, "model_type": "llama", "num_attention_heads": 32,
+              "num_hidden_layers": 22, "num_key_value_heads": 4, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+              "rope_scaling": None, "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+              "transformers_version": "4.35.0", "use_cache": True, "vocab_size": 32000},
+    "mpt": {"architectures": ["MPTForCausalLM"], "attn_config": {
+                "alibi": True, "alibi_bias_max": 8, "attn_impl": "torch", "attn_pdrop": 0, "attn_type":
+                "multihead_attention", "attn_uses_sequence_id": False, "clip_qkv": None, "prefix_lm": False,
+                "qk_ln": False, "softmax_scale": None},
+            "auto_map": {"AutoConfig": "configuration_mpt.MPTConfig",
+                         "AutoModelForCausalLM": "modeling_mpt.MPTForCausalLM"},
+            "d_model": 4096, "emb_pdrop": 0, "embedding_fraction": 1.0, "expansion_ratio": 4,
+            "init_config": {"emb_init_std": None, "init_div_is_residual": True, "init_gain": 0, "init_nonlinearity":
+                            "relu", "init_std": 0.02, "name": "kaiming_normal_", "verbose": 0},
+            "init_device": "cpu", "learned_pos_emb": True, "logit_scale": None, "max_seq_len": 2048,
+            "model_type": "mpt", "n_heads": 32, "n_layers": 32, "no_bias": True, "norm_type": "low_precision_layernorm",
+            "resid_pdrop": 0, "tokenizer_name": "EleutherAI/gpt-neox-20b", "torch_dtype": "bfloat16",
+            "transformers_version": "4.28.1", "use_cache": False, "verbose": 0, "vocab_size": 50432},
+}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "mpt", "llama"])
+def test_transformers_own_config_and_a_published_one_are_accepted(tmp_path, kind):
+    from zerolm.import_hf import model_settings
+
+    own = json.loads(saved(tiny_config(kind), tmp_path / "hf").read_text())
+    assert model_settings(own, "config.json")[1]["d_model"] == 32
+    layout, settings = model_settings(PUBLISHED[kind], "config.json")
+    assert (layout.architecture, settings["vocab_size"]) == (
+        {"gpt2": "GPT2LMHeadModel", "mpt": "MptForCausalLM", "llama": "LlamaForCausalLM"}[kind],
+        PUBLISHED[kind]["vocab_size"])

@@ -4,8 +4,10 @@ from (zerolm.warm_start), and that `zerolm eval`, `sample` and `export-hf` read 
 
 DIR's `config.json` says the architecture (`model_type`) and the shape: `model_settings` turns it into zerolm's
 model settings (GPT-2's layout, MPT's with ALiBi, or Llama's with rotary positions, RMSNorm, SwiGLU and
-grouped-query attention), and refuses, in one line naming the key, what zerolm's model would not compute the
-same (another activation, rotary scaling, biases where zerolm has none). The weights (`model.safetensors`, or
+grouped-query attention). Every key of the file is checked against its layout's allow-list (zerolm.hf_keys):
+one zerolm's model would not compute the same with (another activation, rotary scaling, biases where zerolm
+has none, GPT-2's per-layer score scale, MPT's clipped queries), and one the list does not know, are refused in
+one line naming the key. The weights (`model.safetensors`, or
 the shards `model.safetensors.index.json` lists) are read through the same name tables the export writes by
 (zerolm.hf_layouts), backwards. The tokenizer (`tokenizer.json`) is copied into CHECKPOINT: the run continuing
 from it prepares its data with that file (`zerolm prepare --tokenizer CHECKPOINT/tokenizer.json`), and
@@ -22,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from zerolm import storage
+from zerolm import hf_keys, storage
 from zerolm.config import Config
 from zerolm.data.tokenizer import Tokenizer, TokenizerError, from_file
 from zerolm.errors import ZerolmError
@@ -44,48 +46,51 @@ class Imported:
 
 
 def model_settings(hf: dict, where: str) -> tuple[Layout, dict[str, Any]]:
-    """(the layout, zerolm's model settings) of a transformers config.json; HFImportError for one zerolm's model
-    would not compute the same."""
+    """(the layout, zerolm's model settings) of a transformers config.json; HFImportError, naming the key, for a
+    key zerolm's model would not compute the same with, or one it does not know (zerolm.hf_keys)."""
     kind = hf.get("model_type")
+    if kind not in hf_keys.TABLES:
+        raise HFImportError(f"{where}: model_type: {kind!r}: zerolm imports gpt2, llama and mpt")
+    if refused := hf_keys.first_refused(hf, hf_keys.TABLES[kind]):
+        key, value, what = refused
+        shown = repr(value) if len(repr(value)) <= 120 else repr(value)[:117] + "..."
+        raise HFImportError(f"{where}: {key}: {shown}: " + (f"zerolm's {kind} layout computes {what}" if what else
+                            f"a key zerolm's {kind} import does not know, so it cannot tell whether its model "
+                            "would compute what transformers' does"))
+    try:
+        return _SETTINGS[kind](hf)
+    except KeyError as e:
+        raise HFImportError(f"{where}: no {e.args[0]} (zerolm takes the model's shape from config.json)") from None
 
-    def need(key: str, ok: bool, what: str) -> None:
-        if not ok:
-            raise HFImportError(f"{where}: {key}: {hf.get(key)!r}: zerolm's {kind} layout computes {what}")
 
-    if kind == "gpt2":
-        need("activation_function", hf.get("activation_function", "gelu_new") == "gelu_new", "the tanh GELU (gelu_new)")
-        need("n_inner", hf.get("n_inner") in (None, 4 * hf["n_embd"]), "an MLP of 4 × n_embd")
-        return GPT2, {"vocab_size": hf["vocab_size"], "n_layer": hf["n_layer"], "d_model": hf["n_embd"],
-                      "n_head": hf["n_head"], "seq_len": hf["n_positions"], "position": "learned", "bias": True,
-                      "norm": "layernorm", "norm_eps": hf.get("layer_norm_epsilon", 1e-5), "mlp": "gelu",
-                      "activation": "gelu_tanh", "n_kv_head": "auto", "tie_embeddings": True}
-    if kind == "mpt":
-        attn = hf.get("attn_config", {})
-        need("attn_config", attn.get("alibi", False) and attn.get("softmax_scale") is None,
-             "ALiBi attention at the usual 1/√head_dim scale")
-        need("expansion_ratio", hf.get("expansion_ratio", 4) == 4, "an MLP of 4 × d_model")
-        need("logit_scale", hf.get("logit_scale") is None, "unscaled logits")
-        return MPT, {"vocab_size": hf["vocab_size"], "n_layer": hf["n_layers"], "d_model": hf["d_model"],
-                     "n_head": hf["n_heads"], "seq_len": hf["max_seq_len"], "position": "alibi", "bias": False,
-                     "norm": "layernorm", "norm_eps": hf.get("layer_norm_epsilon", 1e-5), "mlp": "gelu",
-                     "activation": "gelu", "n_kv_head": "auto", "tie_embeddings": True}
-    if kind == "llama":
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        need("rope_parameters", rope.get("rope_type", rope.get("type", "default")) == "default",
-             "rotary positions without scaling (rope_type default)")
-        need("hidden_act", hf.get("hidden_act", "silu") == "silu", "SwiGLU (silu)")
-        need("attention_bias", not hf.get("attention_bias", False), "attention without biases")
-        need("mlp_bias", not hf.get("mlp_bias", False), "an MLP without biases")
-        heads = hf["num_attention_heads"]
-        need("head_dim", hf.get("head_dim") in (None, hf["hidden_size"] // heads), "heads of hidden_size / heads")
-        return LLAMA, {"vocab_size": hf["vocab_size"], "n_layer": hf["num_hidden_layers"],
-                       "d_model": hf["hidden_size"], "n_head": heads, "seq_len": hf["max_position_embeddings"],
-                       "position": "rope", "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                       "bias": False, "norm": "rmsnorm", "norm_eps": hf.get("rms_norm_eps", 1e-6), "mlp": "swiglu",
-                       "mlp_hidden": hf["intermediate_size"],
-                       "n_kv_head": hf.get("num_key_value_heads") or heads,
-                       "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
-    raise HFImportError(f"{where}: model_type: {kind!r}: zerolm imports gpt2, llama and mpt")
+def _gpt2(hf: dict) -> tuple[Layout, dict[str, Any]]:
+    return GPT2, {"vocab_size": hf["vocab_size"], "n_layer": hf["n_layer"], "d_model": hf["n_embd"],
+                  "n_head": hf["n_head"], "seq_len": hf["n_positions"], "position": "learned", "bias": True,
+                  "norm": "layernorm", "norm_eps": hf.get("layer_norm_epsilon", 1e-5), "mlp": "gelu",
+                  "activation": "gelu_tanh", "n_kv_head": "auto", "tie_embeddings": True}
+
+
+def _mpt(hf: dict) -> tuple[Layout, dict[str, Any]]:
+    return MPT, {"vocab_size": hf["vocab_size"], "n_layer": hf["n_layers"], "d_model": hf["d_model"],
+                 "n_head": hf["n_heads"], "seq_len": hf["max_seq_len"], "position": "alibi", "bias": False,
+                 "norm": "layernorm", "norm_eps": hf.get("layer_norm_epsilon", 1e-5), "mlp": "gelu",
+                 "activation": "gelu", "n_kv_head": "auto", "tie_embeddings": True}
+
+
+def _llama(hf: dict) -> tuple[Layout, dict[str, Any]]:
+    heads = hf["num_attention_heads"]
+    # transformers takes `rope_scaling` (older files' key) over `rope_parameters`, and its own rope_theta over
+    # the top-level one
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    return LLAMA, {"vocab_size": hf["vocab_size"], "n_layer": hf["num_hidden_layers"], "d_model": hf["hidden_size"],
+                   "n_head": heads, "seq_len": hf["max_position_embeddings"], "position": "rope",
+                   "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), "bias": False,
+                   "norm": "rmsnorm", "norm_eps": hf.get("rms_norm_eps", 1e-6), "mlp": "swiglu",
+                   "mlp_hidden": hf["intermediate_size"], "n_kv_head": hf.get("num_key_value_heads") or heads,
+                   "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
+
+
+_SETTINGS = {"gpt2": _gpt2, "mpt": _mpt, "llama": _llama}
 
 
 def read_tensors(directory: Path) -> dict[str, np.ndarray]:
