@@ -24,6 +24,15 @@ def test_every_shipped_config_loads():
         assert cfg.dp == 8 and cfg.accum_steps >= 1
 
 
+def test_the_package_ships_configs_defaults_yaml_itself():
+    """zerolm.config.DEFAULTS (what import-hf loads wherever it runs) is configs/defaults.yaml, not a copy that
+    could drift from it."""
+    from zerolm.config import DEFAULTS
+
+    assert DEFAULTS.read_bytes() == (REPO / "configs" / "defaults.yaml").read_bytes()
+    assert load_config(DEFAULTS) == load_config(REPO / "configs" / "defaults.yaml")
+
+
 def test_gpt3_shapes():
     shapes = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 16), "1_3b": (24, 2048, 16),
               "2_7b": (32, 2560, 32), "6_7b": (32, 4096, 32)}

@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 
 import runs
+from helpers import tiny_transformers_model
 from runs import zerolm
 from test_export import assert_same_greedy, assert_same_model, sharp
 from zerolm import export, hf_layouts, restored
 from zerolm.commands import main
+from zerolm.config import DEFAULTS
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -94,7 +96,7 @@ def made(kind, model_run, directory):
 def test_import_hf_gives_transformers_logits_and_loss(model_run, tmp_path, kind):
     hf = made(kind, model_run, tmp_path / "hf")
     proc = zerolm("import-hf", tmp_path / "hf", "--out", tmp_path / "ckpt", devices=1)
-    assert "continue it: zerolm train --config configs/defaults.yaml --set model.n_layer=2 --set model.d_model=32 " \
+    assert f"continue it: zerolm train --config {DEFAULTS} --set model.n_layer=2 --set model.d_model=32 " \
         in proc.stdout and proc.stdout.rstrip().endswith(f"--set train.init_from={tmp_path / 'ckpt'}")
     imported = restored.load(str(tmp_path / "ckpt"), jax.local_devices()[:1])
     assert imported.tokenizer().sha256 == model_run.tokenizer().sha256  # found beside the checkpoint
@@ -258,3 +260,32 @@ def test_transformers_own_config_and_a_published_one_are_accepted(tmp_path, kind
     assert (layout.architecture, settings["vocab_size"]) == (
         {"gpt2": "GPT2LMHeadModel", "mpt": "MptForCausalLM", "llama": "LlamaForCausalLM"}[kind],
         PUBLISHED[kind]["vocab_size"])
+
+
+def test_import_hf_outside_the_repository_takes_the_packaged_defaults(tmp_path, monkeypatch, capsys):
+    """No configs/ in the working directory: the default --config is the package's copy of configs/defaults.yaml,
+    which the printed line names; a --set of a model key at the imported value is no conflict."""
+    tiny_transformers_model(tmp_path / "hf")
+    monkeypatch.chdir(tmp_path)
+    assert main(["import-hf", "hf", "--out", "ckpt", "--set", "model.n_layer=2", "--set", "name=my run"]) == 0
+    out = capsys.readouterr().out
+    assert f"--tokenizer {tmp_path / 'ckpt' / 'tokenizer.json'} --seq-len 32 --out DATA" in out
+    assert f"continue it: zerolm train --config {DEFAULTS} --set model.n_layer=2 --set 'name=my run' " in out
+    assert restored.load("ckpt", jax.local_devices()[:1]).tokenizer().eot == "<|endoftext|>"
+
+
+def test_a_set_of_a_model_key_the_import_takes_is_refused(tmp_path, capsys):
+    tiny_transformers_model(tmp_path / "hf")
+    capsys.readouterr()
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"), "--set", "model.n_layer=4"]) == 2
+    assert capsys.readouterr().err == (f"error: --set model.n_layer=4: the import takes model.n_layer from "
+                                       f"{tmp_path / 'hf' / 'config.json'} (2): leave it out; `zerolm grow` makes a "
+                                       "deeper model from the imported one\n")
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_tokenizer_without_an_end_of_text_it_knows_is_refused_naming_the_file(tmp_path, capsys):
+    tiny_transformers_model(tmp_path / "eos", end_of_text="<eos>")
+    assert refused(tmp_path / "eos", tmp_path / "ckpt", capsys) == (
+        f"error: {tmp_path / 'eos' / 'tokenizer.json'}: has no end-of-text token (none of <|endoftext|>, "
+        "<|end_of_text|>, </s>)\n")

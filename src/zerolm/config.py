@@ -23,7 +23,11 @@ from zerolm.config_section import Section as _Section
 from zerolm.errors import ZerolmError
 from zerolm.model_config import ModelConfig, tp_split_problem
 
-__all__ = ["Config", "ConfigError", "ModelConfig", "load_config", "parse_override", "tp_split_problem"]
+__all__ = ["DEFAULTS", "Config", "ConfigError", "ModelConfig", "load_config", "parse_override", "tp_split_problem"]
+
+# configs/defaults.yaml, shipped in the package (src/zerolm/defaults.yaml is a link to it, which a wheel holds as the
+# file): found wherever zerolm is installed and whatever the working directory.
+DEFAULTS = Path(__file__).with_name("defaults.yaml")
 
 
 class ConfigError(ZerolmError):

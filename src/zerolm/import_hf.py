@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from zerolm import hf_keys, storage
-from zerolm.config import Config
+from zerolm.config import Config, parse_override
 from zerolm.data.tokenizer import Tokenizer, TokenizerError, from_file
 from zerolm.errors import ZerolmError
 from zerolm.hf_layouts import GPT2, LLAMA, MPT, Layout, zerolm_params
@@ -114,6 +115,17 @@ def read_tensors(directory: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
+def _check_sets(sets: Sequence[str], imported: dict[str, Any], config: Path) -> None:
+    """HFImportError for a `--set model.KEY=VALUE` that the import would override with another value."""
+    for text in sets:
+        key, value = parse_override(text)
+        name = key.removeprefix("model.")
+        if key.startswith("model.") and name in imported and value != imported[name]:
+            grow = "; `zerolm grow` makes a deeper model from the imported one" if name == "n_layer" else ""
+            raise HFImportError(f"--set {text}: the import takes model.{name} from {config} ({imported[name]!r}): "
+                                f"leave it out{grow}")
+
+
 def _tokenizer(directory: Path) -> Tokenizer:
     path = directory / TOKENIZER
     if not path.exists():
@@ -125,21 +137,25 @@ def _tokenizer(directory: Path) -> Tokenizer:
         raise HFImportError(str(e)) from None
 
 
-def import_hf(directory: Path, cfg: Config, out: str, overwrite: bool = False, say=lambda line: None) -> Imported:
+def import_hf(directory: Path, cfg: Config, out: str, overwrite: bool = False, say=lambda line: None,
+              sets: Sequence[str] = ()) -> Imported:
     """Read the transformers directory, write the checkpoint of step 0 at `out` (local or gs://) with the
-    tokenizer beside it; `cfg`: the run config its model goes into (its model's shape keys are the import's)."""
+    tokenizer beside it; `cfg`: the run config its model goes into (its model's shape keys are the import's);
+    `sets`: the `--set` overrides `cfg` was loaded with, none of which may set a model key the import takes."""
     from zerolm.warm_start import Origin, save_start
 
     target = storage.path(out)
     if target.exists() and not overwrite:
         raise HFImportError(f"--out: {out} already exists (pass --overwrite to move it aside and write anew)")
+    config = directory / "config.json"
     try:
-        hf = json.loads((directory / "config.json").read_text())
+        hf = json.loads(config.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise HFImportError(f"{directory / 'config.json'}: cannot read a transformers config ({e})") from None
-    layout, settings = model_settings(hf, str(directory / "config.json"))
+        raise HFImportError(f"{config}: cannot read a transformers config ({e})") from None
+    layout, settings = model_settings(hf, str(config))
     tokenizer = _tokenizer(directory)
     settings["eot_id"] = tokenizer.eot_id
+    _check_sets(sets, {**settings, "mlp_hidden": settings.get("mlp_hidden", "auto")}, config)
     if tokenizer.vocab_size > settings["vocab_size"]:
         raise HFImportError(f"{directory / TOKENIZER}: {tokenizer.vocab_size} tokens, more than the model's "
                            f"vocab_size {settings['vocab_size']}")

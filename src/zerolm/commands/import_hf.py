@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from typing import Any
 
@@ -16,23 +17,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "and index), tokenizer.json")
     parser.add_argument("--out", required=True, metavar="CHECKPOINT",
                         help="the checkpoint directory to write (local or gs://)")
-    parser.add_argument("--config", default="configs/defaults.yaml", metavar="YAML",
+    parser.add_argument("--config", default=None, metavar="YAML",
                         help="the run config the model goes into; its model's shape and layout are the import's "
-                             "(default: %(default)s)")
+                             "(default: zerolm's configs/defaults.yaml, shipped with the package)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override a config key; repeatable")
+                        help="override a config key (not one of the model's keys the import takes); repeatable")
     parser.add_argument("--overwrite", action="store_true", help="move an existing CHECKPOINT aside and write anew")
     return parser
 
 
-def run(args: argparse.Namespace, out=sys.stdout) -> int:
+def run(args: argparse.Namespace, out=None) -> int:
+    out = out or sys.stdout  # (read when it runs: a caller may have replaced sys.stdout since the import)
     from zerolm import platforms
 
     platforms.no_device_needed()  # on the host's CPU: it must not take a GPU or TPU that a run is using
 
     from pathlib import Path
 
-    from zerolm.config import load_config
+    from zerolm.config import DEFAULTS, load_config
     from zerolm.errors import UsageError
     from zerolm.import_hf import TOKENIZER, import_hf
     from zerolm.storage import check
@@ -41,15 +43,17 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     if not directory.is_dir():
         raise UsageError(f"DIR: {directory} is not a directory (a transformers model directory, local)")
     check(args.out, "--out")
-    cfg = load_config(args.config, args.set)
-    done = import_hf(directory, cfg, args.out, args.overwrite, say=lambda line: print(line, file=out, flush=True))
+    config = args.config or str(DEFAULTS)
+    cfg = load_config(config, args.set)
+    done = import_hf(directory, cfg, args.out, args.overwrite, say=lambda line: print(line, file=out, flush=True),
+                     sets=args.set)
     print(f"imported {done.architecture} from {directory} to {done.where} (step 0, float32, a fresh optimizer state); "
           f"its tokenizer: {done.where.parent / TOKENIZER}", file=out)
     sets = "".join(f" --set model.{k}={v if isinstance(v, str) else json.dumps(v)}"
                    for k, v in _differing(cfg.model, done).items())
     print(f"prepare data with its tokenizer: zerolm prepare --source ... --tokenizer {done.where.parent / TOKENIZER} "
-          f"--seq-len {cfg.model.seq_len} --out DATA", file=out)
-    print(f"continue it: zerolm train --config {args.config}{''.join(f' --set {s}' for s in args.set)}{sets} "
+          f"--seq-len {done.settings['seq_len']} --out DATA", file=out)
+    print(f"continue it: zerolm train --config {config}{''.join(f' --set {shlex.quote(s)}' for s in args.set)}{sets} "
           f"--set data.dataset=DATA --set train.init_from={args.out}", file=out)
     return 0
 

@@ -40,7 +40,7 @@ def cache_dir() -> Path:
 class Tokenizer:
     """Encode/decode over either backend, plus what a manifest needs to identify it."""
 
-    def __init__(self, kind: str, backend, name: str, file_bytes: bytes):
+    def __init__(self, kind: str, backend, name: str, file_bytes: bytes, where: str | None = None):
         self.kind = kind  # "hf" | "tiktoken"
         self._backend = backend
         self.name = name
@@ -53,7 +53,8 @@ class Tokenizer:
             eot_id = backend.eot_token
             self.vocab_size = backend.n_vocab
         if eot_id is None:
-            raise TokenizerError(f"tokenizer {name}: has no end-of-text token (none of {', '.join(END_OF_TEXT)})")
+            raise TokenizerError(f"{where or f'tokenizer {name}'}: has no end-of-text token (none of "
+                                 f"{', '.join(END_OF_TEXT)})")
         self.eot_id: int = eot_id
         self.eot: str = backend.id_to_token(eot_id) if kind == "hf" else EOT  # the end-of-text token's text
 
@@ -111,7 +112,7 @@ def from_bytes(name: str, data: bytes, where: str | None = None) -> Tokenizer:
     BPE file (base64 token, rank per line)."""
     try:
         if name.endswith(".json"):
-            return Tokenizer("hf", tokenizers.Tokenizer.from_str(data.decode()), name, data)
+            return Tokenizer("hf", tokenizers.Tokenizer.from_str(data.decode()), name, data, where)
         ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in data.splitlines()
                                                                         if line)}
         enc = tiktoken.Encoding(Path(name).stem, pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
