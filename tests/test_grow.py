@@ -26,6 +26,12 @@ def test_the_default_map_repeats_each_layer_in_order_spread_evenly():
                                                         "layers 1, 3)")
 
 
+def test_a_given_map_is_described_as_given_not_as_the_default_spread():
+    assert describe_map([0, 1, 2, 3, 2, 3], 4) == "0,1,2,3,2,3 (2 copies of layers 2, 3; 1 copy of layers 0, 1)"
+    assert describe_map([0, 0, 2], 3) == "0,0,2 (2 copies of layer 0; 1 copy of layer 2; no copy of layer 1)"
+    assert describe_map([0, 0, 1, 2, 2, 3], 4) == describe_map(default_map(4, 6), 4)  # the default, given
+
+
 @pytest.mark.parametrize("layer_map, preserving, says", [
     (None, False, "model.n_layer: 3 is fewer than the source's 4 layers"),
     ([0, 1, 2, 3, 3], False, "--layer-map: 5 layers, but model.n_layer is 6"),

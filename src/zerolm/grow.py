@@ -68,14 +68,17 @@ def default_map(source: int, target: int) -> list[int]:
 
 
 def describe_map(layer_map: Sequence[int], source: int) -> str:
-    """The map, and how often each source layer repeats when that is not the same for all."""
+    """The map, and how often each source layer repeats when that is not the same for all (for the default map,
+    why: the depth is not a multiple of the source's)."""
     counts = np.bincount(np.asarray(layer_map, dtype=np.int64), minlength=source)
     text = ",".join(map(str, layer_map))
     if len(set(counts.tolist())) > 1:
         by = {int(c): [str(i) for i in range(source) if counts[i] == c] for c in sorted(set(counts.tolist()), reverse=True)}
+        copies = "; ".join(f"{c or 'no'} cop{'y' if c <= 1 else 'ies'} of layer{'s' if len(layers) > 1 else ''} "
+                           f"{', '.join(layers)}" for c, layers in by.items())
+        default = list(layer_map) == default_map(source, len(layer_map))
         text += (f" ({len(layer_map)} is not a multiple of {source}: the repeats spread as evenly as possible, "
-                 + "; ".join(f"{c} cop{'y' if c == 1 else 'ies'} of layer{'s' if len(layers) > 1 else ''} "
-                             f"{', '.join(layers)}" for c, layers in by.items()) + ")")
+                 f"{copies})" if default else f" ({copies})")
     return text
 
 
