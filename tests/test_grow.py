@@ -144,3 +144,80 @@ def test_init_from_a_model_of_other_shapes_is_refused_before_compiling(trained_r
     assert proc.stderr.startswith(f"error: train.init_from: {trained_run / 'ckpt' / '16'}: model.n_layer is 2 there "
                                   "and 4 in the config") and proc.stderr.count("\n") == 1
     assert "compiled the step" not in proc.stdout
+
+
+def _printed(stdout: str, prefix: str) -> list[str]:
+    """The command a line of `stdout` starting with `prefix` prints, split as a shell splits it."""
+    import shlex
+
+    return shlex.split(next(line for line in stdout.splitlines() if line.startswith(prefix)).removeprefix(prefix))
+
+
+@pytest.fixture
+def grown_import(tmp_path, capsys):
+    """A tiny transformers GPT-2 with its tokenizer, imported (zerolm import-hf), then grown from 2 layers to 3 by
+    `zerolm grow --layer-map 0,1,1` with the import's printed model settings: (its directory, what grow printed)."""
+    pytest.importorskip("transformers")
+    from helpers import tiny_transformers_model
+    from zerolm.commands import main
+    from zerolm.config import DEFAULTS
+
+    tiny_transformers_model(tmp_path / "hf")
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "imported")]) == 0
+    model_sets = [a for a in _printed(capsys.readouterr().out, "continue it: ") if a.startswith("model.")]
+    sets = [*(s for s in model_sets if not s.startswith("model.n_layer=")), "model.n_layer=3"]
+    assert main(["grow", "--from", str(tmp_path / "imported"), "--config", str(DEFAULTS), *_sets(sets),
+                 "--out", str(tmp_path / "grown"), "--layer-map", "0,1,1"]) == 0
+    return tmp_path / "grown", capsys.readouterr().out
+
+
+def test_a_grown_import_keeps_its_tokenizer_for_sample_and_export(grown_import, tmp_path, capsys):
+    import json
+
+    from zerolm.commands import main
+
+    grown, _ = grown_import
+    assert (grown / "tokenizer.json").read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
+    assert main(["sample", "--checkpoint", str(grown), "--prompt", "In the", "--max-new-tokens", "4"]) == 0
+    assert main(["export-hf", "--checkpoint", str(grown), "--out", str(tmp_path / "exported")]) == 0
+    assert json.loads((tmp_path / "exported" / "config.json").read_text())["n_layer"] == 3
+    assert (tmp_path / "exported" / "tokenizer.json").exists()
+
+
+def test_grow_describes_the_map_given_and_its_start_line_names_the_data_and_vocabulary(grown_import):
+    from zerolm import restored
+    from zerolm.checkpoint import parameter_differences
+    from zerolm.config import load_config
+
+    grown, stdout = grown_import
+    assert "by the layer map 0,1,1 (2 copies of layer 1; 1 copy of layer 0)" in stdout
+    assert _printed(stdout, "prepare data with its tokenizer: ") == [
+        "zerolm", "prepare", "--source", "...", "--tokenizer", str(grown / "tokenizer.json"), "--seq-len", "32",
+        "--out", "DATA"]
+    start = _printed(stdout, "start a run from it: ")
+    assert start[:3] == ["zerolm", "train", "--config"] and start[-2:] == ["--set", f"train.init_from={grown}"]
+    sets = start[5::2]
+    assert "data.dataset=DATA" in sets
+    cfg = load_config(start[3], sets)  # the run's config, as the printed line makes it: its model is the grown one
+    model = restored.load(str(grown)).meta.model
+    assert parameter_differences(model, cfg.model.model_dump()) == []
+    assert f"model.vocab_size={model['vocab_size']}" in sets and cfg.data.dataset == "DATA"
+
+
+@pytest.mark.slow
+def test_the_printed_lines_prepare_data_and_start_a_run_from_a_grown_import(grown_import, tmp_path):
+    """Run as printed, with the data and `...` filled in (and a one-step run of the config's size kept small): the
+    run starts from the grown parameters, with data prepared by the tokenizer beside them."""
+    import json
+
+    grown, stdout = grown_import
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"In the beginning God created the heaven and the earth, {i} times."})
+                            + "\n" for i in range(3000)))
+    filled = {"...": f"jsonl:{docs}", "DATA": str(tmp_path / "data"), "data.dataset=DATA": f"data.dataset={tmp_path / 'data'}"}
+    zerolm(*[filled.get(a, a) for a in _printed(stdout, "prepare data with its tokenizer: ")][1:], "--workers", "1")
+    start = [filled.get(a, a) for a in _printed(stdout, "start a run from it: ")][1:]
+    proc = zerolm(*start, *_sets(["train.steps=1", "train.schedule_steps=1000", "train.global_batch_size=8",
+                                  "train.micro_batch_size=1", "train.eval_sequences=8", "sample.tokens=0",
+                                  f"checkpoint.dir={tmp_path / 'run'}", f"logging.dir={tmp_path / 'log'}"]))
+    assert f"parameters from {grown}/0 (train.init_from: step 0" in proc.stdout

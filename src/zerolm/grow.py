@@ -14,8 +14,8 @@ The source is read as `zerolm eval` reads one (zerolm.restored.load: any mesh an
 everything but the depth must be the same (every model setting except n_layer and those that only change
 how the model computes). The checkpoint written holds step 0: the parameters, a fresh optimizer state
 laid out for one device (a run on any mesh restores it), the bigger config (with the source's data
-section), and the source's dataset identity and tokenizer, so `zerolm eval`, `sample` and `export-hf`
-read it like any checkpoint.
+section), and the source's dataset identity and tokenizer (the file itself beside the checkpoint where the
+source had it so: an import's), so `zerolm eval`, `sample` and `export-hf` read it like any checkpoint.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from zerolm import restored, storage
 from zerolm.checkpoint import parameter_differences
 from zerolm.config import Config
 from zerolm.errors import ZerolmError
+from zerolm.restored import TOKENIZER_BESIDE
 from zerolm.warm_start import Origin, save_start
 
 PROJECTIONS = (("attn", "c_proj"), ("mlp", "c_proj"))  # what a block adds to the residual stream, last
@@ -59,6 +60,9 @@ class Grown:
     source_layers: int
     layer_map: tuple[int, ...]
     zeroed: tuple[int, ...]  # the grown layers whose output projections are zero
+    cfg: Config  # the grown model's config, as written (its `auto` vocabulary resolved to the source's)
+    data: dict  # the source's data section, which the checkpoint records: a run from it reads that data
+    tokenizer: Any = None  # the tokenizer file written beside the checkpoint (the source had no dataset), or None
 
 
 def default_map(source: int, target: int) -> list[int]:
@@ -151,9 +155,12 @@ def grow(growth: Growth, say: Callable[[str], None] = lambda line: None) -> Grow
     check_models(src_model, cfg.model.model_dump())
     layer_map = check_map(growth.layer_map, src_model["n_layer"], cfg.model.n_layer, growth.function_preserving)
     params, zeroed = grown_params(jax.device_get(source.params), layer_map, growth.function_preserving)
+    # A source no dataset was prepared for (an import, or a growth of one) has its tokenizer beside it: so has this.
+    beside = source.tokenizer().file_bytes if source.meta.dataset_location is None else None
     where = save_start(cfg, params, out, Origin(source.meta.dataset, source.meta.dataset_location,
-                                                source.config["data"]), say)
-    return Grown(where, source.where, src_model["n_layer"], tuple(layer_map), tuple(zeroed))
+                                                source.config["data"], beside), say)
+    return Grown(where, source.where, src_model["n_layer"], tuple(layer_map), tuple(zeroed), cfg,
+                 source.config["data"], None if beside is None else where.parent / TOKENIZER_BESIDE)
 
 
 def _resolved(cfg: Config, source_model: dict, out: str) -> Config:

@@ -30,8 +30,9 @@ from zerolm.config import Config, parse_override
 from zerolm.data.tokenizer import Tokenizer, TokenizerError, from_file
 from zerolm.errors import ZerolmError
 from zerolm.hf_layouts import GPT2, LLAMA, MPT, Layout, zerolm_params
+from zerolm.restored import TOKENIZER_BESIDE
 
-TOKENIZER = "tokenizer.json"  # the imported tokenizer, in the checkpoint's directory
+TOKENIZER = TOKENIZER_BESIDE  # the imported tokenizer, in the checkpoint's directory
 
 
 class HFImportError(ZerolmError):
@@ -163,7 +164,6 @@ def import_hf(directory: Path, cfg: Config, out: str, overwrite: bool = False, s
     cfg = cfg.resolve(model=model, checkpoint__dir=out)
     params = zerolm_params(read_tensors(directory), cfg.model, layout)
     origin = Origin({"tokenizer_sha256": tokenizer.sha256, "tokenizer": tokenizer.identity,
-                     "imported_from": str(directory.absolute())}, None)
+                     "imported_from": str(directory.absolute())}, None, tokenizer=tokenizer.file_bytes)
     where = save_start(cfg, params, target, origin, say)
-    (where.parent / TOKENIZER).write_bytes(tokenizer.file_bytes)
     return Imported(where, layout.architecture, {**settings, "mlp_hidden": model["mlp_hidden"]}, tokenizer)

@@ -33,6 +33,10 @@ from zerolm.errors import first_line
 from zerolm.mesh import make_mesh
 from zerolm.sharding import with_shardings
 
+# The tokenizer of a checkpoint whose model no dataset of zerolm's was prepared for (an import's, and a growth of
+# one): a file beside its step directories.
+TOKENIZER_BESIDE = "tokenizer.json"
+
 
 @dataclasses.dataclass
 class Restored:
@@ -59,7 +63,7 @@ class Restored:
             except TokenizerError as e:
                 raise CheckpointError(f"--tokenizer: {e}") from None
             source = f"--tokenizer: {path}"
-        elif self.meta.dataset_location is None and (beside := self.where.parent / "tokenizer.json").exists():
+        elif self.meta.dataset_location is None and (beside := self.where.parent / TOKENIZER_BESIDE).exists():
             tok = from_bytes(beside.name, beside.read_bytes(), where=str(beside))  # an import's (zerolm.import_hf)
             source = str(beside)
         else:

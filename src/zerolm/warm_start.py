@@ -29,7 +29,7 @@ from zerolm.checkpoint import CheckpointError, Checkpoints, move_aside, paramete
 from zerolm.checkpoint_meta import CheckpointMeta
 from zerolm.config import Config
 from zerolm.mesh import make_mesh
-from zerolm.restored import locate
+from zerolm.restored import TOKENIZER_BESIDE, locate
 from zerolm.sharding import with_shardings
 from zerolm.zero import TrainState, Zero
 
@@ -113,13 +113,15 @@ class Origin(NamedTuple):
     dataset: dict  # the data's identity (its tokenizer's sha256 above all: zerolm.data.dataset.dataset_identity)
     dataset_location: str | None  # where that data is (or None: nowhere; an import's tokenizer is beside it)
     data: dict | None = None  # the config's data section to record instead of the config's own (a source run's)
+    tokenizer: bytes | None = None  # the tokenizer file to write beside the checkpoint (where there is no dataset)
 
 
 def save_start(cfg: Config, params: Any, out: Any, origin: Origin, say: Callable[[str], None] = lambda line: None) -> Any:
     """Write `params` (host arrays of `cfg`'s model) as the checkpoint of step 0 at `out` (an epath) that
     train.init_from starts from (`zerolm grow`'s and `zerolm import-hf`'s output): a fresh optimizer state laid
-    out for one device (a run on any mesh restores it), `cfg` as the run's config, and `origin`. What `out` held
-    is moved aside first. The step directory written."""
+    out for one device (a run on any mesh restores it), `cfg` as the run's config, and `origin` (its tokenizer,
+    if any, beside the step directory, where zerolm.restored finds it). What `out` held is moved aside first. The
+    step directory written."""
     device = jax.local_devices()[:1]
     cfg = cfg.resolve(mesh__dp=1, mesh__tp=1)
     # (An attention this machine lacks is only how the model computes: the step built here runs nothing.)
@@ -142,4 +144,6 @@ def save_start(cfg: Config, params: Any, out: Any, origin: Origin, say: Callable
             ckpts.save(state, meta, wait=True)
         finally:
             ckpts.close()
+    if origin.tokenizer is not None:
+        (ckpts.directory / TOKENIZER_BESIDE).write_bytes(origin.tokenizer)
     return ckpts.directory / "0"

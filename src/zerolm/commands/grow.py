@@ -4,6 +4,8 @@ checkpoint that `zerolm train --set train.init_from=DIR` starts from (zerolm.gro
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import sys
 
 
@@ -26,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def run(args: argparse.Namespace, out=sys.stdout) -> int:
+def run(args: argparse.Namespace, out=None) -> int:
+    out = out or sys.stdout  # (read when it runs: a caller may have replaced sys.stdout since the import)
     from zerolm import platforms
 
     platforms.no_device_needed()  # on the host's CPU: it must not take a GPU or TPU that a run is using
@@ -46,6 +49,23 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     if args.function_preserving:
         print(f"function-preserving: the output projections of layers {', '.join(map(str, grown.zeroed)) or 'none'} "
               "are zero, so the grown model computes the source's function", file=out)
-    sets = "".join(f" --set {s}" for s in args.set)
+    if grown.tokenizer is not None:
+        print(f"prepare data with its tokenizer: zerolm prepare --source ... --tokenizer {grown.tokenizer} --seq-len "
+              f"{grown.cfg.model.seq_len} --out DATA", file=out)
+    sets = "".join(f" --set {shlex.quote(s)}" for s in [*args.set, *_start_sets(cfg, grown)])
     print(f"start a run from it: zerolm train --config {args.config}{sets} --set train.init_from={args.out}", file=out)
     return 0
+
+
+def _start_sets(cfg, grown) -> list[str]:
+    """What a run from the grown checkpoint needs beyond the config and the user's --set: the source's data (the
+    data section the checkpoint records, or DATA prepared with the tokenizer beside it), and the vocabulary where
+    the config leaves it auto (an imported model's may be larger than its tokenizer's)."""
+    if grown.tokenizer is not None:
+        sets = ["data.dataset=DATA"]
+    else:
+        mine = cfg.data.model_dump()
+        sets = [f"data.{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in grown.data.items() if mine.get(k) != v]
+    if cfg.model.vocab_size == "auto":
+        sets.append(f"model.vocab_size={grown.cfg.model.vocab_size}")
+    return sets
