@@ -1,5 +1,7 @@
 """`zerolm export-hf`: the exported directory loads in transformers without missing or unexpected weights
-and gives zerolm's logits, greedy continuation and tokens (PyTorch CPU, from the test extra)."""
+and gives zerolm's logits, greedy continuation and tokens (PyTorch CPU, from the test extra); an ALiBi model's
+export generates past its trained context, as zerolm does. (The tests on the trained run are `slow`, through its
+fixture.)"""
 
 import base64
 import json
@@ -14,8 +16,6 @@ from zerolm import export, hf_layouts, restored
 from zerolm import model as gpt_model
 from zerolm.data.tokenizer import EOT, from_file, train_bpe
 from zerolm.sample import Sampling, generate
-
-pytestmark = pytest.mark.slow  # a trained run, PyTorch and transformers
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -112,8 +112,10 @@ def test_an_alibi_bias_free_model_exports_to_mpt(model_run, tmp_path):
     model = sharp(model_run, position="alibi", bias=False, activation="gelu", d_model=48, n_head=6)
     export.export(model, tokenizer, tmp_path / "mpt")
     hf = assert_same_model(model, tmp_path / "mpt", tokenizer, "MptForCausalLM")
-    assert (hf.config.max_seq_len, hf.config.n_heads, hf.config.attn_config.alibi) == (32, 6, True)
+    assert (hf.config.max_seq_len, hf.config.n_heads, hf.config.attn_config.alibi) == (4 * 32, 6, True)
     assert len(set(assert_same_greedy(model, hf, tokenizer, 20).tolist())) > 3
+    longer = model.at_context(4 * 32, "--max-seq-len")  # past the trained context of 32, as `zerolm sample` goes
+    assert len(assert_same_greedy(longer, hf, tokenizer, 60)) == 60
     assert_table_reads_back(model, hf_layouts.MPT, tmp_path / "mpt")
 
 
@@ -152,6 +154,7 @@ def test_a_model_no_layout_holds_is_refused_in_one_line_and_nothing_is_written(m
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_model_trained_with_tensor_parallelism_exports(tmp_path, stage):
     """tp = 2 (the parameters split over tp), and at ZeRO-3 also over dp: the export reads them whole."""
@@ -194,3 +197,36 @@ def test_an_existing_output_is_refused_and_replaced_only_with_overwrite(trained_
     assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == \
         {p.name: 0o666 & ~umask for p in out.iterdir()}  # safetensors' own file as readable as the rest
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no partial or old directory left beside it
+
+
+def test_an_alibi_export_declares_a_longer_context_and_generates_past_the_trained_one(tmp_path, capsys):
+    """An imported MPT (context 32) exported by `zerolm export-hf`: max_seq_len 4 × 32 (or --max-seq-len), which
+    the command says; transformers' greedy text past 32 tokens is zerolm's. A learned-position model's is its
+    trained context: a longer one is refused in one line."""
+    from helpers import tiny_transformers_model
+    from zerolm.commands import main
+
+    tiny_transformers_model(tmp_path / "hf", kind="mpt")
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
+    capsys.readouterr()
+    assert main(["export-hf", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "mpt")]) == 0
+    assert "its context: 128 tokens (4 × the trained 32): ALiBi runs past the trained context" in capsys.readouterr().out
+    assert json.loads((tmp_path / "mpt" / "tokenizer_config.json").read_text())["model_max_length"] == 128
+    model_run = restored.load(str(tmp_path / "ckpt"), jax.local_devices()[:1])
+    hf, _ = load_hf(tmp_path / "mpt", "MptForCausalLM")
+    assert hf.config.max_seq_len == 128
+    assert len(assert_same_greedy(model_run.at_context(128, "--max-seq-len"), hf, model_run.tokenizer(), 60)) == 60
+
+    assert main(["export-hf", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "mpt100"),
+                 "--max-seq-len", "100"]) == 0
+    assert "its context: 100 tokens (--max-seq-len; the trained context is 32)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "mpt100" / "config.json").read_text())["max_seq_len"] == 100
+
+    tiny_transformers_model(tmp_path / "gpt2", kind="gpt2")
+    assert main(["import-hf", str(tmp_path / "gpt2"), "--out", str(tmp_path / "gpt2-ckpt")]) == 0
+    capsys.readouterr()
+    assert main(["export-hf", "--checkpoint", str(tmp_path / "gpt2-ckpt"), "--out", str(tmp_path / "out"),
+                 "--max-seq-len", "64"]) == 2
+    assert capsys.readouterr().err == ("error: --max-seq-len: 64: a model with model.position: learned runs only within "
+                                       "its trained context of 32 (model.seq_len); only an ALiBi model's runs past it\n")
+    assert not (tmp_path / "out").exists()

@@ -2,8 +2,9 @@
 
 The model's settings pick transformers' architecture (zerolm.hf_layouts, one name table per layout):
 learned positions export to `GPT2LMHeadModel` (a bias-free model with zero biases), ALiBi ones to
-`MptForCausalLM`. OUT holds `config.json` (that architecture's: LayerNorm eps 1e-5, tied embeddings,
-the run's context length and vocabulary), `model.safetensors` (float32, transformers' names; the
+`MptForCausalLM`, rotary ones to `LlamaForCausalLM`. OUT holds `config.json` (that architecture's: the
+model's norms, embeddings and vocabulary, and its context: the trained one, or for ALiBi a longer one,
+`exported_context`), `model.safetensors` (float32, transformers' names; the
 output layer is the tied `wte`, so `lm_head.weight` is not stored) and the tokenizer as
 `tokenizer.json` with `tokenizer_config.json`, so that
 
@@ -30,8 +31,12 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from zerolm import storage
 from zerolm.checkpoint import CheckpointError
+from zerolm.config import ModelConfig
 from zerolm.data.tokenizer import EOT, GPT2_PATTERN, Tokenizer, TokenizerError
-from zerolm.hf_layouts import hf_state_dict, layout_for
+from zerolm.hf_layouts import ExportError, hf_state_dict, layout_for
+
+# An ALiBi model's export declares this many times its trained context, unless told (`--max-seq-len`).
+ALIBI_CONTEXT = 4
 
 
 def hf_tokenizer(tokenizer: Tokenizer) -> tokenizers.Tokenizer:
@@ -78,25 +83,45 @@ def _from_tiktoken(ranks: dict[bytes, int]) -> tokenizers.Tokenizer:
     return tok
 
 
-def export(model_run, tokenizer: Tokenizer, out, overwrite: bool = False):
-    """Write the model directory `out` (a local Path or a gs:// epath)."""
+def exported_context(cfg: ModelConfig, asked: int | None = None) -> int:
+    """The context the export's config declares (GPT-2's n_positions, MPT's max_seq_len, Llama's
+    max_position_embeddings, the tokenizer's model_max_length): the trained one, or for an ALiBi model `asked`
+    or ALIBI_CONTEXT times the trained one, since ALiBi runs past it (transformers' MPT builds its bias up to
+    max_seq_len and fails beyond, where `zerolm sample` goes on). ExportError naming --max-seq-len otherwise."""
+    if cfg.position != "alibi":
+        if asked not in (None, cfg.seq_len):
+            raise ExportError(f"--max-seq-len: {asked}: a model with model.position: {cfg.position} runs only within "
+                              f"its trained context of {cfg.seq_len} (model.seq_len); only an ALiBi model's runs past it")
+        return cfg.seq_len
+    if asked is None:
+        return ALIBI_CONTEXT * cfg.seq_len
+    if asked < cfg.seq_len:
+        raise ExportError(f"--max-seq-len: {asked} is shorter than the model's trained context of {cfg.seq_len} "
+                          "(model.seq_len)")
+    return asked
+
+
+def export(model_run, tokenizer: Tokenizer, out, overwrite: bool = False, context: int | None = None):
+    """Write the model directory `out` (a local Path or a gs:// epath); `context`: the --max-seq-len asked
+    (`exported_context`)."""
     from safetensors.numpy import save_file
 
     if out.exists() and not overwrite:
         raise CheckpointError(f"--out: {out} already exists (pass --overwrite to replace it)")
     cfg = model_run.model.cfg
     layout = layout_for(cfg)
+    declared = cfg.model_copy(update={"seq_len": exported_context(cfg, context)})
     remote = storage.is_remote(out)
     partial = Path(tempfile.mkdtemp(prefix="zerolm-export-")) if remote else out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
-        (partial / "config.json").write_text(json.dumps(layout.config(cfg, tokenizer), indent=2) + "\n")
+        (partial / "config.json").write_text(json.dumps(layout.config(declared, tokenizer), indent=2) + "\n")
         save_file(hf_state_dict(model_run.params, cfg, layout), str(partial / "model.safetensors"),
                   metadata={"format": "pt", "zerolm_checkpoint": str(model_run.where)})
         hf_tokenizer(tokenizer).save(str(partial / "tokenizer.json"))
         (partial / "tokenizer_config.json").write_text(json.dumps({
-            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.seq_len,
+            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": declared.seq_len,
             "bos_token": tokenizer.eot, "eos_token": tokenizer.eot, "unk_token": tokenizer.eot, "add_prefix_space": False,
             "clean_up_tokenization_spaces": False}, indent=2) + "\n")
         (partial / "generation_config.json").write_text(json.dumps({
