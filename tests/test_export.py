@@ -217,9 +217,15 @@ def test_an_alibi_export_declares_a_longer_context_and_generates_past_the_traine
     assert hf.config.max_seq_len == 128
     assert len(assert_same_greedy(model_run.at_context(128, "--max-seq-len"), hf, model_run.tokenizer(), 60)) == 60
 
-    assert main(["export-hf", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "mpt100"),
+    assert "document_mask" not in capsys.readouterr().out
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "masked"), "--set",
+                 "model.document_mask=true"]) == 0
+    capsys.readouterr()
+    assert main(["export-hf", "--checkpoint", str(tmp_path / "masked"), "--out", str(tmp_path / "mpt100"),
                  "--max-seq-len", "100"]) == 0
-    assert "its context: 100 tokens (--max-seq-len; the trained context is 32)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "its context: 100 tokens (--max-seq-len; the trained context is 32)" in out
+    assert "model.document_mask: true: transformers attends across documents in a sequence" in out
     assert json.loads((tmp_path / "mpt100" / "config.json").read_text())["max_seq_len"] == 100
 
     tiny_transformers_model(tmp_path / "gpt2", kind="gpt2")
