@@ -256,6 +256,8 @@ def test_transformers_own_config_and_a_published_one_are_accepted(tmp_path, kind
 
     own = json.loads(saved(tiny_config(kind), tmp_path / "hf").read_text())
     assert model_settings(own, "config.json")[1]["d_model"] == 32
+    every_key = json.loads(tiny_config(kind).to_json_string(use_diff=False))  # each default too, base class's included
+    assert model_settings(every_key, "config.json")[1]["d_model"] == 32
     layout, settings = model_settings(PUBLISHED[kind], "config.json")
     assert (layout.architecture, settings["vocab_size"]) == (
         {"gpt2": "GPT2LMHeadModel", "mpt": "MptForCausalLM", "llama": "LlamaForCausalLM"}[kind],

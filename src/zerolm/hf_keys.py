@@ -42,7 +42,8 @@ class Keys:
 # after the logits), a fresh model's initialisation, what a call returns, fine-tuning heads' labels.
 COMMON = frozenset({
     "_name_or_path", "architectures", "model_type", "transformers_version", "auto_map", "dtype", "torch_dtype",
-    "use_bfloat16", "torchscript", "tf_legacy_loss", "attn_implementation", "_attn_implementation_autoset",
+    "_commit_hash", "use_bfloat16", "torchscript", "tf_legacy_loss", "attn_implementation", "_attn_implementation",
+    "_attn_implementation_autoset", "gradient_checkpointing", "cross_attention_hidden_size",
     "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id", "task_specific_params",
     "initializer_range", "use_cache", "output_hidden_states", "output_attentions", "return_dict",
     "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "tie_encoder_decoder", "id2label", "label2id",
