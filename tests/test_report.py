@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+import runs
 from runs import zerolm
 from zerolm import launches, report
 from zerolm.checkpoint import Checkpoints
@@ -51,7 +52,8 @@ def test_the_report_of_a_finished_run_has_every_section_with_the_runs_own_figure
     assert f"| saving checkpoints | {saves:,.1f} |" in text
     assert f"| compiling the training step | {launches.read(log_dir)[0].compile_s:,.1f} |" in text
     assert "No downstream tasks were evaluated" in text
-    assert "1 launch(es), 0 of them continuing the run; 0 step(s) lost" in text
+    assert "1 launch(es): 0 resumed from a checkpoint; 0 step(s) lost to interruptions" in text
+    assert "| lost to interruptions: steps, evaluations and saves done again | 0.0 |" in text
 
 
 def test_the_downstream_tasks_logged_are_the_reports_table(log_dir):
@@ -88,3 +90,63 @@ def test_a_directory_that_is_not_a_run_is_one_line_and_exit_2(trained_run, tmp_p
 def test_wandb_is_refused_for_a_run_that_did_not_log_to_it(log_dir):
     with pytest.raises(report.ReportError, match="the run did not log to wandb"):
         report.log_to_wandb(report.read(log_dir), log_dir / "report" / "README.md")
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory):
+    """A run of three launches: the first killed (-9) before any checkpoint, after an evaluation; the second
+    killed after a checkpoint and an evaluation past it; the third to the end. With metrics.jsonl as each kill
+    left it (the next launch drops the rows it trains again)."""
+    run_dir, sets = tmp_path_factory.mktemp("restarted"), ("train.eval_every=2",)
+    proc = runs.start_held(run_dir, *sets, before_step=3)  # steps 1-2 and the evaluation of step 2 logged
+    proc.kill()
+    proc.wait()
+    (run_dir / "held").unlink()
+    left = [rows(run_dir / "log")]
+    runs.kill_9_after(run_dir, *sets, before_step=11)  # an evaluation at step 10, after the checkpoint of 8 or 4
+    left.append(rows(run_dir / "log"))
+    runs.train(run_dir, *sets)
+    return run_dir / "log", left
+
+
+def seconds_after(rows, step):
+    """The wall-clock seconds of metrics rows after `step` (a step's wait for data is within its time)."""
+    return sum(v for r in rows if r["step"] > step for k, v in r.items()
+               if k.endswith("_s") and not k.endswith("_per_s") and k != "data_wait_s")
+
+
+def test_each_restart_records_the_work_it_dropped_and_the_report_counts_it(restarted):
+    log_dir, left = restarted
+    first, scratch, resumed = launches.read(log_dir)
+    latest = resumed.start_step
+    assert (first.start_step, scratch.start_step) == (0, 0) and latest in (4, 8)
+    # the launch killed before any checkpoint: everything it logged (its evaluation of step 2 included) is lost
+    assert scratch.last_logged_step == 2 and scratch.lost_s["eval_s"] > 0
+    assert scratch.lost_seconds == pytest.approx(seconds_after(left[0], 0))
+    # the launch killed after a checkpoint: its steps, evaluations (and a save of 8 not committed) after it
+    assert resumed.last_logged_step == 10 and resumed.lost_s["eval_s"] > 0
+    assert resumed.lost_seconds == pytest.approx(seconds_after(left[1], latest))
+    lost = scratch.lost_seconds + resumed.lost_seconds
+    text = "\n".join(report.markdown(report.read(log_dir)))
+    assert ("3 launch(es): 1 resumed from a checkpoint, 1 restarted from scratch (there was no checkpoint to resume "
+            f"from); {2 + 10 - latest} step(s) lost to interruptions") in text
+    assert f", {lost:,.1f} s of work lost (training steps " in text and "evaluating (validation loss) " in text
+    assert f"| lost to interruptions: steps, evaluations and saves done again | {lost:,.1f} |" in text
+    assert "| a fresh state | 0 | 0 | 0.0 |" in text and "| scratch (no checkpoint to resume from) | 2 | 2 |" in text
+    assert f"| the checkpoint of step {latest} | 10 | {10 - latest} | {resumed.lost_seconds:.1f} |" in text
+
+
+def test_launches_recorded_before_the_lost_seconds_get_an_estimate_said_as_such(restarted, tmp_path):
+    log_dir, _ = restarted
+    shutil.copytree(log_dir, tmp_path / "log")
+    recorded = [json.loads(line) for line in (tmp_path / "log" / launches.NAME).read_text().splitlines()]
+    (tmp_path / "log" / launches.NAME).write_text("".join(
+        json.dumps({k: v for k, v in x.items() if k != "lost_s"} | {"version": 1}) + "\n" for x in recorded))
+    files = report.read(tmp_path / "log")
+    text = "\n".join(report.markdown(files))
+    steps = sum(x.steps_lost for x in files.launches)
+    step_time = report._median(files.steps, "step_time_s")
+    assert (f"{steps} step(s) lost to interruptions (logged by a launch, then trained again by the next), about "
+            f"{steps * step_time:,.1f} s at the median step time (the evaluations and saves lost: not recorded by "
+            "this run).") in text
+    assert "| lost to interruptions: steps, evaluations and saves done again | not recorded by this run |" in text

@@ -2,10 +2,10 @@
 
 Every figure on the page is read from the run's own files: metrics.jsonl (each step's loss, lr, tokens seen,
 tokens/s, MFU, data wait; the saves', evaluations' and downstream tasks' rows), launches.jsonl (each launch's
-config, parameter count, devices, mesh, the data's size, compile and restore seconds, steps lost:
-zerolm.launches) and the run's newest checkpoint (its record, and the parameter count its arrays hold). A run
-of a zerolm that did not record something says "not recorded by this run" where it would stand; nothing is
-filled in from a guess.
+config, parameter count, devices, mesh, the data's size, compile and restore seconds, the steps and seconds
+a restart lost: zerolm.launches) and the run's newest checkpoint (its record, and the parameter count its
+arrays hold). A run of a zerolm that did not record something says "not recorded by this run" where it would
+stand; nothing is filled in from a guess.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ NOT_RECORDED = "not recorded by this run"
 # own row, by its key.
 NAMED_TIMES = {"step_time_s": "training steps", "data_wait_s": "waiting for data", "save_s": "saving checkpoints",
                "eval_s": "evaluating (validation loss)", "tasks_s": "evaluating downstream tasks (eval.tasks)"}
+LOST = "lost to interruptions: steps, evaluations and saves done again"  # the time table's row of launches' lost_s
 
 
 class ReportError(ZerolmError):
@@ -288,7 +289,25 @@ def time_rows(files: RunFiles) -> list[tuple[str, float | None]]:
          sum(s for s, resumed in started if not resumed) if recorded else None),
         ("training steps (computing)", steps - wait), (NAMED_TIMES["data_wait_s"], wait)]
     rows += [(NAMED_TIMES.get(key, f"`{key}`"), seconds) for key, seconds in total.items()]
-    return rows
+    return [*rows, (LOST, lost_seconds(files.launches) if recorded else None)]
+
+
+def lost_seconds(recorded: list[Launch]) -> float | None:
+    """The seconds of the work the run's restarts dropped (zerolm.launches.Launch.lost_s); None where a launch
+    of the run did not record it."""
+    seconds = [x.lost_seconds for x in recorded]
+    return None if None in seconds else sum(s for s in seconds if s is not None)
+
+
+def lost_parts(recorded: list[Launch]) -> dict[str, float]:
+    """The lost seconds by what they were spent on (NAMED_TIMES' words, a step's wait for data within its time)."""
+    parts: dict[str, float] = {}
+    for launch in recorded:
+        for key, seconds in (launch.lost_s or {}).items():
+            if key != "data_wait_s":
+                what = NAMED_TIMES.get(key, f"`{key}`")
+                parts[what] = parts.get(what, 0.0) + seconds
+    return parts
 
 
 def time_section(files: RunFiles) -> list[str]:
@@ -303,22 +322,49 @@ def time_section(files: RunFiles) -> list[str]:
              *_table(["what", "seconds", "share"], table)]
     if not files.launches:
         return [*lines, f"Steps lost to interruptions: {NOT_RECORDED}.", ""]
-    lost = sum(x.steps_lost for x in files.launches)
+    return [*lines, restarts_said(files.launches) + "; " + losses_said(files), ""]
+
+
+def restarts_said(recorded: list[Launch]) -> str:
+    """How many launches, and how each after the first started: from a checkpoint, or from scratch."""
+    later = recorded[1:]
+    scratch = sum(x.start_step == 0 for x in later)
+    said = f"{len(recorded)} launch(es): {len(later) - scratch} resumed from a checkpoint"
+    if scratch:
+        said += f", {scratch} restarted from scratch (there was no checkpoint to resume from)"
+    return said
+
+
+def losses_said(files: RunFiles) -> str:
+    """The steps the restarts lost, and the time: the dropped rows' own seconds, or (launches recorded before
+    those were) an estimate at the median step time."""
+    steps = sum(x.steps_lost for x in files.launches)
+    said = f"{steps} step(s) lost to interruptions (logged by a launch, then trained again by the next)"
+    seconds = lost_seconds(files.launches)
+    if seconds is not None:
+        parts = ", ".join(f"{what} {s:,.1f} s" for what, s in lost_parts(files.launches).items() if s)
+        return said + f", {seconds:,.1f} s of work lost" + (f" ({parts})" if parts else "") + (
+            ": the rows of metrics.jsonl after the step each launch started from, which it dropped.")
     step_time = _median(files.steps, "step_time_s")
-    cost = f", about {lost * step_time:,.1f} s at the median step time" if lost and step_time else ""
-    return [*lines, f"{len(files.launches)} launch(es), {len(files.launches) - 1} of them continuing the run; "
-            f"{lost} step(s) lost to interruptions (trained again after a restart from an earlier checkpoint){cost}.",
-            ""]
+    cost = f", about {steps * step_time:,.1f} s at the median step time" if steps and step_time else ""
+    return said + cost + f" (the evaluations and saves lost: {NOT_RECORDED})."
 
 
 def launches_section(files: RunFiles) -> list[str]:
     if not files.launches:
         return []
     rows = [[i, datetime.datetime.fromtimestamp(x.time, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
-             x.start_step, x.last_logged_step, x.steps_lost, f"{x.compile_s:.1f}", f"{x.start_s:.1f}",
-             x.facts.get("zerolm_version", "")] for i, x in enumerate(files.launches, 1)]
-    return ["## Launches", "", *_table(["launch", "started", "after step", "metrics.jsonl held up to step",
-                                        "steps lost", "compile s", "restore/init s", "zerolm"], rows)]
+             _how_started(i, x), x.last_logged_step, x.steps_lost,
+             f"{x.lost_seconds:.1f}" if x.lost_seconds is not None else NOT_RECORDED, f"{x.compile_s:.1f}",
+             f"{x.start_s:.1f}", x.facts.get("zerolm_version", "")] for i, x in enumerate(files.launches, 1)]
+    return ["## Launches", "", *_table(["launch", "started", "started from", "metrics.jsonl held up to step",
+                                        "steps lost", "lost s", "compile s", "restore/init s", "zerolm"], rows)]
+
+
+def _how_started(n: int, launch: Launch) -> str:
+    if launch.start_step:
+        return f"the checkpoint of step {launch.start_step}"
+    return "a fresh state" if n == 1 else "scratch (no checkpoint to resume from)"
 
 
 def log_to_wandb(files: RunFiles, page: Path, say=print) -> str:

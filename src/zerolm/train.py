@@ -246,10 +246,11 @@ def _record_launch(opened: Run, start: Start, start_s: float) -> None:
     cfg, peak = opened.cfg, opened.accounting.peak
     facts = {**run_facts(cfg, opened.zero, opened.accounting), "peak_flops": peak.flops if peak else None}
     where = cfg.checkpoint_dir if storage.is_remote(cfg.checkpoint_dir) else str(Path(cfg.checkpoint_dir).absolute())
+    last_logged, lost_s = launches.logged_after(cfg.log_dir, start.step)
     launches.append(cfg.log_dir, launches.Launch(
-        time=time.time(), start_step=start.step, last_logged_step=launches.last_logged_step(cfg.log_dir),
-        compile_s=opened.compile_s, start_s=start_s, checkpoint_dir=where, wandb_id=start.wandb_id,
-        config=cfg.model_dump(), facts=facts, data=data_facts(opened.data)))
+        time=time.time(), start_step=start.step, last_logged_step=last_logged, compile_s=opened.compile_s,
+        start_s=start_s, checkpoint_dir=where, wandb_id=start.wandb_id, config=cfg.model_dump(), facts=facts,
+        data=data_facts(opened.data), lost_s=lost_s))
 
 
 def _say_done(opened: Run, summary: dict[str, float], state: TrainState) -> None:
