@@ -8,7 +8,7 @@ import pytest
 
 import runs
 from runs import zerolm
-from zerolm import launches, report
+from zerolm import launches, plot, report
 from zerolm.checkpoint import Checkpoints
 
 SECTIONS = ["## Model", "## Data", "## Hardware and mesh", "## Throughput and MFU",
@@ -134,6 +134,18 @@ def test_each_restart_records_the_work_it_dropped_and_the_report_counts_it(resta
     assert f"| lost to interruptions: steps, evaluations and saves done again | {lost:,.1f} |" in text
     assert "| a fresh state | 0 | 0 | 0.0 |" in text and "| scratch (no checkpoint to resume from) | 2 | 2 |" in text
     assert f"| the checkpoint of step {latest} | 10 | {10 - latest} | {resumed.lost_seconds:.1f} |" in text
+
+
+def test_each_restart_is_a_labelled_line_on_the_reports_figures(restarted):
+    log_dir, _ = restarted
+    resumed = launches.read(log_dir)[2]
+    at = [0, resumed.start_step * resumed.facts["tokens_per_step"]]
+    labels = ["launch 2: restarted from scratch", f"launch 3: resumed from step {resumed.start_step}"]
+    for fig in (plot.figure([log_dir]), plot.perplexity_figure(log_dir)):
+        for ax in fig.axes:
+            lines = [line.get_xdata() for line in ax.lines if line.get_linestyle() == ":"]
+            assert [list(x) for x in lines] == [[x, x] for x in at]
+        assert [t.get_text() for t in fig.axes[0].texts] == labels
 
 
 def test_launches_recorded_before_the_lost_seconds_get_an_estimate_said_as_such(restarted, tmp_path):

@@ -7,7 +7,10 @@ no display is needed.
 
 The throughput and MFU panels leave out each run's first `--skip-steps` steps (default 1: the first
 step's time includes compiling). Steps whose loss is not finite cannot be drawn on a loss axis: the
-legend counts them, and each is marked by a red x on the loss panel's bottom edge.
+legend counts them, and each is marked by a red x on the loss panel's bottom edge. Each restart of a run (a
+launch after its first, from launches.jsonl) is a dotted vertical line at the tokens seen where it started,
+labelled on the loss panel with the step it resumed from, or "restarted from scratch" where there was no
+checkpoint.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from zerolm import launches
 from zerolm.errors import ZerolmError
 
 METRICS = "metrics.jsonl"
@@ -48,6 +52,24 @@ def series(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     """(tokens seen, value) of every record that has `key`."""
     rows = [(r["tokens_seen"], r[key]) for r in records if key in r and "tokens_seen" in r]
     return np.asarray([x for x, _ in rows], float), np.asarray([y for _, y in rows], float)
+
+
+def restarts(run_dir: Path) -> list[tuple[float, str]]:
+    """(tokens seen, label) where each launch after the run's first started (none without launches.jsonl)."""
+    marks = []
+    for n, launch in enumerate(launches.read(run_dir)[1:], 2):
+        how = f"resumed from step {launch.start_step}" if launch.start_step else "restarted from scratch"
+        marks.append((launch.start_step * launch.facts["tokens_per_step"], f"launch {n}: {how}"))
+    return marks
+
+
+def mark_restarts(axes, marks: list[tuple[float, str]], color: str, labelled) -> None:
+    """A dotted vertical line per restart on every panel in `axes`, its label on the panel `labelled`."""
+    for x, label in marks:
+        for ax in axes:
+            ax.axvline(x, color=color, ls=":", lw=1)
+        labelled.text(x, 0.98, label, rotation=90, va="top", ha="right", fontsize=7, color=color,
+                      transform=labelled.get_xaxis_transform())
 
 
 def skip_first(records: list[dict], n: int) -> list[dict]:
@@ -86,6 +108,7 @@ def figure(run_dirs: list[Path], skip_steps: int = 1):
         else:
             mfu_ax.plot(*series(timed, "model_tflops_per_device"), color=color, lw=1, label=name)
         lr_ax.plot(*series(records, "lr"), color=color, lw=1, label=name)
+        mark_restarts(list(axes.flat), restarts(Path(name)), color, loss_ax)
     loss_ax.set(title="loss", ylabel="nats/token")
     speed_ax.set(title="throughput", ylabel="tokens/s")
     mfu_ax.set(title="MFU" if use_mfu else "model TFLOP/s per device (MFU: device peak unknown)",
@@ -114,6 +137,7 @@ def perplexity_figure(run_dir: Path):
     x, y = series(records, "val_perplexity")
     if len(x):
         ax.plot(x, y, "o--", ms=4, label="val")
+    mark_restarts([ax], restarts(run_dir), "grey", ax)
     ax.set(title="perplexity", xlabel="tokens seen", ylabel="exp(loss)", yscale="log")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)

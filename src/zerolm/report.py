@@ -357,8 +357,10 @@ def launches_section(files: RunFiles) -> list[str]:
              _how_started(i, x), x.last_logged_step, x.steps_lost,
              f"{x.lost_seconds:.1f}" if x.lost_seconds is not None else NOT_RECORDED, f"{x.compile_s:.1f}",
              f"{x.start_s:.1f}", x.facts.get("zerolm_version", "")] for i, x in enumerate(files.launches, 1)]
-    return ["## Launches", "", *_table(["launch", "started", "started from", "metrics.jsonl held up to step",
-                                        "steps lost", "lost s", "compile s", "restore/init s", "zerolm"], rows)]
+    return ["## Launches", "", "Each launch after the first is a dotted line on the figures, at the tokens seen where "
+            "it started.", "",
+            *_table(["launch", "started", "started from", "metrics.jsonl held up to step", "steps lost", "lost s",
+                     "compile s", "restore/init s", "zerolm"], rows)]
 
 
 def _how_started(n: int, launch: Launch) -> str:
