@@ -1,8 +1,11 @@
 """`zerolm grow` and `train.init_from`: the layer map and its refusals; a function-preserving growth evaluates
 exactly as its source; a run starts from the grown parameters through the real sharded step, refuses a
-checkpoint of other shapes before compiling, and resumes from its own checkpoints, whatever init_from says."""
+checkpoint of other shapes before compiling, and resumes from its own checkpoints, whatever init_from says; a
+model without a learned position table starts from a checkpoint of another model.seq_len."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -221,3 +224,32 @@ def test_the_printed_lines_prepare_data_and_start_a_run_from_a_grown_import(grow
                                   "train.micro_batch_size=1", "train.eval_sequences=8", "sample.tokens=0",
                                   f"checkpoint.dir={tmp_path / 'run'}", f"logging.dir={tmp_path / 'log'}"]))
     assert f"parameters from {grown}/0 (train.init_from: step 0" in proc.stdout
+
+
+@pytest.mark.slow
+def test_init_from_a_learned_position_model_of_another_seq_len_is_refused_in_one_line(trained_run, tmp_path):
+    proc = runs.train(tmp_path, "model.seq_len=64", f"train.init_from={trained_run / 'ckpt'}", expect=2)
+    assert proc.stderr == (f"error: train.init_from: {trained_run / 'ckpt' / '16'}: model.seq_len is 32 there and 64 "
+                           "in the config (a run starts from parameters of the same shapes: its learned position "
+                           "table has model.seq_len rows; ALiBi and rotary positions have no such table and take any "
+                           "seq_len)\n")
+
+
+POSITION_FREE = {"alibi": ["model.position=alibi", "model.bias=false", "model.activation=gelu"],
+                 "rope": ["model.position=rope"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("position", sorted(POSITION_FREE))
+def test_init_from_another_seq_len_starts_a_model_without_a_position_table(position, tmp_path):
+    """Short, then long: a run at seq_len 32 continued at 64 from its parameters (ALiBi's and rotary positions
+    have no parameter of the context's length), through the real sharded step."""
+    sets = POSITION_FREE[position]
+    runs.train(tmp_path / "short", *sets, "checkpoint.every=2", steps=2)
+    long = runs.train(tmp_path / "long", *sets, "model.seq_len=64", f"train.init_from={tmp_path / 'short' / 'ckpt'}",
+                      "train.lr=1e-12", "checkpoint.every=1", steps=1)
+    assert f"parameters from {tmp_path / 'short' / 'ckpt' / '2'} (train.init_from: step 2" in long.stdout
+    np.testing.assert_allclose(_params(tmp_path / "long" / "ckpt" / "1"), _params(tmp_path / "short" / "ckpt" / "2"),
+                               rtol=0, atol=1e-9)
+    assert json.loads((tmp_path / "long" / "log" / "metrics.jsonl").read_text().splitlines()[0])["tokens_seen"] == \
+        16 * 64  # a step of 16 sequences of 64 tokens

@@ -34,12 +34,16 @@ def mlp_width(mlp: str, d_model: int, mlp_hidden: int | str) -> int:
 
 
 def resolved_shape(model: dict[str, Any]) -> dict[str, Any]:
-    """A model section (a checkpoint's record, or a config's) with the `auto`s that decide parameter shapes
-    resolved (model.n_kv_head, model.mlp_hidden), so that `auto` and the number it means compare equal."""
+    """A model section (a checkpoint's record, or a config's) as its parameter shapes see it: the `auto`s that
+    decide them resolved (model.n_kv_head, model.mlp_hidden), so that `auto` and the number it means compare
+    equal; and seq_len None where no parameter has its length (ALiBi and rotary positions: only the learned
+    position table has seq_len rows)."""
     out = dict(model)
     if out.get("n_kv_head", "auto") == "auto":
         out["n_kv_head"] = out.get("n_head")
     out["mlp_hidden"] = mlp_width(out.get("mlp", "gelu"), out["d_model"], out.get("mlp_hidden", "auto"))
+    if out.get("position", "learned") != "learned":
+        out["seq_len"] = None
     return out
 
 

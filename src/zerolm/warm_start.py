@@ -6,7 +6,8 @@ restored straight into this run's own parameter shardings, as a resume restores 
 its own part), and the run starts from them with a fresh optimizer state at step 0, its own lr schedule
 and its own data order. Only a fresh start reads it: a run with a checkpoint of its own resumes from that
 (zerolm.resume), init_from or not. The checkpoint's model must have the config's parameter shapes (the
-settings that only change how the model computes may differ: zerolm.checkpoint.parameter_differences)
+settings that only change how the model computes may differ, and so may model.seq_len where no parameter has
+its length, ALiBi's and rotary positions: zerolm.checkpoint.parameter_differences)
 and its tokenizer the run's data's; otherwise one line naming `train.init_from`, before the step is
 compiled (`check`). A checkpoint trained in mixed precision gives its bfloat16 working parameters.
 """
@@ -73,7 +74,9 @@ def _check(cfg: Config, source: _Source, data_id: dict) -> None:
     differs = parameter_differences(source.meta.model, cfg.model.model_dump())
     if differs:
         key, saved, wanted = differs[0]
-        hint = "; `zerolm grow` makes a deeper model from it" if key == "n_layer" else ""
+        hint = {"n_layer": "; `zerolm grow` makes a deeper model from it",
+                "seq_len": ": its learned position table has model.seq_len rows; ALiBi and rotary positions "
+                           "have no such table and take any seq_len"}.get(key, "")
         raise CheckpointError(f"{KEY}: {source.where}: model.{key} is {saved!r} there and {wanted!r} in the config "
                               f"(a run starts from parameters of the same shapes{hint})")
     saved_tok, tok = source.meta.tokenizer_sha256, data_id["tokenizer_sha256"]
