@@ -53,7 +53,8 @@ def test_a_run_trained_with_a_kernel_this_machine_lacks_is_evaluated_with_auto(t
     (["--checkpoint", "{run}/ckpt", "--data", "{run}/log"], "--data: {run}/log/manifest.json: no manifest"),
     (["--checkpoint", "{run}/ckpt", "--sequences", "0"], "--sequences: 0 must be > 0"),
     (["--checkpoint", "{run}/ckpt", "--seq-len", "64"], "--seq-len: 64 tokens is past the model's trained context "
-     "of 32 (model.seq_len): its learned positions end there; only a model trained with model.position: alibi"),
+     "of 32 (model.seq_len): its learned position table has 32 rows and ends there; models with model.position "
+     "alibi or rope have no table and run past it"),
 ])
 def test_bad_input_is_one_line_and_exit_2(trained_run, args, message):
     before = snapshot(trained_run)
@@ -64,13 +65,15 @@ def test_bad_input_is_one_line_and_exit_2(trained_run, args, message):
 
 
 @pytest.mark.slow
-def test_an_alibi_model_evaluates_and_samples_past_its_trained_context(tmp_path):
-    """ALiBi has no position table: the same checkpoint evaluates at 2x its seq_len (consecutive samples
-    joined) and samples past it; at 1x it gives what training logged."""
+@pytest.mark.parametrize("sets, says", [
+    (["model.position=alibi", "model.bias=false", "model.activation=gelu"], "ALiBi extrapolates"),
+    (["model.position=rope"], "rotary positions past it were never trained on")])
+def test_a_model_without_a_position_table_evaluates_and_samples_past_its_trained_context(tmp_path, sets, says):
+    """ALiBi and rotary positions have no table: the same checkpoint evaluates at 2x its seq_len (consecutive
+    samples joined) and samples past it; at 1x it gives what training logged."""
     from runs import train
 
-    train(tmp_path, "model.position=alibi", "model.bias=false", "model.activation=gelu", "train.eval_every=4",
-          "train.schedule_steps=4", "checkpoint.every=4", steps=4)
+    train(tmp_path, *sets, "train.eval_every=4", "train.schedule_steps=4", "checkpoint.every=4", steps=4)
     logged = val_losses(tmp_path)[4]["val_loss"]
     at = {n: json.loads(zerolm("eval", "--checkpoint", tmp_path / "ckpt", "--json", "--seq-len", str(n),
                                "--sequences", "32", devices=1).stdout) for n in (32, 64)}
@@ -79,4 +82,5 @@ def test_an_alibi_model_evaluates_and_samples_past_its_trained_context(tmp_path)
     assert full["loss"] == pytest.approx(logged, rel=1e-5) and at[64]["loss"] != at[32]["loss"]
     sampled = zerolm("sample", "--checkpoint", tmp_path / "ckpt", "--prompt", "And God said", "--max-new-tokens", "40",
                      "--temperature", "0", devices=1)
-    assert "past the trained context of 32 tokens" in sampled.stderr and len(sampled.stdout) > len("And God said")
+    assert f"past the trained context of 32 tokens ({says})" in sampled.stderr
+    assert len(sampled.stdout) > len("And God said")

@@ -80,13 +80,14 @@ class Restored:
         return tok
 
     def at_context(self, seq_len: int, flag: str) -> Restored:
-        """The same parameters in a model of context `seq_len`: shorter for any model, longer only with
-        ALiBi (a learned position table ends at the trained seq_len; CheckpointError naming `flag`)."""
+        """The same parameters in a model of context `seq_len`: shorter for any model, longer for ALiBi and
+        rotary positions, which have no parameter of the context's length (a learned position table has
+        seq_len rows and ends there: CheckpointError naming `flag`)."""
         cfg = self.model.cfg
-        if seq_len > cfg.seq_len and cfg.position != "alibi":
+        if seq_len > cfg.seq_len and cfg.position == "learned":
             raise CheckpointError(f"{flag}: {seq_len} tokens is past the model's trained context of {cfg.seq_len} "
-                                  f"(model.seq_len): its learned positions end there; only a model trained with "
-                                  f"model.position: alibi runs past it")
+                                  f"(model.seq_len): its learned position table has {cfg.seq_len} rows and ends "
+                                  "there; models with model.position alibi or rope have no table and run past it")
         if seq_len == cfg.seq_len:
             return self
         return dataclasses.replace(self, model=gpt_model.GPT(cfg.model_copy(update={"seq_len": seq_len})))

@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "the split has fewer)")
     parser.add_argument("--seq-len", type=int, default=None, metavar="N",
                         help="evaluate at a context of N tokens (default: the trained model.seq_len); past it only "
-                             "for ALiBi models (model.position: alibi): each sequence joins consecutive samples")
+                             "for ALiBi and rotary positions (model.position alibi or rope; a learned position table "
+                             "ends there): each sequence joins consecutive samples")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a sentence")
     tasks = parser.add_argument_group("downstream tasks (lm-evaluation-harness: pip install 'zerolm[eval]')")
     tasks.add_argument("--tasks", default=None, metavar="A,B",

@@ -41,12 +41,13 @@ def run(args: argparse.Namespace, out=None) -> int:
     tokenizer = model_run.tokenizer(args.tokenizer)
     prompt = tokenizer.encode(args.prompt)
     T = model_run.model.cfg.seq_len
-    if model_run.model.cfg.position == "alibi" and len(prompt) + args.max_new_tokens > T:
-        # ALiBi has no position table: the context is as long as the prompt and its continuation
+    position = model_run.model.cfg.position
+    if position != "learned" and len(prompt) + args.max_new_tokens > T:
+        # ALiBi and rotary positions have no table: the context is as long as the prompt and its continuation
         model_run = model_run.at_context(len(prompt) + args.max_new_tokens, "--max-new-tokens")
         T = model_run.model.cfg.seq_len
-        print(f"note: past the trained context of {model_run.meta.model['seq_len']} tokens (ALiBi extrapolates)",
-              file=sys.stderr)
+        how = "ALiBi extrapolates" if position == "alibi" else "rotary positions past it were never trained on"
+        print(f"note: past the trained context of {model_run.meta.model['seq_len']} tokens ({how})", file=sys.stderr)
     if len(prompt) >= T:
         raise UsageError(f"--prompt: {len(prompt)} tokens, but the model's context is {T} tokens "
                          f"(model.seq_len), so a prompt may have at most {T - 1}")
