@@ -7,7 +7,7 @@ import pydantic
 import pytest
 
 from conftest import REPO, TINY
-from zerolm.config import ConfigError, load_config
+from zerolm.config import Config, ConfigError, load_config
 
 
 def _error(path, overrides=(), device_count=8) -> str:
@@ -106,15 +106,27 @@ def test_cli_prints_one_line_and_exits_2():
         f"error: {TINY} (--set train.global_batch_size): train.global_batch_size: 30 is not divisible by micro_batch_size × dp = 4 × 8 = 32"]
 
 
-def test_warmup_must_be_shorter_than_the_schedule():
-    assert _error(TINY, ["train.steps=20"]) == (
-        f"{TINY} (--set train.steps): train.warmup_steps: 20 is not shorter than the lr schedule (train.steps = 20); "
-        "lower train.warmup_steps, or keep the full schedule for a short run with train.schedule_steps")
-    assert _error(TINY, ["train.steps=5", "train.schedule_steps=10", "train.warmup_steps=30"]).endswith(
-        "train.warmup_steps: 30 is not shorter than the lr schedule (train.schedule_steps = 10); lower "
-        "train.warmup_steps, or keep the full schedule for a short run with train.schedule_steps")
-    # A smoke run of a long schedule works, as the message says.
-    assert load_config(TINY, ["train.steps=5", "train.schedule_steps=300"], device_count=8).train.steps == 5
+def _said(overrides) -> tuple[int, list[str]]:
+    """The warmup `overrides` on the tiny config (20 steps) resolve to, and the lines load_config says."""
+    lines: list[str] = []
+    return load_config(TINY, overrides, device_count=8, say=lines.append).train.warmup_steps, lines
+
+
+def test_a_warmup_not_shorter_than_the_schedule_ends_on_its_last_step_said_in_one_line():
+    assert _said(["train.steps=2"]) == (1, [
+        "warning: train.warmup_steps 20 is not shorter than the lr schedule (train.steps 2): this run warms up over "
+        "1 step(s) (train.warmup_steps 1); train.schedule_steps keeps the full schedule in a short run"])
+    assert _said(["train.steps=20"])[0] == 19 and _said(["train.steps=1"])[0] == 0
+    assert _said(["train.steps=5", "train.schedule_steps=10", "train.warmup_steps=30"]) == (9, [
+        "warning: train.warmup_steps 30 is not shorter than the lr schedule (train.schedule_steps 10): this run "
+        "warms up over 9 step(s) (train.warmup_steps 9)"])
+    # a warmup within the schedule, a smoke run of a long schedule: as written, nothing said
+    assert _said(["train.steps=21"]) == (20, []) and _said(["train.steps=5", "train.schedule_steps=300"]) == (20, [])
+    # the config a run records reads back as it is
+    cfg = load_config(TINY, ["train.steps=2"], device_count=8, say=lambda line: None)
+    assert Config.model_validate(cfg.model_dump()) == cfg
+    assert _error(TINY, ["train.steps=2", "train.warmup_steps=-1"]) == (
+        f"{TINY} (--set train.warmup_steps): train.warmup_steps: Input should be greater than or equal to 0 (got -1)")
 
 
 @pytest.mark.parametrize("override, key", [

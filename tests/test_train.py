@@ -235,3 +235,27 @@ def test_hooks_run_at_their_every_the_last_step_and_a_stop():
     assert steps(Hook(5, nothing, at_last=False)) == [5]
     assert steps(Hook(4, nothing, at_stop=True), stop=6) == [4, 6, 8, 10]
     assert steps(Hook(0, nothing, at_last=False)) == []
+
+
+@pytest.mark.slow
+def test_a_run_shorter_than_its_warmup_runs_with_it_cut_records_it_and_resumes_on_the_same_schedule(tmp_path):
+    """A smoke run of a config's 20-step warmup: one warning line, the cut warmup (3 of a 4-step schedule) in
+    what the run records, and a resume after kill -9 that continues the same lr schedule."""
+    from zerolm import launches
+    from zerolm.checkpoint import Checkpoints
+
+    sets = ["train.warmup_steps=20", "train.schedule_steps=null", "checkpoint.every=2"]
+    runs.kill_9_after(tmp_path, *sets, steps=4, before_step=4)  # the checkpoint of step 2 committed
+    proc = runs.train(tmp_path, *sets, steps=4, extra_env={"WANDB_MODE": "offline"})
+    assert [line for line in proc.stderr.splitlines() if "warning" in line] == [
+        "warning: train.warmup_steps 20 is not shorter than the lr schedule (train.steps 4): this run warms up over "
+        "3 step(s) (train.warmup_steps 3); train.schedule_steps keeps the full schedule in a short run"]
+    assert f"resumed from {tmp_path / 'ckpt' / '2'}" in proc.stdout
+    ckpts = Checkpoints(tmp_path / "ckpt", read_only=True)
+    assert [ckpts.readable_meta(s).train["warmup_steps"] for s in (2, 4)] == [3, 3]
+    assert [x.config["train"]["warmup_steps"] for x in launches.read(tmp_path / "log")] == [3, 3]
+    record = next((tmp_path / "log" / "wandb").glob("offline-run-*/*.wandb")).read_bytes()  # its config, as JSON
+    assert b'"warmup_steps":3,' in record and b'"warmup_steps":20' not in record
+    rows = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    lr = 3.0e-3  # the tiny config's peak
+    assert [r["lr"] for r in rows if "loss" in r] == pytest.approx([0, lr / 3, 2 * lr / 3, lr])

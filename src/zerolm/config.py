@@ -11,12 +11,13 @@ file and the key.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ModelWrapValidatorHandler, ValidationError, ValidationInfo, field_validator, model_validator
 
 from zerolm.config_section import PositiveInt, _KeyError
 from zerolm.config_section import Section as _Section
@@ -61,6 +62,26 @@ class TrainConfig(_Section):
     @property
     def schedule_length(self) -> int:
         return self.schedule_steps or self.steps
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _warmup_within_schedule(cls, data: Any, handler: ModelWrapValidatorHandler[TrainConfig],
+                                info: ValidationInfo) -> TrainConfig:
+        """A warmup not shorter than the lr schedule (a smoke run of a few steps on a config made for
+        hundreds) ends on the schedule's last step instead: train.warmup_steps becomes schedule length - 1,
+        what the run records and resumes with. The line that says so goes to the context's `notes`."""
+        train = handler(data)
+        length = train.schedule_length
+        if train.warmup_steps < length:
+            return train
+        notes = (info.context or {}).get("notes")
+        if notes is not None:
+            key = "train.schedule_steps" if train.schedule_steps else "train.steps"
+            keep = "; train.schedule_steps keeps the full schedule in a short run" if key == "train.steps" else ""
+            notes.append(f"warning: train.warmup_steps {train.warmup_steps} is not shorter than the lr schedule "
+                         f"({key} {length}): this run warms up over {length - 1} step(s) (train.warmup_steps "
+                         f"{length - 1}){keep}")
+        return train.model_copy(update={"warmup_steps": length - 1})
 
 
 class MeshConfig(_Section):
@@ -251,13 +272,6 @@ class Config(_Section):
                 raise _KeyError("train.global_batch_size",
                                 f"{self.train.global_batch_size} is not divisible by micro_batch_size × dp = "
                                 f"{self.train.micro_batch_size} × {dp} = {per_step}")
-        if self.train.warmup_steps >= self.train.schedule_length:
-            length = ("train.schedule_steps = " if self.train.schedule_steps else "train.steps = ") + str(
-                self.train.schedule_length)
-            raise _KeyError("train.warmup_steps",
-                            f"{self.train.warmup_steps} is not shorter than the lr schedule ({length}); lower "
-                            "train.warmup_steps, or keep the full schedule for a short run with "
-                            "train.schedule_steps", related=("train.steps", "train.schedule_steps"))
         return self
 
     # Derived quantities: read these rather than recomputing them at call sites.
@@ -346,8 +360,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = (), device_count: int | None = None) -> Config:
-    """Load and validate a config. With `device_count`, `mesh.dp: auto` is resolved and checked."""
+def load_config(path: str | Path, overrides: Sequence[str] = (), device_count: int | None = None,
+                say: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> Config:
+    """Load and validate a config. With `device_count`, `mesh.dp: auto` is resolved and checked. What the
+    config resolves differently from what it says (a warmup clamped to the schedule) is said, one line each."""
     path = Path(path)
     data = _read_yaml(path)
     overridden = set()
@@ -355,10 +371,14 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), device_count: i
         key, value = parse_override(text)
         _set_dotted(data, key, value)
         overridden.add(key)
+    notes: list[str] = []
     try:
-        return Config.model_validate(data, context={"device_count": device_count})
+        cfg = Config.model_validate(data, context={"device_count": device_count, "notes": notes})
     except ValidationError as e:
         raise ConfigError(_describe(path, e, overridden)) from None
+    for line in notes:
+        say(line)
+    return cfg
 
 
 def _describe(path: Path, error: ValidationError, overridden: set[str]) -> str:

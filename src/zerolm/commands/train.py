@@ -51,13 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def config_of(args: argparse.Namespace, device_count: int | None):
+def config_of(args: argparse.Namespace, device_count: int | None, say=lambda line: None):
     """The run's config from these flags (ConfigError for a bad one); mesh.dp auto unresolved without
-    `device_count`."""
+    `device_count`. `say` takes what it resolves differently from what it says (zerolm.config.load_config)."""
     from zerolm.config import load_config
 
     sets = args.set + ([f"logging.profile={args.profile}"] if args.profile else [])
-    return load_config(args.config, sets, device_count=device_count)
+    return load_config(args.config, sets, device_count=device_count, say=say)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,7 +87,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.distributed or args.coordinator or args.num_processes is not None or args.process_id is not None:
             initialize_distributed(args.coordinator, args.num_processes, args.process_id,
                                    heartbeat_timeout_s=args.heartbeat_timeout, init_timeout_s=args.init_timeout)
-        cfg = config_of(args, jax.device_count())
+        # (said by the first process, and once: the libtpu flags read the config before, quietly)
+        cfg = config_of(args, jax.device_count(), say=_to_stderr if jax.process_index() == 0 else lambda line: None)
         train.run(cfg, resume=args.resume, overwrite=args.overwrite)
         if args.plot and jax.process_index() == 0:
             print(f"plot: {plot.write([cfg.log_dir], cfg.log_dir / 'metrics.png')}", flush=True)
@@ -103,6 +104,10 @@ def _run(args: argparse.Namespace) -> int:
             exit_peer_lost(e)
         raise
     return 0
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _libtpu_flags(args: argparse.Namespace) -> None:
