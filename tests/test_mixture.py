@@ -56,6 +56,37 @@ def test_a_mixture_of_one_dataset_reads_it_as_a_plain_run_does():
         assert (MixedOrder(split, 11, version).ids(positions) == sample_order(Split.sizes, 11, version).ids(positions)).all()
 
 
+def test_a_mixtures_head_is_n_samples_when_a_dataset_has_fewer_than_its_share():
+    """Evaluation reads a mixture's first n validation samples by weight: a dataset with fewer than its share
+    gives all it has and the others make up the rest, so n come back (the evaluator shapes them as n rows)."""
+    from zerolm.data.mixture import MixedSplit
+
+    class Split:  # a split of `size` samples whose sample i is the row [first + i] * T1
+        name, T1 = "val", 3
+
+        def __init__(self, first: int, size: int):
+            self.first, self.size = first, size
+
+        def __len__(self):
+            return self.size
+
+        def read(self, ids):
+            return np.repeat(self.first + np.asarray(ids)[:, None], self.T1, axis=1).astype(np.int32)
+
+    class Mixture:
+        weights, names = [0.7, 0.2, 0.1], ["a", "b", "c"]
+
+    split = MixedSplit(Mixture(), [Split(0, 1000), Split(10_000, 9), Split(20_000, 1000)])
+    first = lambda rows: rows[:, 0]  # noqa: E731
+    # No dataset short: each its apportioned share, as before.
+    assert np.bincount(first(split.head(40)) // 10_000).tolist() == [28, 8, 4]
+    # b has 9 of the 20 that 100 would give it: a and c share its 11 by their weights (0.7 : 0.1).
+    rows = first(split.head(100))
+    assert len(rows) == 100 and np.bincount(rows // 10_000).tolist() == [80, 9, 11]
+    assert sorted(rows[rows < 10_000].tolist()) == list(range(80))  # each dataset's first samples, once each
+    assert len(split.head(5000)) == 2009  # all there is
+
+
 def _second_dataset(tmp_path, tokenizer, seq_len=32):
     """A small jsonl corpus prepared with the default dataset's tokenizer: a mixture partner for it."""
     from zerolm.data.prepare import prepare
@@ -77,8 +108,10 @@ def test_a_mixture_trains_resumes_exactly_after_kill_9_and_logs_its_shares(tmp_p
     default = next(cache_dir().glob("datasets/kjv-*-seq32"))  # the session's private cache (conftest)
     second = _second_dataset(tmp_path, default / "tokenizer.json")
     mixture = f"data.mixture=[{{dataset: {default}, weight: 0.75, name: bible}}, {{dataset: {second}, weight: 0.25}}]"
+    # 256 validation sequences: second's share (64) is more than its 40, so the rest come from the bible.
+    sets = (mixture, "train.eval_sequences=256")
     straight = tmp_path / "straight"
-    proc = runs.train(straight, mixture)
+    proc = runs.train(straight, *sets)
     assert "data: mixture: bible 0.7500 (6144 of every 8192 samples; weight 0.75), second 0.2500 (2048 of every 8192 " \
            "samples; weight 0.25)" in proc.stdout
     reference = runs.losses(straight)
@@ -87,8 +120,8 @@ def test_a_mixture_trains_resumes_exactly_after_kill_9_and_logs_its_shares(tmp_p
     assert abs(last["mixture_share/bible"] - 0.75) < 0.1 and abs(last["mixture_share/bible"] + last["mixture_share/second"]
                                                                   - 1) < 1e-9
     killed = tmp_path / "killed"
-    runs.kill_9_after(killed, mixture)
-    runs.train(killed, mixture)
+    runs.kill_9_after(killed, *sets)
+    runs.train(killed, *sets)
     assert runs.losses(killed) == reference
 
     # A mixture's checkpoint is used as a single dataset's is: eval gives the validation loss training
@@ -96,6 +129,7 @@ def test_a_mixture_trains_resumes_exactly_after_kill_9_and_logs_its_shares(tmp_p
     logged = [r["val_loss"] for r in shares if "val_loss" in r][-1]
     result = json.loads(runs.zerolm("eval", "--checkpoint", straight / "ckpt", "--json").stdout)
     assert result["loss"] == pytest.approx(logged, abs=1e-5) and result["dataset"].startswith("mixture of bible (0.75)")
+    assert result["sequences"] == 256
     assert runs.zerolm("sample", "--checkpoint", straight / "ckpt", "--prompt", "In the beginning", "--max-new-tokens", "4").stdout
     runs.zerolm("export-hf", "--checkpoint", straight / "ckpt", "--out", tmp_path / "hf")
     assert (tmp_path / "hf" / "tokenizer.json").exists()

@@ -24,7 +24,7 @@ from zerolm.data.order import sample_order
 BLOCK = 8192
 
 
-def apportion(weights: Sequence[float], total: int) -> np.ndarray:
+def apportion(weights: Sequence[float] | np.ndarray, total: int) -> np.ndarray:
     """`total` seats in proportion to `weights`, by largest remainder (ties to the earlier dataset)."""
     w = np.asarray(weights, np.float64)
     exact = w / w.sum() * total
@@ -139,9 +139,15 @@ class MixedSplit:
         return MixedOrder(self, seed, version)
 
     def head(self, n: int) -> np.ndarray:
-        """The first `n` samples of the mixture, unshuffled: each dataset's first ones, as many as its
-        weight gives it (for evaluation)."""
-        take = np.minimum(apportion(self.weights, n), [len(s) for s in self.splits])
+        """The first `n` samples of the mixture (all of them if it has fewer), unshuffled: each dataset's
+        first ones, as many as its weight gives it (for evaluation). A dataset with fewer gives all it has,
+        and the others share what it lacks by their weights, so that `n` samples come back."""
+        sizes = np.array([len(s) for s in self.splits], np.int64)
+        weights = np.asarray(self.weights, np.float64)
+        take = np.zeros_like(sizes)
+        while (short := min(n, int(sizes.sum())) - int(take.sum())) > 0:  # each round fills one dataset at least
+            room = take < sizes
+            take[room] = np.minimum(take[room] + apportion(weights[room], short), sizes[room])
         return np.concatenate([s.read(np.arange(k)) for s, k in zip(self.splits, take, strict=True) if k])
 
 
