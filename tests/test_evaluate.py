@@ -29,21 +29,44 @@ def test_eval_of_a_run_and_of_a_step_equals_the_logged_validation_loss(trained_r
     assert on_train["split"] == "train" and on_train["sequences"] == 16 and on_train["loss"] != latest["loss"]
 
 
-def test_a_run_trained_with_a_kernel_this_machine_lacks_is_evaluated_with_auto(trained_run, tmp_path):
-    """A checkpoint written on a GPU with model.attention: cudnn (or on a TPU v4+ with pallas): on CPU eval
-    switches to auto (the attention is compute only, the parameters are the same) and gets the same loss."""
+def copy_with_config(trained_run, tmp_path, section: str, **settings) -> None:
+    """The run's step 16 copied to tmp_path/ckpt/16, its recorded config changed as a run with `settings`
+    in `section` would have recorded it."""
     step = tmp_path / "ckpt" / "16"
     shutil.copytree(trained_run / "ckpt" / "16", step)
     meta_file, record_file = step / "meta" / "metadata", step / "zerolm_files.json"
     meta = json.loads(meta_file.read_text())
-    meta["config"]["model"].update(attention="cudnn")
+    meta["config"][section].update(settings)
     meta_file.write_text(json.dumps(meta))
     record = json.loads(record_file.read_text())
-    record["files"]["meta/metadata"] = meta_file.stat().st_size  # as the GPU run recorded it
+    record["files"]["meta/metadata"] = meta_file.stat().st_size  # as that run recorded it
     record_file.write_text(json.dumps(record))
+
+
+def test_a_run_trained_with_a_kernel_this_machine_lacks_is_evaluated_with_auto(trained_run, tmp_path):
+    """A checkpoint written on a GPU with model.attention: cudnn (or on a TPU v4+ with pallas): on CPU eval
+    switches to auto (the attention is compute only, the parameters are the same) and gets the same loss."""
+    copy_with_config(trained_run, tmp_path, "model", attention="cudnn")
     got = json.loads(zerolm("eval", "--checkpoint", tmp_path / "ckpt", "--json", "--sequences", "16").stdout)
     want = json.loads(zerolm("eval", "--checkpoint", trained_run / "ckpt", "--json", "--sequences", "16").stdout)
     assert got["step"] == 16 and got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+
+
+def test_a_run_that_evaluated_nothing_while_training_is_evaluated_on_the_default_sequences(trained_run, tmp_path):
+    """train.eval_sequences 0 turned evaluation off during training; eval still reads the run's validation
+    split, on configs/defaults.yaml's train.eval_sequences (the same sequences as --sequences 256)."""
+    import yaml
+
+    from conftest import REPO
+    from zerolm.evaluate import DEFAULT_SEQUENCES
+
+    defaults = yaml.safe_load((REPO / "configs" / "defaults.yaml").read_text())
+    assert DEFAULT_SEQUENCES == defaults["train"]["eval_sequences"]
+    copy_with_config(trained_run, tmp_path, "train", eval_sequences=0)
+    got = json.loads(zerolm("eval", "--checkpoint", tmp_path / "ckpt", "--json", devices=1).stdout)
+    want = json.loads(zerolm("eval", "--checkpoint", trained_run / "ckpt", "--json", "--sequences", "256",
+                             devices=1).stdout)
+    assert got["sequences"] == DEFAULT_SEQUENCES and got["loss"] == pytest.approx(want["loss"], rel=1e-6)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -22,6 +22,11 @@ from zerolm.data.shards import DataError, PreparedDataset
 from zerolm.metrics import perplexity
 from zerolm.sharding import rows as row_sharding
 
+# The sequences `zerolm eval` reads when neither --sequences nor the run says how many: a run trained with
+# train.eval_sequences 0 evaluated nothing while training, which says nothing of what may be evaluated later.
+# (configs/defaults.yaml's train.eval_sequences; tests/test_evaluate.py checks they agree.)
+DEFAULT_SEQUENCES = 256
+
 
 def make_evaluator(token_loss_fn, param_shardings, rows_sharding, rows_NxT1: np.ndarray, batch_rows: int):
     """Mean token loss of `params` over the rows (N sequences of seq_len + 1 tokens).
@@ -50,7 +55,8 @@ def make_evaluator(token_loss_fn, param_shardings, rows_sharding, rows_NxT1: np.
 
 def evaluate_checkpoint(model_run, data: str | None, split: str, sequences: int | None,
                         seq_len: int | None = None) -> dict:
-    """The loss of `model_run` on a split's first sequences. `seq_len`: at that context instead of the
+    """The loss of `model_run` on a split's first `sequences` (None: the run's train.eval_sequences, or
+    DEFAULT_SEQUENCES if that is 0; fewer if the split has fewer). `seq_len`: at that context instead of the
     trained one (longer only for ALiBi models): each sequence is that many tokens of the dataset's stream,
     consecutive samples joined (a dataset's samples are consecutive stretches of its text)."""
     trained = model_run.model.cfg.seq_len
@@ -74,7 +80,7 @@ def evaluate_checkpoint(model_run, data: str | None, split: str, sequences: int 
                         f"(sha256 {model_run.tokenizer_sha256[:12]})")
     rows = dataset.split(split)
     join = -(-(model_cfg.seq_len + 1) // (trained + 1))  # samples per sequence at the context evaluated
-    n = min(sequences or model_run.config["train"]["eval_sequences"], len(rows) // join)
+    n = min(sequences or model_run.config["train"]["eval_sequences"] or DEFAULT_SEQUENCES, len(rows) // join)
     if n == 0:
         raise DataError(f"{flag}: {location} has no {split} sequences" + (
             f" of {model_cfg.seq_len} tokens" if join > 1 else ""))

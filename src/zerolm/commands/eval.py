@@ -19,8 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "(default: the run's own dataset)")
     parser.add_argument("--split", default="val", choices=["val", "train"], help="(default: %(default)s)")
     parser.add_argument("--sequences", type=int, default=None, metavar="N",
-                        help="the split's first N sequences (default: the run's train.eval_sequences; fewer if "
-                             "the split has fewer)")
+                        help="the split's first N sequences (default: the run's train.eval_sequences, or "
+                             "configs/defaults.yaml's if the run's is 0; fewer if the split has fewer)")
     parser.add_argument("--seq-len", type=int, default=None, metavar="N",
                         help="evaluate at a context of N tokens (default: the trained model.seq_len); past it only "
                              "for ALiBi and rotary positions (model.position alibi or rope; a learned position table "
