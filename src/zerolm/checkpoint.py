@@ -113,6 +113,8 @@ class Checkpoints:
     def __init__(self, directory: str | epath.Path, *, keep: int = 3, keep_every: int | None = None,
                  read_only: bool = False):
         self.directory = _path(directory)
+        if storage.is_remote(self.directory):
+            storage.quiet_tensorstore_credentials(str(self.directory))
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, keep_period=keep_every, create=not read_only, read_only=read_only,
             enable_async_checkpointing=True)

@@ -29,6 +29,7 @@ import functools
 import os
 import re
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -190,6 +191,40 @@ def _client_for(emulator: str | None):
     if credentials is None:
         return storage.Client.create_anonymous_client()
     return storage.Client(credentials=credentials, project=project or os.environ.get("GOOGLE_CLOUD_PROJECT"))
+
+
+# TensorStore (orbax's client for checkpoint arrays) logs one line to stderr, from C++ and whatever the log
+# settings, the first time a process reaches GCS: where it found credentials, or, where it found no file and no
+# metadata server (an emulator, or a machine with none), an error saying so, although an emulator wants none and
+# zerolm says it in its own words (credentials_note, describe_credentials). Nothing else of it is held back.
+_TENSORSTORE_CREDENTIALS_LINE = re.compile(r"^[IWE]\d{4} [\d:. ]+\d+ google_auth_provider\.cc:\d+\] ")
+
+
+@functools.cache
+def quiet_tensorstore_credentials(location: str) -> None:
+    """Have TensorStore look for its credentials now, for a gs:// location orbax is about to use, with that
+    one line left out of stderr (the file descriptor its C++ log writes to; any other line written meanwhile,
+    by any thread, is written after). What fails here fails again, and is reported, where orbax reads or
+    writes the checkpoint."""
+    import tempfile
+
+    import tensorstore as ts
+
+    bucket, _ = split_gs(location)
+    with tempfile.TemporaryFile() as caught:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(caught.fileno(), 2)
+        try:
+            ts.KvStore.open({"driver": "gcs", "bucket": bucket}).result().read(".zerolm-credentials").result()
+        except ValueError:  # TensorStore's error for a request that failed: orbax's own will say it
+            pass
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        caught.seek(0)
+        lines = caught.read().decode(errors="replace").splitlines(keepends=True)
+    sys.stderr.write("".join(line for line in lines if not _TENSORSTORE_CREDENTIALS_LINE.match(line)))
 
 
 def _http_message(error) -> str:
