@@ -119,6 +119,19 @@ def test_eval_tasks_prints_the_table_and_writes_the_results_beside_the_checkpoin
     assert sorted(results["results"]) == ["zerolm_cloze", "zerolm_text"]
     assert results["config"]["model_name"] == f"{trained_run / 'ckpt'} step 12"
     assert results["results"]["zerolm_text"]["sample_len"] == 4
+    assert results["config"]["batch_size"] == 8  # the rows of a batch (the default), not the harness's None
+    # A later evaluation of the same step (another task, --limit, --batch-size) keeps the first one's file;
+    # --json: one object on stdout, the numbers as training's rows name them.
+    first = written.read_bytes()
+    # (zerolm_cloze's perplexity is bootstrapped, which the harness announces with a print: not on stdout.)
+    again = json.loads(zerolm("eval", "--checkpoint", trained_run / "ckpt" / "12", "--tasks", "zerolm_cloze",
+                              "--limit", "2", "--batch-size", "3", "--json", devices=2).stdout)
+    assert written.read_bytes() == first
+    assert again["results"] == str(trained_run / "ckpt" / "lm-eval-step12-2.json") and again["step"] == 12
+    assert set(again) == {"checkpoint", "step", "results", "tasks/zerolm_cloze/acc", "tasks/zerolm_cloze/perplexity"}
+    second = json.loads((trained_run / "ckpt" / "lm-eval-step12-2.json").read_text())
+    assert second["results"]["zerolm_cloze"]["sample_len"] == 2
+    assert second["config"]["batch_size"] == 4  # 3 rows, rounded up to a multiple of dp 2
 
 
 @pytest.mark.parametrize("tasks, message", [

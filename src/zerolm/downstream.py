@@ -11,9 +11,11 @@ in seconds.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import unittest.mock
 from typing import Any
 
@@ -142,17 +144,26 @@ class DuringTraining:
 
 def evaluate(lm, names: list[str], manager, limit: int | None = None, bootstrap_iters: int = BOOTSTRAP_ITERS,
              log_samples: bool = False) -> dict[str, Any]:
-    """The harness's results for `names` with the model `lm` (a zerolm.harness.ZerolmLM)."""
+    """The harness's results for `names` with the model `lm` (a zerolm.harness.ZerolmLM); their config
+    records the rows of lm's batches (the harness's own batch_size is its argument's, None here). What the
+    harness prints ("bootstrapping for stddev: ...") goes to stderr: stdout is the command's."""
     import lm_eval
-    import lm_eval.evaluator
 
-    # The harness records the git commit of the working directory by running git, whose "fatal: not a git
-    # repository" reaches the terminal outside a checkout; zerolm's results record its checkpoint instead.
-    with unittest.mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None):
+    with no_git(), contextlib.redirect_stdout(sys.stderr):
         results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
                                           bootstrap_iters=bootstrap_iters, log_samples=log_samples)
     assert results is not None  # None only on ranks other than 0 of the harness's own multi-process runs
+    results["config"]["batch_size"] = lm.scorer.batch_rows
     return results
+
+
+def no_git():
+    """The harness records the git commit of the working directory by running git, whose "fatal: not a git
+    repository" reaches the terminal outside a checkout: not while this holds (zerolm's results record the
+    checkpoint instead)."""
+    import lm_eval.evaluator
+
+    return unittest.mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: None)
 
 
 def metrics(results: dict[str, Any]) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """`zerolm eval --checkpoint DIR`: the held-out loss and perplexity of a checkpoint (zerolm.evaluate); with
 `--tasks a,b`, downstream tasks through lm-evaluation-harness instead (zerolm.downstream), their table printed
-and their results written beside the checkpoint as lm-eval-step<N>.json."""
+and their results written beside the checkpoint as lm-eval-step<N>.json (a later evaluation of the same step
+as lm-eval-step<N>-2.json, -3, ...: none replaces another)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="evaluate at a context of N tokens (default: the trained model.seq_len); past it only "
                              "for ALiBi and rotary positions (model.position alibi or rope; a learned position table "
                              "ends there): each sequence joins consecutive samples")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a sentence")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a sentence (with "
+                        "--tasks: instead of the table)")
     tasks = parser.add_argument_group("downstream tasks (lm-evaluation-harness: pip install 'zerolm[eval]')")
     tasks.add_argument("--tasks", default=None, metavar="A,B",
                        help="the harness's tasks instead of the held-out loss: zerolm's own (zerolm_cloze, zerolm_choice, "
@@ -67,7 +69,8 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
 
 
 def run_tasks(args: argparse.Namespace, out=sys.stdout) -> int:
-    """The harness's tasks on the checkpoint: the table printed, the results JSON written beside it."""
+    """The harness's tasks on the checkpoint: the table printed (--json: one object of the numbers), the
+    results JSON written beside it."""
     from zerolm import downstream
     from zerolm.storage import check
 
@@ -84,18 +87,28 @@ def run_tasks(args: argparse.Namespace, out=sys.stdout) -> int:
     loaded = load_checkpoint(args.checkpoint)
     results = downstream.evaluate(ZerolmLM(loaded=loaded, batch_size=args.batch_size), names, manager, args.limit)
     where = write_results(results, loaded.checkpoints, loaded.step)
-    print(downstream.table(results), file=out)
-    print(f"results: {where}", file=out)
+    if args.json:
+        print(json.dumps({"checkpoint": loaded.checkpoints, "step": loaded.step, "results": str(where),
+                          **downstream.metrics(results)}), file=out)
+    else:
+        print(downstream.table(results), file=out)
+        print(f"results: {where}", file=out)
     return 0
 
 
 def write_results(results: dict, checkpoints: str, step: int):
-    """The harness's results as JSON in the checkpoint's directory (local or gs://): lm-eval-step<N>.json."""
+    """The harness's results as JSON in the checkpoint's directory (local or gs://): lm-eval-step<N>.json, or
+    if an earlier evaluation of the step wrote that, the first of lm-eval-step<N>-2.json, -3, ... that none
+    did (each created only if absent, so two evaluations at once take two names)."""
+    import itertools
+
     import jax
 
-    from zerolm.storage import path
+    from zerolm.storage import create_once, path
 
-    target = path(checkpoints) / f"lm-eval-step{step}.json"
-    if jax.process_index() == 0:
-        target.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    return target
+    data = json.dumps(results, indent=2, default=str) + "\n"
+    for name in itertools.chain([f"lm-eval-step{step}.json"], (f"lm-eval-step{step}-{n}.json" for n in itertools.count(2))):
+        target = path(checkpoints) / name
+        if jax.process_index() != 0 or create_once(target, data) == data.encode():
+            return target
+    raise AssertionError("unreachable: the names never end")
