@@ -167,18 +167,21 @@ def task_rows(run_dir) -> dict[int, dict[str, float]]:
 
 @pytest.fixture(scope="module")
 def tasks_run(tmp_path_factory):
-    """An uninterrupted run with DURING, and its task rows."""
+    """An uninterrupted run with DURING (its task data cached afresh, as on a new machine), its task rows and
+    what it wrote to stderr."""
     import runs
 
     run_dir = tmp_path_factory.mktemp("tasks")
-    runs.train(run_dir, *DURING)
-    return run_dir, task_rows(run_dir)
+    proc = runs.train(run_dir, *DURING, extra_env={"HF_DATASETS_CACHE": str(tmp_path_factory.mktemp("hf-datasets"))})
+    return run_dir, task_rows(run_dir), proc.stderr
 
 
 def test_a_run_with_eval_tasks_writes_the_eval_commands_numbers_at_its_steps(tasks_run):
     from zerolm import downstream
 
-    run_dir, rows = tasks_run
+    run_dir, rows, stderr = tasks_run
+    # The run's own bar and lines say it: no progress bar of the harness's or datasets' ("Generating test split").
+    assert "%|" not in stderr and "Generating" not in stderr, stderr[-2000:]
     assert sorted(rows) == [8, 16]
     assert set(rows[8]) == {"step", "tokens_seen", "tasks_s", *CLOZE} and rows[8]["tasks_s"] > 0
     zerolm("eval", "--checkpoint", run_dir / "ckpt" / "8", "--tasks", "zerolm_cloze", "--limit", "4")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -91,13 +92,32 @@ def check_tasks(names: list[str], manager, keys: Keys = Keys()) -> None:
                             f"`lm-eval ls tasks`; your own: {keys.include_path} DIR)")
     for name in names:
         try:
-            manager.load([name])
+            with no_progress_bars():
+                manager.load([name])
         except OSError as e:  # datasets' ConnectionError (offline) and DatasetNotFoundError (a FileNotFoundError)
             offline = os.environ.get("HF_DATASETS_OFFLINE", "0") not in ("0", "false", "")
             raise TaskError(f"{keys.tasks}: {name}: its data is not on this machine ({first_line(e, 160)})"
                             + ("; download it on a machine with internet (zerolm eval --tasks "
                                f"{name} --download, which fills ~/.cache/huggingface) and copy that cache here"
                                if offline else "")) from None
+
+
+@contextlib.contextmanager
+def no_progress_bars():
+    """While this holds, datasets' progress bars ("Generating test split") and the harness's own (building a
+    task's requests) are off. tqdm reads TQDM_DISABLE once, when it is imported: the harness's bar is turned
+    off where the harness makes it."""
+    import datasets
+    import lm_eval.api.task
+
+    bars = datasets.utils.logging.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        with unittest.mock.patch.object(lm_eval.api.task, "tqdm", functools.partial(lm_eval.api.task.tqdm, disable=True)):
+            yield
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
 
 
 def prepare(names: list[str], include_path: str | None = None, download: bool = False, keys: Keys = Keys()):
@@ -129,17 +149,9 @@ class DuringTraining:
     def __call__(self, params: Any, step: int) -> dict[str, float]:
         """The `tasks/<task>/<metric>` numbers of the model with `params` (the state after step `step`), with
         the harness's and datasets' progress bars off: the run's own bar and its one line per evaluation say it."""
-        import datasets
-
         self.lm.use_params(params, step)
-        bars = datasets.utils.logging.is_progress_bar_enabled()
-        datasets.disable_progress_bars()
-        with unittest.mock.patch.dict(os.environ, {"TQDM_DISABLE": "1"}):  # tqdm reads it as each bar is made
-            try:
-                return metrics(evaluate(self.lm, self.names, self.manager, self.limit, bootstrap_iters=0))
-            finally:
-                if bars:
-                    datasets.enable_progress_bars()
+        with no_progress_bars():
+            return metrics(evaluate(self.lm, self.names, self.manager, self.limit, bootstrap_iters=0))
 
 
 def evaluate(lm, names: list[str], manager, limit: int | None = None, bootstrap_iters: int = BOOTSTRAP_ITERS,
