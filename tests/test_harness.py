@@ -148,6 +148,65 @@ def test_an_unknown_task_or_one_without_its_data_is_one_line_and_exit_2(trained_
     assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: {message}")
 
 
+TASK_FILE = """task: mine
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: {output_type}
+test_split: test
+doc_to_text: "{text}"
+doc_to_target: " x"
+"""
+
+
+def task_directory(path, data="docs.jsonl", output_type="loglikelihood", text="{{text}}"):
+    """A directory of the user's with one task file (task `mine`) and its data, docs.jsonl (3 documents)."""
+    path.mkdir()
+    (path / "mine.yaml").write_text(TASK_FILE.format(data=data, output_type=output_type, text=text))
+    (path / "docs.jsonl").write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(3)))
+    return path
+
+
+def test_a_task_files_relative_data_files_are_relative_to_the_file(tmp_path, monkeypatch):
+    from zerolm import downstream
+
+    mine = task_directory(tmp_path / "tasks")
+    monkeypatch.chdir(tmp_path)  # not the task file's directory
+    manager = downstream.prepare(["mine"], str(mine))
+    assert len(manager.load(["mine"])["tasks"]["mine"].eval_docs) == 3
+
+
+def test_only_a_local_tasks_data_paths_are_made_relative_to_its_file():
+    """datasets' own builders (json, csv, ...) read data_files from this machine: relative to the task file. A
+    hub repository's data_files (the harness's mmlusr tasks) are paths in the repository: left as they are."""
+    from zerolm.downstream import relative_to_file
+
+    local = {"dataset_path": "json", "dataset_kwargs": {"data_files": {"test": ["a.jsonl", "/b.jsonl", "hf://c"]},
+                                                        "data_dir": "d"}}
+    assert relative_to_file(local, "/tasks/t.yaml")["dataset_kwargs"] == {
+        "data_files": {"test": ["/tasks/a.jsonl", "/b.jsonl", "hf://c"]}, "data_dir": "/tasks/d"}
+    hub = {"dataset_path": "NiniCat/MMLU-SR", "dataset_kwargs": {"data_files": {"test": "answer_only_test/x.csv"}}}
+    assert relative_to_file(hub, "/tasks/t.yaml") == hub
+
+
+@pytest.mark.parametrize("mistake, message", [
+    ({"output_type": "nonsense"}, "Got invalid output_type 'nonsense', must be in 'loglikelihood,"),
+    ({"text": "{{passage}}"}, "doc_to_text: 'passage' is undefined (the documents' fields: text)"),
+    ({"data": "nowhere.jsonl"}, "dataset_kwargs.data_files: {dir}/nowhere.jsonl does not exist (a relative path is "
+                                "relative to the task file)"),
+])
+def test_a_mistake_in_your_task_file_is_one_line_naming_the_file_and_key(trained_run, tmp_path, mistake, message,
+                                                                         capsys):
+    from zerolm.commands import main
+
+    mine = task_directory(tmp_path / "tasks", **mistake)
+    assert main(["eval", "--checkpoint", str(trained_run / "ckpt"), "--tasks", "mine", "--include-path", str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: --tasks: mine: {mine / 'mine.yaml'}: {message.format(dir=mine)}"), err
+
+
 # eval.tasks during training: zerolm_cloze's first 4 documents at steps 8 and 16 (train.eval_every, the default
 # of eval.every; the 16 steps' last is evaluated too), checkpoints every 4.
 DURING = ["eval.tasks=zerolm_cloze", "eval.limit=4", "train.eval_every=8"]

@@ -5,8 +5,9 @@ directory of the user's).
 Offline by design: the harness reads a task's data from the Hugging Face hub, which a machine without
 internet cannot reach and would retry. Unless `download` is asked for (or HF_DATASETS_OFFLINE / HF_HUB_OFFLINE
 are already set), both are set, so a task whose data is not in this machine's Hugging Face cache fails at
-once, in one line that names it. Every task's data is loaded before the model is, so such a run stops
-in seconds.
+once, in one line that names it. Every task is loaded before the model is, so such a run stops in seconds, as
+does a mistake in a task file of the user's (one line naming the file and its key). A task file's relative
+`data_files` are relative to the file.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import sys
 import unittest.mock
 from typing import Any
@@ -66,9 +68,8 @@ TRAINING = Keys("eval.tasks", "eval.include_path")
 
 def task_manager(names: list[str], include_path: str | None = None, keys: Keys = Keys()):
     """The harness's task index over zerolm's tasks and the directory `include_path` (--include-path), and
-    over the harness's own tasks too unless those hold every name (indexing its thousands takes seconds)."""
-    from lm_eval.tasks import TaskManager
-
+    over the harness's own tasks too unless those hold every name (indexing its thousands takes seconds).
+    Each task file's relative data paths are relative to the file."""
     from zerolm.tasks import DIRECTORY
 
     paths = [str(DIRECTORY)]
@@ -76,12 +77,64 @@ def task_manager(names: list[str], include_path: str | None = None, keys: Keys =
         if not os.path.isdir(include_path):
             raise UsageError(f"{keys.include_path}: {include_path} is not a directory of task definitions")
         paths.append(include_path)
-    ours = TaskManager(include_path=paths, include_defaults=False)
-    return ours if set(names) <= set(ours.all_tasks) else TaskManager(include_path=paths)
+    manager_class = task_manager_class()
+    ours = manager_class(include_path=paths, include_defaults=False)
+    return ours if set(names) <= set(ours.all_tasks) else manager_class(include_path=paths)
+
+
+DATA_PATHS = ("data_files", "data_dir")  # dataset_kwargs' local paths (datasets reads them from the working directory)
+
+
+def local_data(config: dict) -> bool:
+    """Whether a task reads its data from this machine's files: its dataset_path is one of datasets' own
+    builders (json, csv, parquet, text, ...), not a repository on the hub, whose data_files are its own paths."""
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+    return config.get("dataset_path") in _PACKAGED_DATASETS_MODULES
+
+
+def relative_to_file(config: dict, yaml_path) -> dict:
+    """A task's config with its dataset_kwargs' relative local paths (data_files: a path, a list, or a dict of
+    either; data_dir) made relative to its YAML file, not to the working directory (a task whose data is on
+    the hub: as it is)."""
+    from pathlib import Path
+
+    def resolve(value):
+        if isinstance(value, dict):
+            return {key: resolve(v) for key, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [resolve(v) for v in value]
+        if isinstance(value, str) and "://" not in value and not os.path.isabs(value):
+            return str(Path(yaml_path).parent / value)
+        return value
+
+    kwargs = config.get("dataset_kwargs")
+    if not local_data(config) or not isinstance(kwargs, dict) or not any(key in kwargs for key in DATA_PATHS):
+        return config
+    return {**config, "dataset_kwargs": {**kwargs, **{key: resolve(kwargs[key]) for key in DATA_PATHS if key in kwargs}}}
+
+
+@functools.cache
+def task_manager_class():
+    """The harness's TaskManager, its task files' data paths relative to each file (relative_to_file)."""
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._factory import TaskFactory
+
+    class Factory(TaskFactory):
+        def _load_full_config(self, entry, overrides=None):
+            config = super()._load_full_config(entry, overrides)
+            return relative_to_file(config, entry.yaml_path) if entry.yaml_path else config
+
+    class Manager(TaskManager):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._factory = Factory(meta=self.metadata)
+
+    return Manager
 
 
 def check_tasks(names: list[str], manager, keys: Keys = Keys()) -> None:
-    """Each task is known and its data loads here (TaskError, one line, otherwise)."""
+    """Each task is known, and loads here with its data (TaskError, one line, otherwise)."""
     from zerolm.tasks import NAMES
 
     if not names:
@@ -91,15 +144,73 @@ def check_tasks(names: list[str], manager, keys: Keys = Keys()) -> None:
             raise TaskError(f"{keys.tasks}: unknown task {name!r} (zerolm's: {', '.join(NAMES)}; the harness's: "
                             f"`lm-eval ls tasks`; your own: {keys.include_path} DIR)")
     for name in names:
-        try:
-            with no_progress_bars():
-                manager.load([name])
-        except OSError as e:  # datasets' ConnectionError (offline) and DatasetNotFoundError (a FileNotFoundError)
-            offline = os.environ.get("HF_DATASETS_OFFLINE", "0") not in ("0", "false", "")
-            raise TaskError(f"{keys.tasks}: {name}: its data is not on this machine ({first_line(e, 160)})"
-                            + ("; download it on a machine with internet (zerolm eval --tasks "
-                               f"{name} --download, which fills ~/.cache/huggingface) and copy that cache here"
-                               if offline else "")) from None
+        load_task(name, manager, keys)
+
+
+def load_task(name: str, manager, keys: Keys = Keys()) -> None:
+    """The harness's task `name` made, its data read (TaskError, one line, if that is not here; or, for a
+    task file of the user's, if the file is wrong: the file and its key named)."""
+    import jinja2
+
+    entry = manager.task_index[name]
+    yours = entry.yaml_path if users_file(manager, entry.yaml_path) else None
+    if yours is not None:
+        missing_data_file(name, yours, entry.cfg or {}, keys)
+    try:
+        with no_progress_bars():
+            manager.load([name])
+    except OSError as e:  # datasets' ConnectionError (offline) and DatasetNotFoundError (a FileNotFoundError)
+        raise TaskError(f"{keys.tasks}: {name}: its data is not on this machine ({first_line(e, 160)})"
+                        + ("; download it on a machine with internet (zerolm eval --tasks "
+                           f"{name} --download, which fills ~/.cache/huggingface) and copy that cache here"
+                           if os.environ.get("HF_DATASETS_OFFLINE", "0") not in ("0", "false", "") else "")) from None
+    except (ValueError, TypeError, KeyError, jinja2.TemplateError) as e:  # what the harness raises on a bad file
+        if yours is None:
+            raise  # the harness's or zerolm's own task: not the user's mistake
+        raise TaskError(f"{keys.tasks}: {name}: {yours}: {task_file_mistake(e)}") from None
+
+
+def users_file(manager, yaml_path) -> bool:
+    """Whether a task file is one of the user's: under a directory of task_manager's include path other than
+    zerolm's (not the harness's own, nor zerolm's)."""
+    from pathlib import Path
+
+    from zerolm.tasks import DIRECTORY
+
+    if yaml_path is None:
+        return False
+    roots = {Path(p).resolve() for p in manager.include_path or ()} - {DIRECTORY.resolve()}
+    return bool(roots & set(Path(yaml_path).resolve().parents))
+
+
+def missing_data_file(name: str, yaml_path, config: dict, keys: Keys) -> None:
+    """TaskError naming the file and key if a task file's local data_files (no wildcards) are not there."""
+    from pathlib import Path
+
+    if not local_data(config):
+        return
+    files = relative_to_file(config, yaml_path).get("dataset_kwargs", {}).get("data_files")
+    listed = files.values() if isinstance(files, dict) else [files]
+    for path in (p for value in listed for p in (value if isinstance(value, list) else [value])):
+        if isinstance(path, str) and "://" not in path and not any(c in path for c in "*?[") and not Path(path).exists():
+            raise TaskError(f"{keys.tasks}: {name}: {yaml_path}: dataset_kwargs.data_files: {path} does not exist "
+                            f"(a relative path is relative to the task file)")
+
+
+def task_file_mistake(error: BaseException) -> str:
+    """What the harness found wrong in a task file, naming the key: a template's (doc_to_text, doc_to_target,
+    doc_to_choice, ...) from the harness's frame that applied it, with the documents' fields; an unknown key;
+    others' as the harness says them (its messages name the key: "Got invalid output_type 'nonsense', ...")."""
+    import traceback
+
+    if isinstance(error, TypeError) and (unknown := re.search(r"unexpected keyword argument '(\w+)'", str(error))):
+        return f"{unknown[1]}: not a setting of the harness's task files"
+    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__) if frame.f_code.co_name.startswith("doc_to_")]
+    if not frames:
+        return first_line(error)
+    doc = frames[-1].f_locals.get("doc")
+    fields = f" (the documents' fields: {', '.join(map(str, doc))})" if isinstance(doc, dict) else ""
+    return f"{frames[-1].f_code.co_name}: {first_line(error)}{fields}"
 
 
 @contextlib.contextmanager
