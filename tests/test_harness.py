@@ -148,6 +148,21 @@ def test_an_unknown_task_or_one_without_its_data_is_one_line_and_exit_2(trained_
     assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: {message}")
 
 
+def test_download_without_internet_is_one_line_at_once(trained_run, monkeypatch, capsys):
+    """--download where the hub cannot be reached: one line that says so, not half a minute of the harness's
+    retries ending in advice to pass --download (HF_DATASETS_OFFLINE=1, set here, yields to --download)."""
+    from zerolm.commands import main
+
+    for variable in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):
+        monkeypatch.setenv(variable, "http://127.0.0.1:9")  # nothing listens there: refused at once, like no route out
+    for variable in ("NO_PROXY", "no_proxy", "HF_ENDPOINT"):
+        monkeypatch.delenv(variable, raising=False)
+    assert main(["eval", "--checkpoint", str(trained_run / "ckpt"), "--tasks", "lambada_openai", "--download"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert err.startswith("error: --download: no internet (https://huggingface.co: [Errno 111] Connection refused): ")
+
+
 TASK_FILE = """task: mine
 dataset_path: json
 dataset_kwargs:

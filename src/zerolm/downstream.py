@@ -3,11 +3,12 @@
 directory of the user's).
 
 Offline by design: the harness reads a task's data from the Hugging Face hub, which a machine without
-internet cannot reach and would retry. Unless `download` is asked for (or HF_DATASETS_OFFLINE / HF_HUB_OFFLINE
-are already set), both are set, so a task whose data is not in this machine's Hugging Face cache fails at
-once, in one line that names it. Every task is loaded before the model is, so such a run stops in seconds, as
-does a mistake in a task file of the user's (one line naming the file and its key). A task file's relative
-`data_files` are relative to the file.
+internet cannot reach and would retry for half a minute. Unless `download` is asked for (or HF_DATASETS_OFFLINE /
+HF_HUB_OFFLINE are already set), both are set, so a task whose data is not in this machine's Hugging Face cache
+fails at once, in one line that names it; where downloading is allowed, the hub is asked once, briefly, first,
+and no answer is one line saying there is no internet. Every task is loaded before the model is, so such a
+run stops in seconds, as does a mistake in a task file of the user's (one line naming the file and its key).
+A task file's relative `data_files` are relative to the file.
 """
 
 from __future__ import annotations
@@ -47,23 +48,50 @@ def missing_harness() -> str | None:
 
 
 def go_offline(download: bool = False) -> None:
-    """Hugging Face's offline switches on (unless `download`, or the user set them), before datasets is imported."""
-    os.environ.setdefault("DISABLE_MULTIPROC", "1")
+    """Hugging Face's offline switches on (unless the user set them), or with `download` off, before datasets
+    is imported."""
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its per-task notes; the errors stay
-    if not download:
-        for variable in OFFLINE:
+    for variable in OFFLINE:
+        if download:
+            os.environ[variable] = "0"  # asked for on the command line: over the environment's setting
+        else:
             os.environ.setdefault(variable, "1")
+
+
+def offline() -> bool:
+    """Whether Hugging Face's libraries will not download (either switch on, as they read it)."""
+    return any(os.environ.get(variable, "").upper() in ("1", "ON", "YES", "TRUE") for variable in OFFLINE)
 
 
 @dataclasses.dataclass(frozen=True)
 class Keys:
-    """What the user named the tasks and their directory with, for the one-line errors."""
+    """What the user named the tasks, their directory and downloading with, for the one-line errors."""
 
     tasks: str = "--tasks"
     include_path: str = "--include-path"
+    download: str = "--download"
 
 
-TRAINING = Keys("eval.tasks", "eval.include_path")
+TRAINING = Keys("eval.tasks", "eval.include_path", "HF_DATASETS_OFFLINE=0 HF_HUB_OFFLINE=0")
+HUB_TIMEOUT_S = 10  # how long the hub may take to answer when downloading is allowed
+
+
+def check_internet(keys: Keys = Keys()) -> None:
+    """The Hugging Face hub answers (with any HTTP status), or TaskError saying that there is no internet: in
+    seconds, where the harness's clients would retry for half a minute and then say the data is missing."""
+    import urllib.error
+    import urllib.request
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_TIMEOUT_S).close()
+    except urllib.error.HTTPError:
+        return  # it answered
+    except OSError as e:  # no route, no name, refused, timed out: the same for a proxy in between
+        raise TaskError(f"{keys.download}: no internet ({endpoint}: {first_line(getattr(e, 'reason', e))}): task "
+                        f"data cannot be downloaded here; without {keys.download} the harness reads this machine's "
+                        "Hugging Face cache (~/.cache/huggingface), which `zerolm eval --tasks ... --download` fills on "
+                        "a machine with internet") from None
 
 
 def task_manager(names: list[str], include_path: str | None = None, keys: Keys = Keys()):
@@ -163,7 +191,7 @@ def load_task(name: str, manager, keys: Keys = Keys()) -> None:
         raise TaskError(f"{keys.tasks}: {name}: its data is not on this machine ({first_line(e, 160)})"
                         + ("; download it on a machine with internet (zerolm eval --tasks "
                            f"{name} --download, which fills ~/.cache/huggingface) and copy that cache here"
-                           if os.environ.get("HF_DATASETS_OFFLINE", "0") not in ("0", "false", "") else "")) from None
+                           if offline() else "")) from None
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as e:  # what the harness raises on a bad file
         if yours is None:
             raise  # the harness's or zerolm's own task: not the user's mistake
@@ -236,7 +264,10 @@ def prepare(names: list[str], include_path: str | None = None, download: bool = 
     or compiled (TaskError or UsageError, one line, otherwise; the harness not installed too)."""
     if problem := missing_harness():
         raise UsageError(f"{keys.tasks}: {problem}")
+    os.environ.setdefault("DISABLE_MULTIPROC", "1")  # (BOOTSTRAP_ITERS)
     go_offline(download)
+    if not offline():
+        check_internet(keys)
     manager = task_manager(names, include_path, keys)
     check_tasks(names, manager, keys)
     return manager
