@@ -222,6 +222,28 @@ def test_a_mistake_in_your_task_file_is_one_line_naming_the_file_and_key(trained
     assert err.startswith(f"error: --tasks: mine: {mine / 'mine.yaml'}: {message.format(dir=mine)}"), err
 
 
+def test_lm_eval_cli_checks_the_tasks_before_the_model_and_runs_quietly(trained_run, tmp_path):
+    """python -m zerolm.lm_eval_cli: a misspelled task is zerolm eval's one line, before the model (here a
+    checkpoint that does not exist) loads; a run outside a git checkout, its standard errors bootstrapped in
+    the harness's process pool, says nothing of forking JAX or of git."""
+    import subprocess
+    import sys
+
+    import runs
+
+    cli = [sys.executable, "-m", "zerolm.lm_eval_cli", "--model", "zerolm", "--model_args"]
+    env = {k: v for k, v in runs.env(2).items() if k != "DISABLE_MULTIPROC"}  # the harness's own default: a pool
+    bad = subprocess.run([*cli, f"checkpoint={tmp_path / 'none'}", "--tasks", "zerolm_clozee"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr == (
+        "error: --tasks: unknown task 'zerolm_clozee' (zerolm's: zerolm_cloze, zerolm_choice, zerolm_text; the "
+        "harness's: `lm-eval ls tasks`; your own: --include_path DIR)\n")
+    ok = subprocess.run([*cli, f"checkpoint={trained_run / 'ckpt'}", "--tasks", "zerolm_cloze", "--limit", "2"],
+                        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and "|zerolm_cloze|" in ok.stdout and "bootstrapping for stddev" in ok.stdout, ok.stderr
+    assert "os.fork()" not in ok.stderr and "not a git repository" not in ok.stderr, ok.stderr
+
+
 # eval.tasks during training: zerolm_cloze's first 4 documents at steps 8 and 16 (train.eval_every, the default
 # of eval.every; the 16 steps' last is evaluated too), checkpoints every 4.
 DURING = ["eval.tasks=zerolm_cloze", "eval.limit=4", "train.eval_every=8"]
