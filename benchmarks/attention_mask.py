@@ -5,7 +5,7 @@ the time of a forward and backward pass, on this machine's first device (written
                                         [--docs 8] [--repeat 20] [--json OUT.jsonl]
 
 Each sample of the batch is cut into about `--docs` documents at random places (segment ids as
-`zerolm.model.documents` makes them from end-of-text tokens). Rows: `zerolm.attention.causal_attention`
+`zerolm.model.decoder.documents` makes them from end-of-text tokens). Rows: `zerolm.model.attention.causal_attention`
 for each implementation this backend runs (xla and cudnn on a GPU; blockwise everywhere), with the
 segment ids and without. Per row: the largest difference of the output and of dq, dk, dv from XLA's
 masked attention in float32 on the same bfloat16 inputs, relative to that reference's largest value; the
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from zerolm.attention import Bias, causal_attention  # noqa: E402
+from zerolm.model.attention import Bias, causal_attention  # noqa: E402
 
 
 def segments(rng: np.random.Generator, batch: int, seq_len: int, docs: int) -> np.ndarray:

@@ -4,9 +4,9 @@
       python benchmarks/census.py --target h100 --config 125m --micro-batch 16 [--variants ...] [--write BENCHMARKS.md]
 
 For one config at one micro-batch (two accumulation steps, no remat, bfloat16, mixed precision, dp 1,
-cuDNN's attention), compiles with XLA's GPU compiler (zerolm.aot) and prints per variant: the step's
-compiled peak per device (zerolm.step.CompiledStep.memory, the rule `zerolm compile` and a run use), the
-bytes the step moves (zerolm.census: every kernel's operands and results, times its loops' trip counts),
+cuDNN's attention), compiles with XLA's GPU compiler (zerolm.compile.aot) and prints per variant: the step's
+compiled peak per device (zerolm.parallel.build.CompiledStep.memory, the rule `zerolm compile` and a run use), the
+bytes the step moves (zerolm.compile.bytes_moved: every kernel's operands and results, times its loops' trip counts),
 the largest kinds of kernel, and the compile time. Variants:
 
 - `shipped`: zerolm as configured (the config's and the device's defaults);
@@ -42,10 +42,11 @@ from markdown_block import write_block  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-from zerolm import aot, census  # noqa: E402
-from zerolm.config import load_config  # noqa: E402
-from zerolm.mesh import make_mesh  # noqa: E402
-from zerolm.step import build_step, compile_step  # noqa: E402
+from zerolm.compile import aot  # noqa: E402
+from zerolm.compile import bytes_moved as census  # noqa: E402
+from zerolm.config.tree import load_config  # noqa: E402
+from zerolm.parallel.build import build_step, compile_step  # noqa: E402
+from zerolm.parallel.mesh import make_mesh  # noqa: E402
 
 VARIANTS = ("shipped", "scan", "unrolled", "plain")
 

@@ -27,13 +27,13 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from zerolm import model as gpt_model
-from zerolm import storage
-from zerolm.checkpoint import Checkpoints, directory_size
-from zerolm.checkpoint_meta import CheckpointMeta
-from zerolm.config import load_config
-from zerolm.mesh import make_mesh
-from zerolm.step import build_step
+from zerolm.checkpoint.meta import CheckpointMeta
+from zerolm.checkpoint.store import Checkpoints, directory_size
+from zerolm.config.tree import load_config
+from zerolm.core import storage
+from zerolm.model import decoder as gpt_model
+from zerolm.parallel.build import build_step
+from zerolm.parallel.mesh import make_mesh
 
 
 def kvstore(location: str) -> dict:

@@ -5,7 +5,7 @@
 
 For each target (`cpu`: this machine's CPU as one device; otherwise a `zerolm compile` target, compiled
 ahead of time) and each layer loop (`model.scan_layers` true and false), compiles the step's programs
-(zerolm.step.compile_step) in a fresh process with an empty persistent compilation cache (cold), then
+(zerolm.parallel.build.compile_step) in a fresh process with an empty persistent compilation cache (cold), then
 again in another fresh process on that cache (warm: the programs are loaded, not compiled). Prints the
 seconds of the compile alone (not the process start or the import of JAX) and the step's compiled peak.
 A compile for a TPU or GPU target (ahead of time, no device) is never stored in JAX's persistent cache:
@@ -28,10 +28,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import json, sys, time
-from zerolm import aot, compilation_cache
-from zerolm.config import load_config
-from zerolm.mesh import make_mesh
-from zerolm.step import build_step, compile_step, step_peak
+from zerolm.compile import aot
+from zerolm.train import compilation_cache
+from zerolm.config.tree import load_config
+from zerolm.parallel.mesh import make_mesh
+from zerolm.parallel.build import build_step, compile_step, step_peak
 import jax
 config, target, scan, micro, cache = sys.argv[1:6]
 sets = sys.argv[6:]

@@ -29,12 +29,12 @@ from pathlib import Path
 
 import jax
 
-from zerolm.config import load_config
+from zerolm.config.tree import load_config
 from zerolm.data.loader import BatchLoader
 from zerolm.data.prepare import prepare
 from zerolm.data.shards import PreparedDataset
-from zerolm.mesh import make_mesh
-from zerolm.train import run
+from zerolm.parallel.mesh import make_mesh
+from zerolm.train.trainer import run
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = ["model.n_layer=4", "model.d_model=128", "model.n_head=4", "model.seq_len=64", "model.dtype=float32",

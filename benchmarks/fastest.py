@@ -7,11 +7,11 @@
 `search` runs `zerolm compile --config configs/NAME.yaml --target TARGET --fastest --json` (or reads its
 output from --from) and writes every compiled candidate as a markdown row: peak, fits, the compiled matmul
 FLOPs per token over the model's 6·N + 12·L·d·T, every collective's bytes per device per step and those the
-schedule leaves exposed, zerolm.step_time's modeled step, tokens/s and MFU; the winner in bold.
+schedule leaves exposed, zerolm.compile.step_time's modeled step, tokens/s and MFU; the winner in bold.
 
 `maxtext` compiles the config as shipped and at the plans compared with MaxText's FSDP step (stage 1
 at micro-batch 2; stages 2 and 3 at one micro-batch of 16: a v3-32 core's whole share of 512 sequences),
-each by zerolm.fastest.compile_plan (what `--fastest` compiles for a candidate), beside MaxText's figures as
+each by zerolm.compile.fastest_plan.compile_plan (what `--fastest` compiles for a candidate), beside MaxText's figures as
 quoted in MAXTEXT below (a MaxText compile for a v3-32 by the same libtpu, made outside this repository;
 MaxText is not run here).
 
@@ -34,7 +34,7 @@ from markdown_block import write_block  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 # MaxText's GPT-3 XL step (its FSDP, full remat) for a v3-32, compiled by the same libtpu (0.0.42.1) outside this repository: micro-batch -> (FLOPs per
 # token, collective bytes per device per step, peak GiB per device). Those FLOPs are that compile's own count,
-# not zerolm.step_time's (dot and convolution FLOPs only): by that count zerolm's stage-1 step is REFERENCE_ZEROLM.
+# not zerolm.compile.step_time's (dot and convolution FLOPs only): by that count zerolm's stage-1 step is REFERENCE_ZEROLM.
 MAXTEXT = {2: (1.152e10, 67.90e9, 2.67), 16: (1.152e10, 8.49e9, 12.97)}
 REFERENCE_ZEROLM = 1.061e10
 # The plans compared with MaxText's: (label, --set overrides)
@@ -78,7 +78,8 @@ def search_lines(r: dict, command: str) -> list[str]:
 
 
 def maxtext_lines(config: str, target: str) -> list[str]:
-    from zerolm import aot, fastest
+    from zerolm.compile import aot
+    from zerolm.compile import fastest_plan as fastest
 
     t = aot.parse_target(target)
     devices = aot.target_devices(t)
@@ -100,7 +101,7 @@ def maxtext_lines(config: str, target: str) -> list[str]:
             flops, sent, peak = MAXTEXT[micro]
             lines.append(f"| MaxText FSDP, micro-batch {micro} × {16 // micro}, full remat (quoted) | {peak:.2f} | "
                          f"yes | {flops:.4g}\\* | - | {sent / 1e9:.2f} |")
-    return [*lines, "", f"\\* the MaxText compile's own FLOP count, not zerolm.step_time's: by it zerolm's stage-1 step is {REFERENCE_ZEROLM:.4g} "
+    return [*lines, "", f"\\* the MaxText compile's own FLOP count, not zerolm.compile.step_time's: by it zerolm's stage-1 step is {REFERENCE_ZEROLM:.4g} "
             f"({REFERENCE_ZEROLM / model_flops:.3f}x zerolm's model FLOPs; MaxText {MAXTEXT[2][0] / REFERENCE_ZEROLM:.3f}x "
             "zerolm's). MaxText's figures are quoted from a compile for a v3-32 by the same libtpu made "
             "outside this repository; MaxText is not run here."]
@@ -122,7 +123,7 @@ def main() -> None:
         command = f"zerolm compile --config configs/{args.config}.yaml --target {args.target} --fastest{narrowed}"
         lines = search_lines(_search_json(args), command)
     else:
-        from zerolm import platforms
+        from zerolm.core import platforms
 
         platforms.no_device_needed()
         lines = maxtext_lines(args.config, args.target)

@@ -1,4 +1,4 @@
-"""Seconds per 1,000 lm-evaluation-harness requests through zerolm's backend (zerolm.harness) on this machine:
+"""Seconds per 1,000 lm-evaluation-harness requests through zerolm's backend (zerolm.eval.harness) on this machine:
 a checkpoint, a shipped task (zerolm_choice: 4 loglikelihood requests a document; zerolm_text: rolling windows),
 timed after a first pass that compiles. Writes its table into docs/evaluation.md between its markers.
 
@@ -30,8 +30,8 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     args = parser.parse_args()
     os.environ.setdefault("DISABLE_MULTIPROC", "1")
-    from zerolm import downstream
-    from zerolm.harness import ZerolmLM
+    from zerolm.eval import downstream
+    from zerolm.eval.harness import ZerolmLM
 
     downstream.go_offline()
     lm = ZerolmLM(checkpoint=args.checkpoint, batch_size=args.batch_size)

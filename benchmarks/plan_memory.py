@@ -19,10 +19,10 @@ import jax
 import numpy as np
 
 from zerolm.commands import plan as commands_plan
-from zerolm.config import load_config
-from zerolm.mesh import make_mesh
-from zerolm.sharding import with_shardings
-from zerolm.step import build_step
+from zerolm.config.tree import load_config
+from zerolm.parallel.build import build_step
+from zerolm.parallel.mesh import make_mesh
+from zerolm.parallel.sharding import with_shardings
 
 SHAPE = ["model.n_layer=4", "model.d_model=256", "model.n_head=4", "model.seq_len=256", "model.dtype=float32",
          "model.vocab_size=2048", "mesh.dp=1"]

@@ -23,14 +23,14 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from markdown_block import write_block  # noqa: E402
-from zerolm import advice as zerolm_advice  # noqa: E402
-from zerolm import aot  # noqa: E402
 from zerolm.commands import plan as commands_plan  # noqa: E402
-from zerolm.config import load_config  # noqa: E402
-from zerolm.device_policy import for_device  # noqa: E402
-from zerolm.mesh import make_mesh  # noqa: E402
+from zerolm.compile import aot  # noqa: E402
+from zerolm.compile import micro_batch_search as zerolm_advice  # noqa: E402
+from zerolm.config.tree import load_config  # noqa: E402
+from zerolm.model.device_policy import for_device  # noqa: E402
+from zerolm.parallel.mesh import make_mesh  # noqa: E402
+from zerolm.parallel.scatter import resolve_scatter  # noqa: E402
 from zerolm.plan import SAFETY_MARGIN  # noqa: E402
-from zerolm.scatter import resolve_scatter  # noqa: E402
 
 BEGIN, END = "<!-- plan_vs_compile:begin -->", "<!-- plan_vs_compile:end -->"
 
@@ -88,7 +88,7 @@ ADVICE_BEGIN, ADVICE_END = "<!-- plan_advice:begin -->", "<!-- plan_advice:end -
 
 def advice(cache: Path, config: str, target: str) -> tuple[str, list[str]]:
     """The planner's largest micro-batch for `config` as shipped on `target`, and the compiler's largest
-    (zerolm.advice.search: the advice compiled, then up while it fits or down until one does), with the
+    (zerolm.compile.micro_batch_search.search: the advice compiled, then up while it fits or down until one does), with the
     compiles cached: (a table row, the advice the compiler refuses)."""
     t = aot.parse_target(target)
     devices = aot.target_devices(t)

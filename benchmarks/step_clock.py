@@ -8,7 +8,7 @@
    the logged `step_time_s` of every step after `--warmup`, their median, and the smallest and largest
    against it (a step timed by when the loop read it, not by when it ended, shows as one step near twice
    the median and the next near zero).
-2. The same step built in this process from the same config (`zerolm.step.build_step`) and run alone,
+2. The same step built in this process from the same config (`zerolm.parallel.build.build_step`) and run alone,
    one step at a time, each waited for (`jax.block_until_ready`), on random batches: its median. This is the
    independent count: the loop's median over it is what the loop costs beyond the step (its data, its
    metrics, its progress bar), and should be at most 1.05.
@@ -50,9 +50,9 @@ def step_alone(args) -> list[float]:
 
     sys.path.insert(0, str(REPO / "tests"))
     from helpers import to_accum_layout
-    from zerolm.config import load_config
-    from zerolm.mesh import make_mesh
-    from zerolm.step import build_step
+    from zerolm.config.tree import load_config
+    from zerolm.parallel.build import build_step
+    from zerolm.parallel.mesh import make_mesh
 
     cfg = load_config(args.config, args.set, device_count=jax.device_count())
     if cfg.model.vocab_size == "auto":

@@ -1,4 +1,4 @@
-"""zerolm.step_time's modeled step against the H100 steps measured on 2026-11-24 (BENCHMARKS.md, "One
+"""zerolm.compile.step_time's modeled step against the H100 steps measured on 2026-11-24 (BENCHMARKS.md, "One
 device through the normal path"): each config compiled for target h100 as it ran (dp = 1, seq_len 2048,
 mixed precision, two accumulation steps), one compile at a time.
 
@@ -22,11 +22,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=list(MEASURED), choices=list(MEASURED))
     args = parser.parse_args()
-    from zerolm import aot, platforms, step_time
+    from zerolm.compile import aot, step_time
+    from zerolm.core import platforms
+    from zerolm.core.hardware import preset
     from zerolm.data.dataset import load_planned
-    from zerolm.hardware import preset
-    from zerolm.mesh import make_mesh
-    from zerolm.step import build_and_compile
+    from zerolm.parallel.build import build_and_compile
+    from zerolm.parallel.mesh import make_mesh
 
     target = aot.parse_target("h100")
     platforms.no_device_needed()

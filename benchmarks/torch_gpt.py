@@ -14,7 +14,7 @@ Tokens are uniform random ids below the vocabulary (GPT-2's 50257 by default) (d
 Step time is the median over the steps after `--warmup`, each ended by `torch.cuda.synchronize()`.
 
 MFU = (6·N + 12·L·d·T) · tokens/s / peak, N without position embeddings: the same count as
-`zerolm.mfu`, which this script imports for the formula and the peak table.
+`zerolm.observe.mfu`, which this script imports for the formula and the peak table.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-from zerolm.config import load_config  # noqa: E402
-from zerolm.mfu import flops_per_token, peak_for  # noqa: E402
+from zerolm.config.tree import load_config  # noqa: E402
+from zerolm.model.flops import flops_per_token  # noqa: E402
+from zerolm.observe.mfu import peak_for  # noqa: E402
 
 
 def load_shape(name: str, seq_len: int, vocab_size: int) -> dict:

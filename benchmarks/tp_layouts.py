@@ -8,7 +8,7 @@
 For each layout, the three programs of a step are compiled from abstract, sharded inputs (nothing of
 the model's size is allocated). Bytes per device come from the shardings: parameters, the gradients
 the gradient program hands out, and AdamW's moments. Each collective of the compiled programs is
-attributed to the mesh axes its replica groups span (`zerolm.hlo.axis_of`), inside or outside the
+attributed to the mesh axes its replica groups span (`zerolm.compile.hlo.axis_of`), inside or outside the
 accumulation loop, with the bytes of its result.
 """
 
@@ -27,11 +27,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from helpers import to_accum_layout  # noqa: E402
-from zerolm import hlo, sharding  # noqa: E402
-from zerolm.config import load_config  # noqa: E402
-from zerolm.mesh import make_mesh  # noqa: E402
-from zerolm.sharding import with_shardings  # noqa: E402
-from zerolm.step import build_step  # noqa: E402
+from zerolm.compile import hlo  # noqa: E402
+from zerolm.config.tree import load_config  # noqa: E402
+from zerolm.parallel import sharding  # noqa: E402
+from zerolm.parallel.build import build_step  # noqa: E402
+from zerolm.parallel.mesh import make_mesh  # noqa: E402
+from zerolm.parallel.sharding import with_shardings  # noqa: E402
 
 
 def shard_bytes(abstract, shardings) -> int:

@@ -7,8 +7,8 @@ followed by a slice (each device receiving the whole reduced array).
 
 --two-stage INNER runs zerolm's `two_stage_reduce_scatter` instead (zero.scatter=two_stage): the same
 reduce-scatter as two over dp sub-groups, the second over INNER consecutive dp positions (0: the
-inner `zerolm.scatter.two_stage_inner` picks for the slice). That is how a reduce-scatter survives where
-the one-stage form becomes an all-reduce. The mesh is zerolm's (`zerolm.mesh.make_mesh`).
+inner `zerolm.parallel.scatter.two_stage_inner` picks for the slice). That is how a reduce-scatter survives where
+the one-stage form becomes an all-reduce. The mesh is zerolm's (`zerolm.parallel.mesh.make_mesh`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerolm import aot, hlo
-from zerolm.mesh import DP, make_mesh
-from zerolm.scatter import two_stage_inner, two_stage_reduce_scatter
+from zerolm.compile import aot, hlo
+from zerolm.parallel.mesh import DP, make_mesh
+from zerolm.parallel.scatter import two_stage_inner, two_stage_reduce_scatter
 
 TARGETS = ("v2-8", "v3-8", "v4-8", "v5e-8", "v5p-8", "v6e-8")
 

@@ -21,7 +21,7 @@ config's compute dtype (bfloat16 on a GPU):
    on the now warm persistent compilation cache: the whole run's wall time cold and warm (start-up,
    compiling, the steps and the final checkpoint; the difference is what the cache saves).
 
-MFU = (6·N + 12·L·d·T) · tokens/s / peak (src/zerolm/mfu.py states the convention and the peaks).
+MFU = (6·N + 12·L·d·T) · tokens/s / peak (src/zerolm/observe/mfu.py states the convention and the peaks).
 """
 
 from __future__ import annotations
@@ -49,14 +49,15 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from helpers import to_accum_layout  # noqa: E402
-from zerolm import losses  # noqa: E402
-from zerolm import model as gpt_model  # noqa: E402
-from zerolm.config import load_config  # noqa: E402
-from zerolm.hardware import memory_limit  # noqa: E402
-from zerolm.mesh import make_mesh  # noqa: E402
-from zerolm.mfu import flops_per_token, mfu, peak_for  # noqa: E402
-from zerolm.naive import naive_data_parallel_step  # noqa: E402
-from zerolm.step import build_step  # noqa: E402
+from zerolm.config.tree import load_config  # noqa: E402
+from zerolm.core.hardware import memory_limit  # noqa: E402
+from zerolm.model import decoder as gpt_model  # noqa: E402
+from zerolm.model import losses  # noqa: E402
+from zerolm.model.flops import flops_per_token  # noqa: E402
+from zerolm.observe.mfu import mfu, peak_for  # noqa: E402
+from zerolm.parallel.build import build_step  # noqa: E402
+from zerolm.parallel.mesh import make_mesh  # noqa: E402
+from zerolm.parallel.naive_step import naive_data_parallel_step  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = ("none", "dots_attention", "dots", "attention", "full")  # from the most memory to the least

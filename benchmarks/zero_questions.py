@@ -4,7 +4,7 @@
     JAX_PLATFORMS=cpu python benchmarks/zero_questions.py --target v3-8     # the TPU compiler, no TPU
 
 Runs on whatever backend JAX has (8 fake CPU devices above; a GPU or TPU slice as it is), or, with
---target, compiles ahead of time for a TPU slice (libtpu, zerolm.aot; nothing runs), and prints:
+--target, compiles ahead of time for a TPU slice (libtpu, zerolm.compile.aot; nothing runs), and prints:
 1. whether a sum over data-parallel gradients plus a sharding constraint becomes a reduce-scatter,
    next to an explicit `lax.psum_scatter` and a plain sum;
 2. whether the collectives are asynchronous (`-start`/`-done` pairs the scheduler can overlap) and
@@ -33,11 +33,14 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from helpers import ops_in_loops  # noqa: E402
-from zerolm import comms, hlo, losses, naive  # noqa: E402
-from zerolm.config import load_config  # noqa: E402
-from zerolm.mesh import DP, make_mesh  # noqa: E402
-from zerolm.scatter import two_stage_inner, two_stage_reduce_scatter  # noqa: E402
-from zerolm.step import build_step, compile_step  # noqa: E402
+from zerolm.compile import collectives as comms  # noqa: E402
+from zerolm.compile import hlo  # noqa: E402
+from zerolm.config.tree import load_config  # noqa: E402
+from zerolm.model import losses  # noqa: E402
+from zerolm.parallel import naive_step as naive  # noqa: E402
+from zerolm.parallel.build import build_step, compile_step  # noqa: E402
+from zerolm.parallel.mesh import DP, make_mesh  # noqa: E402
+from zerolm.parallel.scatter import two_stage_inner, two_stage_reduce_scatter  # noqa: E402
 
 
 def collectives(text: str, mesh) -> str:
@@ -126,7 +129,7 @@ def main() -> None:
     p.add_argument("--target", help="a TPU slice to compile for ahead of time (e.g. v3-8), instead of JAX's devices")
     args = p.parse_args()
     if args.target:
-        from zerolm import aot
+        from zerolm.compile import aot
 
         devices = aot.target_devices(aot.parse_target(args.target))
     else:

@@ -12,12 +12,12 @@ each collective (plan.traffic.predicted_collectives: bytes per device, summed ov
 one kind, over one span, in or out of the loop; once, and per optimizer step).
 
 `fit` asks, for each config and stage, the compiler's largest micro-batch the way `zerolm compile
---largest-micro-batch` does (zerolm.advice.search: the planner's advice compiled, then up while it fits, or
+--largest-micro-batch` does (zerolm.compile.micro_batch_search.search: the planner's advice compiled, then up while it fits, or
 down until one does), and puts the planner's peak beside each compile: whether its advice is ever refused,
 and how far its count is from the compiler's.
 
 `overlap` reads the scheduled grad program for its asynchronous collectives and the matmuls scheduled
-between each start and done (zerolm.hlo.async_collectives), once as libtpu schedules by default and once
+between each start and done (zerolm.compile.hlo.async_collectives), once as libtpu schedules by default and once
 with its asynchronous collective fusion (OVERLAP_FLAGS, what MaxText sets), each in its own process.
 `stages` and `fit` compile as libtpu schedules by default, unless LIBTPU_INIT_ARGS says otherwise (`zerolm
 compile` appends OVERLAP_FLAGS at stage 3: zero.tpu_async_collectives; the 6.7B's micro-batch 4 then peaks
@@ -39,11 +39,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from markdown_block import write_block  # noqa: E402
 from plan_vs_compile import planned  # noqa: E402
-from zerolm import advice, aot, hlo, tpu_flags  # noqa: E402
-from zerolm.config import load_config  # noqa: E402
-from zerolm.mesh import make_mesh  # noqa: E402
+from zerolm.compile import (
+    aot,  # noqa: E402
+    hlo,  # noqa: E402
+)
+from zerolm.compile import micro_batch_search as advice  # noqa: E402
+from zerolm.config.tree import load_config  # noqa: E402
+from zerolm.core import tpu_flags  # noqa: E402
+from zerolm.parallel.build import build_and_compile  # noqa: E402
+from zerolm.parallel.mesh import make_mesh  # noqa: E402
 from zerolm.plan import SAFETY_MARGIN  # noqa: E402
-from zerolm.step import build_and_compile  # noqa: E402
 
 GIB = 2**30
 # libtpu's asynchronous collective fusion: collectives split into a start and a done that a matmul runs between

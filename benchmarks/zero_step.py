@@ -27,16 +27,17 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from helpers import bytes_per_device, to_accum_layout  # noqa: E402
-from zerolm import hlo, losses  # noqa: E402
-from zerolm import model as gpt_model  # noqa: E402
-from zerolm.config import load_config  # noqa: E402
-from zerolm.mesh import make_mesh  # noqa: E402
-from zerolm.mfu import flops_per_token as model_flops_per_token  # noqa: E402
-from zerolm.mfu import peak_for  # noqa: E402
-from zerolm.naive import naive_data_parallel_step  # noqa: E402
-from zerolm.optim import make_optimizer  # noqa: E402
-from zerolm.sharding import with_shardings  # noqa: E402
-from zerolm.step import build_step  # noqa: E402
+from zerolm.compile import hlo  # noqa: E402
+from zerolm.config.tree import load_config  # noqa: E402
+from zerolm.model import decoder as gpt_model  # noqa: E402
+from zerolm.model import losses  # noqa: E402
+from zerolm.observe.mfu import flops_per_token as model_flops_per_token  # noqa: E402
+from zerolm.observe.mfu import peak_for  # noqa: E402
+from zerolm.parallel.build import build_step  # noqa: E402
+from zerolm.parallel.mesh import make_mesh  # noqa: E402
+from zerolm.parallel.naive_step import naive_data_parallel_step  # noqa: E402
+from zerolm.parallel.optim import make_optimizer  # noqa: E402
+from zerolm.parallel.sharding import with_shardings  # noqa: E402
 
 
 def peak_flops() -> tuple[float, str]:

@@ -19,10 +19,10 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from zerolm import losses  # noqa: E402
-from zerolm import model as gpt_model  # noqa: E402
-from zerolm.config import load_config  # noqa: E402
-from zerolm.device_policy import for_device  # noqa: E402
+from zerolm.config.tree import load_config  # noqa: E402
+from zerolm.model import decoder as gpt_model  # noqa: E402
+from zerolm.model import losses  # noqa: E402
+from zerolm.model.device_policy import for_device  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -77,9 +77,9 @@ def small_config(*overrides: str, device_count: int = 8):
 
 def small_step(*overrides: str, dp: int = 8, tp: int = 1, devices=None, device_count: int | None = None, **kw):
     """(cfg, model, zero, init_fn): small_config's step on a (dp, tp) mesh, built as training builds it
-    (zerolm.step.build_step; `kw`: its other arguments, e.g. rules)."""
-    from zerolm.mesh import make_mesh
-    from zerolm.step import build_step
+    (zerolm.parallel.build.build_step; `kw`: its other arguments, e.g. rules)."""
+    from zerolm.parallel.build import build_step
+    from zerolm.parallel.mesh import make_mesh
 
     cfg = small_config(*overrides, f"mesh.tp={tp}", device_count=device_count or dp * tp)
     mesh = make_mesh(dp, tp, devices if devices is not None else jax.devices()[:dp * tp])

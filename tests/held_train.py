@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from zerolm.downstream import DuringTraining
-from zerolm.zero import Zero
+from zerolm.eval.downstream import DuringTraining
+from zerolm.parallel.zero import Zero
 
 HOLD = Path(os.environ["ZEROLM_TEST_HOLD"])
 BEFORE_STEP = int(os.environ["ZEROLM_TEST_HOLD_BEFORE_STEP"])

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from zerolm import hlo
+from zerolm.compile import hlo
 
 
 def to_accum_layout(rows: np.ndarray, n_devices: int, accum: int, micro: int) -> np.ndarray:

@@ -35,7 +35,7 @@ def main() -> None:
 
     from zerolm.data.loader import BatchLoader
     from zerolm.data.shards import PreparedDataset
-    from zerolm.mesh import DP, TP, initialize_distributed, make_mesh
+    from zerolm.parallel.mesh import DP, TP, initialize_distributed, make_mesh
 
     initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     by_process = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))

@@ -94,10 +94,10 @@ def checkpoint_params(run_dir, step: int):
     import jax
     import numpy as np
 
-    from zerolm.checkpoint import Checkpoints
-    from zerolm.config import load_config
-    from zerolm.mesh import make_mesh
-    from zerolm.step import build_step
+    from zerolm.checkpoint.store import Checkpoints
+    from zerolm.config.tree import load_config
+    from zerolm.parallel.build import build_step
+    from zerolm.parallel.mesh import make_mesh
 
     cfg = load_config(TINY, [*SMALL, "model.vocab_size=2048"], device_count=8)
     _, zero, _ = build_step(cfg, make_mesh(8))
@@ -109,7 +109,7 @@ def snapshot(path):
     """Every file's size and content hash under `path` (the run lock's holder record aside)."""
     import hashlib
 
-    from zerolm.runlock import LOCK_FILE
+    from zerolm.checkpoint.run_lock import LOCK_FILE
 
     return {str(p.relative_to(path)): (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
             for p in path.rglob("*") if p.is_file() and p.name != LOCK_FILE}

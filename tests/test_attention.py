@@ -11,11 +11,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conftest import small_config, small_model
-from zerolm import device_policy
-from zerolm.attention import Bias, alibi_slopes, block_size, causal_attention
-from zerolm.config import ConfigError
-from zerolm.mesh import make_mesh
-from zerolm.step import build_step
+from zerolm.config.tree import ConfigError
+from zerolm.model import device_policy
+from zerolm.model.attention import Bias, alibi_slopes, block_size, causal_attention
+from zerolm.parallel.build import build_step
+from zerolm.parallel.mesh import make_mesh
 
 
 def _qkv(B, T, H, K, dtype=jnp.float32, seed=0):
@@ -125,7 +125,7 @@ def test_pallas_is_asked_for_only_where_it_runs():
     assert device_policy.resolve_auto("auto", "auto", "tpu", "TPU v4", 200)[1] == "blockwise"
     with pytest.raises(ConfigError, match=r"model.attention: pallas cuts the sequence into blocks of a multiple "
                                           r"of 128 positions; seq_len 16 and attention_block 512 give 16"):
-        small_config("model.attention=pallas")
+        build_step(small_config("model.attention=pallas"), make_mesh(8, 1))
     cfg = small_config("model.attention=pallas", "model.seq_len=256")
     with pytest.raises(ConfigError, match=r"model.attention: pallas runs on TPU v4 and later, not on cpu"):
         build_step(cfg, make_mesh(8, 1))

@@ -18,10 +18,10 @@ import pytest
 import runs
 from conftest import REPO
 from runs import STEPS, command, env, kill_9_after, logged_steps, losses, release, snapshot, start_and_wait, start_held, train
-from zerolm import launches
-from zerolm.checkpoint import SIZES_ONLY, Checkpoints
+from zerolm.checkpoint.store import SIZES_ONLY, Checkpoints
+from zerolm.core.exitcodes import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED
 from zerolm.data.prepare import prepare
-from zerolm.exitcodes import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED
+from zerolm.observe import launches
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses
 

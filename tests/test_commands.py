@@ -15,12 +15,12 @@ import textwrap
 import pytest
 
 from conftest import REPO, TINY
-from zerolm import platforms
 from zerolm.commands import COMMANDS, run_command
-from zerolm.config import ConfigError
-from zerolm.errors import UsageError, ZerolmError
-from zerolm.exitcodes import EXIT_BUG, EXIT_STORAGE, EXIT_USAGE
-from zerolm.storage import StorageFault
+from zerolm.config.tree import ConfigError
+from zerolm.core import platforms
+from zerolm.core.errors import UsageError, ZerolmError
+from zerolm.core.exitcodes import EXIT_BUG, EXIT_STORAGE, EXIT_USAGE
+from zerolm.core.storage import StorageFault
 
 
 def _raising(error: BaseException):

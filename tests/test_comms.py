@@ -7,7 +7,7 @@ import pytest
 
 from conftest import TINY, requires_devices
 from runs import zerolm
-from zerolm import comms
+from zerolm.compile import collectives as comms
 from zerolm.data.dataset import load_planned
 
 # n_layer 4: every parameter has an axis dp divides beside its tp axis (a blockified tp-split leaf, as at
@@ -89,7 +89,7 @@ def test_comms_bad_input_is_one_line_and_exit_2(args, message):
 
 
 def test_replica_groups_are_read_in_each_printed_form_and_an_unknown_one_is_refused():
-    from zerolm import hlo
+    from zerolm.compile import hlo
 
     def module(groups):
         return ("HloModule m\n\nENTRY %main (x: f32[8]) -> f32[8] {\n  %x = f32[8]{0} parameter(0)\n"

@@ -9,9 +9,10 @@ import sys
 import pytest
 
 from conftest import REPO, small_config, small_model
-from zerolm import aot, plan
-from zerolm.exitcodes import EXIT_DOES_NOT_FIT, EXIT_USAGE
-from zerolm.hardware import preset
+from zerolm import plan
+from zerolm.compile import aot
+from zerolm.core.exitcodes import EXIT_DOES_NOT_FIT, EXIT_USAGE
+from zerolm.core.hardware import preset
 
 pytestmark = pytest.mark.slow  # TPU compiles
 
@@ -53,8 +54,8 @@ def test_auto_scatter_takes_two_stages_on_slices_beyond_one_host(target, scatter
     """zero.scatter=auto: two stages where the one-stage psum_scatter is an all-reduce of the whole (v2/v3;
     v4+ beyond one host's 4 or 8 chips), the second over a host's worth of dp positions (a v3 host: 8
     cores; one v3-8 host holds all of dp, so dp's largest proper divisor)."""
-    from zerolm.mesh import make_mesh
-    from zerolm.scatter import resolve_scatter, two_stage_inner
+    from zerolm.parallel.mesh import make_mesh
+    from zerolm.parallel.scatter import resolve_scatter, two_stage_inner
 
     devices = aot.target_devices(aot.parse_target(target))
     mesh = make_mesh(len(devices), 1, devices)
@@ -74,9 +75,9 @@ def test_two_stages_keep_blocks_of_part_tiles_a_reduce_scatter_beyond_one_host()
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from zerolm import hlo
-    from zerolm.mesh import make_mesh
-    from zerolm.scatter import two_stage_groups, two_stage_inner, two_stage_reduce_scatter
+    from zerolm.compile import hlo
+    from zerolm.parallel.mesh import make_mesh
+    from zerolm.parallel.scatter import two_stage_groups, two_stage_inner, two_stage_reduce_scatter
 
     devices = aot.target_devices(aot.parse_target("v5p-64"))
     dp = len(devices)
@@ -161,7 +162,7 @@ def test_zero_3_on_tpu_gathers_and_reduce_scatters_each_layer_in_the_loop_as_the
     """tiny at zero.stage=3 on v3-8, 4 accumulation steps: the TPU compiler's schedule has each layer's
     all-gathers and its two-stage reduce-scatter inside the layers' loops, the embeddings' gather before them and
     their reduction after, no all-gather in the update; each one's bytes per step as the planner counts them
-    (the TPU compiler states no trip count: zerolm.hlo reads it off the loop's condition); and the planner's
+    (the TPU compiler states no trip count: zerolm.compile.hlo reads it off the loop's condition); and the planner's
     step peak not under the compiler's by more than its margin."""
     # Mixed precision, as the configs that need stage 3 ship: in fp32 with a bfloat16 compute dtype the TPU
     # compiler moves the cast before the gather and gathers half the bytes the planner counts.
@@ -170,7 +171,7 @@ def test_zero_3_on_tpu_gathers_and_reduce_scatters_each_layer_in_the_loop_as_the
                                "zero.precision=mixed", "--set", "train.micro_batch_size=1", "--set",
                                "model.attention_block=32", "--json").stdout)
     assert (r["stage"], r["accum_steps"], r["scatter"]) == (3, 4, "two_stage")
-    # The blockwise attention's key-block loops keep their name through libtpu: zerolm.step_time counts them at
+    # The blockwise attention's key-block loops keep their name through libtpu: zerolm.compile.step_time counts them at
     # their mean trip count (tests/test_step_time.py checks the count), and no loop is left counted once.
     grad_flops = r["step_model"]["programs"]["grad"]
     assert r["attention"] == "blockwise" and grad_flops["triangular_loops"] >= 2 and grad_flops["unknown_loops"] == 0
@@ -189,7 +190,7 @@ def test_zero_3_on_tpu_gathers_and_reduce_scatters_each_layer_in_the_loop_as_the
         check=True).stdout)["zerolm_step"]
     assert planned["stage"] == 3 and planned["program"] == r["peak_program"] == "grad"
     assert planned["total_bytes"] * (1 + plan.SAFETY_MARGIN) >= r["peak_bytes_per_device"]
-    # zero.tpu_async_collectives auto: libtpu's asynchronous collective fusion at stage 3 (zerolm.tpu_flags), each
+    # zero.tpu_async_collectives auto: libtpu's asynchronous collective fusion at stage 3 (zerolm.core.tpu_flags), each
     # layer's later gathers started before a matmul and done after it; off: libtpu's default, every one blocks.
     assert {"h/attn/c_proj", "h/mlp/c_fc"} <= {o for a in r["async_collectives"] if a["in_loop"]
                                                and "all-gather" in a["ops"] for o in a["overlaps"]}
@@ -305,7 +306,7 @@ def test_the_planners_advice_compiles_and_the_search_finds_the_compilers_largest
 def test_the_search_walks_down_from_advice_the_compiler_refuses():
     """Were the compiler to refuse the advice, the search tries smaller micro-batches until one fits (here
     told by `known`, so nothing is compiled) and goes no further."""
-    from zerolm import advice
+    from zerolm.compile import micro_batch_search as advice
 
     target = aot.parse_target("v3-8")
     advised = advice.planned(str(C125M), SMALL_NO_REMAT, target, 8, 1)

@@ -18,8 +18,8 @@ from zerolm.data.manifest import FORMAT
 from zerolm.data.order import GlobalOrder, ShardOrder, sample_order
 from zerolm.data.shards import DataError, PreparedDataset
 from zerolm.data.sources import SourceError
-from zerolm.mesh import make_mesh
-from zerolm.train import run
+from zerolm.parallel.mesh import make_mesh
+from zerolm.train.trainer import run
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum".split()
 
@@ -525,8 +525,8 @@ def test_a_runs_losses_do_not_depend_on_the_shard_size(kjv, tmp_path):
 def test_a_checkpoint_of_the_old_order_resumes_in_it(kjv, tmp_path, monkeypatch):
     """A run saved in order version 1 (before the global permutation) continues in version 1, exactly as it
     would have gone on; a new run takes version 2."""
-    from zerolm import resume
-    from zerolm.checkpoint import Checkpoints
+    from zerolm.checkpoint import resume
+    from zerolm.checkpoint.store import Checkpoints
 
     def train(name, steps, *extra):
         run(small_config(f"data.dataset={kjv}", "model.vocab_size=auto", "model.seq_len=64", f"train.steps={steps}",

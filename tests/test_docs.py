@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from zerolm import exitcodes
+from zerolm.core import exitcodes
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", REPO / "BENCHMARKS.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -51,8 +51,8 @@ def test_every_path_and_link_the_docs_give_exists(doc):
 
 
 def test_the_checks_catch_what_does_not_exist():
-    assert resolves("zerolm.scatter.two_stage_reduce_scatter") and resolves("zerolm.sharding.Table")
-    assert not resolves("zerolm.zero.two_stage_reduce_scatter") and not resolves("zerolm.nothing_here")
+    assert resolves("zerolm.parallel.scatter.two_stage_reduce_scatter") and resolves("zerolm.parallel.sharding.Table")
+    assert not resolves("zerolm.parallel.zero.two_stage_reduce_scatter") and not resolves("zerolm.nothing_here")
 
 
 def test_the_exit_code_table_is_exitcodes_py():

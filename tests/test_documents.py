@@ -12,9 +12,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conftest import small_config, small_model
-from zerolm import model as gpt_model
-from zerolm.attention import Bias, causal_attention
-from zerolm.losses import token_losses
+from zerolm.model import decoder as gpt_model
+from zerolm.model.attention import Bias, causal_attention
+from zerolm.model.losses import token_losses
 from zerolm.plan.activations import step_activation_bytes
 
 EOT = 3

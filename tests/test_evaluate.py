@@ -58,7 +58,7 @@ def test_a_run_that_evaluated_nothing_while_training_is_evaluated_on_the_default
     import yaml
 
     from conftest import REPO
-    from zerolm.evaluate import DEFAULT_SEQUENCES
+    from zerolm.eval.heldout import DEFAULT_SEQUENCES
 
     defaults = yaml.safe_load((REPO / "configs" / "defaults.yaml").read_text())
     assert DEFAULT_SEQUENCES == defaults["train"]["eval_sequences"]

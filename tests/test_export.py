@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 
 from runs import snapshot, train, zerolm
-from zerolm import export, hf_layouts, restored
-from zerolm import model as gpt_model
+from zerolm.checkpoint import trained_model as restored
 from zerolm.data.tokenizer import EOT, from_file, train_bpe
-from zerolm.sample import Sampling, generate
+from zerolm.hf import export
+from zerolm.hf import layouts as hf_layouts
+from zerolm.model import decoder as gpt_model
+from zerolm.model.generate import Sampling, generate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -122,7 +124,7 @@ def test_an_alibi_bias_free_model_exports_to_mpt(model_run, tmp_path):
 def test_mpts_alibi_slopes_are_zerolms_for_every_head_count():
     from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 
-    from zerolm.attention import alibi_slopes
+    from zerolm.model.attention import alibi_slopes
 
     for n in range(1, 65):
         bias_Hx1xT = build_mpt_alibi_tensor(n, 2).numpy()  # slope · (key − 1) for keys 0 and 1

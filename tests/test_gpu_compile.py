@@ -14,12 +14,13 @@ import sys
 import pytest
 
 from conftest import REPO
-from zerolm import aot, census, hlo
-from zerolm.config import load_config
-from zerolm.exitcodes import EXIT_DOES_NOT_FIT, EXIT_USAGE
-from zerolm.hardware import GPU_TYPES
-from zerolm.mesh import make_mesh
-from zerolm.step import REMAT_ORDER, build_and_compile, build_step, compile_step
+from zerolm.compile import aot, hlo
+from zerolm.compile import bytes_moved as census
+from zerolm.config.tree import load_config
+from zerolm.core.exitcodes import EXIT_DOES_NOT_FIT, EXIT_USAGE
+from zerolm.core.hardware import GPU_TYPES
+from zerolm.parallel.build import REMAT_ORDER, build_and_compile, build_step, compile_step
+from zerolm.parallel.mesh import make_mesh
 
 pytestmark = pytest.mark.slow  # GPU compiles
 

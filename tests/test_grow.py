@@ -13,7 +13,7 @@ import pytest
 import runs
 from conftest import TINY
 from runs import zerolm
-from zerolm.grow import GrowError, check_map, default_map, describe_map, grown_params
+from zerolm.checkpoint.grow import GrowError, check_map, default_map, describe_map, grown_params
 
 SMALL4 = [*runs.SMALL, "model.n_layer=4"]  # the trained_run's model (2 layers), twice as deep
 
@@ -74,8 +74,8 @@ def _sets(sets):
 def _loss(checkpoint) -> float:
     import jax
 
-    from zerolm import restored
-    from zerolm.evaluate import evaluate_checkpoint
+    from zerolm.checkpoint import trained_model as restored
+    from zerolm.eval.heldout import evaluate_checkpoint
 
     return evaluate_checkpoint(restored.load(str(checkpoint), jax.local_devices()[:1]), None, "val", 64)["loss"]
 
@@ -83,7 +83,7 @@ def _loss(checkpoint) -> float:
 def _params(checkpoint) -> np.ndarray:
     import jax
 
-    from zerolm import restored
+    from zerolm.checkpoint import trained_model as restored
 
     params = restored.load(str(checkpoint), jax.local_devices()[:1]).params
     return np.concatenate([np.ravel(x) for x in jax.tree.leaves(params)])
@@ -101,8 +101,8 @@ def grown(trained_run, tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_function_preserving_growth_evaluates_exactly_as_its_source(trained_run, grown, tmp_path):
-    from zerolm.config import load_config
-    from zerolm.grow import Growth, grow
+    from zerolm.checkpoint.grow import Growth, grow
+    from zerolm.config.tree import load_config
 
     assert _loss(grown) == _loss(trained_run / "ckpt")
     plain = grow(Growth(str(trained_run / "ckpt"), load_config(TINY, SMALL4), str(tmp_path / "plain")))
@@ -163,7 +163,7 @@ def grown_import(tmp_path, capsys):
     pytest.importorskip("transformers")
     from helpers import tiny_transformers_model
     from zerolm.commands import main
-    from zerolm.config import DEFAULTS
+    from zerolm.config.tree import DEFAULTS
 
     tiny_transformers_model(tmp_path / "hf")
     assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "imported")]) == 0
@@ -188,9 +188,9 @@ def test_a_grown_import_keeps_its_tokenizer_for_sample_and_export(grown_import, 
 
 
 def test_grow_describes_the_map_given_and_its_start_line_names_the_data_and_vocabulary(grown_import):
-    from zerolm import restored
-    from zerolm.checkpoint import parameter_differences
-    from zerolm.config import load_config
+    from zerolm.checkpoint import trained_model as restored
+    from zerolm.checkpoint.store import parameter_differences
+    from zerolm.config.tree import load_config
 
     grown, stdout = grown_import
     assert "by the layer map 0,1,1 (2 copies of layer 1; 1 copy of layer 0)" in stdout

@@ -1,4 +1,4 @@
-"""Downstream tasks through lm-evaluation-harness (zerolm.harness, zerolm.downstream, zerolm.tasks): the zerolm
+"""Downstream tasks through lm-evaluation-harness (zerolm.eval.harness, zerolm.eval.downstream, zerolm.eval.tasks): the zerolm
 backend gives the harness's own `hf` backend's numbers on the exported model, the same on any layout the
 parameters are sharded in, and `zerolm eval --tasks` writes them beside the checkpoint; bad tasks are one line;
 a training run's eval.tasks write those numbers at their steps, once each, through SIGTERM and kill -9."""
@@ -22,14 +22,14 @@ LIMIT = 12
 
 @pytest.fixture(autouse=True)
 def _offline(monkeypatch):
-    from zerolm import downstream
+    from zerolm.eval import downstream
 
     for variable in (*downstream.OFFLINE, "DISABLE_MULTIPROC"):
         monkeypatch.setenv(variable, "1")
 
 
 def task_numbers(lm) -> dict[str, float]:
-    from zerolm import downstream
+    from zerolm.eval import downstream
 
     results = downstream.evaluate(lm, TASKS, downstream.task_manager(TASKS), limit=LIMIT, bootstrap_iters=0)
     numbers = downstream.metrics(results)
@@ -38,7 +38,7 @@ def task_numbers(lm) -> dict[str, float]:
 
 
 def test_the_shipped_task_files_are_what_the_corpus_builds(tmp_path):
-    from zerolm import tasks
+    from zerolm.eval import tasks
 
     built = tasks.build(tmp_path)
     for name in tasks.NAMES:
@@ -53,8 +53,8 @@ def test_the_shipped_task_files_are_what_the_corpus_builds(tmp_path):
 def test_zerolm_backend_gives_the_hf_backends_numbers_on_the_exported_model(trained_run, tmp_path):
     import lm_eval
 
-    from zerolm import downstream
-    from zerolm.harness import ZerolmLM
+    from zerolm.eval import downstream
+    from zerolm.eval.harness import ZerolmLM
 
     zerolm("export-hf", "--checkpoint", trained_run / "ckpt", "--out", tmp_path / "hf", devices=1)
     ours = ZerolmLM(checkpoint=str(trained_run / "ckpt"), batch_size=5)  # 5 rows: rounded up to 8 on 8 devices
@@ -70,12 +70,12 @@ def test_zerolm_backend_gives_the_hf_backends_numbers_on_the_exported_model(trai
 
 def restored_on(trained_run, *sets: str, dp: int, tp: int = 1):
     """The run's last checkpoint restored as training would restore it on a (dp, tp) mesh with `sets`."""
-    from zerolm.checkpoint import Checkpoints
-    from zerolm.config import load_config
-    from zerolm.harness import Loaded
-    from zerolm.mesh import make_mesh
-    from zerolm.restored import load
-    from zerolm.step import build_step
+    from zerolm.checkpoint.store import Checkpoints
+    from zerolm.checkpoint.trained_model import load
+    from zerolm.config.tree import load_config
+    from zerolm.eval.harness import Loaded
+    from zerolm.parallel.build import build_step
+    from zerolm.parallel.mesh import make_mesh
 
     cfg = load_config(TINY, [*SMALL, "model.vocab_size=2048", f"mesh.tp={tp}", *sets], device_count=dp * tp)
     model, zero, _ = build_step(cfg, make_mesh(dp, tp, jax.devices()[:dp * tp]))
@@ -84,7 +84,7 @@ def restored_on(trained_run, *sets: str, dp: int, tp: int = 1):
 
 
 def test_the_same_numbers_at_dp_8_tp_2_and_stage_3_as_on_one_device(trained_run):
-    from zerolm.harness import ZerolmLM
+    from zerolm.eval.harness import ZerolmLM
 
     one = task_numbers(ZerolmLM(loaded=restored_on(trained_run, dp=1)))
     for sets, dp, tp in [((), 8, 1), ((), 4, 2), (("zero.stage=3", "zero.grad_reduce=reduce_scatter"), 8, 1)]:
@@ -96,8 +96,8 @@ def test_the_same_numbers_at_dp_8_tp_2_and_stage_3_as_on_one_device(trained_run)
 def test_generate_until_is_the_greedy_sample_cut_at_the_stop_sequence(trained_run):
     from lm_eval.api.instance import Instance
 
-    from zerolm.harness import ZerolmLM
-    from zerolm.sample import Sampling, generate
+    from zerolm.eval.harness import ZerolmLM
+    from zerolm.model.generate import Sampling, generate
 
     lm = ZerolmLM(checkpoint=str(trained_run / "ckpt"))
     tok, model = lm.zerolm_tokenizer, lm.loaded
@@ -184,7 +184,7 @@ def task_directory(path, data="docs.jsonl", output_type="loglikelihood", text="{
 
 
 def test_a_task_files_relative_data_files_are_relative_to_the_file(tmp_path, monkeypatch):
-    from zerolm import downstream
+    from zerolm.eval import downstream
 
     mine = task_directory(tmp_path / "tasks")
     monkeypatch.chdir(tmp_path)  # not the task file's directory
@@ -195,7 +195,7 @@ def test_a_task_files_relative_data_files_are_relative_to_the_file(tmp_path, mon
 def test_only_a_local_tasks_data_paths_are_made_relative_to_its_file():
     """datasets' own builders (json, csv, ...) read data_files from this machine: relative to the task file. A
     hub repository's data_files (the harness's mmlusr tasks) are paths in the repository: left as they are."""
-    from zerolm.downstream import relative_to_file
+    from zerolm.eval.downstream import relative_to_file
 
     local = {"dataset_path": "json", "dataset_kwargs": {"data_files": {"test": ["a.jsonl", "/b.jsonl", "hf://c"]},
                                                         "data_dir": "d"}}
@@ -273,7 +273,7 @@ def tasks_run(tmp_path_factory):
 
 
 def test_a_run_with_eval_tasks_writes_the_eval_commands_numbers_at_its_steps(tasks_run):
-    from zerolm import downstream
+    from zerolm.eval import downstream
 
     run_dir, rows, stderr = tasks_run
     # The run's own bar and lines say it: no progress bar of the harness's or datasets' ("Generating test split").
@@ -293,8 +293,8 @@ def test_a_task_evaluation_stopped_by_sigterm_or_kill_9_resumes_with_one_row_per
     import signal
 
     from runs import committed, losses, release, start_held, train
-    from zerolm.checkpoint import Checkpoints
-    from zerolm.exitcodes import EXIT_PREEMPTED
+    from zerolm.checkpoint.store import Checkpoints
+    from zerolm.core.exitcodes import EXIT_PREEMPTED
 
     proc = start_held(tmp_path, *DURING, before_step=8, extra_env={"ZEROLM_TEST_HOLD_IN": "tasks"})
     proc.send_signal(signal.SIGTERM)
@@ -314,8 +314,8 @@ def test_a_task_evaluation_stopped_by_sigterm_or_kill_9_resumes_with_one_row_per
 
 def test_a_misspelled_task_stops_the_run_in_one_line_before_compiling(tmp_path, monkeypatch, capsys):
     from runs import SMALL
-    from zerolm import train
     from zerolm.commands import main
+    from zerolm.train import trainer as train
 
     def compiled(*args, **kwargs):
         raise AssertionError("compiled the step")
@@ -335,8 +335,8 @@ def test_ctrl_c_during_the_last_steps_task_evaluation_saves_that_step_and_exits_
     import signal
 
     from runs import release, start_held
-    from zerolm.checkpoint import Checkpoints
-    from zerolm.exitcodes import EXIT_PREEMPTED
+    from zerolm.checkpoint.store import Checkpoints
+    from zerolm.core.exitcodes import EXIT_PREEMPTED
 
     proc = start_held(tmp_path, *DURING, "sample.tokens=4", before_step=16, extra_env={"ZEROLM_TEST_HOLD_IN": "tasks"})
     proc.send_signal(signal.SIGINT)

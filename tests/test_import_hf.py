@@ -15,9 +15,11 @@ import runs
 from helpers import tiny_transformers_model
 from runs import zerolm
 from test_export import assert_same_greedy, assert_same_model, sharp
-from zerolm import export, hf_layouts, restored
+from zerolm.checkpoint import trained_model as restored
 from zerolm.commands import main
-from zerolm.config import DEFAULTS
+from zerolm.config.tree import DEFAULTS
+from zerolm.hf import export
+from zerolm.hf import layouts as hf_layouts
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -106,7 +108,7 @@ def test_import_hf_gives_transformers_logits_and_loss(model_run, tmp_path, kind)
     with torch.no_grad():
         out = hf(torch.tensor(ids), labels=torch.tensor(ids))
     np.testing.assert_allclose(ours, out.logits.numpy(), rtol=1e-4, atol=1e-4)
-    from zerolm.losses import token_losses
+    from zerolm.model.losses import token_losses
 
     loss = float(np.mean(token_losses(imported.model, imported.params, np.concatenate([ids, ids[:, :1]], 1))[:, :-1]))
     assert loss == pytest.approx(float(out.loss), rel=1e-5)
@@ -252,7 +254,7 @@ PUBLISHED = {
 
 @pytest.mark.parametrize("kind", ["gpt2", "mpt", "llama"])
 def test_transformers_own_config_and_a_published_one_are_accepted(tmp_path, kind):
-    from zerolm.import_hf import model_settings
+    from zerolm.hf.importer import model_settings
 
     own = json.loads(saved(tiny_config(kind), tmp_path / "hf").read_text())
     assert model_settings(own, "config.json")[1]["d_model"] == 32

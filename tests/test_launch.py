@@ -15,9 +15,9 @@ import pytest
 
 from conftest import REPO, TINY
 from runs import SMALL, STEPS, checkpoint_params, env, logged_steps, losses, train
-from zerolm.checkpoint import Checkpoints
-from zerolm.exitcodes import EXIT_PEER_LOST, EXIT_PREEMPTED
-from zerolm.launch import KEPT_LAUNCHES, _rotate_logs, _WithoutGloo
+from zerolm.checkpoint.store import Checkpoints
+from zerolm.core.exitcodes import EXIT_PEER_LOST, EXIT_PREEMPTED
+from zerolm.train.launch_local import KEPT_LAUNCHES, _rotate_logs, _WithoutGloo
 
 pytestmark = pytest.mark.slow  # multi-process training runs
 

@@ -1,18 +1,25 @@
-"""The package's floors: commands above, the library below, imports one way and no circle.
+"""The package's layout: one package per concern, ordered, each importing only from those before it.
 
-Read from the source with `ast` (imports inside functions included), so a lazy import cannot hide
-an arrow. Each check fails on the tree of the landed main before the commands/ package: `train.py`
-imported `cli`, `launch.py` imported `train`'s parser, and cli ↔ train ↔ comms ↔ launch was a circle."""
+Read from the source with `ast` (imports inside functions included), so a lazy import cannot hide an
+arrow. The order is docs/layout.md's table of packages, and every module must be on that page: the page
+and the rule cannot drift apart. The checks are shown to fail on arrows the tree had before this layout:
+a config section importing the data package for a mixture's check, the planner taking mesh labels from the
+HLO reader, a circle through the commands."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
-COMMAND_FLOOR = ("zerolm.commands", "zerolm.cli")
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src"
+LAYOUT = REPO / "docs" / "layout.md"
+FACE = "zerolm"  # the package face: its version; it imports nothing
+ENTRY = ("zerolm.cli", "zerolm.lm_eval_cli")  # the entry points, above every package
+COMMANDS = "zerolm.commands"
 
 
 def module_name(path: Path) -> str:
@@ -21,7 +28,8 @@ def module_name(path: Path) -> str:
 
 
 def imports_of(source: str, name: str, modules: set[str]) -> set[str]:
-    """The zerolm modules that module `name` imports, anywhere in it (`from zerolm import x` names x)."""
+    """The zerolm modules that module `name` imports, anywhere in it (`from zerolm.p import x` names p.x where
+    that is a module)."""
     found = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -39,24 +47,106 @@ def graph() -> dict[str, set[str]]:
     return {name: imports_of(path.read_text(), name, set(paths)) for name, path in paths.items()}
 
 
-def is_command(module: str) -> bool:
-    return module.startswith(COMMAND_FLOOR)
+def package_order() -> list[str]:
+    """docs/layout.md's packages, lowest first (the rows of its table whose first cell is a package name)."""
+    return re.findall(r"^\| `(\w+)` \| [^|]+ \| [^|]+ \|$", LAYOUT.read_text(), re.M)
+
+
+def package_of(module: str) -> str:
+    """A module's package (`zerolm.parallel.zero` -> parallel); the face and the entry points are their own."""
+    if module == FACE or module in ENTRY:
+        return module
+    return module.split(".")[1]
+
+
+def rank(module: str, order: list[str]) -> int:
+    if module in ENTRY:
+        return len(order)
+    return order.index(package_of(module))
+
+
+def upward(graph: dict[str, set[str]], order: list[str]) -> list[str]:
+    """Every import that goes up the order (or into the face from it), as "module -> import"."""
+    wrong = []
+    for module, deps in sorted(graph.items()):
+        for dep in sorted(deps):
+            if module == FACE or (dep != FACE and package_of(dep) != package_of(module)
+                                  and rank(dep, order) >= rank(module, order)):
+                wrong.append(f"{module} -> {dep}")
+    return wrong
+
+
+def test_every_package_is_in_the_order(graph):
+    order = package_order()
+    assert order[0] == "core" and order[-1] == "commands" and len(set(order)) == len(order)
+    packages = {package_of(m) for m in graph} - {FACE, *ENTRY}
+    assert packages == set(order), f"packages docs/layout.md does not order: {sorted(packages - set(order))}"
+
+
+def test_imports_run_one_way(graph):
+    """No module imports from a package after its own (nor does the face import anything): no two packages
+    import each other, directly or through a longer circle."""
+    assert upward(graph, package_order()) == []
+
+
+def test_at_most_a_dozen_modules_at_the_top(graph):
+    top = [m for m in graph if m.count(".") == 1 and not (SRC / m.replace(".", "/")).is_dir()]
+    assert len(top) <= 12 and set(top) == set(ENTRY), top
+
+
+def test_each_packages_docstring_says_what_it_may_import():
+    order = package_order()
+    for i, package in enumerate(order):
+        doc = ast.get_docstring(ast.parse((SRC / "zerolm" / package / "__init__.py").read_text())) or ""
+        said = re.search(r"May import: ([^.]*)\.", doc)
+        assert said, f"zerolm.{package}'s docstring has no 'May import:' line"
+        named = [] if said.group(1).startswith("nothing") else [p.strip() for p in said.group(1).split(",")]
+        assert named == order[:i], f"zerolm.{package}: 'May import: {said.group(1)}', the order says {order[:i]}"
+
+
+def listed_modules() -> set[str]:
+    """The modules docs/layout.md's module table names (`pkg/a.py`, `b.py` in one cell: both in pkg)."""
+    listed = set()
+    for cell in re.findall(r"^\| ((?:`[^`]+`(?:, )?)+) \|", LAYOUT.read_text(), re.M):
+        folder = ""
+        for path in re.findall(r"`([^`]+)`", cell):
+            path = path.removeprefix("zerolm/")
+            if "/" in path:
+                folder = path.rsplit("/", 1)[0] + "/" if not path.endswith("/") else path
+            listed.add((path if "/" in path else folder + path).removesuffix(".py"))
+    return listed
+
+
+def test_every_module_is_on_the_layout_page(graph):
+    listed = listed_modules()
+    missing = []
+    for module in graph:
+        rel = module.removeprefix("zerolm").lstrip(".").replace(".", "/")
+        is_package = (SRC / "zerolm" / rel).is_dir() if rel else True
+        if module == FACE:
+            continue
+        if not (rel in listed or (is_package and rel + "/" in listed) or rel.rsplit("/", 1)[0] + "/*" in listed
+                or any(rel.startswith(p) for p in listed if p.endswith("/"))
+                or (is_package and package_of(module) == rel)):
+            missing.append(module)
+    assert missing == [], f"modules docs/layout.md does not list: {missing}"
 
 
 def test_no_library_module_imports_a_command(graph):
-    wrong = {m: sorted(filter(is_command, deps)) for m, deps in graph.items() if not is_command(m)}
+    wrong = {m: sorted(d for d in deps if d.startswith(COMMANDS)) for m, deps in graph.items()
+             if not m.startswith(COMMANDS) and m not in ENTRY}
     assert not {m: d for m, d in wrong.items() if d}
 
 
 def test_no_library_module_parses_flags():
-    wrong = [p.name for p in SRC.rglob("*.py") if not is_command(module_name(p))
+    wrong = [p.name for p in SRC.rglob("*.py") if not module_name(p).startswith(COMMANDS)
              and any(isinstance(n, (ast.Import, ast.ImportFrom)) and "argparse" in ast.dump(n)
                      for n in ast.walk(ast.parse(p.read_text())))]
     assert not wrong, f"argparse belongs in zerolm.commands: {wrong}"
 
 
 def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
-    """A circle of imports, by depth-first search for a back edge (a package and its own submodules
+    """A circle of module imports, by depth-first search for a back edge (a package and its own submodules
     import each other by design and are not one)."""
     state: dict[str, str] = {}
     stack: list[str] = []
@@ -81,60 +171,23 @@ def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_imports_have_no_circle(graph):
+def test_modules_import_each_other_in_no_circle(graph):
     circle = find_circle(graph)
     assert circle is None, " -> ".join(circle)
 
 
-def test_the_checks_see_the_old_circle_and_wrong_arrow(graph):
-    """The checks are live: the landed main's train.py (it imported cli's parser and comms) is caught."""
-    old_train = "from zerolm.cli import OneLineParser\nfrom zerolm import comms\n"
-    arrows = imports_of(old_train, "zerolm.train", set(graph))
-    assert arrows == {"zerolm.cli", "zerolm.comms"} and any(map(is_command, arrows))
-    old = {"zerolm.cli": {"zerolm.train"}, "zerolm.train": {"zerolm.comms"}, "zerolm.comms": {"zerolm.train"}}
-    assert find_circle(old) == ["zerolm.train", "zerolm.comms", "zerolm.train"]
+def test_the_checks_see_the_arrows_the_tree_had_before(graph):
+    """The checks are live: the config's lazy import of the data package for a mixture's weights, the
+    planner's of the HLO reader for mesh labels, the face importing a package, and the commands' old circle
+    (train imported cli's parser and the collectives report, which imported train) are each caught."""
+    order = package_order()
+    config_source = "def _one_source(self):\n    from zerolm.data.mixture import BLOCK, apportion\n"
+    assert imports_of(config_source, "zerolm.config.tree", set(graph)) == {"zerolm.data.mixture"}
+    old = {**graph, "zerolm.config.tree": {"zerolm.data.mixture"}, "zerolm.plan.traffic": {"zerolm.compile.hlo"},
+           FACE: {"zerolm.core.storage"}}
+    assert upward(old, order) == [f"{FACE} -> zerolm.core.storage", "zerolm.config.tree -> zerolm.data.mixture",
+                                  "zerolm.plan.traffic -> zerolm.compile.hlo"]
+    commands_circle = {"zerolm.cli": {"zerolm.train.trainer"}, "zerolm.train.trainer": {"zerolm.compile.collectives"},
+                       "zerolm.compile.collectives": {"zerolm.train.trainer"}}
+    assert find_circle(commands_circle) == ["zerolm.train.trainer", "zerolm.compile.collectives", "zerolm.train.trainer"]
 
-
-# The floors, top to bottom (docs/layout.md): a module imports only from its own floor or below. A module
-# takes the floor of the longest prefix named here.
-FLOORS = {
-    "commands": ("zerolm.cli", "zerolm.commands", "zerolm.lm_eval_cli"),
-    "run": ("zerolm.train", "zerolm.resume", "zerolm.preemption", "zerolm.metrics", "zerolm.profiling",
-            "zerolm.compilation_cache", "zerolm.library_log", "zerolm.launch", "zerolm.evaluate", "zerolm.sample",
-            "zerolm.export", "zerolm.hf_layouts", "zerolm.restored", "zerolm.plot", "zerolm.aot", "zerolm.advice", "zerolm.comms",
-            "zerolm.census", "zerolm.plan", "zerolm.checkpoint", "zerolm.header", "zerolm.run_data", "zerolm.warm_start",
-            "zerolm.grow", "zerolm.import_hf", "zerolm.step_time", "zerolm.fastest", "zerolm.report", "zerolm.launches",
-            "zerolm.harness", "zerolm.downstream", "zerolm.tasks"),
-    "step": ("zerolm.step", "zerolm.zero", "zerolm.sharded_grad", "zerolm.scatter", "zerolm.optim", "zerolm.naive",
-             "zerolm.model", "zerolm.losses", "zerolm.device_policy"),
-    "parts": ("zerolm", "zerolm.config", "zerolm.storage", "zerolm.mesh", "zerolm.sharding", "zerolm.attention",
-              "zerolm.runlock", "zerolm.hardware", "zerolm.checkpoint_meta", "zerolm.hlo", "zerolm.mfu",
-              "zerolm.interrupts", "zerolm.exitcodes", "zerolm.errors", "zerolm.data"),
-}
-ORDER = list(FLOORS)  # index 0 is the top
-
-
-def floor_of(module: str) -> str:
-    named = [(prefix, floor) for floor, prefixes in FLOORS.items() for prefix in prefixes
-             if module == prefix or module.startswith(prefix + ".")]
-    return max(named, key=lambda pf: len(pf[0]))[1]
-
-
-def upward(graph: dict[str, set[str]]) -> dict[str, list[str]]:
-    """Each module's imports from a floor above its own."""
-    wrong = {m: sorted(d for d in deps if ORDER.index(floor_of(d)) < ORDER.index(floor_of(m)))
-             for m, deps in graph.items()}
-    return {m: d for m, d in wrong.items() if d}
-
-
-def test_every_module_has_a_floor_and_imports_only_down(graph):
-    assert upward(graph) == {}
-
-
-def test_the_floor_check_sees_the_old_upward_arrows(graph):
-    """The check is live: the arrows the layout had before it was held (checkpoint down among the parts,
-    importing the step; the loader importing the step's shardings from above) are caught."""
-    old = {**graph, "zerolm.config": {"zerolm.model"}, "zerolm.data.loader": {"zerolm.zero"},
-           "zerolm.storage": {"zerolm.checkpoint"}}
-    assert upward(old) == {"zerolm.config": ["zerolm.model"], "zerolm.data.loader": ["zerolm.zero"],
-                           "zerolm.storage": ["zerolm.checkpoint"]}

@@ -12,11 +12,11 @@ import pytest
 
 from conftest import small_config
 from test_model_options import LLAMA
-from zerolm import model as gpt_model
-from zerolm.attention import Bias, alibi_slopes, causal_attention
-from zerolm.config import ConfigError
-from zerolm.device_policy import for_device
-from zerolm.sample import Sampling, generate
+from zerolm.config.tree import ConfigError
+from zerolm.model import decoder as gpt_model
+from zerolm.model.attention import Bias, alibi_slopes, causal_attention
+from zerolm.model.device_policy import for_device
+from zerolm.model.generate import Sampling, generate
 
 
 def test_rotary_turns_each_pair_by_its_position_times_its_frequency():
@@ -113,7 +113,7 @@ def test_a_layout_tensor_parallelism_cannot_split_is_one_line(sets, message):
 def test_auto_and_the_number_it_means_are_the_same_parameters():
     """A checkpoint recorded with n_kv_head/mlp_hidden auto starts or resumes a run that spells them out
     (zerolm import-hf writes numbers), and the other way round; another number is another model."""
-    from zerolm.checkpoint import parameter_differences
+    from zerolm.checkpoint.store import parameter_differences
 
     auto = small_config("model.mlp=swiglu").model.model_dump()
     spelled = small_config("model.mlp=swiglu", "model.n_kv_head=4", "model.mlp_hidden=256").model.model_dump()
@@ -124,7 +124,7 @@ def test_auto_and_the_number_it_means_are_the_same_parameters():
 
 @pytest.mark.parametrize("eot", ["<|end_of_text|>", "</s>"])
 def test_an_imported_tokenizers_end_of_text_is_its_own(eot):
-    """Llama 3's and the sentencepiece-era Llama's end-of-text tokens are found (zerolm.import_hf copies such a
+    """Llama 3's and the sentencepiece-era Llama's end-of-text tokens are found (zerolm.hf.importer copies such a
     tokenizer.json beside the checkpoint; documents are packed and masked at that id)."""
     import tokenizers
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import requires_devices
-from zerolm import mesh as zmesh
-from zerolm.mesh import DP, TP, host_reads, make_mesh, this_host_has_first
+from zerolm.parallel import mesh as zmesh
+from zerolm.parallel.mesh import DP, TP, host_reads, make_mesh, this_host_has_first
 
 
 def _fake_mesh(host_of):

@@ -10,7 +10,8 @@ import warnings
 import pytest
 
 from runs import command, env
-from zerolm import mfu
+from zerolm.model.flops import flops_per_token
+from zerolm.observe import mfu
 
 TOKENS_PER_STEP = 16 * 32  # tests/runs.py SMALL: 16 sequences of 32 tokens
 
@@ -37,7 +38,7 @@ def test_every_step_logs_the_documented_fields_with_sane_values(trained_run):
 
 def test_mfu_of_a_step_by_hand_and_the_over_100_percent_warning():
     # 125m (N = 123,689,472 without positions), 8 H100 SXM, 256 × 2048 tokens per step in 0.25 s.
-    accounting = mfu.Accounting(mfu.flops_per_token(123_689_472, 12, 768, 2048), 8, "NVIDIA H100 80GB HBM3")
+    accounting = mfu.Accounting(flops_per_token(123_689_472, 12, 768, 2048), 8, "NVIDIA H100 80GB HBM3")
     values = accounting(256 * 2048 / 0.25)
     by_hand = (256 * 2048 / 0.25 / 8) * (6 * 123_689_472 + 12 * 12 * 768 * 2048) / 989e12
     assert values["mfu"] == pytest.approx(by_hand) and 0.2 < by_hand < 0.3

@@ -4,7 +4,8 @@ import warnings
 
 import pytest
 
-from zerolm import mfu
+from zerolm.model.flops import flops_per_token
+from zerolm.observe import mfu
 
 
 def test_mfu_of_gpt3_small_on_an_h100_by_hand():
@@ -12,7 +13,7 @@ def test_mfu_of_gpt3_small_on_an_h100_by_hand():
     # c_fc 768·3072+3072, mlp c_proj 3072·768+768, two LayerNorms 4·768; ln_f 2·768. L 12, d 768, T 2048.
     per_layer = (768 * 2304 + 2304) + (768 * 768 + 768) + (768 * 3072 + 3072) + (3072 * 768 + 768) + 4 * 768
     n = 50304 * 768 + 12 * per_layer + 2 * 768
-    fpt = mfu.flops_per_token(n, 12, 768, 2048)
+    fpt = flops_per_token(n, 12, 768, 2048)
     assert n == 123_689_472 and fpt == 6 * 123_689_472 + 12 * 12 * 768 * 2048 == 968_629_248
     # 400,000 tokens/s on one H100 SXM: 400e3 × fpt / 989e12.
     assert mfu.mfu(400_000, fpt, "NVIDIA H100 80GB HBM3") == pytest.approx(400_000 * fpt / 989e12)
@@ -21,9 +22,9 @@ def test_mfu_of_gpt3_small_on_an_h100_by_hand():
     import jax
 
     from conftest import REPO
-    from zerolm import model as gpt_model
-    from zerolm.config import load_config
-    from zerolm.device_policy import for_device
+    from zerolm.config.tree import load_config
+    from zerolm.model import decoder as gpt_model
+    from zerolm.model.device_policy import for_device
 
     cfg = load_config(REPO / "configs" / "125m.yaml", ["model.vocab_size=50257"])
     model = gpt_model.GPT(for_device(cfg.model))

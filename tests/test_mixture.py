@@ -10,9 +10,9 @@ import pytest
 
 import runs
 from conftest import REPO, TINY
+from zerolm.core.exitcodes import EXIT_USAGE
 from zerolm.data.mixture import BLOCK, MixtureOrder, apportion
 from zerolm.data.order import sample_order
-from zerolm.exitcodes import EXIT_USAGE
 
 
 def test_every_block_holds_each_datasets_share():
@@ -102,7 +102,7 @@ def _second_dataset(tmp_path, tokenizer, seq_len=32):
 @pytest.mark.slow
 def test_a_mixture_trains_resumes_exactly_after_kill_9_and_logs_its_shares(tmp_path):
     # The default dataset (the first run prepares it into this test's cache) and one of the same tokenizer.
-    from zerolm.data.tokenizer import cache_dir
+    from zerolm.core.storage import cache_dir
 
     runs.train(tmp_path / "first", steps=1)
     default = next(cache_dir().glob("datasets/kjv-*-seq32"))  # the session's private cache (conftest)
@@ -139,6 +139,9 @@ def test_a_mixture_trains_resumes_exactly_after_kill_9_and_logs_its_shares(tmp_p
     ("[{dataset: default, weight: 0}]", "data.mixture.0.weight: Input should be greater than 0"),
     ("[{dataset: default, weight: 1}, {dataset: SECOND, weight: 1}]",
      "data.mixture.1.dataset: SECOND was prepared with tokenizer "),
+    ("[{dataset: default, weight: 1}, {dataset: SECOND, weight: 0.00001}]",
+     "data.mixture.1.weight: 1e-05 gives SECOND none of every 8192 samples (weights are shares of their sum); raise it "
+     "or leave the dataset out"),
 ])
 def test_bad_mixtures_are_one_line(tmp_path, mixture, message):
     from zerolm.data.tokenizer import train_bpe

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from conftest import small_config, small_model
-from zerolm import losses
-from zerolm import model as gpt_model
+from zerolm.model import decoder as gpt_model
+from zerolm.model import losses
 
 
 def test_causal():

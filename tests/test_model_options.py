@@ -1,6 +1,6 @@
 """The model's settings (`model.position: alibi | rope`, `model.bias: false`, dropout, and the Llama layout's
 RMSNorm, SwiGLU, grouped-query attention and untied output layer) through the real sharded step
-(zerolm.step.build_step): on dp 8 at ZeRO stages 1 and 3 and on dp 4 × tp 2, each steps like one device, for
+(zerolm.parallel.build.build_step): on dp 8 at ZeRO stages 1 and 3 and on dp 4 × tp 2, each steps like one device, for
 each attention and layer loop that runs on CPU, with and without document masks (dropout too: its masks are
 drawn per sample, not per device); and each changes the parameters or the function it should."""
 
@@ -10,8 +10,8 @@ import pytest
 
 from conftest import requires_devices, small_config
 from test_zero_stages import assert_same, run
-from zerolm import model as gpt_model
-from zerolm.device_policy import for_device
+from zerolm.model import decoder as gpt_model
+from zerolm.model.device_policy import for_device
 
 pytestmark = requires_devices(8)
 
@@ -70,7 +70,7 @@ def test_alibi_changes_the_function_and_learned_positions_do_not_matter_to_it():
 def test_dropout_drops():
     """Each rate changes the model's output when keys are given, and only then (the layouts' equality above would
     hold for a dropout that did nothing); another sample's key, another mask."""
-    from zerolm.dropout import row_keys
+    from zerolm.model.dropout import row_keys
 
     tokens = np.random.default_rng(0).integers(0, 100, (2, 16))
     plain = gpt_model.GPT(for_device(small_config().model))
@@ -95,7 +95,7 @@ def test_dropout_drops():
 def test_an_attention_that_cannot_do_an_option_is_one_line(sets, message):
     import re
 
-    from zerolm.config import ConfigError
+    from zerolm.config.tree import ConfigError
 
     with pytest.raises(ConfigError, match=re.escape(f"(--set model.attention): {message}")):
         small_config(*sets)
@@ -107,7 +107,7 @@ def test_a_run_with_dropout_resumes_exactly(tmp_path):
     import io
     import json
 
-    from zerolm.train import run as train
+    from zerolm.train.trainer import run as train
 
     def losses(name, steps):
         train(small_config("model.residual_dropout=0.2", "model.attention_dropout=0.2", "model.embedding_dropout=0.1",

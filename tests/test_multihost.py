@@ -12,7 +12,7 @@ from conftest import REPO, free_port, requires_devices
 from zerolm.data import prepare as prep
 from zerolm.data.loader import BatchLoader
 from zerolm.data.shards import PreparedDataset
-from zerolm.mesh import make_mesh
+from zerolm.parallel.mesh import make_mesh
 
 pytestmark = pytest.mark.slow  # multi-process runs through jax.distributed
 

@@ -13,8 +13,8 @@ import pytest
 
 from conftest import REPO
 from test_sources import _hashes
+from zerolm.core.exitcodes import EXIT_USAGE
 from zerolm.data.shards import PreparedDataset
-from zerolm.exitcodes import EXIT_USAGE
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum".split()
 FLAGS = ["--seq-len", "32", "--vocab-size", "300", "--samples-per-shard", "64", "--unit-mb", "1", "--workers", "1"]

@@ -16,10 +16,11 @@ from helpers import bytes_per_device
 from runs import zerolm
 from zerolm import plan
 from zerolm.commands import plan as commands_plan
+from zerolm.core.hardware import GPU_TYPES, PRESETS
 from zerolm.data.dataset import load_planned
-from zerolm.hardware import GPU_TYPES, PRESETS
-from zerolm.mesh import make_mesh
-from zerolm.step import build_step
+from zerolm.model.flops import flops_per_token
+from zerolm.parallel.build import build_step
+from zerolm.parallel.mesh import make_mesh
 
 C125M = REPO / "configs" / "125m.yaml"
 
@@ -197,15 +198,15 @@ def test_plan_bad_input_is_one_line_and_exit_2(args, message):
 
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_planned_mfu_is_the_mfu_training_would_log(remat):
-    """One MFU definition: zerolm.mfu's, which does not count remat's recomputation. The planner's compute
+    """One MFU definition: zerolm.observe.mfu's, which does not count remat's recomputation. The planner's compute
     time includes the recomputation; its MFU must not (it overstated full remat's by 4/3)."""
-    from zerolm import mfu
+    from zerolm.observe import mfu
 
     p = planner("--config", str(C125M), "--device", "h100", "--dp", "8", "--remat", remat)
     step = p.step(p.micro_batch)
     m = p.model
     tokens_per_s_device = p.layout.global_batch * m.seq_len / p.layout.devices / step.step_s
-    expected = mfu.mfu(tokens_per_s_device, mfu.flops_per_token(m.flops_params, m.n_layer, m.d_model, m.seq_len),
+    expected = mfu.mfu(tokens_per_s_device, flops_per_token(m.flops_params, m.n_layer, m.d_model, m.seq_len),
                        "NVIDIA H100 80GB HBM3")
     assert step.mfu() == pytest.approx(expected, rel=1e-12)
     assert step.mfu() < step.efficiency * (0.76 if remat == "full" else 1.0001)  # remat spends a quarter on recompute
@@ -247,7 +248,7 @@ def test_a_micro_batch_is_advised_only_with_the_safety_margin():
     assert planner.report().stages["1"]["largest_micro_batch"] == 2  # the stage table says no more than the step
     # Said as what it is: under the device, not under the margin (the compiler refuses this one; it fits
     # others the planner over-counts, e.g. 6_7b at stage 3 and micro-batch 4: BENCHMARKS.md).
-    from zerolm.plan.report import describe
+    from zerolm.plan.describe import describe
 
     at_four = commands_plan.build(parser.parse_args([*stage_1, "--device", "v3-core", "--dp", "32", "--micro-batch", "4"]))
     line = next(line for line in describe(at_four.report()) if line.strip().startswith("grad "))
@@ -269,7 +270,8 @@ def test_one_micro_step_per_step_keeps_fewer_activations_per_sequence():
     ("v3-core", 32, "v3-32"), ("v4", 32, "v4-64"), ("v5e", 16, "v5e-16"), ("v5p", 64, "v5p-128"), ("h100", 8, "h100-8"),
     ("a100", 1, "a100-80g"), ("h100", 16, None), ("v3-chip", 16, None), ("v3-core", 3, None)])
 def test_the_compile_target_the_advice_names_has_the_plans_devices(preset, devices, target):
-    from zerolm import advice, aot
+    from zerolm.compile import aot
+    from zerolm.compile import micro_batch_search as advice
 
     assert advice.compile_target(preset, devices) == target
     if target is not None:

@@ -7,7 +7,7 @@ import matplotlib.image
 import numpy as np
 
 from runs import zerolm
-from zerolm import plot
+from zerolm.observe import plot
 
 
 def records(run_dir):
@@ -58,8 +58,8 @@ def test_step_time_is_the_step_not_the_host_work_between_steps(monkeypatch):
     """A save (or an evaluation) between two steps is logged as save_s; the next step's time is its own."""
     import time
 
-    from zerolm.metrics import StepMetrics
-    from zerolm.mfu import Accounting
+    from zerolm.observe.metrics import StepMetrics
+    from zerolm.observe.mfu import Accounting
 
     clock = [0.0]
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])

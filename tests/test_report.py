@@ -8,8 +8,9 @@ import pytest
 
 import runs
 from runs import zerolm
-from zerolm import launches, plot, report
-from zerolm.checkpoint import Checkpoints
+from zerolm.checkpoint.store import Checkpoints
+from zerolm.observe import launches, plot
+from zerolm.observe import run_report as report
 
 SECTIONS = ["## Model", "## Data", "## Hardware and mesh", "## Throughput and MFU",
             "## Loss, perplexity and learning rate", "## Downstream tasks", "## Where the time went", "## Launches"]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from zerolm.runlock import LOCK_FILE, LockHeld, RunLock
+from zerolm.checkpoint.run_lock import LOCK_FILE, LockHeld, RunLock
 
 
 def test_local_lock_refuses_a_second_holder_and_names_the_first(tmp_path):

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from conftest import small_config
-from zerolm import model as gpt_model
-from zerolm import sample
-from zerolm.device_policy import for_device
-from zerolm.errors import UsageError
-from zerolm.sample import Sampling, generate
+from zerolm.core.errors import UsageError
+from zerolm.model import decoder as gpt_model
+from zerolm.model import generate as sample
+from zerolm.model.device_policy import for_device
+from zerolm.model.generate import Sampling, generate
 
 
 @pytest.fixture(scope="module")

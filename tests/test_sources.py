@@ -16,10 +16,10 @@ import pytest
 import zstandard
 
 from conftest import REPO
+from zerolm.core.exitcodes import EXIT_USAGE
 from zerolm.data import prepare as prep
 from zerolm.data import sources
 from zerolm.data.sources import SourceError
-from zerolm.exitcodes import EXIT_USAGE
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum".split()
 
@@ -193,7 +193,7 @@ def test_bad_input_is_one_line_and_loses_nothing(tmp_path):
 def test_a_zst_corpus_on_gs_prepares_like_the_same_files_here(gcs, tmp_path):
     """jsonl:gs://BUCKET/web/*.jsonl.zst read through the storage layer: the dataset of the local copy."""
     formats = _corpus(tmp_path, files=2, per_file=120)
-    from zerolm import storage
+    from zerolm.core import storage
 
     for p in sorted(formats["zst"].iterdir()):
         storage.write_atomic(storage.path(f"{gcs.url}/web/{p.name}"), p.read_bytes())

@@ -1,4 +1,4 @@
-"""zerolm.step_time: the matmul FLOPs of a compiled program, loop-aware, against the analytic count; the
+"""zerolm.compile.step_time: the matmul FLOPs of a compiled program, loop-aware, against the analytic count; the
 modeled time rises with FLOPs and with exposed bytes; `zerolm compile --fastest` finds a plan that fits."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from conftest import REPO, TINY
-from zerolm import hlo, step_time
-from zerolm.hardware import preset
+from zerolm.compile import hlo, step_time
+from zerolm.core.hardware import preset
 
 
 def _scan_of_matmuls(k: int) -> str:
@@ -35,7 +35,7 @@ def test_the_blockwise_attentions_causal_key_block_loops_count_at_their_real_tri
     """Query block i reads key blocks 0..i: a loop bound the compiler cannot state. Counted once, the 4-block
     attention's FLOPs came out at 2 of the 10 block pairs it computes; at the mean trip count, exactly the
     analytic count: per (query, key) block pair 2 matmuls forward, 5 backward (QKᵀ again, dV, dP, dQ, dK)."""
-    from zerolm import attention
+    from zerolm.model import attention
 
     B, T, H, K, block = 2, 512, 4, 32, 128
     q = jnp.ones((B, T, H, K), jnp.float32)

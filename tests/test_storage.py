@@ -19,9 +19,9 @@ import runs
 from conftest import REPO, TINY, Bucket
 from gcs import FaultyProxy, GCSServer, environment
 from runs import command, env, losses, start_held, train, zerolm
-from zerolm import storage
-from zerolm.exitcodes import EXIT_STORAGE, EXIT_USAGE
-from zerolm.runlock import LEASE_FILE, LockHeld, RunLock
+from zerolm.checkpoint.run_lock import LEASE_FILE, LockHeld, RunLock
+from zerolm.core import storage
+from zerolm.core.exitcodes import EXIT_STORAGE, EXIT_USAGE
 
 pytestmark = pytest.mark.slow  # training runs against a real GCS server
 
@@ -274,7 +274,7 @@ import socket, sys, time
 host = sys.argv[2]
 if host != "-":
     socket.gethostname = lambda: host
-from zerolm.runlock import RunLock
+from zerolm.checkpoint.run_lock import RunLock
 RunLock.acquire(sys.argv[1], heartbeat_s=0.2, stale_after_s=2)
 print("held", flush=True)
 time.sleep(600)

@@ -10,12 +10,13 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import REPO, TINY, requires_devices, small_config
 from helpers import to_accum_layout
-from zerolm import hlo, sharding
-from zerolm import model as gpt_model
-from zerolm.config import ConfigError, load_config
-from zerolm.mesh import make_mesh
-from zerolm.sharding import is_layout
-from zerolm.step import build_step
+from zerolm.compile import hlo
+from zerolm.config.tree import ConfigError, load_config
+from zerolm.model import decoder as gpt_model
+from zerolm.parallel import sharding
+from zerolm.parallel.build import build_step
+from zerolm.parallel.mesh import make_mesh
+from zerolm.parallel.sharding import is_layout
 
 pytestmark = requires_devices(8)
 LAYOUTS = [(8, 1), (4, 2), (2, 4)]

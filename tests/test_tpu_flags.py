@@ -1,4 +1,4 @@
-"""libtpu's asynchronous collective fusion set by zerolm (zerolm.tpu_flags): where, and a user's flags win.
+"""libtpu's asynchronous collective fusion set by zerolm (zerolm.core.tpu_flags): where, and a user's flags win.
 Its effect on the compiled schedule: tests/test_compile.py (ZeRO-3 on v3-8, with and without)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import os
 import pytest
 
 from conftest import TINY
-from zerolm import tpu_flags
 from zerolm.commands import train as train_command
-from zerolm.config import load_config
+from zerolm.config.tree import load_config
+from zerolm.core import tpu_flags
 
 ALL = " ".join(tpu_flags.ASYNC_COLLECTIVES)
 

@@ -13,11 +13,11 @@ import pytest
 import runs
 from conftest import REPO, TINY, small_config
 from xla_flags import cpu_flags
-from zerolm.config import ConfigError
+from zerolm.config.tree import ConfigError
 from zerolm.data.corpus import default_documents
 from zerolm.data.prepare import prepare
 from zerolm.data.tokenizer import train_bpe
-from zerolm.train import run
+from zerolm.train.trainer import run
 
 
 @pytest.mark.slow
@@ -86,13 +86,13 @@ def test_validation_loss_of_a_checkpoint_is_the_same_on_1_2_and_8_devices(tmp_pa
 
     import jax
 
-    from zerolm.checkpoint import Checkpoints
+    from zerolm.checkpoint.store import Checkpoints
     from zerolm.data.dataset import default_dataset_dir
     from zerolm.data.shards import PreparedDataset
-    from zerolm.evaluate import make_evaluator
-    from zerolm.losses import token_losses
-    from zerolm.mesh import make_mesh
-    from zerolm.step import build_step
+    from zerolm.eval.heldout import make_evaluator
+    from zerolm.model.losses import token_losses
+    from zerolm.parallel.build import build_step
+    from zerolm.parallel.mesh import make_mesh
 
     sets = ["model.vocab_size=auto", "train.steps=4", "train.warmup_steps=1", "train.global_batch_size=16",
             "train.micro_batch_size=2",
@@ -180,7 +180,7 @@ def test_ctrl_c_while_starting_is_one_line_and_130(tmp_path, after_s):
 
 
 def test_a_profile_range_past_the_run_says_what_it_traces():
-    from zerolm.profiling import Profiler
+    from zerolm.observe.profiling import Profiler
 
     said = []
 
@@ -200,7 +200,7 @@ def test_ctrl_c_inside_a_library_function_that_swallows_it_is_delivered_again_ou
     JAX's plugin discovery (a bare except around each plugin's initialize), logged with its traceback and lost
     (seen in the suite: a Ctrl-C 1 s into a run). The handler instead records it and sends SIGINT again, which
     lands outside the function."""
-    from zerolm import interrupts
+    from zerolm.core import interrupts
 
     delivered = []
     previous = signal.signal(signal.SIGINT, lambda *a: delivered.append(True))
@@ -224,7 +224,7 @@ def test_ctrl_c_inside_a_library_function_that_swallows_it_is_delivered_again_ou
 def test_hooks_run_at_their_every_the_last_step_and_a_stop():
     """Evaluation runs every N and at the last step; a save also at a preemption's step; a sample never at the
     last step (the run's closing line is one)."""
-    from zerolm.train import Hook
+    from zerolm.train.trainer import Hook
 
     def steps(hook, n=10, stop=None):
         return [s for s in range(1, n + 1) if hook.due(s, s == n, s == stop)]
@@ -241,8 +241,8 @@ def test_hooks_run_at_their_every_the_last_step_and_a_stop():
 def test_a_run_shorter_than_its_warmup_runs_with_it_cut_records_it_and_resumes_on_the_same_schedule(tmp_path):
     """A smoke run of a config's 20-step warmup: one warning line, the cut warmup (3 of a 4-step schedule) in
     what the run records, and a resume after kill -9 that continues the same lr schedule."""
-    from zerolm import launches
-    from zerolm.checkpoint import Checkpoints
+    from zerolm.checkpoint.store import Checkpoints
+    from zerolm.observe import launches
 
     sets = ["train.warmup_steps=20", "train.schedule_steps=null", "checkpoint.every=2"]
     runs.kill_9_after(tmp_path, *sets, steps=4, before_step=4)  # the checkpoint of step 2 committed

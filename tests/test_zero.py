@@ -12,16 +12,16 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import REPO, requires_devices, small_config, small_model
 from helpers import bytes_per_device, to_accum_layout
-from zerolm import hlo
-from zerolm import model as gpt_model
-from zerolm.config import load_config
-from zerolm.device_policy import for_device
-from zerolm.mesh import make_mesh
-from zerolm.naive import naive_data_parallel_step
-from zerolm.optim import make_optimizer
-from zerolm.scatter import resolve_scatter, two_stage_reduce_scatter
-from zerolm.sharding import is_layout, plan_layout
-from zerolm.zero import Zero
+from zerolm.compile import hlo
+from zerolm.config.tree import load_config
+from zerolm.model import decoder as gpt_model
+from zerolm.model.device_policy import for_device
+from zerolm.parallel.mesh import make_mesh
+from zerolm.parallel.naive_step import naive_data_parallel_step
+from zerolm.parallel.optim import make_optimizer
+from zerolm.parallel.scatter import resolve_scatter, two_stage_reduce_scatter
+from zerolm.parallel.sharding import is_layout, plan_layout
+from zerolm.parallel.zero import Zero
 
 
 def plan(abstract, dp):
@@ -261,7 +261,7 @@ def _flat_params(tree):
 
 
 def _flat(table, views):
-    from zerolm.sharding import from_views
+    from zerolm.parallel.sharding import from_views
     return _flat_params(from_views(table.layouts, jax.tree.map(np.asarray, views)))
 
 
@@ -347,7 +347,7 @@ def test_two_stage_reduce_scatter_is_psum_scatter(inner, shape, axis):
 
 
 def test_two_stage_reduce_scatter_in_the_step():
-    """zero.scatter=two_stage (the TPU's reduce-scatter, zerolm.scatter.resolve_scatter): the same gradient as
+    """zero.scatter=two_stage (the TPU's reduce-scatter, zerolm.parallel.scatter.resolve_scatter): the same gradient as
     one psum_scatter, as two reduce-scatters per leaf over dp sub-groups (stride 4 pairs, then the 4
     consecutive positions: inner 4 on one host of dp 8), a reduce-scatter's bytes in all, none in a loop."""
     cfg = small_config("train.global_batch_size=32", "train.micro_batch_size=1")

@@ -1,4 +1,4 @@
-"""ZeRO-2 and ZeRO-3 (`zero.stage`): through the real sharded step (zerolm.step.build_step), each stage steps
+"""ZeRO-2 and ZeRO-3 (`zero.stage`): through the real sharded step (zerolm.parallel.build.build_step), each stage steps
 like stage 1 and like one device, for each attention and layer loop that runs on CPU, with tp beside dp and
 in mixed precision; and each stage's compiled step has the collectives the design says, where it says.
 (Checkpoints across stages: test_checkpoint.py; two processes at stage 3: test_launch.py.)"""
@@ -9,7 +9,7 @@ import pytest
 
 from conftest import requires_devices, small_config, small_step
 from helpers import to_accum_layout
-from zerolm import comms
+from zerolm.compile import collectives as comms
 
 pytestmark = requires_devices(8)
 

@@ -1,11 +1,11 @@
 """`zerolm` and `python -m zerolm.cli`: the entry point of the command line (zerolm.commands).
 
-Before anything imports JAX, the platforms it may open are chosen for this machine (zerolm.platforms)."""
+Before anything imports JAX, the platforms it may open are chosen for this machine (zerolm.core.platforms)."""
 
 import sys
 
-from zerolm import platforms
 from zerolm.commands import main as run_command_line
+from zerolm.core import platforms
 
 
 def main(argv: list[str] | None = None) -> int:

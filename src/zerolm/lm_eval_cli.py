@@ -1,5 +1,5 @@
 """`python -m zerolm.lm_eval_cli ARGS`: the harness's own `lm_eval` command with the zerolm backend registered
-and zerolm's tasks (zerolm.tasks) indexed beside the harness's, so that
+and zerolm's tasks (zerolm.eval.tasks) indexed beside the harness's, so that
 
     python -m zerolm.lm_eval_cli --model zerolm --model_args checkpoint=checkpoints/tiny --tasks zerolm_cloze
 
@@ -7,7 +7,7 @@ runs as `lm_eval --model hf ...` would. lm-eval 0.4.13 finds external models onl
 already imported (its registry reads no entry points), which a plain `lm_eval` process never does for zerolm;
 this module is that import. Every argument is lm_eval's (`--include_path DIR` adds DIR as well).
 
-Before the harness loads the model, the tasks named get `zerolm eval --tasks`'s checks (zerolm.downstream): an
+Before the harness loads the model, the tasks named get `zerolm eval --tasks`'s checks (zerolm.eval.downstream): an
 unknown task, one whose data is not on this machine, or a mistake in a task file of yours is one line and exit
 code 2. As there, the harness runs offline unless HF_DATASETS_OFFLINE=0 HF_HUB_OFFLINE=0 are set (then with no
 internet, that is one line too). Its bootstrapped standard errors are computed in processes started afresh,
@@ -21,9 +21,9 @@ import os
 import sys
 from typing import Any
 
-from zerolm import downstream
-from zerolm.errors import ZerolmError
-from zerolm.exitcodes import EXIT_USAGE
+from zerolm.core.errors import ZerolmError
+from zerolm.core.exitcodes import EXIT_USAGE
+from zerolm.eval import downstream
 
 KEYS = ("--tasks", "--include_path", "HF_DATASETS_OFFLINE=0 HF_HUB_OFFLINE=0")
 
@@ -37,8 +37,8 @@ def main() -> None:
     from lm_eval.__main__ import cli_evaluate
     from lm_eval._cli.harness import HarnessCLI
 
-    import zerolm.harness  # noqa: F401  (registers the "zerolm" model)
-    from zerolm.tasks import DIRECTORY
+    import zerolm.eval.harness  # noqa: F401  (registers the "zerolm" model)
+    from zerolm.eval.tasks import DIRECTORY
 
     try:
         check(HarnessCLI().parse_args())  # (its `run` inserted into sys.argv where the command was left out)

@@ -4,13 +4,15 @@ A command module declares its flags (`add_arguments`), and its `run(args)` calls
 prints. The library below never imports from here, never parses flags, and prints only to a stream it
 is handed (tests/test_layout.py checks the imports). Errors become exit codes here, in one place: a
 `ZerolmError` (the user's input, or a run stopped for a reason the user acts on) is its one line on
-stderr and its own exit code (zerolm.errors); argparse's errors (a missing or malformed flag) are one
+stderr and its own exit code (zerolm.core.errors); argparse's errors (a missing or malformed flag) are one
 line and exit code 2, through `OneLineParser`; any other exception is a bug of zerolm's: its traceback,
 a line saying so, and exit code 70 (`EXIT_BUG`), never 2.
 
 Each command module is imported only when its command runs (`zerolm --help` imports no JAX), and
 imports the library in its `run`, not at its top: `zerolm <command> --help` imports no JAX either
 (tests/test_commands.py checks both).
+
+May import: core, config, model, parallel, data, checkpoint, plan, compile, observe, eval, hf, train.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from zerolm.errors import ZerolmError
-from zerolm.exitcodes import EXIT_BUG, EXIT_USAGE
-from zerolm.interrupts import guarded
+from zerolm.core.errors import ZerolmError
+from zerolm.core.exitcodes import EXIT_BUG, EXIT_USAGE
+from zerolm.core.interrupts import guarded
 
 # `zerolm <name>`: the module of zerolm.commands that runs it, and its line in `zerolm --help` (in this order).
 COMMANDS = {

@@ -1,12 +1,12 @@
 """`zerolm checkpoints DIR` (or DIR/<step>): a run's checkpoints, each checked, and the one `--resume auto`
-would take (zerolm.checkpoint.describe)."""
+would take (zerolm.checkpoint.store.describe)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from zerolm.errors import UsageError
+from zerolm.core.errors import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,8 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zerolm.checkpoint import describe
-    from zerolm.storage import check
+    from zerolm.checkpoint.store import describe
+    from zerolm.core.storage import check
 
     if "://" not in args.dir and not Path(args.dir).is_dir():
         raise UsageError(f"{args.dir}: no such checkpoint directory")

@@ -1,5 +1,5 @@
 """`zerolm comms --config FILE`: every collective of the compiled training step, beside the planner's
-prediction (zerolm.comms)."""
+prediction (zerolm.compile.collectives)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from zerolm.commands import print_report
-from zerolm.errors import UsageError
+from zerolm.core.errors import UsageError
 
 if TYPE_CHECKING:
     import jax
@@ -45,8 +45,8 @@ def _devices(wanted: int | None) -> list[jax.Device]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zerolm import comms
-    from zerolm.config import load_config
+    from zerolm.compile import collectives as comms
+    from zerolm.config.tree import load_config
     from zerolm.data.dataset import load_planned
 
     if args.devices is not None and args.devices <= 0:

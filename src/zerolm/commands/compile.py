@@ -1,9 +1,9 @@
 """`zerolm compile --config FILE --target TYPE`: the real step compiled for a TPU slice or an NVIDIA GPU on
-this machine (no TPU or GPU needed); does it fit, and what does it send (zerolm.aot)? `--census`: where
-its bytes go, kernel by kernel (zerolm.census).
+this machine (no TPU or GPU needed); does it fit, and what does it send (zerolm.compile.aot)? `--census`: where
+its bytes go, kernel by kernel (zerolm.compile.bytes_moved).
 
 `--largest-micro-batch`: the largest micro-batch that fits instead, compiled up from the planner's advice
-(zerolm.advice); exit 4 if not even one sequence fits.
+(zerolm.compile.micro_batch_search); exit 4 if not even one sequence fits.
 
 Exit codes: 0 it fits; 4 (`EXIT_DOES_NOT_FIT`) it compiles but does not fit the slice's HBM, or the
 compiler refuses a program for its size; 2 bad input (an unknown target, a mesh that does not match
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from zerolm.commands import print_report
-from zerolm.exitcodes import EXIT_DOES_NOT_FIT
+from zerolm.core.exitcodes import EXIT_DOES_NOT_FIT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "it fits (or down until one does)")
     parser.add_argument("--fastest", action="store_true",
                         help="search ZeRO stage x micro-batch x remat (and the attention block) for the fastest step "
-                             "that fits, by zerolm.step_time's model of each compiled candidate (zerolm.fastest)")
+                             "that fits, by zerolm.compile.step_time's model of each compiled candidate "
+                             "(zerolm.compile.fastest_plan)")
     parser.add_argument("--stages", default="1,2,3", help="--fastest: the ZeRO stages to search (default 1,2,3)")
     parser.add_argument("--remats", default="none,dots_attention,dots,full",
                         help="--fastest: the remat policies to search (default none,dots_attention,dots,full)")
@@ -40,8 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zerolm import aot, platforms
-    from zerolm.config import ConfigError, load_config
+    from zerolm.compile import aot
+    from zerolm.config.tree import ConfigError, load_config
+    from zerolm.core import platforms
     from zerolm.data.dataset import load_planned
 
     target = aot.parse_target(args.target)
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         return _fastest(args, target, cfg.zero.tpu_async_collectives)
     _libtpu_flags(target, cfg.zero.tpu_async_collectives, [cfg.zero.stage], args.json)
     if args.largest_micro_batch:
-        from zerolm import advice
+        from zerolm.compile import micro_batch_search as advice
 
         found = advice.search(args.config, args.set, target, on_compile=lambda b, r: None if args.json else print(
             f"micro-batch {b}: {r.peak_bytes_per_device / 2**30:.2f} GiB {'fits' if r.fits else 'does not fit'}",
@@ -71,9 +73,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _libtpu_flags(target, setting: str, stages: list[int], quiet: bool) -> None:
-    """libtpu's asynchronous collective fusion where zero.tpu_async_collectives wants it (zerolm.tpu_flags),
+    """libtpu's asynchronous collective fusion where zero.tpu_async_collectives wants it (zerolm.core.tpu_flags),
     set before the compiler describes the slice (libtpu reads its flags once); its line before the report."""
-    from zerolm import tpu_flags
+    from zerolm.core import tpu_flags
 
     applied = tpu_flags.apply(setting, stages) if target.platform == "tpu" else None
     if applied and not quiet:
@@ -83,8 +85,8 @@ def _libtpu_flags(target, setting: str, stages: list[int], quiet: bool) -> None:
 def _fastest(args: argparse.Namespace, target, async_collectives: str) -> int:
     import dataclasses
 
-    from zerolm import fastest
-    from zerolm.config import ConfigError
+    from zerolm.compile import fastest_plan as fastest
+    from zerolm.config.tree import ConfigError
 
     try:
         stages = tuple(int(x) for x in args.stages.split(","))

@@ -1,5 +1,5 @@
-"""`zerolm eval --checkpoint DIR`: the held-out loss and perplexity of a checkpoint (zerolm.evaluate); with
-`--tasks a,b`, downstream tasks through lm-evaluation-harness instead (zerolm.downstream), their table printed
+"""`zerolm eval --checkpoint DIR`: the held-out loss and perplexity of a checkpoint (zerolm.eval.heldout); with
+`--tasks a,b`, downstream tasks through lm-evaluation-harness instead (zerolm.eval.downstream), their table printed
 and their results written beside the checkpoint as lm-eval-step<N>.json (a later evaluation of the same step
 as lm-eval-step<N>-2.json, -3, ...: none replaces another)."""
 
@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from zerolm.errors import UsageError
+from zerolm.core.errors import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -43,9 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
-    from zerolm import restored
-    from zerolm.evaluate import evaluate_checkpoint
-    from zerolm.storage import check
+    from zerolm.checkpoint import trained_model as restored
+    from zerolm.core.storage import check
+    from zerolm.eval.heldout import evaluate_checkpoint
 
     if args.tasks is not None:
         return run_tasks(args, out)
@@ -71,8 +71,8 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
 def run_tasks(args: argparse.Namespace, out=sys.stdout) -> int:
     """The harness's tasks on the checkpoint: the table printed (--json: one object of the numbers), the
     results JSON written beside it."""
-    from zerolm import downstream
-    from zerolm.storage import check
+    from zerolm.core.storage import check
+    from zerolm.eval import downstream
 
     for flag, value in (("--limit", args.limit), ("--batch-size", args.batch_size)):
         if value is not None and value <= 0:
@@ -82,7 +82,7 @@ def run_tasks(args: argparse.Namespace, out=sys.stdout) -> int:
     # before the model: an unknown task or missing data in seconds
     manager = downstream.prepare(names, args.include_path, args.download)
 
-    from zerolm.harness import ZerolmLM, load_checkpoint
+    from zerolm.eval.harness import ZerolmLM, load_checkpoint
 
     loaded = load_checkpoint(args.checkpoint)
     results = downstream.evaluate(ZerolmLM(loaded=loaded, batch_size=args.batch_size), names, manager, args.limit)
@@ -104,7 +104,7 @@ def write_results(results: dict, checkpoints: str, step: int):
 
     import jax
 
-    from zerolm.storage import create_once, path
+    from zerolm.core.storage import create_once, path
 
     data = json.dumps(results, indent=2, default=str) + "\n"
     for name in itertools.chain([f"lm-eval-step{step}.json"], (f"lm-eval-step{step}-{n}.json" for n in itertools.count(2))):

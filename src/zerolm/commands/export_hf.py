@@ -1,12 +1,12 @@
 """`zerolm export-hf --checkpoint DIR --out OUT`: a checkpoint as a Hugging Face model directory
-(zerolm.export): GPT-2's layout for learned positions, MPT's for ALiBi, Llama's for rotary (zerolm.hf_layouts)."""
+(zerolm.hf.export): GPT-2's layout for learned positions, MPT's for ALiBi, Llama's for rotary (zerolm.hf.layouts)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from zerolm.errors import UsageError
+from zerolm.core.errors import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -26,10 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import jax
 
-    from zerolm import restored
-    from zerolm.export import ALIBI_CONTEXT, export, exported_context
-    from zerolm.hf_layouts import layout_for
-    from zerolm.storage import check, is_remote, path
+    from zerolm.checkpoint import trained_model as restored
+    from zerolm.core.storage import check, is_remote, path
+    from zerolm.hf.export import ALIBI_CONTEXT, export, exported_context
+    from zerolm.hf.layouts import layout_for
 
     out = path(args.out) if is_remote(args.out) else Path(args.out)
     check(args.out, "--out")

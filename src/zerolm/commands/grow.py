@@ -1,5 +1,5 @@
 """`zerolm grow --from CHECKPOINT --config BIGGER.yaml --out DIR`: a deeper model from a trained one, as a
-checkpoint that `zerolm train --set train.init_from=DIR` starts from (zerolm.grow)."""
+checkpoint that `zerolm train --set train.init_from=DIR` starts from (zerolm.checkpoint.grow)."""
 
 from __future__ import annotations
 
@@ -30,13 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, out=None) -> int:
     out = out or sys.stdout  # (read when it runs: a caller may have replaced sys.stdout since the import)
-    from zerolm import platforms
+    from zerolm.core import platforms
 
     platforms.no_device_needed()  # on the host's CPU: it must not take a GPU or TPU that a run is using
 
-    from zerolm.config import load_config
-    from zerolm.grow import Growth, describe_map, grow, parse_map
-    from zerolm.storage import check
+    from zerolm.checkpoint.grow import Growth, describe_map, grow, parse_map
+    from zerolm.config.tree import load_config
+    from zerolm.core.storage import check
 
     check(args.source, "--from")
     check(args.out, "--out")

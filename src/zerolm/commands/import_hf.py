@@ -1,6 +1,6 @@
 """`zerolm import-hf DIR --out CHECKPOINT`: a local transformers model directory (GPT-2, MPT, Llama layout;
 safetensors) as a zerolm checkpoint that `zerolm train --set train.init_from=CHECKPOINT` continues from
-(zerolm.import_hf)."""
+(zerolm.hf.importer)."""
 
 from __future__ import annotations
 
@@ -28,16 +28,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, out=None) -> int:
     out = out or sys.stdout  # (read when it runs: a caller may have replaced sys.stdout since the import)
-    from zerolm import platforms
+    from zerolm.core import platforms
 
     platforms.no_device_needed()  # on the host's CPU: it must not take a GPU or TPU that a run is using
 
     from pathlib import Path
 
-    from zerolm.config import DEFAULTS, load_config
-    from zerolm.errors import UsageError
-    from zerolm.import_hf import TOKENIZER, import_hf
-    from zerolm.storage import check
+    from zerolm.config.tree import DEFAULTS, load_config
+    from zerolm.core.errors import UsageError
+    from zerolm.core.storage import check
+    from zerolm.hf.importer import TOKENIZER, import_hf
 
     directory = Path(args.directory)
     if not directory.is_dir():

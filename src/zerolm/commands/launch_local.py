@@ -1,12 +1,12 @@
 """`zerolm launch-local --processes P --devices-per-process D -- TRAIN_ARGS`: a multi-process run on
-this machine, as a slice or a cluster would run it (zerolm.launch)."""
+this machine, as a slice or a cluster would run it (zerolm.train.launch_local)."""
 
 from __future__ import annotations
 
 import argparse
 
 from zerolm.commands import OneLineParser, train
-from zerolm.errors import UsageError
+from zerolm.core.errors import UsageError
 
 HINT = "put the train arguments after --: zerolm launch-local --processes P --devices-per-process D -- --config ..."
 
@@ -25,7 +25,7 @@ def hint(argv: list[str]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zerolm import launch
+    from zerolm.train import launch_local as launch
 
     if args.processes < 1:
         raise UsageError(f"--processes {args.processes}: must be at least 1")

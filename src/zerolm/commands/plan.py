@@ -7,8 +7,8 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING
 
-from zerolm import platforms
 from zerolm.commands import print_report
+from zerolm.core import platforms
 
 if TYPE_CHECKING:
     from zerolm.plan import Planner
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     planner = build(args)
     report = planner.report(args.stage)
     if args.config:  # what the compiler says is fastest: the exact command for this config and target
-        from zerolm.advice import fastest_command
+        from zerolm.compile.micro_batch_search import fastest_command
 
         sets = [*args.set, *([f"mesh.dp={args.dp}"] if args.dp else []),
                 *([f"train.global_batch_size={args.global_batch}"] if args.global_batch else [])]

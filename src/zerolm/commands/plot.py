@@ -1,11 +1,11 @@
-"""`zerolm plot RUN_DIR...`: loss, throughput, MFU and lr of runs, as a PNG (zerolm.plot)."""
+"""`zerolm plot RUN_DIR...`: loss, throughput, MFU and lr of runs, as a PNG (zerolm.observe.plot)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from zerolm.errors import UsageError
+from zerolm.core.errors import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -19,8 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zerolm.plot import write
-    from zerolm.storage import check
+    from zerolm.core.storage import check
+    from zerolm.observe.plot import write
 
     for where, what in [*((r, "RUN_DIR") for r in args.runs), (args.out or "", "--out")]:
         check(where, what, local_only="a run's logs are local: logging.dir")

@@ -6,9 +6,9 @@ import argparse
 import os
 import sys
 
+from zerolm.core.exitcodes import EXIT_INTERRUPTED
 from zerolm.data.packing import UNIT_MB
 from zerolm.data.prepare import BPE_SAMPLE_MB, missing_units, prepare_part
-from zerolm.exitcodes import EXIT_INTERRUPTED
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

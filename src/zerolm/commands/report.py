@@ -1,4 +1,4 @@
-"""`zerolm report RUN_DIR`: a run's training log, as markdown and PNGs in RUN_DIR/report (zerolm.report)."""
+"""`zerolm report RUN_DIR`: a run's training log, as markdown and PNGs in RUN_DIR/report (zerolm.observe.run_report)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zerolm import report
-    from zerolm.storage import check
+    from zerolm.core.storage import check
+    from zerolm.observe import run_report as report
 
     check(args.run, "RUN_DIR", local_only="a run's logs are local: logging.dir")
     files = report.read(Path(args.run), args.checkpoints)

@@ -1,11 +1,11 @@
-"""`zerolm sample --checkpoint DIR --prompt TEXT`: continue a prompt with a checkpoint's model (zerolm.sample)."""
+"""`zerolm sample --checkpoint DIR --prompt TEXT`: continue a prompt with a checkpoint's model (zerolm.model.generate)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from zerolm.errors import UsageError
+from zerolm.core.errors import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -28,9 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, out=None) -> int:
     import jax
 
-    from zerolm import restored
-    from zerolm.sample import Sampling, generate
-    from zerolm.storage import check
+    from zerolm.checkpoint import trained_model as restored
+    from zerolm.core.storage import check
+    from zerolm.model.generate import Sampling, generate
 
     out = out or sys.stdout
     if args.max_new_tokens < 0:

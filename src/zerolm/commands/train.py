@@ -1,6 +1,6 @@
 """`zerolm train` (and `python main_zero.py`): train a model from a YAML config.
 
-Exit codes (zerolm.exitcodes): 0 done; 2 bad config, data, checkpoint or launch flags, a checkpoint
+Exit codes (zerolm.core.exitcodes): 0 done; 2 bad config, data, checkpoint or launch flags, a checkpoint
 or logging directory held by another run, or a step that does not fit the device's memory; 3 a
 non-finite loss or gradient norm (or, with train.skip_nonfinite, too many skipped updates in a row);
 74 a checkpoint could not be saved (a full disk) or storage stopped answering; 75 stopped by SIGTERM
@@ -17,8 +17,8 @@ import os
 import sys
 import time
 
-from zerolm.errors import ZerolmError
-from zerolm.exitcodes import EXIT_USAGE
+from zerolm.core.errors import ZerolmError
+from zerolm.core.exitcodes import EXIT_USAGE
 
 # JAX, orbax and the library are imported in `run`, not here: `zerolm train --help` imports none of them.
 
@@ -53,15 +53,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def config_of(args: argparse.Namespace, device_count: int | None, say=lambda line: None):
     """The run's config from these flags (ConfigError for a bad one); mesh.dp auto unresolved without
-    `device_count`. `say` takes what it resolves differently from what it says (zerolm.config.load_config)."""
-    from zerolm.config import load_config
+    `device_count`. `say` takes what it resolves differently from what it says (zerolm.config.tree.load_config)."""
+    from zerolm.config.tree import load_config
 
     sets = args.set + ([f"logging.profile={args.profile}"] if args.profile else [])
     return load_config(args.config, sets, device_count=device_count, say=say)
 
 
 def run(args: argparse.Namespace) -> int:
-    from zerolm.mesh import bound_shutdown
+    from zerolm.parallel.mesh import bound_shutdown
 
     try:
         return _run(args)
@@ -72,15 +72,16 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     """Errors: zerolm.commands.run_command prints a ZerolmError's line and returns its code; those raised
     after orbax or the storage clients may still have threads at work exit here, quietly (see below).
-    Ctrl-C before the first step goes up to zerolm.interrupts.guarded: one line, and the process ends at
+    Ctrl-C before the first step goes up to zerolm.core.interrupts.guarded: one line, and the process ends at
     once (an import it cut short can crash the interpreter's shutdown)."""
     import jax
 
-    from zerolm import plot, train
-    from zerolm.checkpoint import CheckpointError
-    from zerolm.mesh import exit_peer_lost, initialize_distributed, is_peer_failure
-    from zerolm.preemption import Preempted
-    from zerolm.storage import StorageFault
+    from zerolm.checkpoint.store import CheckpointError
+    from zerolm.core.storage import StorageFault
+    from zerolm.observe import plot
+    from zerolm.parallel.mesh import exit_peer_lost, initialize_distributed, is_peer_failure
+    from zerolm.train import trainer as train
+    from zerolm.train.preemption import Preempted
 
     try:
         _libtpu_flags(args)
@@ -111,9 +112,9 @@ def _to_stderr(line: str) -> None:
 
 
 def _libtpu_flags(args: argparse.Namespace) -> None:
-    """libtpu's asynchronous collective fusion where zero.tpu_async_collectives wants it (zerolm.tpu_flags),
+    """libtpu's asynchronous collective fusion where zero.tpu_async_collectives wants it (zerolm.core.tpu_flags),
     before JAX opens the devices: libtpu reads its flags once. The header says what was set, on a TPU."""
-    from zerolm import tpu_flags
+    from zerolm.core import tpu_flags
 
     if tpu_flags.may_load_libtpu():
         cfg = config_of(args, None)

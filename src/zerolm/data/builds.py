@@ -16,9 +16,9 @@ from pathlib import Path
 
 from etils import epath
 
-from zerolm import storage
+from zerolm.core import storage
+from zerolm.core.errors import ZerolmError
 from zerolm.data.manifest import MANIFEST, DataError, Manifest
-from zerolm.errors import ZerolmError
 
 
 class PrepareError(ZerolmError):

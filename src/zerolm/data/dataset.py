@@ -11,14 +11,15 @@ from pathlib import Path
 import jax
 from jax.experimental import multihost_utils
 
-from zerolm.config import Config, ConfigError, load_config
+from zerolm.config.tree import Config, ConfigError, load_config
+from zerolm.core.errors import first_line
+from zerolm.core.storage import cache_dir
 from zerolm.data.manifest import MANIFEST
-from zerolm.data.mixture import Mixture
+from zerolm.data.mixture import Mixture, check_weights
 from zerolm.data.order import VERSION as ORDER_VERSION
 from zerolm.data.prepare import PrepareError, prepare
 from zerolm.data.shards import DataError, PreparedDataset
-from zerolm.data.tokenizer import TokenizerError, cache_dir, from_file
-from zerolm.errors import first_line
+from zerolm.data.tokenizer import TokenizerError, from_file
 
 
 def default_dataset_dir(cfg: Config) -> Path:
@@ -30,6 +31,7 @@ def open_dataset(cfg: Config) -> PreparedDataset | Mixture:
     default corpus is prepared on first use (by process 0)."""
     if cfg.data.mixture is None:
         return _open(cfg, cfg.data.dataset, "data.dataset")
+    check_weights([e.weight for e in cfg.data.mixture], [str(e.dataset) for e in cfg.data.mixture])
     datasets, names = [], []
     for i, entry in enumerate(cfg.data.mixture):
         key = f"data.mixture.{i}.dataset"

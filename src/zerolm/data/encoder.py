@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 
+from zerolm.core.interrupts import die_with_parent
 from zerolm.data import sources
 from zerolm.data.packing import Encoded
 from zerolm.data.sources import Skipped
 from zerolm.data.tokenizer import Tokenizer, from_bytes
-from zerolm.interrupts import die_with_parent
 
 
 class Encoder:

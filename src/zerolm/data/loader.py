@@ -25,11 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from zerolm import sharding
 from zerolm.data.mixture import MixedSplit
 from zerolm.data.order import VERSION as ORDER_VERSION
 from zerolm.data.shards import DataError, Split
-from zerolm.mesh import DP, TP, host_reads, this_host_has_first
+from zerolm.parallel import sharding
+from zerolm.parallel.mesh import DP, TP, host_reads, this_host_has_first
 
 
 class BatchLoader:

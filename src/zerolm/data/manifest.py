@@ -14,7 +14,7 @@ import dataclasses
 import json
 from typing import Any
 
-from zerolm.errors import ZerolmError
+from zerolm.core.errors import ZerolmError
 
 FORMAT = "zerolm-tokens/1"
 MANIFEST = "manifest.json"

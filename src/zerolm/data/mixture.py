@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from zerolm.config.tree import ConfigError
 from zerolm.data.order import VERSION as ORDER_VERSION
 from zerolm.data.order import sample_order
 
@@ -32,6 +33,14 @@ def apportion(weights: Sequence[float] | np.ndarray, total: int) -> np.ndarray:
     order = np.argsort(-(exact - seats), kind="stable")
     seats[order[: total - int(seats.sum())]] += 1
     return seats
+
+
+def check_weights(weights: Sequence[float], names: Sequence[str]) -> None:
+    """Every dataset of a mixture has samples in each block (ConfigError naming the weight that gives none)."""
+    for i, (weight, name, seats) in enumerate(zip(weights, names, apportion(weights, BLOCK), strict=True)):
+        if seats == 0:
+            raise ConfigError(f"data.mixture.{i}.weight: {weight:g} gives {name} none of every {BLOCK} samples "
+                              "(weights are shares of their sum); raise it or leave the dataset out")
 
 
 class MixtureOrder:

@@ -32,7 +32,7 @@ from typing import Any, TypeAlias
 import numpy as np
 from etils import epath
 
-from zerolm import storage
+from zerolm.core import storage
 from zerolm.data import sources
 from zerolm.data.manifest import SPLITS, Manifest, ShardInfo, SplitInfo, TokenizerInfo
 

@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 from etils import epath
 from tqdm import tqdm
 
-from zerolm import storage
+from zerolm.core import storage
 from zerolm.data import packing, sources
 from zerolm.data.builds import (
     SETTINGS,

@@ -23,11 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-from zerolm import storage
+from zerolm.core import storage
+from zerolm.core.storage import cache_dir
 from zerolm.data.manifest import MANIFEST, DataError, Manifest, ShardInfo
 from zerolm.data.order import VERSION as ORDER_VERSION
 from zerolm.data.order import GlobalOrder, ShardOrder, sample_order
-from zerolm.data.tokenizer import Tokenizer, cache_dir, from_file
+from zerolm.data.tokenizer import Tokenizer, from_file
 
 
 def _join(location: str, name: str) -> str:

@@ -27,9 +27,9 @@ from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from zerolm import storage
+from zerolm.core import storage
+from zerolm.core.errors import ZerolmError, first_line
 from zerolm.data.corpus import default_documents
-from zerolm.errors import ZerolmError, first_line
 
 CHUNK_BYTES = 1 << 20  # raw bytes of records per chunk: a worker's unit of work
 COMPRESSED = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}

@@ -16,7 +16,8 @@ import tiktoken
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from zerolm.errors import ZerolmError
+from zerolm.core.errors import ZerolmError
+from zerolm.core.storage import cache_dir
 
 
 class TokenizerError(ZerolmError):
@@ -30,11 +31,6 @@ END_OF_TEXT = (EOT, "<|end_of_text|>", "</s>")
 MIN_BPE_VOCAB = 257  # a byte-level BPE holds the 256 bytes and the end-of-text token at least
 # GPT-2's pre-tokenization regex (tiktoken's r50k_base); a .tiktoken file carries only the ranks.
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-
-
-def cache_dir() -> Path:
-    """Where built artefacts (tokenizers, prepared default data) live: $ZEROLM_CACHE or ~/.cache/zerolm."""
-    return Path(os.environ.get("ZEROLM_CACHE", Path.home() / ".cache" / "zerolm"))
 
 
 class Tokenizer:

@@ -1,4 +1,5 @@
-"""Know before you launch: per-device memory of ZeRO stages 0–3, the micro-batch that fits, the step time.
+"""Know before you launch, by formula: per-device memory of ZeRO stages 0-3, the micro-batch that fits, the
+step time and the collectives' bytes, for a config or a parameter count, on a device preset.
 
 The planner, along its seams:
   spec.py         what a plan is about: the model, its parallel layout, bytes per parameter
@@ -9,12 +10,14 @@ The planner, along its seams:
   planner.py      the Planner: memory, the step peak, the micro-batch that fits, the step time, scaling
   build.py        a plan's model from a config or from a parameter count
   request.py      what `zerolm plan` asks, checked, and the Planner for it
-  report.py       the report, as JSON and as the lines `zerolm plan` prints
+  describe.py     the report, as JSON and as the lines `zerolm plan` prints
+
+May import: core, config, model, parallel, data, checkpoint.
 """
 
 from zerolm.plan.build import from_config, model_from_params
+from zerolm.plan.describe import PlanReport, describe
 from zerolm.plan.planner import SAFETY_MARGIN, Planner, PlanSettings
-from zerolm.plan.report import PlanReport, describe
 from zerolm.plan.request import PlanRequest, planner_for
 from zerolm.plan.spec import PRECISIONS, STAGES, BytesPerParam, Model, Parallelism, PlanError
 from zerolm.plan.states import AnalyticStates, ExactStates

@@ -17,11 +17,11 @@ assignment counts it (the planner's step peak, checked against `zerolm compile`)
 
 from __future__ import annotations
 
-from zerolm.attention import PALLAS_LANES
+from zerolm.model.attention import PALLAS_LANES
 from zerolm.plan.spec import Model
 
 # Elements of the compute dtype per token and model width: what a block keeps for its backward pass
-# without remat (every matmul's output and the attention's, zerolm.model.REMAT_POLICIES["none"]), and what
+# without remat (every matmul's output and the attention's, zerolm.model.decoder.REMAT_POLICIES["none"]), and what
 # one block's rebuild and backward pass hold under full remat. Read from the compilers' figures for
 # zerolm's step (125m-1_3b on v3-32, v4-32, v5e-64, v5p-64 with libtpu and on h100-8 with XLA's GPU
 # compiler, micro-batch 1-32; BENCHMARKS.md "The planner's step peak against the compilers'"): with the
@@ -79,7 +79,7 @@ def step_activation_bytes(m: Model, micro: int, tp: int, attention: str, accum_s
     - the loss: the output layer's float32 gradient as it is summed and the embedding's (2·V·h·4),
       and a chunk's float32 logits with their gradient in the compute dtype (the micro-batch's, if
       smaller; without chunking, loss_chunk 0, autodiff keeps three float32 copies)."""
-    from zerolm.device_policy import resolve_scan_layers
+    from zerolm.model.device_policy import resolve_scan_layers
 
     scanned = resolve_scan_layers(m.scan_layers, platform, m.remat)  # the layer loop zerolm compiles there
     b, t = micro, tp

@@ -38,7 +38,7 @@ def model_from_params(n: int, layers: int | None, width: int | None, heads: int 
         raise PlanError(f"--params: {n:,} cannot hold a {layers} × {width} model: its embeddings alone are "
                         f"{embeddings:,} parameters ({padded:,} vocabulary + {seq_len:,} positions × {width}); give a "
                         "larger N, or a smaller --width / --vocab")
-    # Tensor parallelism splits the blocks, not the embeddings (zerolm.sharding.RULES); LayerNorms ignored.
+    # Tensor parallelism splits the blocks, not the embeddings (zerolm.parallel.sharding.RULES); LayerNorms ignored.
     return Model(n, n - embeddings, layers, width, heads, seq_len, padded, remat=remat,
                  source=f"--params {n:,} (shape {layers} layers × {width}, {heads} heads)")
 
@@ -48,11 +48,11 @@ def from_config(cfg, dp: int, tp: int) -> tuple[Model, Any]:
     import jax
     from jax.sharding import AbstractMesh, AxisType
 
-    from zerolm import model as gpt_model
-    from zerolm.device_policy import scan_layers_at_stage
-    from zerolm.mesh import DP, TP
-    from zerolm.optim import make_optimizer
-    from zerolm.sharding import Table, param_spec
+    from zerolm.model import decoder as gpt_model
+    from zerolm.model.device_policy import scan_layers_at_stage
+    from zerolm.parallel.mesh import DP, TP
+    from zerolm.parallel.optim import make_optimizer
+    from zerolm.parallel.sharding import Table, param_spec
 
     # What build_step builds, on no devices: only the parameters' shapes are read, which neither the
     # compute dtype, the attention nor the layer loop changes.

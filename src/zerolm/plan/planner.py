@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from zerolm.hardware import Device, gpu_memory_fraction
-from zerolm.mfu import flops_per_token
+from zerolm.core.hardware import Device, gpu_memory_fraction
+from zerolm.model.flops import flops_per_token
 from zerolm.plan.activations import activation_bytes, step_activation_bytes
-from zerolm.plan.report import PlanReport
+from zerolm.plan.describe import PlanReport
 from zerolm.plan.spec import PRECISIONS, STAGES, BytesPerParam, Model, Parallelism
 from zerolm.plan.timing import StepTime, bucketed, ring_time, tree_time
 
@@ -19,7 +19,7 @@ from zerolm.plan.timing import StepTime, bucketed, ring_time, tree_time
 # (compiled/planned up to 1.158: 1_3b on v4-32 at micro-batch 16, full remat; every compile in
 # BENCHMARKS.md, benchmarks/plan_vs_compile.py, which says if this margin is ever smaller). So the
 # advice is never more than the compiler fits, and sometimes less: `zerolm compile --largest-micro-batch`
-# compiles up from it (zerolm.advice), and the launch gate compiles the run's own.
+# compiles up from it (zerolm.compile.micro_batch_search), and the launch gate compiles the run's own.
 SAFETY_MARGIN = 0.16
 
 
@@ -77,9 +77,9 @@ class Planner:
 
     @property
     def attention(self) -> str:
-        """The attention zerolm runs on this device preset (zerolm.device_policy.resolve_auto, the rule training
+        """The attention zerolm runs on this device preset (zerolm.model.device_policy.resolve_auto, the rule training
         applies to its devices), or the config's."""
-        from zerolm.device_policy import resolve_auto
+        from zerolm.model.device_policy import resolve_auto
 
         m = self.model
         return resolve_auto("bfloat16" if m.act_bytes == 2 else "float32", m.attention, self.device.platform,
@@ -143,7 +143,7 @@ class Planner:
         m, d, lay, p = self.model, self.device, self.layout, self.precision
         accum = lay.per_rank // micro
         remat = self.model.remat == "full"
-        # zerolm.mfu's count; full remat runs the forward pass again: 8·N + 16·L·d·T = 4/3 of it.
+        # zerolm.observe.mfu's count; full remat runs the forward pass again: 8·N + 16·L·d·T = 4/3 of it.
         model_flops_token = flops_per_token(m.flops_params, m.n_layer, m.d_model, m.seq_len)
         tokens_device = lay.global_batch * m.seq_len / lay.devices
         compute = model_flops_token * (4 / 3 if remat else 1) * tokens_device / (d.flops * self.efficiency)

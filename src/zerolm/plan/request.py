@@ -7,9 +7,9 @@ import dataclasses
 import functools
 import math
 
-from zerolm.config import Config, load_config, tp_split_problem
+from zerolm.config.tree import Config, load_config, tp_split_problem
+from zerolm.core.hardware import preset
 from zerolm.data.dataset import load_planned
-from zerolm.hardware import preset
 from zerolm.plan.build import from_config, model_from_params
 from zerolm.plan.planner import Planner, PlanSettings
 from zerolm.plan.spec import Parallelism, PlanError

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from zerolm.errors import ZerolmError
+from zerolm.core.errors import ZerolmError
 
 STAGES = (0, 1, 2, 3)
 
@@ -44,20 +44,22 @@ class Model:
     source: str = ""
     param_bytes: int = 4  # of the working parameters (zero.precision: fp32 4, mixed 2)
     acc_bytes: int = 4  # of the gradient accumulator (zero.accumulate_dtype)
-    attention: str = "auto"  # model.attention (auto: the device's choice, as zerolm.device_policy.for_device)
+    attention: str = "auto"  # model.attention (auto: the device's choice, as zerolm.model.device_policy.for_device)
     attention_block: int = 512  # model.attention_block
     document_mask: bool = False  # model.document_mask: segment ids beside each layer's attention
-    scan_layers: bool | str = "auto"  # model.scan_layers (auto: the device's choice, zerolm.device_policy.resolve_scan_layers)
+    # model.scan_layers (auto: the device's choice, zerolm.model.device_policy.resolve_scan_layers)
+    scan_layers: bool | str = "auto"
 
     # The layer's layout where it is not GPT-2's (a config's model; zerolm.plan.build.from_config):
     kv_heads: int = 0  # model.n_kv_head; 0: n_head
     mlp_width: int = 0  # the MLP's hidden units; 0: 4·d_model
     gated_mlp: bool = False  # model.mlp: swiglu (a gate beside the up projection)
-    matmul_params: int = 0  # zerolm.mfu's N (zerolm.model.count_params(matmul_only)); 0: params less a position table
+    # zerolm.model.flops's N (zerolm.model.decoder.count_params(matmul_only)); 0: params less a position table
+    matmul_params: int = 0
 
     @property
     def flops_params(self) -> int:
-        """N without the position embedding (zerolm.mfu's convention), nor an untied token embedding."""
+        """N without the position embedding (zerolm.observe.mfu's convention), nor an untied token embedding."""
         return self.matmul_params or self.params - self.seq_len * self.d_model
 
     @property

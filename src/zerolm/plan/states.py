@@ -7,7 +7,7 @@ parameters. Bytes per parameter (zerolm.plan.spec.PRECISIONS):
     fp32    4 (fp32 params) + 4 (fp32 gradient accumulator) + 8 (fp32 Adam m, v)   what zerolm trains
 
 From a config the bytes are exact (`ExactStates`): the very layouts the train step uses, asked of
-zerolm.sharding on an abstract mesh (no devices needed), padding and step counters included; stage 1 at
+zerolm.parallel.sharding on an abstract mesh (no devices needed), padding and step counters included; stage 1 at
 fp32 is the train state. From a parameter count they are the paper's formulas in N (`AnalyticStates`).
 """
 
@@ -40,14 +40,14 @@ class AnalyticStates:
 
 
 class ExactStates:
-    """Model-state bytes of zerolm's own layouts (`zerolm.sharding.Table` on an abstract mesh)."""
+    """Model-state bytes of zerolm's own layouts (`zerolm.parallel.sharding.Table` on an abstract mesh)."""
 
     def __init__(self, table):
         import jax
         import numpy as np
         import optax
 
-        from zerolm.sharding import abstract_views, shard_bytes, with_shardings
+        from zerolm.parallel.sharding import abstract_views, shard_bytes, with_shardings
 
         def cast(tree, dtype):
             return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype, sharding=a.sharding), tree)

@@ -1,6 +1,6 @@
 """Step time: compute at a share of the device's peak, and the collectives' ring (and tree) model.
 
-Compute = (6·N + 12·L·h·s) FLOPs per token (zerolm.mfu; 8·N + 16·L·h·s with full remat) over the
+Compute = (6·N + 12·L·h·s) FLOPs per token (zerolm.observe.mfu; 8·N + 16·L·h·s with full remat) over the
 device's peak times the efficiency. A ring reduce-scatter or all-gather of S bytes over n devices takes
 base + (n−1)·hop latency + (n−1)/n·S/bandwidth (an all-reduce twice the steps), hops between nodes at
 the inter-node latency and the whole ring at the slowest link's bandwidth; the tree all-reduce (NCCL's
@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import math
 
-from zerolm.hardware import Device
+from zerolm.core.hardware import Device
 
 
 def _span(device: Device, n: int, tp: int) -> tuple[int, float, float]:
@@ -61,7 +61,7 @@ class StepTime:
     buckets: int
     overlapped_s: float  # the step with the bucketed reduction overlapping the last backward pass
     efficiency: float  # assumed share of peak while computing
-    model_flops: float  # per device per step, zerolm.mfu's count: no recomputation (what training logs)
+    model_flops: float  # per device per step, zerolm.observe.mfu's count: no recomputation (what training logs)
     peak_flops: float  # of one device
 
     @property
@@ -69,7 +69,7 @@ class StepTime:
         return self.compute_s + self.tp_comm_s + self.grad_comm_s + self.param_gather_s
 
     def mfu(self, overlap: bool = False) -> float:
-        """zerolm.mfu's MFU, as training would log it at this step time: the model's FLOPs without the
+        """zerolm.observe.mfu's MFU, as training would log it at this step time: the model's FLOPs without the
         recomputation of remat (which the compute time does include) over the device's peak."""
         return self.model_flops / (self.peak_flops * (self.overlapped_s if overlap else self.step_s))
 

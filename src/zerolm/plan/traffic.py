@@ -1,19 +1,18 @@
 """The collectives of zerolm's step as the planner counts them: what `zerolm comms` and `zerolm compile` put
-beside what the compiler really emitted (zerolm.comms)."""
+beside what the compiler really emitted (zerolm.compile.collectives)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 
-from zerolm import hlo
-from zerolm.mesh import DP, TP
+from zerolm.parallel.mesh import DP, TP, axis_names, axis_share
 
 
 @dataclasses.dataclass
 class Prediction:
     """One predicted row: a kind of collective of one program, its bytes per device (summed over the HLO
-    instructions) and per optimizer step; `found_*` are what the compiled step showed (zerolm.comms)."""
+    instructions) and per optimizer step; `found_*` are what the compiled step showed (zerolm.compile.collectives)."""
 
     program: str  # grad | update | step (the naive baseline)
     op: str  # all-reduce, reduce-scatter, all-gather, collective-permute
@@ -32,7 +31,7 @@ class Prediction:
     @property
     def axes(self) -> list[str] | None:
         """The mesh axes of `span` (whole axes, or the axis of a share)."""
-        return None if self.span is None else list(hlo.axis_names(self.span))
+        return None if self.span is None else list(axis_names(self.span))
 
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "axes": self.axes}
@@ -48,12 +47,12 @@ class CountedStep:
     n_layer: int = 0
     remat: bool = False  # full remat: a third forward all-reduce per layer
     param_bytes: int = 4  # the parameters' dtype: 4, or 2 in mixed precision
-    scatter: str = "collective"  # how a reduce-scatter runs: collective | two_stage | ring (zerolm.scatter)
+    scatter: str = "collective"  # how a reduce-scatter runs: collective | two_stage | ring (zerolm.parallel.scatter)
     inner: int | None = None  # two_stage's inner group
 
 
 def predicted_collectives(table, step: CountedStep) -> list[Prediction]:
-    """zerolm's step on `table`'s mesh (a zerolm.sharding.Table) as the planner counts it. `span` None:
+    """zerolm's step on `table`'s mesh (a zerolm.parallel.sharding.Table) as the planner counts it. `span` None:
     over dp, whichever other axes the partitioner adds (it splits the update's all-gathers between dp and
     dp+tp freely).
 
@@ -107,7 +106,7 @@ class _Tally:
 def _tally(table, grad_reduce: str, accum: int, param_bytes: int) -> _Tally:
     import jax
 
-    from zerolm.sharding import is_layout
+    from zerolm.parallel.sharding import is_layout
 
     tp_local, _, _ = table.reduction(grad_reduce)
     dp, tp = table.dp, table.tp
@@ -152,13 +151,13 @@ def _reductions(t: _Tally, grad_reduce: str, scatter: str, dp: int, inner: int |
     labels: dict[str, int] = {}  # by the HLO's label; stages of one size (outer = inner) share a row
     for n, times in ((dp // inner, inner), (inner, 1)):
         if n > 1:
-            label = hlo.axis_share(DP, n, dp)
+            label = axis_share(DP, n, dp)
             labels[label] = labels.get(label, 0) + times
     return [p for label, times in labels.items() for p in rows("reduce-scatter", [label], times)] + [loss]
 
 
 def step_predictions(cfg, model, zero) -> list[Prediction]:
-    """`predicted_collectives` of the step zerolm.step.build_step made of `cfg` (`model`'s dtype is the one
+    """`predicted_collectives` of the step zerolm.parallel.build.build_step made of `cfg` (`model`'s dtype is the one
     resolved for the mesh's devices)."""
     import jax.numpy as jnp
 
@@ -170,7 +169,7 @@ def step_predictions(cfg, model, zero) -> list[Prediction]:
 
 
 def naive_predictions(abstract_params, accum: int) -> list[Prediction]:
-    """The naive single jit (zerolm.naive): XLA all-reduces every micro-step's gradient inside the
+    """The naive single jit (zerolm.parallel.naive_step): XLA all-reduces every micro-step's gradient inside the
     accumulation loop: at least the gradient's bytes per micro-step (XLA may reduce a leaf's parts
     separately, e.g. the tied embedding's input and output gradients)."""
     import jax

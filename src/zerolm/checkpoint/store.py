@@ -1,0 +1,421 @@
+"""Checkpoints with orbax: asynchronous, sharded, atomic, and restorable on another device count.
+
+A checkpoint is a step directory written by an orbax CheckpointManager, holding two items:
+  state  params, the dp-sharded optimizer state (each process writes its own shards) and the step
+  meta   JSON: the resolved config, the dp it was saved on, the dataset/tokenizer identity, tokens
+         seen, the last loss, the wandb run id, the time
+Locally, orbax writes into a temporary directory and renames it when complete; on gs://, which has no
+rename, it writes the step's directory in place and marks it complete with a last object,
+`commit_success.txt`. Either way a save cut short by a crash is never listed, and what it left is
+removed by the next run that locks the directory (`remove_unfinished`).
+
+Damage after the fact (a truncated or deleted file, a disk that lost a block) is caught by
+`verify`: once a save is durable, process 0 records the size of every file in it
+(`zerolm_files.json`), and a checkpoint whose files no longer match, or whose metadata cannot be
+read, is damaged. `--resume auto` moves a damaged checkpoint aside (`<dir>.damaged/`, never deleted)
+and takes the newest intact one before it.
+
+The data loader's position is not stored separately: the batch of step s is a pure function of
+(seed, s) (see data/loader.py), so the step is the position.
+
+Elastic restore: the optimizer state is saved in the ZeRO layout of the (dp, tp) it was trained on
+(see sharding.Layout). Leaves split along an axis have the parameter's shape whatever the mesh is, and
+restore straight into the new sharding. Leaves packed into dp·tp padded blocks change shape with the
+mesh: they are restored whole and repacked (sharding.Table.restore_target decides which).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import absl.logging
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from zerolm.checkpoint.meta import FORMAT, CheckpointMeta
+from zerolm.config.model import resolved_shape
+from zerolm.core import storage
+from zerolm.core.errors import ZerolmError, first_line
+from zerolm.parallel.sharding import with_shardings
+from zerolm.parallel.zero import TrainState, Zero
+
+
+class CheckpointError(ZerolmError):
+    """A checkpoint that cannot be used; one line naming the directory and what is wrong."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint whose files are missing, truncated or unreadable (as opposed to one that does not fit)."""
+
+    def __init__(self, step: int, where: epath.Path, reason: str):
+        super().__init__(f"{where}: damaged checkpoint: {reason}")
+        self.step, self.reason = step, reason
+
+
+FILE_LIST = "zerolm_files.json"  # relative path -> bytes of every file of a durable checkpoint
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's marker of a local save not yet finalized
+COMMIT_FILE = "commit_success.txt"  # orbax's marker of a finalized save on gs://
+
+
+@contextlib.contextmanager
+def quiet_orbax():
+    """absl WARNING/INFO lines from orbax ("Given directory is read only" ...) say nothing to a user."""
+    verbosity = absl.logging.get_verbosity()
+    absl.logging.set_verbosity(absl.logging.ERROR)
+    try:
+        yield
+    finally:
+        absl.logging.set_verbosity(verbosity)
+
+
+class SaveFailed(storage.StorageFault):
+    """A checkpoint could not be written (a full disk, a lost permission, storage that stopped answering):
+    the run must stop now, and the checkpoint before stays the latest (orbax finalizes a save only once it
+    is complete)."""
+
+
+def _free_space(directory: epath.Path) -> str:
+    import shutil
+
+    if storage.is_remote(directory):
+        return f"the storage endpoint is {storage.endpoint()}"
+    try:
+        return f"{shutil.disk_usage(str(directory)).free / 2**20:,.1f} MiB free there"
+    except OSError:
+        return "free space unknown"
+
+
+@functools.cache  # once per process
+def _replica_parallel_for_large_arrays_only(min_bytes: int = 2**20) -> None:
+    """orbax writes a replicated array (ZeRO-1's parameters) as one slice per replica, in parallel. Each
+    slice is an op JAX compiles on first use, about 50 ms each: 4 s of a small model's first save spent
+    on arrays that are written as fast whole. Slices of at least `min_bytes` only; orbax's own handler
+    otherwise (its array metadata store, which restores PRNG keys, is kept). Quietly: orbax's "overriding
+    jax.Array" warning says nothing to a user."""
+    current = ocp.type_handlers.get_type_handler(jax.Array)
+    with quiet_orbax():
+        ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+            min_slice_bytes_for_replica_parallel=min_bytes,
+            array_metadata_store=getattr(current, "_array_metadata_store", None)), override=True)
+
+
+class Checkpoints:
+    """The checkpoints of one run directory (local path or gs://)."""
+
+    def __init__(self, directory: str | epath.Path, *, keep: int = 3, keep_every: int | None = None,
+                 read_only: bool = False):
+        self.directory = _path(directory)
+        if storage.is_remote(self.directory):
+            storage.quiet_tensorstore_credentials(str(self.directory))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, keep_period=keep_every, create=not read_only, read_only=read_only,
+            enable_async_checkpointing=True)
+        _replica_parallel_for_large_arrays_only()
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        self._unrecorded: list[int] = []  # saves whose file list is written once they are durable
+        self._failed = False  # a save failed (SaveFailed raised): nothing more to wait for
+        self._closed = False
+        # Raises StorageFault once the storage is known to have failed (the run lock's lease could not be
+        # renewed): a wait for a save in flight stops then, instead of for as long as the clients retry.
+        self.health: Callable[[], None] = lambda: None
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, state: TrainState, meta: CheckpointMeta, *, wait: bool = False) -> None:
+        """Start an asynchronous save; the step continues while it is written."""
+        step = meta.step
+        if self._unrecorded:
+            self.wait()  # orbax would wait for the previous save here anyway
+        with self._failure(step):
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                            meta=ocp.args.JsonSave(meta.to_json())), force=True)
+        self._unrecorded.append(step)
+        if wait:
+            self.wait()
+
+    def check(self) -> None:
+        """Raise SaveFailed if a save in the background has failed (called every step: cheap)."""
+        if self._unrecorded:
+            with self._failure(self._unrecorded[-1]):
+                self.manager.check_for_errors()
+
+    @contextlib.contextmanager
+    def _failure(self, step: int, *, complete: bool = False):
+        """A failed write becomes SaveFailed, naming the checkpoint that stays the latest. `complete`: the
+        save of `step` was already durable (what failed was recording its files)."""
+        try:
+            yield
+        except SaveFailed:
+            raise
+        except Exception as e:  # orbax and TensorStore raise many types for a failed write
+            self._unrecorded = []
+            self._failed = True
+            try:
+                latest = [s for s in self.steps() if s != step or complete]
+            except Exception:  # the storage that failed the save may not answer this either
+                latest = [step] if complete else []
+            kept = (f"the checkpoint of step {latest[-1]} stays the latest" if latest else
+                    "there is no earlier checkpoint")
+            if isinstance(e, storage.StorageFault):  # the storage is known to have failed (the lease)
+                raise SaveFailed(f"{e}; the save of step {step} is abandoned and {kept}") from None
+            what = (f"recording the files of the checkpoint of step {step} (complete)" if complete else
+                    f"saving the checkpoint of step {step}")
+            raise SaveFailed(f"{self.directory}: {what} failed ({first_line(e)}); "
+                             f"{_free_space(self.directory)}; {kept}; stopping the run") from None
+
+    def wait(self) -> None:
+        """Until the save in flight is durable; then record its files."""
+        if self._failed:
+            return
+        with self._failure(self._unrecorded[-1] if self._unrecorded else -1):
+            while self.manager.is_saving_in_progress():
+                self.health()
+                time.sleep(0.05)
+            self.manager.wait_until_finished()
+        for step in self._unrecorded:
+            path = self.directory / str(step)
+            if jax.process_index() == 0:
+                with self._failure(step, complete=True):
+                    files = storage.sizes(path)
+                    if files:
+                        storage.write_atomic(path / FILE_LIST, json.dumps({"files": files}))
+        self._unrecorded = []
+
+    def close(self) -> None:
+        """Wait for the save in flight, then close. After a failed save nothing is waited for: orbax's
+        threads may still be retrying a storage that is gone, and the process is about to exit."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            if not self._failed:
+                self.manager.close()
+
+    def verify(self, step: int) -> None:
+        """Raise DamagedCheckpoint if a file recorded at save time is missing or changed size, or the
+        metadata cannot be read. A checkpoint without a file list (killed between its save and the
+        record) is checked by restoring it."""
+        where = self.directory / str(step)
+        record = where / FILE_LIST
+        if record.exists():
+            try:
+                files = json.loads(record.read_text())["files"]
+            except (ValueError, KeyError, OSError) as e:
+                raise DamagedCheckpoint(step, where, f"{FILE_LIST} is unreadable ({e})") from None
+            present = storage.sizes(where)  # one listing (on gs://, a call per file would be slow)
+            for name, size in sorted(files.items()):
+                if name not in present:
+                    raise DamagedCheckpoint(step, where, f"{name} is missing")
+                if (actual := present[name]) != size:
+                    raise DamagedCheckpoint(step, where, f"{name} has {actual} bytes, {size} when it was saved")
+        self.meta(step)
+
+    def meta(self, step: int) -> CheckpointMeta:
+        try:
+            return CheckpointMeta.from_json(dict(self.manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]))
+        except Exception as e:  # orbax raises many types for a damaged directory
+            raise DamagedCheckpoint(step, self.directory / str(step), "cannot read its metadata "
+                                    f"({type(e).__name__}: {first_line(e)})") from None
+
+    def readable_meta(self, step: int) -> CheckpointMeta:
+        """The metadata of a checkpoint in the format this zerolm reads."""
+        meta = self.meta(step)
+        if meta.format != FORMAT:
+            raise CheckpointError(f"{self.directory / str(step)}: checkpoint format {meta.format}, this "
+                                  f"zerolm reads format {FORMAT} (c_attn's kernel became (layers, d, 3, d) for tensor "
+                                  "parallelism); use it with the zerolm that wrote it, or start over with --resume "
+                                  "never --overwrite")
+        return meta
+
+    def param_count(self, step: int) -> int:
+        """How many parameters checkpoint `step` holds, from its arrays' recorded shapes (nothing restored)."""
+        try:
+            with quiet_orbax():
+                tree = ocp.PyTreeCheckpointer().metadata(self.directory / str(step) / "state").item_metadata
+            return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree["params"]))
+        except Exception as e:  # orbax raises many types for a damaged directory
+            raise DamagedCheckpoint(step, self.directory / str(step), "cannot read its arrays' shapes "
+                                    f"({type(e).__name__}: {first_line(e)})") from None
+
+    def restore_params(self, step: int, target: Any) -> Any:
+        """Only the parameters of `step`, into `target` (abstract arrays with the shardings wanted,
+        e.g. from `sharding.with_shardings`): for evaluation, sampling and export, whatever mesh the
+        run trained on. The optimizer state is not read."""
+        target = {"params": target}
+        args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                      partial_restore=True)
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
+        except Exception as e:
+            raise DamagedCheckpoint(step, self.directory / str(step), "cannot restore its parameters "
+                                    f"({type(e).__name__}: {first_line(e)})") from None
+
+    def restore(self, step: int, zero: Zero, model_config: dict) -> tuple[TrainState, CheckpointMeta]:
+        """Restore `step` into `zero`'s mesh and shardings. Checks the model first; writes nothing."""
+        meta = self.readable_meta(step)
+        where = self.directory / str(step)
+        check_compatible(meta, where, model_config, zero.precision)
+        saved_dp, saved_tp = meta.dp, meta.tp
+        opt_target, repack = zero.table.restore_target(saved_dp, saved_tp, meta.stage)
+        target = TrainState(step=jax.ShapeDtypeStruct((), np.int32, sharding=zero.table.replicated),
+                            params=with_shardings(zero.working_params, zero.table.param_shardings),
+                            opt_state=opt_target)
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+        except Exception as e:
+            raise DamagedCheckpoint(step, where, "cannot restore it "
+                                    f"({type(e).__name__}: {first_line(e)})") from None
+        state = restored["state"]
+        state = state.replace(opt_state=repack(state.opt_state))
+        return state, meta
+
+
+def check_compatible(meta: CheckpointMeta, where: epath.Path, model_config: dict, precision: str) -> None:
+    """CheckpointError unless a run of this model and precision can continue checkpoint `where`."""
+    differs = [f"model.{k}: checkpoint {saved!r}, config {v!r}" for k, saved, v in
+               parameter_differences(meta.model, model_config)]
+    if differs:
+        raise CheckpointError(f"{where}: the checkpoint's model differs from the config: " + "; ".join(differs))
+    if meta.precision != precision:
+        raise CheckpointError(
+            f"{where}: the checkpoint was trained with zero.precision={meta.precision}, the config says "
+            f"{precision}; resume with --set zero.precision={meta.precision} (the optimizer state differs: "
+            "mixed keeps float32 master weights in it; zerolm does not change a run's precision mid-way)")
+
+
+# Keys that change how the model computes, not what its parameters are.
+_COMPUTE_ONLY = {"dtype", "attention", "attention_block", "remat", "scan_layers", "loss_chunk", "embedding_dropout",
+                 "residual_dropout", "attention_dropout",
+                 "eot_id"}  # the tokenizer's: the data's identity (its sha256) already pins it
+
+
+def parameter_differences(saved_model: dict, model_config: dict, *, besides: tuple[str, ...] = ()) -> list[tuple]:
+    """(key, saved value, config value) of each model setting that differs and makes other parameters
+    (not one of _COMPUTE_ONLY, nor of `besides`), in the config's key order."""
+    # A key differs where it is written differently and means different shapes (auto and the number it resolves
+    # to are the same; two autos are, whatever a differing key makes of them: that key is named instead).
+    saved, wanted = resolved_shape(saved_model), resolved_shape(model_config)
+    return [(k, saved_model.get(k), v) for k, v in model_config.items()
+            if saved_model.get(k) != v and saved.get(k) != wanted.get(k) and k not in _COMPUTE_ONLY
+            and k not in besides]
+
+
+def directory_size(path: epath.Path) -> int:
+    return sum(storage.sizes(path).values())
+
+
+_path = storage.path
+
+
+def _stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def remove_unfinished(directory: str | epath.Path) -> list[str]:
+    """Delete what saves that never finished left (their run died mid-save): orbax's temporary
+    directories locally; on gs://, step directories without orbax's `commit_success.txt`.
+
+    Only safe while holding the directory's run lock: a live run's save in flight looks the same."""
+    directory = _path(directory)
+    if storage.is_remote(directory):
+        steps: dict[str, set[str]] = {}
+        for name in storage.sizes(directory):
+            top, _, rest = name.partition("/")
+            if top.isdigit() and rest:
+                steps.setdefault(top, set()).add(rest)
+        unfinished = sorted((directory / top for top, files in steps.items() if COMMIT_FILE not in files),
+                            key=lambda p: int(p.name))
+    elif directory.exists():
+        unfinished = sorted(p for p in directory.iterdir() if TMP_SUFFIX in p.name)
+    else:
+        return []
+    for p in unfinished:
+        storage.remove_tree(p)
+    return [p.name for p in unfinished]
+
+
+def move_aside(directory: str | epath.Path, keep: tuple[str, ...] = ()) -> epath.Path:
+    """Move a run's checkpoints into `<dir>.replaced-<time>/` (never delete someone's checkpoints).
+
+    The directory itself stays, with the entries named in `keep` (the run lock)."""
+    directory = _path(directory)
+    aside = directory.parent / f"{directory.name}.replaced-{_stamp()}"
+    aside.mkdir(parents=True)
+    for p in directory.iterdir():
+        if p.name not in keep:
+            storage.move(p, aside / p.name)
+    return aside
+
+
+def move_damaged(directory: str | epath.Path, step: int) -> epath.Path:
+    """Move one damaged step out of the run into `<dir>.damaged/<step>-<time>` (never deleted)."""
+    directory = _path(directory)
+    target = directory.parent / f"{directory.name}.damaged" / f"{step}-{_stamp()}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    storage.move(directory / str(step), target)
+    return target
+
+
+SIZES_ONLY = ("(a step marked ok has every file with the size it had when saved, and its metadata reads; the "
+              "arrays' contents are checked only by a restore: a same-size corruption shows then, and --resume auto "
+              "moves that step aside and takes the one before)")
+
+
+def describe(directory: str | epath.Path) -> str:
+    """The table `zerolm checkpoints DIR` prints: every step, damaged ones marked, and the step
+    `--resume auto` would really take (the newest intact one). DIR may also be one step's directory
+    (`checkpoints/tiny/200`): then that step alone is described."""
+    directory = _path(directory)
+    only = None
+    if directory.name.isdigit() and directory.is_dir() and not any(p.name.isdigit() for p in directory.iterdir()):
+        only, directory = int(directory.name), directory.parent
+    with quiet_orbax():
+        ckpts = Checkpoints(directory, read_only=True)
+        steps = ckpts.steps()
+        if only is not None:
+            if only not in steps:
+                raise CheckpointError(f"{directory / str(only)}: not a complete checkpoint of {directory} "
+                                      f"(its steps: {', '.join(map(str, steps)) or 'none'})")
+            steps = [only]
+        if not steps:
+            return f"{directory}: no complete checkpoint; `--resume auto` would start from scratch"
+        rows = ["step  saved (UTC)           size      tokens seen      loss    dp  status"]
+        intact = []
+        for step in steps:
+            size = directory_size(ckpts.directory / str(step))
+            try:
+                ckpts.verify(step)
+                meta = ckpts.meta(step)
+            except DamagedCheckpoint as e:
+                rows.append(f"{step:<5} {'-':<19}  {size / 2**20:7.1f} MiB  {'-':>13}  {'-':>8}  {'-':>4}  "
+                            f"DAMAGED: {e.reason}")
+                continue
+            intact.append(step)
+            saved = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(meta.time))
+            loss = f"{meta.loss:.4f}" if meta.loss is not None else "-"
+            rows.append(f"{step:<5} {saved}  {size / 2**20:7.1f} MiB  {meta.tokens_seen:>13,}  {loss:>8}  "
+                        f"{meta.dp:>4}  ok")
+    if only is not None:
+        return "\n".join(rows + ([SIZES_ONLY] if intact else []))
+    if intact:
+        rows.append(f"`--resume auto` would take step {intact[-1]}"
+                    + (" (the newer damaged ones are moved aside)" if intact[-1] != steps[-1] else ""))
+        rows.append(SIZES_ONLY)
+    else:
+        rows.append("`--resume auto` would start from scratch: no intact checkpoint")
+    return "\n".join(rows)

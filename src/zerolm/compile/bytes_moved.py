@@ -1,0 +1,237 @@
+"""Where a compiled program's bytes go: a census of the kernels it runs, read from its optimized HLO.
+
+Every instruction a device runs as a kernel (a fusion, a custom call such as a cuBLAS GEMM or cuDNN's
+attention, a copy, a collective, ...) is counted once per execution of the program: inside a while loop,
+times the loop's trip count (XLA's `known_trip_count`; a loop without one counts once, and the census says
+so). Its bytes are what it reads and writes: its operands and its result, except where XLA works on a
+slice of a buffer in place: a dynamic-update-slice (alone, or at the root of a fusion, into one of the
+fusion's parameters) writes only its update and does not read the buffer it updates; a slice or a
+dynamic-slice reads only its slice. Bookkeeping (parameters, constants, tuples, bitcasts, the loops themselves) moves
+nothing. It is a rough measure, the roofline's: what a kernel reuses from a cache, or reads twice, is not
+seen. Without a profiler, it shows the copies, the slices of stacked buffers and the reductions a step
+spends its memory bandwidth on (`zerolm compile --census`; benchmarks/census.py compares layer loops).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterable
+
+from zerolm.compile import hlo
+
+# Instructions that move no bytes of their own.
+_BOOKKEEPING = frozenset({
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+    "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain",
+    "all-reduce-done", "all-gather-done", "collective-permute-done", "async-done", "async-update", "copy-done",
+    "send-done", "recv-done"})
+_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
+_ARRAY = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]*)\]")
+_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
+_KIND = re.compile(r"\bkind=(k\w+)")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_CALLED = re.compile(r"\b(?:body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
+                     r"|\bbranch_computations=\{([^}]*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    result: str  # the result type's text
+    opcode: str
+    operands: tuple[str, ...]  # each operand's text: its type and its name
+    attributes: str  # the rest of the line
+
+
+@dataclasses.dataclass
+class Row:
+    kind: str  # e.g. "fusion (loop) -> dynamic-update-slice" (its root), "custom-call __cublas$lt$matmul", "copy"
+    instructions: int  # distinct instructions of this kind
+    executions: int  # times they run per execution of the program
+    bytes: int  # bytes read and written per execution of the program
+
+
+@dataclasses.dataclass
+class Census:
+    rows: list[Row]  # by bytes, largest first
+    unknown_trip_counts: int  # while loops without a known trip count (each counted as running once)
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.bytes for r in self.rows)
+
+    def of(self, prefix: str) -> int:
+        """Bytes of the kinds that start with `prefix` (e.g. "copy", "fusion", "custom-call")."""
+        return sum(r.bytes for r in self.rows if r.kind.startswith(prefix))
+
+    def to_json(self) -> dict:
+        return {"bytes": self.bytes, "unknown_trip_counts": self.unknown_trip_counts,
+                "rows": [dataclasses.asdict(r) for r in self.rows]}
+
+
+def array_bytes(text: str) -> int:
+    """Bytes of every array type written in `text` (a result type, an operand)."""
+    return sum(hlo._BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d)
+               for t, dims in _ARRAY.findall(text))
+
+
+def _split_operands(rest: str) -> tuple[tuple[str, ...], str]:
+    """The operand list that opens `rest` (up to its matching parenthesis), split at top-level commas."""
+    depth, start, parts = 0, 0, []
+    for i, ch in enumerate(rest):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                parts.append(rest[start:i])
+                return tuple(p.strip() for p in parts if p.strip()), rest[i + 1:]
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(rest[start:i])
+            start = i + 1
+    return tuple(p.strip() for p in parts if p.strip()), ""
+
+
+def parse(lines: Iterable[str]) -> list[Instruction]:
+    out = []
+    for line in lines:
+        m = _LINE.match(line)
+        if m:
+            operands, attributes = _split_operands(m.group(4))
+            out.append(Instruction(m.group(1), m.group(2), m.group(3), operands, attributes))
+    return out
+
+
+def _operand_name(operand: str) -> str:
+    return operand.rsplit(" ", 1)[-1].lstrip("%")
+
+
+def _typed(instructions: list[Instruction]) -> list[Instruction]:
+    """The instructions with each operand's type written out (the GPU compiler prints operands by name
+    only): looked up among the computation's own results."""
+    types = {ins.name: ins.result for ins in instructions}
+    return [dataclasses.replace(ins, operands=tuple(
+        op if "[" in op.split("%", 1)[0] else f"{types.get(_operand_name(op), '')} {op}" for op in ins.operands))
+        for ins in instructions]
+
+
+def _fusion_bytes(ins: Instruction, fused: list[Instruction]) -> int:
+    """A fusion's operands and result, with slices of its parameters read and updated in place counted as
+    the slices (see the module docstring)."""
+    by_name = {f.name: f for f in fused}
+    params = {f.name: int(f.operands[0]) for f in fused if f.opcode == "parameter" and f.operands}
+    users: dict[str, list[Instruction]] = {}
+    for f in fused:
+        for op in f.operands:
+            users.setdefault(_operand_name(op), []).append(f)
+    root = fused[-1] if fused else None
+    roots = [by_name.get(_operand_name(op)) for op in root.operands] if root and root.opcode == "tuple" else [root]
+    read = [array_bytes(op) for op in ins.operands]
+    written = array_bytes(ins.result)
+    for r in roots:
+        if r is not None and r.opcode == "dynamic-update-slice" and _operand_name(r.operands[0]) in params:
+            read[params[_operand_name(r.operands[0])]] = 0  # updated in place, not read
+            written += array_bytes(r.operands[1]) - array_bytes(r.result)
+    for name, index in params.items():
+        uses = users.get(name, [])
+        if uses and all(u.opcode in ("slice", "dynamic-slice") and _operand_name(u.operands[0]) == name for u in uses):
+            read[index] = min(read[index], sum(array_bytes(u.result) for u in uses))
+    return sum(read) + written
+
+
+def _kind(ins: Instruction, comps: dict[str, list[Instruction]]) -> str:
+    if ins.opcode == "fusion":
+        kind = _KIND.search(ins.attributes)
+        called = _CALLS.search(ins.attributes)
+        fused = comps.get(called.group(1), []) if called else []
+        root = fused[-1].opcode if fused else "?"
+        if root == "tuple":
+            by_name = {f.name: f.opcode for f in fused}
+            root = "+".join(sorted({by_name.get(_operand_name(op), "?") for op in fused[-1].operands}))
+        return f"fusion ({kind.group(1)[1:].lower() if kind else '?'}) -> {root}"
+    if ins.opcode == "custom-call":
+        target = _TARGET.search(ins.attributes)
+        return f"custom-call {target.group(1) if target else '?'}"
+    return ins.opcode.removesuffix("-start")
+
+
+def _bytes(ins: Instruction, comps: dict[str, list[Instruction]]) -> int:
+    if ins.opcode == "fusion" and (called := _CALLS.search(ins.attributes)):
+        return _fusion_bytes(ins, comps.get(called.group(1), []))
+    if ins.opcode == "dynamic-update-slice":
+        return 2 * array_bytes(ins.operands[1])
+    if ins.opcode in ("slice", "dynamic-slice"):
+        return 2 * array_bytes(ins.result)
+    return sum(array_bytes(op) for op in ins.operands) + array_bytes(ins.result)
+
+
+def census(hlo_text: str) -> Census:
+    """The census of one compiled program (its optimized HLO text)."""
+    raw = hlo._computations(hlo_text)
+    comps = {name: _typed(parse(lines)) for name, lines in raw.items()}
+    entry = next((m.group(1) for line in hlo_text.splitlines() if line.startswith("ENTRY")
+                  for m in [hlo._COMPUTATION.match(line)] if m), None)
+    rows: dict[str, Row] = {}
+    unknown = 0
+    stack: list[tuple[str, int]] = [(entry, 1)] if entry else []
+    seen: set[str] = set()
+    while stack:
+        name, times = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for ins in comps.get(name, []):
+            for m in _CALLED.finditer(ins.attributes):
+                callees = [m.group(1)] if m.group(1) else [c.strip().lstrip("%") for c in m.group(2).split(",")]
+                if ins.opcode == "while" and "body=" in m.group(0):
+                    trip = hlo._TRIP_COUNT.search(ins.attributes)
+                    unknown += trip is None
+                    stack.extend((c, times * (int(trip.group(1)) if trip else 1)) for c in callees)
+                elif ins.opcode in ("while", "conditional", "call"):
+                    stack.extend((c, times) for c in callees)
+            if ins.opcode == "async-start" and (called := _CALLS.search(ins.attributes)):
+                stack.append((called.group(1), times))
+                continue
+            if ins.opcode in _BOOKKEEPING:
+                continue
+            kind = _kind(ins, comps)
+            row = rows.setdefault(kind, Row(kind, 0, 0, 0))
+            row.instructions += 1
+            row.executions += times
+            row.bytes += times * _bytes(ins, comps)
+    return Census(sorted(rows.values(), key=lambda r: -r.bytes), unknown)
+
+
+def merge(censuses: Iterable[Census]) -> Census:
+    """Several programs' censuses as one (a step's grad, reshard and update)."""
+    rows: dict[str, Row] = {}
+    unknown = 0
+    for c in censuses:
+        unknown += c.unknown_trip_counts
+        for r in c.rows:
+            into = rows.setdefault(r.kind, Row(r.kind, 0, 0, 0))
+            into.instructions += r.instructions
+            into.executions += r.executions
+            into.bytes += r.bytes
+    return Census(sorted(rows.values(), key=lambda r: -r.bytes), unknown)
+
+
+def describe(c: Census, top: int = 12) -> list[str]:
+    """The census as lines: each kind of kernel with its executions and bytes, the largest first."""
+    total = c.bytes or 1
+    lines = [f"bytes moved per step: {c.bytes / 1e9:,.1f} GB (operands and results of every kernel, times its "
+             "loops' trip counts; zerolm.compile.bytes_moved)",
+             f"  {'kernel':44s} {'instructions':>12s} {'executions':>11s} {'GB':>10s} {'share':>6s}"]
+    for r in c.rows[:top]:
+        lines.append(f"  {r.kind[:44]:44s} {r.instructions:12,d} {r.executions:11,d} {r.bytes / 1e9:10,.1f} "
+                     f"{r.bytes / total:6.1%}")
+    if len(c.rows) > top:
+        rest = c.rows[top:]
+        lines.append(f"  {'(' + str(len(rest)) + ' other kinds)':44s} {sum(r.instructions for r in rest):12,d} "
+                     f"{sum(r.executions for r in rest):11,d} {sum(r.bytes for r in rest) / 1e9:10,.1f} "
+                     f"{sum(r.bytes for r in rest) / total:6.1%}")
+    if c.unknown_trip_counts:
+        lines.append(f"  ({c.unknown_trip_counts} loop(s) without a known trip count: counted as running once)")
+    return lines

@@ -1,0 +1,314 @@
+"""A step's time read off its compiled programs: the matmul FLOPs at the chip's peak, plus the collectives
+the compiler's schedule leaves exposed at the interconnect's bandwidth.
+
+For each compiled program of the step (grad, reshard, update; zerolm.compile.aot):
+
+- **FLOPs**: every `dot` (2 · result elements · contracted elements) and `convolution` (2 · result elements
+  · kernel elements per output feature) of the optimized HLO, fused or not, times the runs of the
+  computation that holds it: the trip counts of the while loops around it (zerolm.compile.hlo.runs: the layer scan,
+  the accumulation loop, the blockwise attention's query blocks), and for the blockwise attention's key-block
+  loop, whose bound is its query block's index + 1, the mean of its trip counts ((N + 1) / 2 of N blocks:
+  zerolm.compile.hlo.TRIANGULAR_LOOP; `triangular_loops` says how many). A loop of unknown trip count is counted once
+  (`unknown_loops`). cuDNN's flash attention (a custom call) is
+  counted by its shapes: forward QKᵀ and A·V, 4·B·H·Tq·Tk·dh; backward those recomputed and the three
+  gradients' matmuls, 10·B·H·Tq·Tk·dh; half of each under a causal mask (the kernel skips the masked tiles).
+  Other custom calls (the TPU's Pallas kernels, a cuBLAS call with no dot dimensions stated) are not
+  counted: `uncounted_kernels` says how many run, and their FLOPs are missing from the figure.
+- **Exposed collectives**: each collective's bytes (its result, per device) times its runs; the ones the
+  scheduler made asynchronous with compute placed between their start and done (zerolm.compile.hlo.async_collectives)
+  are taken as hidden behind that compute; the rest, synchronous ones in full, are exposed and cost a ring's
+  time over their replica group at the device's link bandwidth (zerolm.plan.timing.ring_time: latency
+  plus (n−1)/n of the buffer per pass, two passes for an all-reduce).
+
+Modeled step time = Σ programs (FLOPs / peak + exposed collectives' time). Assumptions, so what it is: a
+lower bound that ranks plans rather than a prediction. Every matmul runs at the chip's dense bf16 peak
+(float32 matmuls too); everything else (elementwise work, normalisation, the optimizer, memory traffic,
+kernel launches) is free; a hidden collective is entirely hidden, an exposed one overlaps nothing. Its
+error against steps measured on an H100 is stated in docs/planning.md (benchmarks/step_time.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import TYPE_CHECKING
+
+from zerolm.compile import bytes_moved as census
+from zerolm.compile import hlo
+from zerolm.core.hardware import Device
+from zerolm.plan.timing import ring_time
+
+if TYPE_CHECKING:
+    from zerolm.parallel.build import BuiltStep
+
+_DIMS = re.compile(r"\[([\d,]*)\]")
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_DIM_LABELS_ALL = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_INTERMEDIATE = re.compile(r'"intermediate_tensor_shape":\s*\{[^}]*?"dimensions":\s*\[([^\]]*)\]')
+_CAUSAL = re.compile(r'"mask_type":\s*"CAUSAL')
+_FMHA_FORWARD, _FMHA_BACKWARD = 4, 10  # matmul FLOPs of cuDNN's attention per B·H·Tq·Tk·dh (see above)
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]')
+# Custom calls that run matmuls: a cuBLAS GEMM (counted from its dot dimensions), the TPU's Pallas (Mosaic)
+# kernels and Triton's (not counted: their FLOPs are not written in the HLO).
+_MATMUL_KERNELS = ("cublas", "gemm", "matmul", "tpu_custom_call", "triton", "cudnn$conv")
+
+
+def _dims(type_text: str) -> list[int]:
+    m = _DIMS.search(type_text)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def _dot_flops(ins: census.Instruction, types: dict[str, str]) -> int:
+    lhs = _dims(_type_of(ins.operands[0], types))
+    dims = _CONTRACTING.search(ins.attributes)
+    contracted = math.prod(lhs[int(i)] for i in dims.group(1).split(",") if i) if dims else 1
+    return 2 * math.prod(_dims(ins.result)) * contracted
+
+
+def _window(attributes: str, key: str, n: int, default: int) -> list[int]:
+    m = re.search(rf"\b{key}=([\d_x]+)", attributes)
+    return [int(v) for v in m.group(1).split("x")] if m else [default] * n
+
+
+def _convolution_flops(ins: census.Instruction, types: dict[str, str]) -> int:
+    """2 · multiply-adds that touch real input: output batch × output features × the kernel's input
+    features × per spatial dimension the (output, kernel) position pairs that land on an input element, not
+    on padding or a dilation hole (the TPU compiler writes batched matmuls as convolutions whose windows,
+    strides and dilations line up one kernel position per output)."""
+    labels = _DIM_LABELS_ALL.search(ins.attributes)
+    if labels is None:
+        return 0
+    lhs_l, rhs_l, out_l = labels.groups()
+    lhs, rhs, out = _dims(_type_of(ins.operands[0], types)), _dims(_type_of(ins.operands[1], types)), _dims(ins.result)
+    spatial = sorted(c for c in lhs_l if c.isdigit())
+    n = len(spatial)
+    size = _window(ins.attributes, "size", n, 1)
+    stride, lhs_dilate = _window(ins.attributes, "stride", n, 1), _window(ins.attributes, "lhs_dilate", n, 1)
+    rhs_dilate = _window(ins.attributes, "rhs_dilate", n, 1)
+    pads = re.search(r"\bpad=([\d_x\-]+)", ins.attributes)
+    low = [int(p.split("_")[0]) for p in pads.group(1).split("x")] if pads else [0] * n
+    macs = out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")]
+    for d, c in enumerate(spatial):
+        extent = (lhs[lhs_l.index(c)] - 1) * lhs_dilate[d] + 1
+        pairs = 0
+        for o in range(out[out_l.index(c)]):
+            for k in range(size[d]):
+                p = o * stride[d] + k * rhs_dilate[d] - low[d]
+                pairs += 0 <= p < extent and p % lhs_dilate[d] == 0
+        macs *= pairs
+    return 2 * macs
+
+
+def _gemm_flops(ins: census.Instruction, types: dict[str, str]) -> int:
+    """A cuBLAS GEMM custom call: its result (the first of its tuple) times the contracted elements."""
+    lhs = _dims(_type_of(ins.operands[0], types))
+    dims = _GEMM_CONTRACTING.search(ins.attributes)
+    contracted = math.prod(lhs[int(i.strip().strip('"'))] for i in dims.group(1).split(",") if i.strip()) if dims else 1
+    return 2 * math.prod(_dims(ins.result)) * contracted
+
+
+def _fmha_flops(ins: census.Instruction, target: str) -> int:
+    scores = _INTERMEDIATE.search(ins.attributes)
+    if scores is None:
+        return 0
+    b, h, tq, tk = (int(d.strip().strip('"')) for d in scores.group(1).split(","))
+    head_dim = _dims(ins.result)[-1]
+    per = _FMHA_BACKWARD if "Backward" in target else _FMHA_FORWARD
+    return per * b * h * tq * tk * head_dim // (2 if _CAUSAL.search(ins.attributes) else 1)
+
+
+def _type_of(operand: str, types: dict[str, str]) -> str:
+    """An operand's type: written beside it, or (the GPU compiler writes names only) its instruction's."""
+    head = operand.split("%", 1)[0]
+    return head if "[" in head else types.get(operand.rsplit(" ", 1)[-1].lstrip("%"), "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Flops:
+    total: int  # per device per execution of the program, loop-aware
+    kernels: int  # of which cuDNN's attention, counted from its shapes
+    uncounted_kernels: int  # executions of custom calls whose FLOPs are not counted (Pallas, ...)
+    unknown_loops: int  # computations with matmuls inside a loop of unknown trip count (counted once)
+    triangular_loops: int = 0  # loops counted at the mean of their trip counts (zerolm.compile.hlo.TRIANGULAR_LOOP)
+
+
+def flops(hlo_text: str) -> Flops:
+    """The matmul FLOPs one execution of a compiled program runs per device (see the module docstring)."""
+    comps = hlo._computations(hlo_text)
+    runs = hlo.runs(hlo_text)
+    total = kernels = 0.0
+    uncounted = unknown = 0
+    for name, lines in comps.items():
+        instructions = census.parse(lines)
+        types = {ins.name: ins.result for ins in instructions}
+        times = runs.get(name, 1)
+        found = 0
+        for ins in instructions:
+            if ins.opcode == "dot":
+                found += _dot_flops(ins, types)
+            elif ins.opcode == "convolution":
+                found += _convolution_flops(ins, types)
+            elif ins.opcode == "custom-call":
+                target = (_TARGET.search(ins.attributes) or _TARGET.search(" ".join(ins.operands)))
+                kind = target.group(1) if target else "?"
+                if "fmha" in kind:
+                    attention = _fmha_flops(ins, kind)
+                    found += attention
+                    kernels += attention * (times or 1)
+                elif ("cublas" in kind or "gemm" in kind) and _GEMM_CONTRACTING.search(ins.attributes):
+                    found += _gemm_flops(ins, types)
+                elif any(k in kind for k in _MATMUL_KERNELS):
+                    uncounted += round(times or 1)
+        if found and times is None:
+            unknown += 1
+        total += found * (times or 1)
+    return Flops(round(total), round(kernels), uncounted, unknown, hlo.triangular_loops(hlo_text))
+
+
+@dataclasses.dataclass(frozen=True)
+class Comms:
+    bytes: int  # every collective's result bytes per device, times its runs
+    exposed_bytes: int  # those not hidden behind compute the schedule puts between start and done
+    exposed_s: float  # the exposed ones at the device's link bandwidth (ring_time over each replica group)
+
+
+_RING_OPS = {"all-reduce": "all-reduce", "reduce-scatter": "reduce-scatter", "all-gather": "all-gather"}
+
+
+def _collective_s(device: Device, c: hlo.Collective, devices: int) -> float:
+    n = len(c.groups[0]) if c.groups else devices
+    if c.op == "reduce-scatter":  # its result is one device's share of the buffer the ring moves
+        return ring_time(device, "reduce-scatter", c.bytes * n, n)
+    if c.op == "collective-permute":
+        return device.base_latency + c.bytes / device.intra_bw if n > 1 else 0.0
+    return ring_time(device, _RING_OPS.get(c.op, "all-gather"), c.bytes, n)
+
+
+def comms(hlo_text: str, device: Device, devices: int) -> Comms:
+    """The program's collectives, and what of them the schedule leaves exposed (see the module docstring)."""
+    hidden: dict[tuple[str, int], int] = {}  # (computation, bytes) -> asynchronous collectives with compute between
+    for a in hlo.async_collectives(hlo_text):
+        if a.overlaps:  # a fusion's collectives sit in its own computation (hlo.collectives), not the caller's
+            key = (a.called or a.computation, a.bytes)
+            hidden[key] = hidden.get(key, 0) + 1
+    total = exposed = 0.0
+    seconds = 0.0
+    for c in hlo.collectives(hlo_text):
+        times = c.runs or 1
+        total += c.bytes * times
+        key = (c.computation, c.bytes)
+        if hidden.get(key):
+            hidden[key] -= 1
+            continue
+        exposed += c.bytes * times
+        seconds += _collective_s(device, c, devices) * times
+    return Comms(round(total), round(exposed), seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepModel:
+    """A compiled step's modeled time per optimizer step, per device (see the module docstring)."""
+
+    flops: dict[str, Flops]  # per program
+    comms: dict[str, Comms]
+    peak_flops: float  # of one device
+    tokens_per_step: int  # all devices together
+    devices: int
+    model_flops_per_token: float  # zerolm.observe.mfu's 6·N + 12·L·d·T
+
+    @property
+    def compute_s(self) -> float:
+        return sum(f.total for f in self.flops.values()) / self.peak_flops
+
+    @property
+    def comm_s(self) -> float:
+        return sum(c.exposed_s for c in self.comms.values())
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    @property
+    def flops_per_token(self) -> float:
+        """The compiled matmul FLOPs per token (all devices' over the step's tokens)."""
+        return sum(f.total for f in self.flops.values()) * self.devices / self.tokens_per_step
+
+    @property
+    def flops_ratio(self) -> float:
+        """Compiled FLOPs per token ÷ the model's: 1 is no recomputation (with a causal kernel, below 1)."""
+        return self.flops_per_token / self.model_flops_per_token
+
+    @property
+    def exposed_bytes(self) -> int:
+        return sum(c.exposed_bytes for c in self.comms.values())
+
+    @property
+    def sent_bytes(self) -> int:
+        """Every collective's bytes per device per step, overlapped or not (zerolm.compile.hlo's count)."""
+        return sum(c.bytes for c in self.comms.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def mfu(self) -> float | None:
+        """zerolm.observe.mfu's MFU at the modeled step time: an upper bound, as the time is a lower one. None where it
+        would exceed 1, which says nothing: the model runs every matmul at peak, MFU's 6·N + 12·L·d·T counts
+        the attention's whole T × T while a causal kernel computes about half of it, and kernels it cannot
+        count (`uncounted_kernels`) cost it nothing."""
+        value = self.model_flops_per_token * self.tokens_per_s / self.devices / self.peak_flops
+        return value if value <= 1 else None
+
+    def mfu_text(self) -> str:
+        return f"{self.mfu:.1%}" if self.mfu is not None else "not modeled (its bound exceeds 100%)"
+
+    @property
+    def uncounted_kernels(self) -> int:
+        return sum(f.uncounted_kernels for f in self.flops.values())
+
+    def to_json(self) -> dict:
+        return {"compute_s": self.compute_s, "comm_s": self.comm_s, "step_s": self.step_s,
+                "flops_per_token": self.flops_per_token, "flops_ratio": self.flops_ratio,
+                "exposed_bytes": self.exposed_bytes, "sent_bytes": self.sent_bytes, "tokens_per_s": self.tokens_per_s,
+                "mfu": self.mfu, "uncounted_kernels": self.uncounted_kernels,
+                "programs": {name: {**dataclasses.asdict(self.flops[name]), **dataclasses.asdict(self.comms[name])}
+                             for name in self.flops}}
+
+    def describe(self) -> str:
+        missing = (f"; {self.uncounted_kernels} kernel runs (custom calls) not counted"
+                   if self.uncounted_kernels else "")
+        return (f"modeled step {self.step_s:.3f} s = {self.compute_s:.3f} s of matmuls at "
+                f"{self.peak_flops / 1e12:.0f} TFLOP/s + {self.comm_s:.3f} s of exposed collectives "
+                f"({self.exposed_bytes / 1e9:.2f} GB per device); {self.flops_ratio:.3f}x the model's FLOPs per "
+                f"token; {self.tokens_per_s:,.0f} tokens/s, MFU {self.mfu_text()} (a lower bound on the time: "
+                f"zerolm.compile.step_time says what it leaves out{missing}{self.loops_note()})")
+
+    def loops_note(self) -> str:
+        """What the FLOPs assumed of loops whose trip count the compiler does not state."""
+        triangular = sum(f.triangular_loops for f in self.flops.values())
+        unknown = sum(f.unknown_loops for f in self.flops.values())
+        return ((f"; {triangular} causal key-block loops counted at their mean trip count" if triangular else "")
+                + (f"; {unknown} loops of unknown trip count counted once" if unknown else ""))
+
+
+def model(texts: dict[str, str], device: Device, devices: int, tokens_per_step: int,
+          model_flops_per_token: float) -> StepModel:
+    """The step model of a compiled step's programs (`CompiledStep.texts`) on `devices` of `device`."""
+    return StepModel({n: flops(t) for n, t in texts.items()}, {n: comms(t, device, devices) for n, t in texts.items()},
+                     device.flops, tokens_per_step, devices, model_flops_per_token)
+
+
+def of_step(built: BuiltStep, device: Device) -> StepModel:
+    """The step model of a step built and compiled for a target (zerolm.parallel.build.build_and_compile) whose
+    devices are `device` (a planner preset, zerolm.core.hardware.PRESETS: its peak and its links)."""
+    from zerolm.model.decoder import count_params
+    from zerolm.model.flops import flops_per_token
+
+    cfg = built.cfg
+    n = count_params(built.zero.abstract_params, matmul_only=True)
+    per_token = flops_per_token(n, cfg.model.n_layer, cfg.model.d_model, cfg.model.seq_len)
+    devices = cfg.dp * cfg.mesh.tp
+    return model(built.compiled.texts, device, devices, cfg.train.global_batch_size * cfg.model.seq_len, per_token)

@@ -1,0 +1,405 @@
+"""The typed, frozen config tree: YAML files (with `extends:`) plus `--set section.key=value` overrides.
+
+`configs/defaults.yaml` holds every key with its default; a model-size file extends it and changes
+what differs. The schema below has no defaults of its own (but None for the optional `name` of a
+mixture entry, which YAML cannot default inside a list), so a key missing from the merged YAML is an
+error, and the YAML is the one place a default lives; what older checkpoints' configs lacked is read
+through zerolm.checkpoint.meta.BEFORE_RECORDED. Validation is pydantic's: an unknown key, a wrong
+type or an impossible combination fails at load, before any device work, with one line that names the
+file and the key.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ModelWrapValidatorHandler, ValidationError, ValidationInfo, field_validator, model_validator
+
+from zerolm.config.model import ModelConfig, tp_split_problem
+from zerolm.config.section import PositiveInt, _KeyError
+from zerolm.config.section import Section as _Section
+from zerolm.core.errors import ZerolmError
+
+__all__ = ["DEFAULTS", "Config", "ConfigError", "ModelConfig", "load_config", "parse_override", "tp_split_problem"]
+
+# configs/defaults.yaml, shipped in the package (src/zerolm/config/defaults.yaml is a link to it, which a wheel holds as the
+# file): found wherever zerolm is installed and whatever the working directory.
+DEFAULTS = Path(__file__).with_name("defaults.yaml")
+
+
+class ConfigError(ZerolmError):
+    """A config that cannot be used; the message is one line naming the file and the key."""
+
+
+class TrainConfig(_Section):
+    steps: int = PositiveInt
+    # Persistent XLA compilation cache: "default" ($ZEROLM_CACHE/xla), a directory (or gs:// path), or null (off).
+    compilation_cache: str | None
+    schedule_steps: int | None = Field(gt=0)  # length of the lr schedule; null: steps
+    seed: int = Field(ge=0)
+    global_batch_size: int = PositiveInt  # sequences per optimizer step
+    micro_batch_size: int = PositiveInt  # sequences per device per accumulation micro-step
+    lr: float = Field(gt=0)
+    min_lr_ratio: float = Field(ge=0, le=1)
+    warmup_steps: int = Field(ge=0)
+    weight_decay: float = Field(ge=0)
+    beta1: float = Field(ge=0, lt=1)
+    beta2: float = Field(ge=0, lt=1)
+    eps: float = Field(gt=0)
+    grad_clip: float = Field(gt=0)
+    eval_every: int = PositiveInt
+    # Validation sequences per evaluation: a fixed set (the split's first ones), whatever dp and the
+    # micro-batch are, so a checkpoint's validation loss is the same on any device count. 0: no evaluation.
+    eval_sequences: int = Field(ge=0)
+    skip_nonfinite: bool  # skip (and count) updates with a non-finite gradient instead of stopping
+    max_consecutive_skips: int = PositiveInt  # with skip_nonfinite: stop when this many in a row were skipped
+    init_from: str | None  # a checkpoint whose params a fresh run starts from (zerolm.checkpoint.warm_start)
+
+    @property
+    def schedule_length(self) -> int:
+        return self.schedule_steps or self.steps
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _warmup_within_schedule(cls, data: Any, handler: ModelWrapValidatorHandler[TrainConfig],
+                                info: ValidationInfo) -> TrainConfig:
+        """A warmup not shorter than the lr schedule (a smoke run of a few steps on a config made for
+        hundreds) ends on the schedule's last step instead: train.warmup_steps becomes schedule length - 1,
+        what the run records and resumes with. The line that says so goes to the context's `notes`."""
+        train = handler(data)
+        length = train.schedule_length
+        if train.warmup_steps < length:
+            return train
+        notes = (info.context or {}).get("notes")
+        if notes is not None:
+            key = "train.schedule_steps" if train.schedule_steps else "train.steps"
+            keep = "; train.schedule_steps keeps the full schedule in a short run" if key == "train.steps" else ""
+            notes.append(f"warning: train.warmup_steps {train.warmup_steps} is not shorter than the lr schedule "
+                         f"({key} {length}): this run warms up over {length - 1} step(s) (train.warmup_steps "
+                         f"{length - 1}){keep}")
+        return train.model_copy(update={"warmup_steps": length - 1})
+
+
+class MeshConfig(_Section):
+    dp: int | Literal["auto"]  # "auto": every device not used by tp
+    tp: int = PositiveInt
+
+    @model_validator(mode="after")
+    def _positive(self) -> MeshConfig:
+        if self.dp != "auto" and self.dp < 1:
+            raise ValueError(f"dp must be 'auto' or >= 1, got {self.dp}")
+        return self
+
+
+class ZeroConfig(_Section):
+    # 1: the optimizer state split over dp, one gradient reduction per step; 2: also the gradient (a
+    # reduce-scatter per micro-step); 3: also the parameters (each layer gathered where it is used).
+    stage: Literal[1, 2, 3]
+    # all_reduce: one pmean of the accumulated gradients (the seed design);
+    # reduce_scatter: one psum_scatter straight into the optimizer-state layout (half the bytes).
+    grad_reduce: Literal["all_reduce", "reduce_scatter"]
+    # fp32: float32 parameters, reduced and gathered in float32. mixed: bfloat16 working parameters,
+    # float32 master weights in the dp-sharded optimizer state, bfloat16 reduction and all-gather.
+    precision: Literal["fp32", "mixed"]
+    accumulate_dtype: Literal["float32", "bfloat16"]  # each device's gradient sum over its micro-batches
+    scatter: Literal["auto", "collective", "two_stage", "ring"]  # how reduce_scatter runs (zerolm.parallel.zero.Zero)
+    # libtpu's asynchronous collective fusion (zerolm.core.tpu_flags): auto = on at stage 3 when the step runs or
+    # compiles for a TPU; on; off (libtpu's default schedule).
+    tpu_async_collectives: Literal["auto", "on", "off"]
+
+    @field_validator("tpu_async_collectives", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, v: Any) -> Any:
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v  # YAML reads on/off as booleans
+
+    @model_validator(mode="after")
+    def _scatter_needs_reduce_scatter(self) -> ZeroConfig:
+        if self.scatter != "auto" and self.grad_reduce == "all_reduce":
+            raise _KeyError("zero.scatter", f"{self.scatter} is how a reduce-scatter runs, and zero.grad_reduce is "
+                            "all_reduce, which runs none; set zero.grad_reduce=reduce_scatter, or leave scatter auto",
+                            related=("zero.grad_reduce",))
+        if self.stage > 1 and self.grad_reduce == "all_reduce":
+            raise _KeyError("zero.stage", f"{self.stage} keeps the gradient split over dp, and zero.grad_reduce is "
+                            "all_reduce, which reduces it whole; set zero.grad_reduce=reduce_scatter, or zero.stage=1",
+                            related=("zero.grad_reduce",))
+        return self
+
+
+class MixtureEntry(_Section):
+    dataset: str  # a prepared dataset dir / URL (or "default")
+    weight: float = Field(gt=0)  # its share of the samples: weights are normalized to sum to 1
+    name: str | None = None  # in the run's header and metrics (default: the dataset's last path part)
+
+
+class DataConfig(_Section):
+    dataset: str  # "default" (the embedded corpus, prepared on first use) or a prepared dataset dir / URL
+    # Several datasets, interleaved by weight (zerolm.data.mixture); data.dataset must then stay "default".
+    mixture: tuple[MixtureEntry, ...] | None = Field(min_length=1)
+    tokenizer: str | None  # optional tokenizer file the dataset must have been prepared with
+    default_vocab_size: int = Field(ge=257)  # BPE size for the default dataset: 256 bytes + end-of-text at least
+    skip_bad_samples: bool  # replace unreadable samples by a neighbour and count them, instead of stopping
+    prefetch: int = Field(ge=1)  # batches read ahead on a background thread
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if self.mixture is None:
+            return self
+        if self.dataset != "default":
+            raise _KeyError("data.dataset", f"{self.dataset!r} is set beside data.mixture, which a run reads instead; "
+                            "put it in the mixture, or drop data.mixture", related=("data.mixture",))
+        return self  # (each weight's share of a block: zerolm.data.mixture.check_weights, as the data opens)
+
+
+class CheckpointConfig(_Section):
+    dir: str | None  # null: checkpoints/<name>; a local path or gs://
+    every: int = PositiveInt  # steps between saves (and one at the end)
+    keep: int = PositiveInt  # the last `keep` checkpoints are kept ...
+    keep_every: int | None = Field(gt=0)  # ... plus every keep_every-th step, if set
+
+
+class LoggingConfig(_Section):
+    dir: str | None  # null: runs/<name>
+    wandb: Literal["disabled", "offline", "online"]
+    wandb_project: str
+    every: int = PositiveInt  # progress-bar refresh, in steps; metrics.jsonl gets every step
+    profile: str | None = Field(pattern=r"^\d+-\d+$")  # "A-B": a jax.profiler trace of steps A..B
+
+    @property
+    def profile_steps(self) -> tuple[int, int] | None:
+        if self.profile is None:
+            return None
+        first, last = map(int, self.profile.split("-"))
+        return first, last
+
+    @field_validator("profile")
+    @classmethod
+    def _profile_range(cls, value: str | None) -> str | None:
+        if value is not None:
+            first, last = map(int, value.split("-"))
+            if not 1 <= first <= last:
+                raise ValueError(f"{value!r}: expected FIRST-LAST steps with 1 <= FIRST <= LAST")
+        return value
+
+
+class SampleConfig(_Section):
+    prompt: str
+    tokens: int = Field(ge=0)
+    temperature: float = Field(ge=0)
+    top_k: int = Field(ge=0)
+    top_p: float = Field(gt=0, le=1)
+    every: int | None = PositiveInt
+
+
+class EvalConfig(_Section):
+    # lm-evaluation-harness tasks evaluated during training (zerolm.eval.downstream): zerolm's, the harness's, or
+    # include_path's; a YAML list or "a,b". Each is checked (known, its data here) before the step compiles.
+    tasks: tuple[str, ...]
+    every: int | None = PositiveInt  # steps between task evaluations (and one at the end); null: train.eval_every
+    limit: int | None = PositiveInt  # each task's first N documents; null: all
+    include_path: str | None  # a local directory of your own task definitions (the harness's --include_path)
+
+    @field_validator("tasks", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):  # --set eval.tasks=zerolm_cloze,zerolm_choice
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
+    @field_validator("tasks")
+    @classmethod
+    def _each_once(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if twice := sorted({name for name in value if value.count(name) > 1}):
+            raise ValueError(f"{', '.join(twice)} named more than once")
+        if "" in (name.strip() for name in value):
+            raise ValueError("an empty task name")
+        return value
+
+
+class Config(_Section):
+    name: str
+    model: ModelConfig
+    train: TrainConfig
+    mesh: MeshConfig
+    zero: ZeroConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    sample: SampleConfig
+    eval: EvalConfig
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_dp(cls, data: Any, info: ValidationInfo) -> Any:
+        """`mesh.dp: auto` is every device tp does not use, where the device count is known (the one place
+        it is resolved)."""
+        device_count = (info.context or {}).get("device_count")
+        mesh = data.get("mesh") if isinstance(data, dict) else None
+        if device_count is None or not isinstance(mesh, dict) or mesh.get("dp") != "auto":
+            return data
+        tp = mesh.get("tp", 1)
+        if not (isinstance(tp, int) and tp > 0):
+            return data  # the field's own check names it
+        if device_count % tp:
+            raise _KeyError("mesh.tp", f"tp={tp} does not divide the {device_count} devices")
+        return {**data, "mesh": {**mesh, "dp": device_count // tp}}
+
+    @model_validator(mode="after")
+    def _batch_and_mesh(self, info: ValidationInfo) -> Config:
+        device_count = (info.context or {}).get("device_count")
+        dp = self.mesh.dp
+        if device_count is not None and dp * self.mesh.tp != device_count:
+            raise _KeyError("mesh.dp", f"dp × tp = {dp} × {self.mesh.tp} = {dp * self.mesh.tp}, "
+                            f"but there are {device_count} devices")
+        tp = self.mesh.tp
+        m = self.model
+        if (why := tp_split_problem(m.n_head, m.mlp_width, tp, m.kv_heads)) is not None:
+            key = next(k for k in ("n_kv_head", "n_head", "mlp_hidden") if f"model.{k}" in why)
+            raise _KeyError("mesh.tp", f"tp={tp} {why}", related=(f"model.{key}",))
+        if dp != "auto":
+            per_step = self.train.micro_batch_size * dp
+            if self.train.global_batch_size % per_step:
+                raise _KeyError("train.global_batch_size",
+                                f"{self.train.global_batch_size} is not divisible by micro_batch_size × dp = "
+                                f"{self.train.micro_batch_size} × {dp} = {per_step}")
+        return self
+
+    # Derived quantities: read these rather than recomputing them at call sites.
+    @property
+    def dp(self) -> int:
+        if self.mesh.dp == "auto":
+            raise ValueError("mesh.dp is 'auto': load the config with device_count to resolve it")
+        return self.mesh.dp
+
+    @property
+    def accum_steps(self) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.dp)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or str(Path("checkpoints") / self.name)
+
+    @property
+    def log_dir(self) -> Path:
+        return Path(self.logging.dir) if self.logging.dir else Path("runs") / self.name
+
+    def resolve(self, **updates: Any) -> Config:
+        """A copy with dotted keys replaced (e.g. model.vocab_size=...), validated again."""
+        data = self.model_dump()
+        for key, value in updates.items():
+            _set_dotted(data, key.replace("__", "."), value)
+        return Config.model_validate(data)
+
+
+# Keys that were renamed: an old config gets told the new name instead of "unknown key".
+RENAMED = {"train.eval_batches": "train.eval_sequences (validation sequences per evaluation, independent of "
+                                 "dp and micro-batch)"}
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        child = tree.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: '{part}' is a value, not a section")
+        tree = child
+    tree[leaf] = value
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
+    """Read a YAML file, following `extends:` (relative to the file) depth-first."""
+    if path in chain:
+        raise ConfigError(f"{path}: extends itself through {' -> '.join(map(str, chain))}")
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file ({e.strerror})") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} invalid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    return _deep_merge(_read_yaml(path.parent / parent, chain + (path,)), data)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`section.key=value`, with the value parsed as YAML (so 3 is an int and true a bool)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {text}: expected section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = (), device_count: int | None = None,
+                say: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> Config:
+    """Load and validate a config. With `device_count`, `mesh.dp: auto` is resolved and checked. What the
+    config resolves differently from what it says (a warmup clamped to the schedule) is said, one line each."""
+    path = Path(path)
+    data = _read_yaml(path)
+    overridden = set()
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(data, key, value)
+        overridden.add(key)
+    notes: list[str] = []
+    try:
+        cfg = Config.model_validate(data, context={"device_count": device_count, "notes": notes})
+    except ValidationError as e:
+        raise ConfigError(_describe(path, e, overridden)) from None
+    for line in notes:
+        say(line)
+    return cfg
+
+
+def _describe(path: Path, error: ValidationError, overridden: set[str]) -> str:
+    """One line for the first problem, naming the file and the dotted key; a count of the rest. What only
+    follows from another problem is none of its own: a key that may be None (data.mixture) reports that it is
+    not None, and a list whose entry failed that it is too short. An unknown key comes first (`wieght` is why
+    `weight` is missing)."""
+    locs = [e["loc"] for e in error.errors()]
+    errors = [e for e in error.errors() if e["type"] != "none_required"
+              and not any(len(other) > len(e["loc"]) and other[:len(e["loc"])] == e["loc"] for other in locs)]
+    errors = errors or error.errors()
+    # A misspelled key is the cause of the missing one it was meant to be: name it first.
+    errors.sort(key=lambda e: e["type"] != "extra_forbidden")
+    first = errors[0]
+    cause = first.get("ctx", {}).get("error")
+    related: tuple[str, ...] = ()
+    if isinstance(cause, _KeyError):
+        key, message, related = cause.key, str(cause).split(": ", 1)[1], cause.related
+    else:
+        key = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        message = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "extra_forbidden":
+            message = f"renamed to {RENAMED[key]}" if key in RENAMED else "unknown key"
+        elif first["type"] == "missing":
+            message = "missing key (every key needs a value; see configs/defaults.yaml)"
+        elif "input" in first and not isinstance(first["input"], (dict, list)):
+            message = f"{message} (got {first['input']!r})"
+    hits = sorted(o for o in overridden for k in (key, *related) if o == k or o.startswith(k + ".") or k.startswith(o + "."))
+    where = f"{path} (--set {hits[0]})" if hits else str(path)
+    more = len(errors) - 1
+    return f"{where}: {key}: {message}" + (f" [and {more} more problem(s)]" if more else "")

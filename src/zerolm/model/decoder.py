@@ -1,0 +1,332 @@
+"""The GPT-2 decoder (pre-LayerNorm blocks, learned positions, GELU MLP, tied embeddings), in flax, and the
+settings that change it: `model.position` (learned, or ALiBi's attention biases: no position table),
+`model.bias` (false: no LayerNorm or linear biases), `model.activation` (the MLP's GELU: tanh or exact).
+
+Pure: no sharding logic. Each parameter carries *logical* axis names (`vocab`, `embed`, `heads`,
+`mlp`, `qkv`, `position`, `layers`), which say what an axis means; `zerolm.parallel.sharding`'s rule table
+decides which mesh axis, if any, splits it. Parameter names follow Hugging Face's GPT-2 (wte, wpe,
+h.attn.c_attn, ...). `c_attn`'s kernel is (d, 3, d) = (embed, qkv, heads), so that tensor
+parallelism splits whole heads of q, k and v; reshaped to (d, 3·d) it is GPT-2's, column for column.
+The blocks are stacked along a leading `layers` axis by `nn.scan`, which keeps compile time flat in
+depth.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from zerolm.config.tree import ModelConfig
+from zerolm.model import dropout as dropout_lib
+from zerolm.model.attention import SAVED, Bias, Dropout, alibi_bias, alibi_slopes, causal_attention
+
+# model.remat -> what each block's backward pass may keep from its forward pass (the rest is recomputed).
+# Every policy keeps the block's input. "none" recomputes no matmul and no attention, only what costs no
+# FLOPs worth counting: the LayerNorms' and the GELU's outputs and intermediates are rebuilt from the kept
+# matmul outputs instead of being stored (1_3b on an H100 at micro-batch 8: 41.5 GiB against 56.6 stored;
+# docs/performance-notes.md). "dots" keeps the outputs of the weight matmuls (dots without batch
+# dimensions), which cost the most to recompute per byte; "attention" keeps what the attention's backward
+# pass starts from (its output and softmax statistics: `attention.SAVED`, and cuDNN's forward call whole),
+# so flash attention runs once.
+
+
+def _attention_saved(prim, *_, **params) -> bool:
+    """The attention's outputs and softmax statistics: zerolm's attentions name them (attention.SAVED);
+    cuDNN's, inside jax.nn.dot_product_attention, is one primitive whose outputs are both."""
+    if prim.name == "name":
+        return params["name"] in SAVED
+    return prim.name == "dot_product_attention_fwd_wrapper"
+
+
+_cp = jax.checkpoint_policies
+REMAT_POLICIES = {
+    # Every matmul's output (XLA's attention is batched dots: its scores and output) and the attention's.
+    "none": _cp.save_from_both_policies(_cp.dots_saveable, _attention_saved),
+    "full": _cp.nothing_saveable,
+    "dots": _cp.dots_with_no_batch_dims_saveable,
+    "attention": _attention_saved,
+    "dots_attention": _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable, _attention_saved),
+}
+
+
+def _named(init, *axes: str):
+    """An initializer whose parameter carries logical axis names (metadata; see zerolm.parallel.sharding)."""
+    return nn.with_logical_partitioning(init, axes)
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+    dtype: jnp.dtype
+    implementation: str
+
+    @nn.compact
+    def __call__(self, x_BxTxD: jax.Array, start: jax.Array | None = None,
+                 segment_ids_BxT: jax.Array | None = None, dropout: Dropout | None = None,
+                 positions_BxT: jax.Array | None = None) -> jax.Array:
+        """`positions_BxT`: each token's position, for rotary embeddings (training; decoding counts from `start`)."""
+        B, T, D = x_BxTxD.shape
+        q_BxTxHxK, k_BxTxGxK, v_BxTxGxK = self._project(x_BxTxD)
+        if self.cfg.position == "rope":
+            if start is not None:
+                positions_BxT = jnp.broadcast_to(start + jnp.arange(T), (B, T))
+            elif positions_BxT is None:
+                positions_BxT = jnp.broadcast_to(jnp.arange(T), (B, T))
+            q_BxTxHxK, k_BxTxGxK = (rotary(x, positions_BxT, self.cfg.rope_theta) for x in (q_BxTxHxK, k_BxTxGxK))
+        slopes_H = jnp.asarray(alibi_slopes(self.cfg.n_head)) if self.cfg.position == "alibi" else None
+        if start is None:
+            y = causal_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, self.implementation, self.cfg.attention_block,
+                                 Bias(segment_ids_BxT, slopes_H, dropout))
+        else:
+            y = self._cached_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, start, slopes_H)
+        # GPT-2 scales the residual projections' init by 1/sqrt(2 * n_layer).
+        proj_init = nn.initializers.normal(0.02 / math.sqrt(2 * self.cfg.n_layer))
+        return nn.Dense(D, dtype=self.dtype, kernel_init=_named(proj_init, "heads", "embed"), use_bias=self.cfg.bias,
+                        bias_init=_named(nn.initializers.zeros, "embed"), name="c_proj")(y.reshape(B, T, D))
+
+    def _project(self, x_BxTxD):
+        """Queries (B, T, H, K), keys and values (B, T, G, K) of G = model.n_kv_head heads. With as many
+        key/value heads as query heads, one `c_attn` kernel (d, 3, d) = (embed, qkv, heads), GPT-2's
+        Conv1D column for column; with fewer (grouped-query attention), `c_q` (d, d) and `c_kv`
+        (d, 2, G·K) = (embed, qkv, kv_heads), so tensor parallelism splits whole key/value heads with
+        their groups of query heads."""
+        B, T, D = x_BxTxD.shape
+        H, G, K = self.cfg.n_head, self.cfg.kv_heads, self.cfg.head_dim
+        init = nn.initializers.normal(0.02)
+        dense = functools.partial(nn.DenseGeneral, dtype=self.dtype, use_bias=self.cfg.bias)
+        if G == H:
+            qkv_BxTx3xD = dense((3, D), name="c_attn", kernel_init=_named(init, "embed", "qkv", "heads"),
+                                bias_init=_named(nn.initializers.zeros, "qkv", "heads"))(x_BxTxD)
+            q, k, v = (qkv_BxTx3xD[:, :, i].reshape(B, T, H, K) for i in range(3))
+            return q, k, v
+        q = dense(D, name="c_q", kernel_init=_named(init, "embed", "heads"),
+                  bias_init=_named(nn.initializers.zeros, "heads"))(x_BxTxD).reshape(B, T, H, K)
+        kv_BxTx2xGK = dense((2, G * K), name="c_kv", kernel_init=_named(init, "embed", "qkv", "kv_heads"),
+                            bias_init=_named(nn.initializers.zeros, "qkv", "kv_heads"))(x_BxTxD)
+        k, v = (kv_BxTx2xGK[:, :, i].reshape(B, T, G, K) for i in range(2))
+        return q, k, v
+
+    def _cached_attention(self, q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, start, slopes_H=None):
+        """Decoding: write these S positions' keys and values (G = model.n_kv_head heads) into the `cache`
+        collection at `start`, then attend over every cached position up to each query's own (with ALiBi's
+        bias, given slopes)."""
+        B, S, G, K = k_BxSxGxK.shape
+        T = self.cfg.seq_len
+        cached = [self.variable("cache", name, jnp.zeros, (B, T, G, K), k_BxSxGxK.dtype) for name in ("k", "v")]
+        for var, new in zip(cached, (k_BxSxGxK, v_BxSxGxK), strict=True):
+            var.value = lax.dynamic_update_slice(var.value, new.astype(var.value.dtype), (0, start, 0, 0))
+        queries_S = start + jnp.arange(S)
+        visible_SxT = jnp.arange(T)[None, :] <= queries_S[:, None]
+        bias = None if slopes_H is None else alibi_bias(slopes_H, queries_S, jnp.arange(T)).astype(q_BxSxHxK.dtype)
+        return jax.nn.dot_product_attention(q_BxSxHxK, cached[0].value, cached[1].value, bias=bias,
+                                            mask=visible_SxT[None, None], implementation="xla")
+
+
+def rotary(x_BxTxHxK: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021), Llama's rotate-half form (Hugging Face's): dimension i of
+    a head's first half and i of its second are the pair turned by position · theta^(-2i/K), in float32."""
+    K = x_BxTxHxK.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, K, 2, dtype=jnp.float32) / K))
+    angles_BxTx1xK2 = (positions_BxT.astype(jnp.float32)[:, :, None] * inv_freq)[:, :, None, :]
+    cos, sin = jnp.cos(angles_BxTx1xK2), jnp.sin(angles_BxTx1xK2)
+    x1, x2 = jnp.split(x_BxTxHxK.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxTxHxK.dtype)
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        D, F = x_BxTxD.shape[-1], self.cfg.mlp_width
+        dense = functools.partial(nn.Dense, F, dtype=self.dtype, use_bias=self.cfg.bias,
+                                  kernel_init=_named(nn.initializers.normal(0.02), "embed", "mlp"),
+                                  bias_init=_named(nn.initializers.zeros, "mlp"))
+        h = dense(name="c_fc")(x_BxTxD)
+        if self.cfg.mlp == "swiglu":  # Llama's: silu of the gate times the up projection (c_fc)
+            h = nn.silu(dense(name="c_gate")(x_BxTxD)) * h
+        else:
+            h = nn.gelu(h, approximate=self.cfg.activation == "gelu_tanh")  # GPT-2's "gelu_new", or the exact one
+        proj_init = nn.initializers.normal(0.02 / math.sqrt(2 * self.cfg.n_layer))
+        return nn.Dense(D, dtype=self.dtype, kernel_init=_named(proj_init, "mlp", "embed"), use_bias=self.cfg.bias,
+                        bias_init=_named(nn.initializers.zeros, "embed"), name="c_proj")(h)
+
+
+class Block(nn.Module):
+    cfg: ModelConfig
+    dtype: jnp.dtype
+    implementation: str
+
+    @nn.compact
+    def __call__(self, carry, start: jax.Array | None, segment_ids_BxT: jax.Array | None,
+                 keys_B: jax.Array | None, positions_BxT: jax.Array | None = None) -> tuple[Any, None]:
+        """`carry`: the hidden states, or in training with dropout (`keys_B`, each sample's key) the pair
+        (hidden states, this layer's index), which each mask is drawn with (zerolm.model.dropout)."""
+        cfg, ln = self.cfg, functools.partial(norm, self.cfg, self.dtype)
+        x_BxTxD, layer = carry if keys_B is not None else (carry, jnp.int32(0))
+        attention_dropout = None
+        if keys_B is not None and cfg.attention_dropout:
+            attention_dropout = Dropout(keys_B, layer, cfg.attention_dropout)
+        y = Attention(cfg, self.dtype, self.implementation, name="attn")(ln("ln_1")(x_BxTxD), start, segment_ids_BxT,
+                                                                         attention_dropout, positions_BxT)
+        x_BxTxD = x_BxTxD + dropout_lib.drop(y, keys_B, cfg.residual_dropout, layer, dropout_lib.ATTENTION_OUT)
+        y = MLP(cfg, self.dtype, name="mlp")(ln("ln_2")(x_BxTxD))
+        x_BxTxD = x_BxTxD + dropout_lib.drop(y, keys_B, cfg.residual_dropout, layer, dropout_lib.MLP_OUT)
+        return (x_BxTxD if keys_B is None else (x_BxTxD, layer + 1)), None
+
+
+class GPT(nn.Module):
+    """`cfg` resolved for the device it runs on (zerolm.model.device_policy.for_device): no `auto` dtype,
+    attention or layer loop, so that tracing reads no global device."""
+
+    cfg: ModelConfig
+    # What a layer reads of its parameters, given them as stored: None, as they are. ZeRO-3 (zerolm.parallel.zero)
+    # stores them split over dp and gathers each layer's here, inside the layers' loop and its remat.
+    layer_params: Callable[[Any], Any] | None = None
+
+    def __post_init__(self):
+        unresolved = [k for k in ("dtype", "attention", "scan_layers") if getattr(self.cfg, k) == "auto"]
+        if unresolved:
+            raise ValueError(f"GPT needs a config resolved for its device (zerolm.model.device_policy.for_device): "
+                             f"model.{', model.'.join(unresolved)} is auto")
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, tokens_BxT: jax.Array, *, hidden_only: bool = False,
+                 start: jax.Array | None = None, dropout_keys: jax.Array | None = None) -> jax.Array:
+        """Float32 logits over the padded vocabulary; padded entries are -inf-like, so they get no mass.
+
+        `hidden_only`: the final LayerNorm's output instead, for a loss that applies the (tied)
+        output layer itself, chunk by chunk (or a sampler, at one position).
+        `start`: decode with a KV cache (the mutable `cache` collection, see `init_cache`): the tokens
+        sit at positions start .. start+T-1 and attend to the cached positions before them.
+        `dropout_keys`: in training, each sample's key (zerolm.model.dropout.row_keys): the model.*_dropout
+        rates apply, each mask drawn from the sample's key, the layer and the site; None: no dropout."""
+        cfg = self.cfg
+        dtype = jnp.dtype(cfg.dtype)
+        V, D = cfg.padded_vocab_size, cfg.d_model
+        T = tokens_BxT.shape[1]
+        wte_VxD = self.param("wte", _named(nn.initializers.normal(0.02), "vocab", "embed"), (V, D), jnp.float32)
+        segment_ids_BxT, positions_BxT = None, None
+        if start is None and cfg.document_mask:
+            segment_ids_BxT, positions_BxT = documents(tokens_BxT, cfg.eot, cfg.document_positions == "restart")
+        x_BxTxD = jnp.take(wte_VxD, tokens_BxT, axis=0)
+        if cfg.position == "learned":
+            wpe_TxD = self.param("wpe", _named(nn.initializers.normal(0.01), "position", "embed"), (cfg.seq_len, D),
+                                 jnp.float32)
+            if start is not None:  # decoding: one document, from the cached positions on
+                positions = lax.dynamic_slice_in_dim(wpe_TxD, start, T)
+            elif positions_BxT is not None:
+                positions = jnp.take(wpe_TxD, positions_BxT, axis=0)
+            else:
+                positions = wpe_TxD[:T]
+            x_BxTxD = x_BxTxD + positions
+        # ALiBi: the attention adds each head's bias from the positions' distance (within a document, the
+        # distance is the same counted from the document's start or the sample's).
+        x_BxTxD = dropout_lib.drop(x_BxTxD, dropout_keys, cfg.embedding_dropout, dropout_lib.EMBEDDING_LAYER,
+                                   dropout_lib.EMBEDDING)
+        x_BxTxD = x_BxTxD.astype(dtype)
+
+        # The layers' parameters are stacked along `layers` either way; unrolled, the loop is written out
+        # (scan's unroll), so no activation is stacked for the backward pass. Inside a scan the loop keeps
+        # XLA from merging a rematerialised forward pass with the first one; unrolled, the remat must.
+        # remat auto is resolved where the step is compiled (zerolm.parallel.build.build_and_compile); a model outside
+        # the step (evaluation, sampling) takes no gradient, so any policy computes the same.
+        scanned = bool(cfg.scan_layers)
+        policy = REMAT_POLICIES["none" if cfg.remat == "auto" else cfg.remat]
+        block = Block
+        if (layer_params := self.layer_params) is not None:
+            block = nn.map_variables(Block, "params", trans_in_fn=lambda v: {"params": layer_params(v["params"])},
+                                     mutable=False)
+        block = nn.remat(block, prevent_cse=not scanned, policy=policy)
+        blocks = nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
+                         in_axes=nn.broadcast, length=cfg.n_layer, unroll=1 if scanned else cfg.n_layer,
+                         metadata_params={nn.PARTITION_NAME: "layers"})
+        carry = x_BxTxD if dropout_keys is None else (x_BxTxD, jnp.int32(0))
+        rope_positions = positions_BxT if cfg.position == "rope" else None
+        carry, _ = blocks(cfg, dtype, cfg.attention, name="h")(carry, start, segment_ids_BxT, dropout_keys,
+                                                               rope_positions)
+        x_BxTxD = carry if dropout_keys is None else carry[0]
+        x_BxTxD = norm(cfg, dtype, "ln_f")(x_BxTxD)
+        out_VxD = wte_VxD
+        if not cfg.tie_embeddings:  # the output layer's own matrix, (vocab, embed) as wte
+            out_VxD = self.param("lm_head", _named(nn.initializers.normal(0.02), "vocab", "embed"), (V, D), jnp.float32)
+        if hidden_only:
+            return x_BxTxD
+        return output_logits(x_BxTxD, out_VxD, cfg.vocab)
+
+
+def norm(cfg: ModelConfig, dtype: jnp.dtype, name: str) -> nn.Module:
+    """model.norm: GPT-2's LayerNorm (with a bias unless model.bias is false) or Llama's RMSNorm."""
+    scale_init = _named(nn.initializers.ones, "embed")
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(epsilon=cfg.norm_eps, dtype=dtype, name=name, scale_init=scale_init)
+    return nn.LayerNorm(epsilon=cfg.norm_eps, dtype=dtype, name=name, use_bias=cfg.bias, scale_init=scale_init,
+                        bias_init=_named(nn.initializers.zeros, "embed"))
+
+
+def output_embedding(params) -> jax.Array:
+    """The output layer's (vocab, embed) matrix: `lm_head` where the model has its own (model.tie_embeddings
+    false), else the token embedding `wte`."""
+    return params["lm_head"] if "lm_head" in params else params["wte"]
+
+
+def documents(tokens_BxT: jax.Array, eot_id: int, restart: bool) -> tuple[jax.Array, jax.Array]:
+    """(segment ids, positions) of a packed sample's tokens: a document ends with its end-of-text token,
+    so a token's segment is the number of end-of-text tokens before it; positions count from the sample's
+    start, or (`restart`) from the token's document's."""
+    eot_BxT = (tokens_BxT == eot_id).astype(jnp.int32)
+    segment_ids_BxT = jnp.cumsum(eot_BxT, axis=1) - eot_BxT
+    T = tokens_BxT.shape[1]
+    index_BxT = jnp.broadcast_to(jnp.arange(T), tokens_BxT.shape)
+    if not restart:
+        return segment_ids_BxT, index_BxT
+    # A document starts at 0 and after each end-of-text: the latest start at or before each token.
+    starts_BxT = jnp.where(jnp.pad(eot_BxT[:, :-1], ((0, 0), (1, 0))) == 1, index_BxT, 0)
+    return segment_ids_BxT, index_BxT - lax.cummax(starts_BxT, axis=1)
+
+
+def output_logits(x_NxD: jax.Array, wte_VxD: jax.Array, vocab_size: int) -> jax.Array:
+    """The tied output layer: float32 logits (the matmul accumulates in float32 whatever the compute
+    dtype), the vocabulary's padding masked to -inf-like."""
+    logits = jnp.einsum("...d,vd->...v", x_NxD, wte_VxD.astype(x_NxD.dtype), preferred_element_type=jnp.float32)
+    return jnp.where(jnp.arange(wte_VxD.shape[0]) < vocab_size, logits, -1e30)
+
+
+def init_params(model: GPT, rng: jax.Array):
+    """Plain arrays (the logical names stripped: `logical_axes` has them)."""
+    return nn.meta.unbox(_init_boxed(model, rng))
+
+
+def _init_boxed(model: GPT, rng: jax.Array):
+    return model.init(rng, jnp.zeros((1, model.cfg.seq_len), jnp.int32))["params"]
+
+
+def init_cache(model: GPT, batch: int):
+    """An empty KV cache for `batch` sequences: the `cache` collection `GPT(..., start=...)` updates,
+    (layers, batch, seq_len, heads, head_dim) keys and values in the compute dtype."""
+    def shapes():
+        return model.init(jax.random.key(0), jnp.zeros((batch, 1), jnp.int32), start=jnp.int32(0))["cache"]
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(shapes))
+
+
+def logical_axes(model: GPT):
+    """The params' logical axis names, as a tree of PartitionSpecs of names (no arrays are made)."""
+    return nn.get_partition_spec(jax.eval_shape(functools.partial(_init_boxed, model), jax.random.key(0)))
+
+
+def count_params(params, matmul_only: bool = False) -> int:
+    """Every parameter, or (`matmul_only`, the N of MFU's 6·N: zerolm.observe.mfu) those a matmul reads: without the
+    position table, and without the token embedding where the output layer has its own matrix (a lookup)."""
+    n = sum(x.size for x in jax.tree.leaves(params))
+    if not matmul_only:
+        return n
+    lookups = ("wpe", "wte") if "lm_head" in params else ("wpe",)
+    return n - sum(params[k].size for k in lookups if k in params)

@@ -1,0 +1,394 @@
+"""A run's training log, `zerolm report RUN_DIR`: one markdown page with its figures, in `RUN_DIR/report/`.
+
+Every figure on the page is read from the run's own files: metrics.jsonl (each step's loss, lr, tokens seen,
+tokens/s, MFU, data wait; the saves', evaluations' and downstream tasks' rows), launches.jsonl (each launch's
+config, parameter count, devices, mesh, the data's size, compile and restore seconds, the steps and seconds
+a restart lost: zerolm.observe.launches) and the run's newest checkpoint (its record, and the parameter count its
+arrays hold). A run of a zerolm that did not record something says "not recorded by this run" where it would
+stand; nothing is filled in from a guess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from zerolm.checkpoint.meta import CheckpointMeta
+from zerolm.core.errors import ZerolmError
+from zerolm.observe import launches, plot
+from zerolm.observe.launches import Launch
+
+OUT = "report"
+PAGE = "README.md"  # GitHub shows a folder's README.md under its listing
+NOT_RECORDED = "not recorded by this run"
+# Time fields of metrics.jsonl rows that the page names; any other `*_s` field (not a rate, `*_per_s`) gets its
+# own row, by its key.
+NAMED_TIMES = {"step_time_s": "training steps", "data_wait_s": "waiting for data", "save_s": "saving checkpoints",
+               "eval_s": "evaluating (validation loss)", "tasks_s": "evaluating downstream tasks (eval.tasks)"}
+LOST = "lost to interruptions: steps, evaluations and saves done again"  # the time table's row of launches' lost_s
+
+
+class ReportError(ZerolmError):
+    """RUN_DIR is not a run's logging directory (exit 2)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFiles:
+    """What a run's directory holds, read once."""
+
+    run_dir: Path
+    records: list[dict[str, Any]]  # metrics.jsonl
+    launches: list[Launch]  # launches.jsonl ([] before zerolm recorded launches)
+    checkpoint_dir: str | None  # the launches' record, or --checkpoints
+    checkpoint: CheckpointMeta | None  # the newest checkpoint's record
+    checkpoint_params: int | None  # the parameter count its arrays hold
+
+    @property
+    def steps(self) -> list[dict[str, Any]]:
+        """The rows of training steps (saves, evaluations and tasks write rows of their own)."""
+        return [r for r in self.records if "loss" in r]
+
+    @property
+    def config(self) -> dict[str, Any] | None:
+        """The run's resolved config: the last launch's, else the newest checkpoint's."""
+        if self.launches:
+            return self.launches[-1].config
+        return self.checkpoint.full_config if self.checkpoint else None
+
+    @property
+    def facts(self) -> dict[str, Any]:
+        return self.launches[-1].facts if self.launches else {}
+
+    @property
+    def first_steps(self) -> set[int]:
+        """Each launch's first step (its time includes warming up), or the run's first where launches are
+        not recorded."""
+        if self.launches:
+            return {launch.start_step + 1 for launch in self.launches}
+        return {min(r["step"] for r in self.steps)} if self.steps else set()
+
+
+def read(run_dir: Path, checkpoints: str | None = None) -> RunFiles:
+    """The run in `run_dir` (its logging.dir), its checkpoints found through launches.jsonl or `checkpoints`."""
+    if not run_dir.is_dir():
+        raise ReportError(f"{run_dir}: no such directory (a run's logging.dir, e.g. runs/tiny)")
+    try:
+        records = plot.read_run(run_dir)
+    except plot.PlotError as e:
+        raise ReportError(f"{e}: not a run's logging directory") from None
+    recorded = launches.read(run_dir)
+    where = checkpoints or (recorded[-1].checkpoint_dir if recorded else None)
+    meta, count = _newest_checkpoint(where) if where else (None, None)
+    return RunFiles(run_dir, records, recorded, where, meta, count)
+
+
+def _newest_checkpoint(where: str) -> tuple[CheckpointMeta | None, int | None]:
+    """The newest checkpoint's record and parameter count; (None, None) where there is none (any more)."""
+    from zerolm.checkpoint.store import CheckpointError, Checkpoints, quiet_orbax
+    from zerolm.core import storage
+
+    with storage.faults(where, "reading the checkpoints"), quiet_orbax():
+        if not storage.path(where).exists():
+            return None, None
+        ckpts = Checkpoints(where, read_only=True)
+        try:
+            step = ckpts.latest_step()
+            if step is None:
+                return None, None
+            try:
+                return ckpts.readable_meta(step), ckpts.param_count(step)
+            except CheckpointError as e:
+                raise ReportError(f"{where}: {e}") from None
+        finally:
+            ckpts.close()
+
+
+def write(files: RunFiles, out: Path | None = None) -> Path:
+    """The page and its figures, into `out` (default RUN_DIR/report); returns the page's path."""
+    out = out or files.run_dir / OUT
+    out.mkdir(parents=True, exist_ok=True)
+    plot.save(plot.figure([files.run_dir]), out / "curves.png")
+    plot.save(plot.perplexity_figure(files.run_dir), out / "perplexity.png")
+    page = out / PAGE
+    page.write_text("\n".join(markdown(files)) + "\n")
+    return page
+
+
+def markdown(files: RunFiles) -> list[str]:
+    cfg = files.config
+    name = cfg["name"] if cfg else files.run_dir.name
+    sources = ["metrics.jsonl", *(["launches.jsonl"] if files.launches else []),
+               *([f"the checkpoint of step {files.checkpoint.step} in {files.checkpoint_dir}"] if files.checkpoint
+                 else [])]
+    return [f"# Training log: {name}", "",
+            f"_Written by `zerolm report` from the run's own files: {', '.join(sources)}._", "",
+            *model_section(files), *data_section(files), *hardware_section(files), *speed_section(files),
+            *curves_section(files), *tasks_section(files), *time_section(files), *launches_section(files)]
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(map(str, row)) + " |" for row in rows), ""]
+
+
+def model_section(files: RunFiles) -> list[str]:
+    lines = ["## Model", ""]
+    cfg = files.config
+    if cfg is None:
+        return [*lines, f"The model's config: {NOT_RECORDED} (no launches.jsonl; pass --checkpoints DIR).", ""]
+    recorded = files.facts.get("params")
+    held = files.checkpoint_params
+    if recorded is not None:
+        count = f"**{recorded:,} parameters** (the run's record)"
+        if held is not None:
+            count += f"; the checkpoint of step {files.checkpoint.step if files.checkpoint else '?'} holds {held:,}"
+    elif held is not None:
+        count = f"**{held:,} parameters** (counted in the newest checkpoint's arrays)"
+    else:
+        count = f"parameter count: {NOT_RECORDED}"
+    lines += [count + ".", "", *_table(["setting", "value"], [[f"`model.{k}`", f"`{json.dumps(v)}`"]
+                                                                  for k, v in cfg["model"].items()])]
+    return lines
+
+
+def tokens_seen(files: RunFiles) -> int:
+    """The last training step's tokens seen, as metrics.jsonl has it (0: no step yet)."""
+    steps = files.steps
+    return int(steps[-1]["tokens_seen"]) if steps else 0
+
+
+def data_section(files: RunFiles) -> list[str]:
+    seen = tokens_seen(files)
+    lines = ["## Data", "", f"**{seen:,} tokens seen** in {len(files.steps)} steps (the last step's `tokens_seen`).",
+             ""]
+    if not files.launches:
+        where = files.checkpoint.dataset_location if files.checkpoint else None
+        return [*lines, f"Dataset{f' {where}' if where else ''}: its size and the epochs trained: {NOT_RECORDED}.", ""]
+    launch = files.launches[-1]
+    samples_seen = seen / launch.facts["tokens_per_step"] * launch.config["train"]["global_batch_size"]
+    last_shares = next(({k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("mixture_share/")}
+                        for r in reversed(files.steps) if any(k.startswith("mixture_share/") for k in r)), {})
+    rows = []
+    for d in launch.data:
+        share = last_shares.get(d["name"], 1.0 if len(launch.data) == 1 else None)
+        epochs = f"{samples_seen * share / d['samples']:.3f}" if share is not None else NOT_RECORDED
+        rows.append([d["name"], f"`{d['location']}`", f"{d['weight']:g}",
+                     f"{share:.4f}" if share is not None else NOT_RECORDED, f"{d['tokens']:,}", f"{d['samples']:,}",
+                     epochs])
+    lines += ["Unique tokens are the training split's; epochs are the samples read from it over its samples "
+              "(how many times each token was seen, on average). The realised share is the last step's "
+              "`mixture_share/<name>`.", "",
+              *_table(["dataset", "location", "weight", "realised share", "unique tokens", "samples", "epochs"], rows)]
+    return lines
+
+
+def hardware_section(files: RunFiles) -> list[str]:
+    lines = ["## Hardware and mesh", ""]
+    facts, cfg = files.facts, files.config
+    if facts and cfg:
+        mesh, zero = facts["mesh"], cfg["zero"]
+        lines += [f"- {facts['devices']} × `{facts['device_kind']}` device(s) in {facts['processes']} process(es)",
+                  f"- mesh dp = {mesh['dp']} × tp = {mesh['tp']}; ZeRO-{zero['stage']}, precision {zero['precision']}, "
+                  f"grad_reduce {zero['grad_reduce']}",
+                  f"- {cfg['train']['global_batch_size']} sequences = {facts['tokens_per_step']:,} tokens per step: "
+                  f"{facts['accum_steps']} accumulation step(s) of {cfg['train']['micro_batch_size']} sequence(s) per "
+                  "device"]
+    elif files.checkpoint:
+        meta = files.checkpoint
+        lines += [f"- mesh dp = {meta.dp} × tp = {meta.tp} in {meta.process_count} process(es), "
+                  f"{meta.accum_steps} accumulation step(s) (the checkpoint's record)",
+                  f"- device kind: {NOT_RECORDED}"]
+    else:
+        lines.append(f"- devices and mesh: {NOT_RECORDED}")
+    return [*lines, ""]
+
+
+def _median(rows: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if key in r]
+    return statistics.median(values) if values else None
+
+
+def speed_section(files: RunFiles) -> list[str]:
+    timed = [r for r in files.steps if r["step"] not in files.first_steps]
+    lines = ["## Throughput and MFU", "",
+             "MFU = (6·N + 12·L·d·T) × tokens/s per device ÷ the peak FLOP/s of one device (`zerolm.observe.mfu`, after "
+             "PaLM appendix B): N is the parameter count without the position table (and without an untied token "
+             "embedding: a lookup), 12·L·d·T counts attention's matmuls over the full T×T scores; "
+             "rematerialisation is not counted.", ""]
+    if not timed:
+        return [*lines, "No step was timed apart from a launch's first (it includes warming up).", ""]
+    rows = [["median tokens/s", f"{_median(timed, 'tokens_per_s'):,.0f}"],
+            ["median step time", f"{_median(timed, 'step_time_s'):.4f} s"]]
+    tflops = _median(timed, "model_tflops_per_device")
+    if tflops is not None:
+        rows.append(["median model TFLOP/s per device", f"{tflops:.4g}"])
+    mfu = _median(timed, "mfu")
+    flops, peak = files.facts.get("flops_per_token"), files.facts.get("peak_flops")
+    rows.append(["median MFU", f"{mfu:.1%}" if mfu is not None else "not logged: the device's peak is unknown"])
+    rows.append(["model FLOPs per token (6·N + 12·L·d·T)", f"{flops:,.0f}" if flops else NOT_RECORDED])
+    rows.append(["peak FLOP/s per device", f"{peak / 1e12:.1f} T" if peak else
+                 ("unknown for this device" if files.facts else NOT_RECORDED)])
+    return [*lines, f"Over {len(timed)} steps, each launch's first step left out (it includes warming up):", "",
+            *_table(["", "value"], rows)]
+
+
+def curves_section(files: RunFiles) -> list[str]:
+    last = files.steps[-1] if files.steps else {}
+    val = next((r for r in reversed(files.records) if "val_loss" in r), None)
+    said = [f"last train loss {last['loss']:.4f} (perplexity {last['perplexity']:.2f}) at step {last['step']}"
+            if last else "no training step logged"]
+    if val:
+        said.append(f"last validation loss {val['val_loss']:.4f} (perplexity {val['val_perplexity']:.2f}) at step "
+                    f"{val['step']}")
+    return ["## Loss, perplexity and learning rate", "", "; ".join(said) + ".", "",
+            "![loss, throughput, MFU and learning rate against tokens seen](curves.png)", "",
+            "![train and validation perplexity against tokens seen](perplexity.png)", ""]
+
+
+def task_results(records: list[dict[str, Any]]) -> dict[int, dict[tuple[str, str], float]]:
+    """step -> (task, metric) -> value, from the rows' `tasks/<task>/<metric>` keys."""
+    results: dict[int, dict[tuple[str, str], float]] = {}
+    for r in records:
+        for key, value in r.items():
+            if key.startswith("tasks/") and key.count("/") >= 2:
+                task, metric = key.split("/", 2)[1:]
+                results.setdefault(r["step"], {})[(task, metric)] = value
+    return results
+
+
+def tasks_section(files: RunFiles, columns: int = 4) -> list[str]:
+    lines = ["## Downstream tasks", ""]
+    results = task_results(files.records)
+    if not results:
+        return [*lines, "No downstream tasks were evaluated (no `tasks/<task>/<metric>` rows in metrics.jsonl).", ""]
+    steps = sorted(results)[-columns:]
+    keys = sorted({k for step in steps for k in results[step]})
+    rows = [[task, metric, *(f"{results[s][(task, metric)]:.4f}" if (task, metric) in results[s] else ""
+                             for s in steps)] for task, metric in keys]
+    shown = "" if len(results) <= columns else f" (the last {columns} of {len(results)} evaluations)"
+    return [*lines, f"Each task's metrics at the steps it was evaluated{shown}:", "",
+            *_table(["task", "metric", *(f"step {s}" for s in steps)], rows)]
+
+
+def time_rows(files: RunFiles) -> list[tuple[str, float | None]]:
+    """(what, seconds) of the run's wall-clock time, None where this run did not record it."""
+    total = {key: sum(r.get(key, 0.0) for r in files.records) for key in
+             sorted({k for r in files.records for k in r if k.endswith("_s") and not k.endswith("_per_s")})}
+    recorded = bool(files.launches)
+    steps = total.pop("step_time_s", 0.0)
+    wait = total.pop("data_wait_s", 0.0)
+    started = [(x.start_s, x.start_step > 0) for x in files.launches]
+    rows: list[tuple[str, float | None]] = [
+        ("compiling the training step", sum(x.compile_s for x in files.launches) if recorded else None),
+        ("restoring checkpoints", sum(s for s, resumed in started if resumed) if recorded else None),
+        ("initialising a fresh state (or train.init_from's)",
+         sum(s for s, resumed in started if not resumed) if recorded else None),
+        ("training steps (computing)", steps - wait), (NAMED_TIMES["data_wait_s"], wait)]
+    rows += [(NAMED_TIMES.get(key, f"`{key}`"), seconds) for key, seconds in total.items()]
+    return [*rows, (LOST, lost_seconds(files.launches) if recorded else None)]
+
+
+def lost_seconds(recorded: list[Launch]) -> float | None:
+    """The seconds of the work the run's restarts dropped (zerolm.observe.launches.Launch.lost_s); None where a launch
+    of the run did not record it."""
+    seconds = [x.lost_seconds for x in recorded]
+    return None if None in seconds else sum(s for s in seconds if s is not None)
+
+
+def lost_parts(recorded: list[Launch]) -> dict[str, float]:
+    """The lost seconds by what they were spent on (NAMED_TIMES' words, a step's wait for data within its time)."""
+    parts: dict[str, float] = {}
+    for launch in recorded:
+        for key, seconds in (launch.lost_s or {}).items():
+            if key != "data_wait_s":
+                what = NAMED_TIMES.get(key, f"`{key}`")
+                parts[what] = parts.get(what, 0.0) + seconds
+    return parts
+
+
+def time_section(files: RunFiles) -> list[str]:
+    rows = time_rows(files)
+    counted = sum(s for _, s in rows if s is not None)
+    table = [[what, f"{s:,.1f}" if s is not None else NOT_RECORDED,
+              f"{s / counted:.1%}" if s is not None and counted else ""] for what, s in rows]
+    lines = ["## Where the time went", "",
+             "Summed over the run's launches from metrics.jsonl's `*_s` fields and launches.jsonl. A step's time "
+             "runs from the previous step's end to its own (its wait for data included, shown apart); saves and "
+             "evaluations are timed between steps, an evaluation's first compile included.", "",
+             *_table(["what", "seconds", "share"], table)]
+    if not files.launches:
+        return [*lines, f"Steps lost to interruptions: {NOT_RECORDED}.", ""]
+    return [*lines, restarts_said(files.launches) + "; " + losses_said(files), ""]
+
+
+def restarts_said(recorded: list[Launch]) -> str:
+    """How many launches, and how each after the first started: from a checkpoint, or from scratch."""
+    later = recorded[1:]
+    scratch = sum(x.start_step == 0 for x in later)
+    said = f"{len(recorded)} launch(es): {len(later) - scratch} resumed from a checkpoint"
+    if scratch:
+        said += f", {scratch} restarted from scratch (there was no checkpoint to resume from)"
+    return said
+
+
+def losses_said(files: RunFiles) -> str:
+    """The steps the restarts lost, and the time: the dropped rows' own seconds, or (launches recorded before
+    those were) an estimate at the median step time."""
+    steps = sum(x.steps_lost for x in files.launches)
+    said = f"{steps} step(s) lost to interruptions (logged by a launch, then trained again by the next)"
+    seconds = lost_seconds(files.launches)
+    if seconds is not None:
+        parts = ", ".join(f"{what} {s:,.1f} s" for what, s in lost_parts(files.launches).items() if s)
+        return said + f", {seconds:,.1f} s of work lost" + (f" ({parts})" if parts else "") + (
+            ": the rows of metrics.jsonl after the step each launch started from, which it dropped.")
+    step_time = _median(files.steps, "step_time_s")
+    cost = f", about {steps * step_time:,.1f} s at the median step time" if steps and step_time else ""
+    return said + cost + f" (the evaluations and saves lost: {NOT_RECORDED})."
+
+
+def launches_section(files: RunFiles) -> list[str]:
+    if not files.launches:
+        return []
+    rows = [[i, datetime.datetime.fromtimestamp(x.time, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+             _how_started(i, x), x.last_logged_step, x.steps_lost,
+             f"{x.lost_seconds:.1f}" if x.lost_seconds is not None else NOT_RECORDED, f"{x.compile_s:.1f}",
+             f"{x.start_s:.1f}", x.facts.get("zerolm_version", "")] for i, x in enumerate(files.launches, 1)]
+    return ["## Launches", "", "Each launch after the first is a dotted line on the figures, at the tokens seen where "
+            "it started.", "",
+            *_table(["launch", "started", "started from", "metrics.jsonl held up to step", "steps lost", "lost s",
+                     "compile s", "restore/init s", "zerolm"], rows)]
+
+
+def _how_started(n: int, launch: Launch) -> str:
+    if launch.start_step:
+        return f"the checkpoint of step {launch.start_step}"
+    return "a fresh state" if n == 1 else "scratch (no checkpoint to resume from)"
+
+
+def log_to_wandb(files: RunFiles, page: Path, say=print) -> str:
+    """The report's folder as an artifact of the run's wandb run (logging.wandb offline or online, and the
+    WANDB_MODE variable not `disabled`); returns what happened, in one line."""
+    cfg, wandb_id = files.config, (files.launches[-1].wandb_id if files.launches else
+                                   files.checkpoint.wandb_id if files.checkpoint else None)
+    if cfg is None or wandb_id is None or cfg["logging"]["wandb"] == "disabled":
+        raise ReportError(f"{files.run_dir}: the run did not log to wandb (logging.wandb: disabled, or "
+                          f"{NOT_RECORDED}); the report is in {page.parent}")
+    from zerolm.observe.metrics import WandbRun, finish_wandb, start_wandb
+
+    run, env_before = start_wandb(files.run_dir, WandbRun(cfg["logging"]["wandb_project"], cfg["name"], wandb_id,
+                                                          cfg["logging"]["wandb"], {}), say)
+    if run is None:
+        return "wandb: disabled here (WANDB_MODE=disabled): the report was not logged"
+    try:
+        import wandb
+
+        artifact = wandb.Artifact(f"report-{wandb_id}", type="report")
+        artifact.add_dir(str(page.parent))
+        run.log_artifact(artifact)
+    finally:
+        finish_wandb(run, env_before)
+    return f"wandb: logged {page.parent} as the artifact report-{wandb_id} of run {wandb_id}"

@@ -1,0 +1,223 @@
+"""Device mesh construction. The mesh axis names are defined here, once."""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, TypeVar
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, Mesh
+
+from zerolm.core.errors import ZerolmError, first_line
+from zerolm.core.exitcodes import EXIT_PEER_LOST
+
+T = TypeVar("T")
+
+DP = "dp"  # data parallel: batch rows and the ZeRO-1 optimizer-state shards
+TP = "tp"  # tensor parallel: attention heads and the MLP width (Megatron), see zerolm.parallel.sharding
+
+
+def make_mesh(dp: int, tp: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (dp, tp) mesh. Auto axis types, so jit's sharding propagation (the reshard and update) works."""
+    devices = list(devices) if devices is not None else jax.devices()
+    if dp * tp != len(devices):
+        raise ValueError(f"mesh dp × tp = {dp} × {tp} needs {dp * tp} devices, got {len(devices)}")
+    return jax.make_mesh((dp, tp), (DP, TP), axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
+
+
+def _coords(mesh: Mesh, process_index: int | None = None):
+    """(mesh coordinate, device) for the devices of one process (default: this one)."""
+    me = jax.process_index() if process_index is None else process_index
+    return [(c, d) for c, d in np.ndenumerate(mesh.devices) if d.process_index == me]
+
+
+def this_host_has_first(mesh: Mesh, axis: str, process_index: int | None = None) -> bool:
+    """Does this host hold a device at position 0 along every axis other than `axis` (docs/design.md, "Mesh helpers")?
+
+    `this_host_has_first(mesh, DP)`: this host holds a tp = 0 device, so it is one that loads data.
+    """
+    others = [i for i, name in enumerate(mesh.axis_names) if name != axis]
+    return any(all(c[i] == 0 for i in others) for c, _ in _coords(mesh, process_index))
+
+
+class _MeshSlicer:
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+
+    def __getitem__(self, index) -> Mesh:
+        index = index if isinstance(index, tuple) else (index,)
+        # Integers would drop an axis; keep every axis so the names still line up.
+        index = tuple(builtins.slice(i, i + 1) if isinstance(i, int) else i for i in index)
+        return Mesh(self.mesh.devices[index], self.mesh.axis_names)
+
+
+def submesh(mesh: Mesh) -> _MeshSlicer:
+    """Index a mesh by axis positions: `submesh(mesh)[:1, :1]` is the first data and tensor rank."""
+    return _MeshSlicer(mesh)
+
+
+def is_first_host(mesh: Mesh) -> bool:
+    """Does this host hold the mesh's first device (the first data and tensor rank, `submesh(mesh)[:1, :1]`)?
+    That host prints, logs metrics and samples."""
+    return submesh(mesh)[:1, :1].devices.flat[0].process_index == jax.process_index()
+
+
+class HostReads(NamedTuple):
+    """Whether a host reads training data from storage, and how many dp blocks of each batch it reads."""
+
+    reads: bool
+    dp_blocks: int
+
+
+def host_reads(mesh: Mesh, process_index: int | None = None) -> HostReads:
+    """What this host reads on a (dp, tp) mesh (docs/design.md, "Data on a (dp, tp) mesh").
+
+    Only devices at tp = 0 are fed from storage; a host reads `micro_batch × accum × dp_blocks` rows of
+    each step, one block per distinct dp index it holds at tp = 0. Hosts with none feed zeros and receive
+    the real rows over the tp axis.
+    """
+    dp_axis, tp_axis = mesh.axis_names.index(DP), mesh.axis_names.index(TP)
+    blocks = len({c[dp_axis] for c, _ in _coords(mesh, process_index) if c[tp_axis] == 0})
+    return HostReads(blocks > 0, blocks)
+
+
+class DistributedError(ZerolmError):
+    """A multi-process run that cannot start: one line naming the flag or address at fault."""
+
+
+
+# What JAX reports, in a process that lives on, when a peer process is gone: gloo's broken connection on
+# CPU, the coordination service's heartbeat timeout or unavailable task, a NCCL communicator error.
+_PEER_FAILURE = ("Connection reset by peer", "Connection closed by peer", "Gloo ", "heartbeat timeout",
+                 "UNAVAILABLE", "NCCL", "CoordinationService", "Socket closed", "connect error")
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    return jax.process_count() > 1 and any(marker in str(error) for marker in _PEER_FAILURE)
+
+
+def exit_peer_lost(error: BaseException) -> None:
+    """One line and exit EXIT_PEER_LOST, at once: JAX's own shutdown would wait on the dead peer at a
+    barrier and then abort with a C++ stack dump. The run lock dies with the process; an unfinished
+    save stays a temporary directory that the next run removes."""
+    import os
+    import sys
+
+    first = first_line(error, 240)
+    print(f"\nerror: process {jax.process_index()} lost a peer process of the run ({first}); the last complete "
+          f"checkpoint stays the latest; exiting with code {EXIT_PEER_LOST} (restart the run to resume)",
+          file=sys.stderr, flush=True)
+    os._exit(EXIT_PEER_LOST)
+
+
+SHUTDOWN_LIMIT_S = 20
+
+
+def bound_shutdown(limit_s: int = SHUTDOWN_LIMIT_S) -> None:
+    """Leaving a multi-process run: JAX's distributed shutdown (at interpreter exit) waits for every
+    peer at a barrier, and while JAX's preemption notifier owns SIGTERM a process waiting there for a
+    dead peer ignores SIGTERM. So: SIGTERM back to its default (it ends the process), and the kernel
+    ends it with SIGALRM if it is still there `limit_s` seconds from now. Call it last, on the way out."""
+    import signal
+
+    if jax.process_count() > 1:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(limit_s)
+
+
+def initialize_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None, *,
+                           heartbeat_timeout_s: int = 10, init_timeout_s: int = 120) -> None:
+    """Join a multi-process run. With no arguments on a TPU VM slice or SLURM, JAX detects the cluster;
+    elsewhere (e.g. 127.0.0.1 in tests) pass all three. CPU collectives go through gloo.
+
+    `heartbeat_timeout_s`: JAX's coordination service declares a process dead after this long without a
+    heartbeat, and the others stop (JAX's default, 100 s, leaves a slice idle for minutes).
+    `init_timeout_s`: how long to wait for the coordinator. JAX aborts from C++ when it cannot reach one,
+    so a process other than 0 first waits for the coordinator's port itself, and says which address
+    it could not reach."""
+    if coordinator is None and num_processes is None and process_id is None:
+        jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_s, initialization_timeout=init_timeout_s)
+        return
+    if coordinator is None or num_processes is None or process_id is None:
+        raise DistributedError("--coordinator, --num-processes and --process-id go together (or use --distributed "
+                               "on a TPU VM slice or under SLURM)")
+    host, sep, port = coordinator.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DistributedError(f"--coordinator {coordinator}: expected HOST:PORT, e.g. 127.0.0.1:12355")
+    if num_processes < 1:
+        raise DistributedError(f"--num-processes {num_processes}: must be at least 1")
+    if not 0 <= process_id < num_processes:
+        raise DistributedError(f"--process-id {process_id}: must be in 0 .. {num_processes - 1} (--num-processes)")
+    if process_id == 0:
+        _check_can_listen(int(port), coordinator)
+    else:
+        _wait_for_coordinator(host, int(port), coordinator, init_timeout_s)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
+                               heartbeat_timeout_seconds=heartbeat_timeout_s, initialization_timeout=init_timeout_s)
+
+
+def _check_can_listen(port: int, coordinator: str) -> None:
+    import socket
+
+    with socket.socket(socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            raise DistributedError(f"--coordinator {coordinator}: process 0 cannot listen on port {port} "
+                                   f"({e.strerror}); pick a free port") from None
+
+
+def _wait_for_coordinator(host: str, port: int, coordinator: str, timeout_s: int) -> None:
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise DistributedError(f"--coordinator {coordinator}: not reachable within {timeout_s} s ({e.strerror or e}); "
+                                       "is process 0 running there? (--init-timeout sets the wait)") from None
+            time.sleep(0.5)
+
+
+def on_process_0(fn: Callable[[], T], errors: tuple[type[Exception], ...]) -> T | None:
+    """Run `fn` on process 0 alone (file-system work every process must agree on: locking, moving
+    checkpoints). Returns its result there and None elsewhere; if it raised one of `errors`, every
+    process raises it, with process 0's message, so that all of them stop together."""
+    result, failure = None, None
+    if jax.process_index() == 0:
+        try:
+            result = fn()
+        except errors as e:
+            failure = e
+    if jax.process_count() > 1:
+        message = np.zeros(4096, np.uint8)
+        if failure is not None:
+            encoded = np.frombuffer(str(failure).encode()[:4095], np.uint8)
+            message[:len(encoded)] = encoded
+            message[-1] = next(i for i, kind in enumerate(errors) if isinstance(failure, kind)) + 1
+        message = np.asarray(multihost_utils.broadcast_one_to_all(message))
+        if failure is None and message[-1]:
+            failure = errors[int(message[-1]) - 1](bytes(message[:-1]).rstrip(b"\0").decode(errors="replace"))
+    if failure is not None:
+        raise failure
+    return result
+
+
+def axis_share(name: str, spread: int, size: int) -> str:
+    """A mesh axis, or the share of it one replica group covers: `dp`, `dp(4/32)`."""
+    return name if spread == size else f"{name}({spread}/{size})"
+
+
+def axis_names(labels) -> tuple[str, ...]:
+    """The mesh axes of `axes_label`'s labels, whole or a share: ("dp(8/32)",) -> ("dp",)."""
+    return tuple(label.split("(")[0] for label in labels)
