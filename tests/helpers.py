@@ -70,3 +70,11 @@ def tiny_transformers_model(directory, kind: str = "gpt2", end_of_text: str = "<
     model.save_pretrained(directory)
     tok.save(str(directory / "tokenizer.json"))
     return model
+
+
+def zero_settings(**overrides: Any):
+    """The config's `zero:` section as configs/defaults.yaml sets it, with `overrides` (stage=3, ...): what
+    zerolm.parallel.zero.Zero takes."""
+    from zerolm.config.tree import DEFAULTS, load_config
+
+    return load_config(DEFAULTS).zero.model_copy(update=overrides)

@@ -11,7 +11,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from conftest import REPO, requires_devices, small_config, small_model
-from helpers import bytes_per_device, to_accum_layout
+from helpers import bytes_per_device, to_accum_layout, zero_settings
 from zerolm.compile import hlo
 from zerolm.config.tree import load_config
 from zerolm.model import decoder as gpt_model
@@ -21,7 +21,7 @@ from zerolm.parallel.naive_step import naive_data_parallel_step
 from zerolm.parallel.optim import make_optimizer
 from zerolm.parallel.scatter import resolve_scatter, two_stage_reduce_scatter
 from zerolm.parallel.sharding import is_layout, plan_layout
-from zerolm.parallel.zero import Zero
+from zerolm.parallel.zero import Objective, Zero
 
 
 def plan(abstract, dp):
@@ -37,7 +37,7 @@ def _rows(n, cfg, seed=0):
 
 def _zero(cfg, tx, mode, dp=8):
     model, init_fn, loss_fn, abstract = small_model(cfg.model)
-    zero = Zero(make_mesh(dp), loss_fn, tx, abstract, grad_reduce=mode)
+    zero = Zero(make_mesh(dp), Objective(loss_fn, abstract), tx, zero_settings(grad_reduce=mode))
     return zero, zero.init(init_fn, jax.random.key(0)), loss_fn
 
 
@@ -164,7 +164,7 @@ def test_checker_sees_the_naive_per_micro_step_reduction():
     tx = optax.adamw(1e-3)
     params = init_fn(jax.random.key(0))
     step = naive_data_parallel_step(mesh, loss_fn, tx)
-    zero = Zero(mesh, loss_fn, tx, jax.eval_shape(init_fn, jax.random.key(0)))
+    zero = Zero(mesh, Objective(loss_fn, jax.eval_shape(init_fn, jax.random.key(0))), tx, zero_settings())
     ops = hlo.collectives(hlo.compiled_text(step, params, tx.init(params), _batch(zero, _rows(32, cfg), 4, 1)))
     assert [c for c in ops if c.in_loop and c.op == "all-reduce"]
 
@@ -211,8 +211,8 @@ def test_layout_round_trip(shape):
 
 def _mixed(cfg, tx, mode="reduce_scatter", accumulate_dtype=jnp.float32):
     model, init_fn, loss_fn, abstract = small_model(cfg.model)
-    zero = Zero(make_mesh(8), loss_fn, tx, abstract, grad_reduce=mode, precision="mixed",
-                 accumulate_dtype=accumulate_dtype)
+    zero = Zero(make_mesh(8), Objective(loss_fn, abstract), tx,
+                zero_settings(grad_reduce=mode, precision="mixed", accumulate_dtype=accumulate_dtype))
     return zero, zero.init(init_fn, jax.random.key(0)), loss_fn
 
 
@@ -308,7 +308,7 @@ def test_ring_reduce_scatter_is_the_same_sum_in_neighbour_exchanges(precision):
     model, init_fn, loss_fn, abstract = small_model(cfg.model)
     grads = {}
     for scatter in ("collective", "ring"):
-        zero = Zero(make_mesh(8), loss_fn, optax.sgd(0.1), abstract, precision=precision, scatter=scatter)
+        zero = Zero(make_mesh(8), Objective(loss_fn, abstract), optax.sgd(0.1), zero_settings(precision=precision, scatter=scatter))
         state = zero.init(init_fn, jax.random.key(0))
         batch = _batch(zero, _rows(32, cfg), 4, 1)
         grads[scatter] = _flat(zero.table, zero.programs.grad(state.params, batch)[0])
@@ -354,7 +354,7 @@ def test_two_stage_reduce_scatter_in_the_step():
     model, init_fn, loss_fn, abstract = small_model(cfg.model)
     grads = {}
     for scatter in ("collective", "two_stage"):
-        zero = Zero(make_mesh(8), loss_fn, optax.sgd(0.1), abstract, scatter=scatter)
+        zero = Zero(make_mesh(8), Objective(loss_fn, abstract), optax.sgd(0.1), zero_settings(scatter=scatter))
         state = zero.init(init_fn, jax.random.key(0))
         batch = _batch(zero, _rows(32, cfg), 4, 1)
         grads[scatter] = _flat(zero.table, zero.programs.grad(state.params, batch)[0])

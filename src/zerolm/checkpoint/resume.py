@@ -49,7 +49,15 @@ class Start:
         return int(self.state.step)
 
 
-def start_state(cfg: Config, zero: Zero, init_fn, data_id: dict, resume: str, overwrite: bool, say) -> Start:
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """How a run starts, as asked (`zerolm train --resume`, `--overwrite`)."""
+
+    mode: str = "auto"  # auto | strict | never
+    overwrite: bool = False
+
+
+def start_state(cfg: Config, zero: Zero, init_fn, data_id: dict, asked: Resume, say) -> Start:
     """The run's checkpoints, and a fresh sharded state or the newest intact checkpoint's.
 
     Refuses to start over existing checkpoints without --overwrite. A damaged checkpoint is moved
@@ -59,11 +67,11 @@ def start_state(cfg: Config, zero: Zero, init_fn, data_id: dict, resume: str, ov
     ckpts = places.open()
     try:
         latest = ckpts.latest_step()
-        if latest is not None and resume == "never":
-            ckpts, latest = _start_over(places, ckpts, latest, overwrite, say), None
+        if latest is not None and asked.mode == "never":
+            ckpts, latest = _start_over(places, ckpts, latest, asked.overwrite, say), None
         restored = None
-        while latest is not None and resume != "never" and restored is None:
-            ckpts, latest, restored = _restore_or_move_aside(places, ckpts, latest, zero, resume, say)
+        while latest is not None and asked.mode != "never" and restored is None:
+            ckpts, latest, restored = _restore_or_move_aside(places, ckpts, latest, zero, asked.mode, say)
         if restored is None:  # fresh: drawn from train.seed, or train.init_from's parameters
             state = warm_start.initial_state(cfg, zero, init_fn, data_id, say)
             return Start(ckpts, state, secrets.token_hex(4), ORDER_VERSION)
@@ -76,7 +84,7 @@ def start_state(cfg: Config, zero: Zero, init_fn, data_id: dict, resume: str, ov
     return Start(ckpts, state, meta.wandb_id, meta.dataset.get("order", 1))
 
 
-def check_before_compiling(cfg: Config, data_id: dict, resume: str, overwrite: bool) -> int | None:
+def check_before_compiling(cfg: Config, data_id: dict, asked: Resume) -> int | None:
     """What refuses this start without a compiled step, refused before the step is built and compiled (on a
     real model, minutes): --resume never over checkpoints without --overwrite, and a resume whose newest
     checkpoint cannot continue (another model, precision, data or global batch). Returns the step of the
@@ -92,8 +100,8 @@ def check_before_compiling(cfg: Config, data_id: dict, resume: str, overwrite: b
             latest = ckpts.latest_step()
         if latest is None:
             return _fresh(cfg, data_id)
-        if resume == "never":
-            if not overwrite:
+        if asked.mode == "never":
+            if not asked.overwrite:
                 raise _refused_start_over(cfg.checkpoint_dir, latest)
             return _fresh(cfg, data_id)
         try:

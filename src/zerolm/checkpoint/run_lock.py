@@ -20,6 +20,7 @@ reader's: the hosts' clocks must agree to well within `stale_after_s` (NTP; a TP
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -145,69 +146,94 @@ def _dead_here(holder: dict) -> bool:
 
 
 def _acquire_lease(directory: str, stale_after_s: float, heartbeat_s: float, what: str) -> RunLock:
-    url = f"{directory}/{LEASE_FILE}"
-    lease = Versioned(url)
-    token = secrets.token_hex(8)
-    holder = {**_holder_record(), "token": token}
+    lease = _Lease(directory, stale_after_s)
+    generation, taken_over = lease.take(what)
+    lock = RunLock(directory, None, taken_over)
+    lock._release = lease.keep(lock, generation, heartbeat_s)
+    return lock
 
-    def record() -> bytes:
-        return json.dumps({**holder, "heartbeat": time.time()}).encode()
 
-    def holder_of(found: tuple[bytes, int] | None) -> dict:
+@dataclasses.dataclass
+class _Renewal:
+    """The lease's generation this run wrote last, and when."""
+
+    generation: int
+    at: float
+
+
+class _Lease:
+    """The lease object's protocol against a storage with conditional writes (zerolm.core.storage.Versioned): take
+    it (absent, or stale), renew it every heartbeat while the run holds it, delete it at the end."""
+
+    def __init__(self, directory: str, stale_after_s: float):
+        self.directory, self.stale_after_s = directory, stale_after_s
+        self.url = f"{directory}/{LEASE_FILE}"
+        self.lease = Versioned(self.url)
+        self.holder = {**_holder_record(), "token": secrets.token_hex(8)}
+
+    def record(self) -> bytes:
+        return json.dumps({**self.holder, "heartbeat": time.time()}).encode()
+
+    def holder_now(self, found: tuple[bytes, int] | None = None) -> dict:
+        """The lease's holder record as found (or as read now); {} if unreadable."""
+        found = found if found is not None else self.lease.read()
         try:
             return json.loads(found[0]) if found is not None else {}
         except ValueError:
             return {}
 
-    current = lease.read()
-    taken_over = None
-    if current is None:
-        generation = lease.write(record(), 0)
-        if generation is None:
-            raise LockHeld(f"{directory}: in use by {_describe(holder_of(lease.read()))}, which started at the "
-                           f"same moment (one run per {what})")
-    else:
-        taken_over = holder_of(current)
+    def take(self, what: str) -> tuple[int, dict | None]:
+        """(the generation written, the holder taken over from, if the lease was stale); LockHeld if in use."""
+        current = self.lease.read()
+        if current is None:
+            generation = self.lease.write(self.record(), 0)
+            if generation is None:
+                raise LockHeld(f"{self.directory}: in use by {_describe(self.holder_now())}, which started at the "
+                               f"same moment (one run per {what})")
+            return generation, None
+        taken_over = self.holder_now(current)
         age = time.time() - float(taken_over.get("heartbeat", 0))
-        if age < stale_after_s and not _dead_here(taken_over):
-            raise LockHeld(f"{directory}: in use by {_describe(taken_over)}, lease renewed {max(age, 0):.0f} s ago; "
-                           f"wait for it to end or stop it (a lease older than {stale_after_s:.0f} s is taken over)")
-        generation = lease.write(record(), current[1])
+        if age < self.stale_after_s and not _dead_here(taken_over):
+            raise LockHeld(f"{self.directory}: in use by {_describe(taken_over)}, lease renewed {max(age, 0):.0f} s "
+                           f"ago; wait for it to end or stop it (a lease older than {self.stale_after_s:.0f} s is "
+                           "taken over)")
+        generation = self.lease.write(self.record(), current[1])
         if generation is None:
-            raise LockHeld(f"{directory}: in use by {_describe(holder_of(lease.read()))}, which took over the "
+            raise LockHeld(f"{self.directory}: in use by {_describe(self.holder_now())}, which took over the "
                            "stale lease at the same moment")
+        return generation, taken_over
 
-    stop = threading.Event()
-    held, renewed_at = generation, time.time()  # the lease's generation this run wrote last, and when
-    lock = RunLock(directory, None, taken_over)
+    def keep(self, lock: RunLock, generation: int, heartbeat_s: float):
+        """Renew the lease every `heartbeat_s` on a thread (a renewal that fails sets `lock.failure`, which the
+        run checks); returns the release: stop renewing, and delete the lease unless it was lost."""
+        stop = threading.Event()
+        held = _Renewal(generation, time.time())
 
-    def heartbeat() -> None:
-        nonlocal held, renewed_at
-        while not stop.wait(heartbeat_s):
-            try:
-                renewed = lease.write(record(), held)
-            except StorageFault as e:
-                lock.failure = (f"{e}; the run's lease went {time.time() - renewed_at:.0f} s without renewal, so the "
-                                f"run stops (another run may take {directory} over once it is {stale_after_s:.0f} s "
-                                "old)")
-                return
-            if renewed is None:
-                lock.failure = (f"{url}: the lease was taken over by {_describe(holder_of(lease.read()))}; this run "
-                                "stops so that two runs never write one directory")
-                return
-            held, renewed_at = renewed, time.time()
+        def heartbeat() -> None:
+            while not stop.wait(heartbeat_s):
+                try:
+                    renewed = self.lease.write(self.record(), held.generation)
+                except StorageFault as e:
+                    lock.failure = (f"{e}; the run's lease went {time.time() - held.at:.0f} s without renewal, so "
+                                    f"the run stops (another run may take {self.directory} over once it is "
+                                    f"{self.stale_after_s:.0f} s old)")
+                    return
+                if renewed is None:
+                    lock.failure = (f"{self.url}: the lease was taken over by {_describe(self.holder_now())}; this "
+                                    "run stops so that two runs never write one directory")
+                    return
+                held.generation, held.at = renewed, time.time()
 
-    thread = threading.Thread(target=heartbeat, name="zerolm-lease", daemon=True)
-    thread.start()
+        thread = threading.Thread(target=heartbeat, name="zerolm-lease", daemon=True)
+        thread.start()
 
-    def release():
-        stop.set()
-        thread.join()
-        if lock.failure is None:
-            try:
-                lease.delete(held)
-            except StorageFault as e:  # the lease goes stale and is taken over; nothing else is lost
-                print(f"warning: {e}; the lease will be taken over once stale", file=sys.stderr)
+        def release():
+            stop.set()
+            thread.join()
+            if lock.failure is None:
+                try:
+                    self.lease.delete(held.generation)
+                except StorageFault as e:  # the lease goes stale and is taken over; nothing else is lost
+                    print(f"warning: {e}; the lease will be taken over once stale", file=sys.stderr)
 
-    lock._release = release
-    return lock
+        return release

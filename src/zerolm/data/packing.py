@@ -196,18 +196,30 @@ class ShardWriter:
 @dataclasses.dataclass(frozen=True)
 class Shape:
     """How a dataset is cut: samples of seq_len + 1 tokens, every val_every-th document to validation,
-    per_shard samples a shard."""
+    per_shard samples a shard; tokens below vocab_size (their dtype: token_dtype)."""
 
     seq_len: int
     val_every: int
     per_shard: int
+    vocab_size: int
 
 
-def write_unit(root: AnyPath, index: int, files: list[str] | None, encoded: Iterator[Encoded], vocab_size: int,
-               shape: Shape, skipped: sources.Skipped | None, progress) -> UnitRecord:
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One unit of a build: `root/unit-NNNNN/`, and the input files whose documents it packs (None: a source
+    without files)."""
+
+    root: AnyPath
+    index: int
+    files: list[str] | None
+
+
+def write_unit(unit: Unit, encoded: Iterator[Encoded], shape: Shape, skipped: sources.Skipped | None,
+               progress) -> UnitRecord:
     """Pack one unit's documents (`encoded`, in order) into `root/unit-NNNNN/`; its record last. What a
     failure or an interrupt left of the unit is removed (the unit is written again, whole, next time)."""
-    directory = root / unit_name(index)
+    index, files, vocab_size = unit.index, unit.files, shape.vocab_size
+    directory = unit.root / unit_name(index)
     storage.remove_tree(directory)
     if not storage.is_remote(directory):
         directory.mkdir(parents=True)

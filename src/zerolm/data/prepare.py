@@ -169,8 +169,8 @@ def _tokenizer(source: str, s: PrepareSettings, stop: _StopSignals) -> Tokenizer
               f"{s.bpe_sample_mb:,} MiB of the source's text", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     # The sample's skipped records are counted by the pass that tokenizes, not twice.
-    texts = bpe_sample(source, s.bpe_sample_mb * 2**20, s.val_every, text_field=s.text_field,
-                       tfds_data_dir=s.tfds_data_dir, skipped=Skipped() if s.skip_bad else None, stop=stop)
+    reading = sources.Reading(s.text_field, s.tfds_data_dir, Skipped() if s.skip_bad else None)
+    texts = bpe_sample(source, s.bpe_sample_mb * 2**20, s.val_every, reading=reading, stop=stop)
     if not texts:
         raise PrepareError(f"{source}: empty source: no document with text in {_files_of(source)}")
     tok = load_tokenizer("default", s.vocab_size, texts)
@@ -216,8 +216,9 @@ def _pack(source: str, s: PrepareSettings, units: list, tok: Tokenizer, build: B
             skipped = Skipped() if s.skip_bad else None
             chunks = _checked(sources.chunks(source, text_field=s.text_field, tfds_data_dir=s.tfds_data_dir,
                                              only=units[u]), stop)
-            packing.write_unit(build.directory, u, units[u], encoder.encode(chunks, skipped), tok.vocab_size,
-                               packing.Shape(s.seq_len, s.val_every, s.samples_per_shard), skipped, advance)
+            packing.write_unit(packing.Unit(build.directory, u, units[u]), encoder.encode(chunks, skipped),
+                               packing.Shape(s.seq_len, s.val_every, s.samples_per_shard, tok.vocab_size), skipped,
+                               advance)
 
 
 def _publish(source: str, s: PrepareSettings, units: list, tok: Tokenizer, build: Build) -> Prepared:
@@ -232,7 +233,7 @@ def _publish(source: str, s: PrepareSettings, units: list, tok: Tokenizer, build
         return Prepared(build.published(), False)  # already published, or another part is publishing it now
     tok.save(build.directory)
     manifest = packing.finalize(build.directory, complete, TokenizerInfo(**tok.identity, file=tok.filename),
-                                packing.Shape(s.seq_len, s.val_every, s.samples_per_shard), source)
+                                packing.Shape(s.seq_len, s.val_every, s.samples_per_shard, tok.vocab_size), source)
     if manifest.splits["train"].samples == 0:
         raise PrepareError(f"{source}: too little text for one training sample of seq_len + 1 = "
                            f"{s.seq_len + 1} tokens ({manifest.documents} document(s) in {_files_of(source)}); "
@@ -249,21 +250,21 @@ def missing_units(out: str | os.PathLike, parts: int) -> list[int]:
     return [u for u in range(len(settings["units"])) if packing.read_unit(root, u) is None]
 
 
-def bpe_sample(source: str, budget_bytes: int, val_every: int, *, text_field: str = "text",
-               tfds_data_dir: str | None = None, skipped: Skipped | None = None,
+def bpe_sample(source: str, budget_bytes: int, val_every: int, *, reading: sources.Reading | None = None,
                stop: _StopSignals | None = None) -> list[str]:
     """The default BPE's training text, bounded and deterministic: from each of the source's files, in
     order, its first documents that the validation rule leaves to training (by their index within the
     file), until they hold an equal share of `budget_bytes` characters (at least one document each);
     from a source without files (tfds, default), its first such documents up to the budget. The same
     sample for any --workers, so the same tokenizer."""
+    reading = reading or sources.Reading()
     groups: list[list[str] | None] = [[path] for path in sources.files(source)] or [None]
     share = max(1, budget_bytes // len(groups))
     texts: list[str] = []
     for only in groups:
         taken = 0
-        docs = sources.iter_documents(source, text_field=text_field, tfds_data_dir=tfds_data_dir, skipped=skipped,
-                                      only=only)
+        docs = sources.iter_documents(source, text_field=reading.text_field, tfds_data_dir=reading.tfds_data_dir,
+                                      skipped=reading.skipped, only=only)
         for index, doc in enumerate(docs):
             if stop is not None:
                 stop.check()

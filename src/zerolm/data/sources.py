@@ -104,7 +104,6 @@ def chunks(spec: str, *, text_field: str = "text", tfds_data_dir: str | None = N
 def documents(chunk: Chunk, text_field: str = "text") -> list[str | SourceError]:
     """The chunk's documents in order; a bad record is its SourceError in its place (empty texts are
     dropped: they hold no token)."""
-    out: list[str | SourceError] = []
     if chunk.kind == "docs":
         return [d for d in chunk.records if d.strip()]
     if chunk.kind == "text":
@@ -114,36 +113,46 @@ def documents(chunk: Chunk, text_field: str = "text") -> list[str | SourceError]
             return [SourceError(f"{chunk.where}: cannot read as UTF-8 text ({e})")]
         return [text] if text.strip() else []
     if chunk.kind == "parquet":
-        for row, text in enumerate(chunk.records, chunk.first):
-            if not isinstance(text, str):
-                out.append(SourceError(f"{chunk.where}: row {row}: column {text_field!r} is "
-                                       f"{'null' if text is None else type(text).__name__}, not a string"))
-            elif text.strip():
-                out.append(text)
-        return out
-    for lineno, line in enumerate(chunk.records, chunk.first):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except UnicodeDecodeError as e:
-            out.append(SourceError(f"{chunk.where}:{lineno}: not UTF-8 ({e.reason} at byte {e.start})"))
-            continue
-        except json.JSONDecodeError as e:
-            # e.msg may end mid-phrase ("Invalid control character at"): the column completes it.
-            out.append(SourceError(f"{chunk.where}:{lineno}: not valid JSON ({e.msg.removesuffix(' at')}, column "
-                                   f"{e.colno})"))
-            continue
-        if not isinstance(record, dict) or text_field not in record:
-            out.append(SourceError(f"{chunk.where}:{lineno}: no text field {text_field!r}"))
-            continue
-        text = record[text_field]
-        if not isinstance(text, str):
-            out.append(SourceError(f"{chunk.where}:{lineno}: field {text_field!r} is not a string (got "
-                                   f"{type(text).__name__} {json.dumps(text)[:40]})"))
-        elif text.strip():
-            out.append(text)
-    return out
+        return [d for row, text in enumerate(chunk.records, chunk.first)
+                if (d := _parquet_text(chunk.where, row, text, text_field)) is not None]
+    return [d for lineno, line in enumerate(chunk.records, chunk.first) if line.strip()
+            and (d := _jsonl_text(chunk.where, lineno, line, text_field)) is not None]
+
+
+def _parquet_text(where: str, row: int, text, text_field: str) -> str | SourceError | None:
+    """A parquet row's text column: its text, its SourceError, or None where it is blank."""
+    if not isinstance(text, str):
+        return SourceError(f"{where}: row {row}: column {text_field!r} is "
+                           f"{'null' if text is None else type(text).__name__}, not a string")
+    return text if text.strip() else None
+
+
+def _jsonl_text(where: str, lineno: int, line, text_field: str) -> str | SourceError | None:
+    """A JSON line's text field: its text, its SourceError, or None where it is blank."""
+    try:
+        record = json.loads(line)
+    except UnicodeDecodeError as e:
+        return SourceError(f"{where}:{lineno}: not UTF-8 ({e.reason} at byte {e.start})")
+    except json.JSONDecodeError as e:
+        # e.msg may end mid-phrase ("Invalid control character at"): the column completes it.
+        return SourceError(f"{where}:{lineno}: not valid JSON ({e.msg.removesuffix(' at')}, column {e.colno})")
+    if not isinstance(record, dict) or text_field not in record:
+        return SourceError(f"{where}:{lineno}: no text field {text_field!r}")
+    text = record[text_field]
+    if not isinstance(text, str):
+        return SourceError(f"{where}:{lineno}: field {text_field!r} is not a string (got "
+                           f"{type(text).__name__} {json.dumps(text)[:40]})")
+    return text if text.strip() else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """How a source's records are read: the field that holds a record's text, tfds's data directory, and the
+    count of unreadable records skipped (None: the first one stops the read)."""
+
+    text_field: str = "text"
+    tfds_data_dir: str | None = None
+    skipped: Skipped | None = None
 
 
 def iter_documents(spec: str, *, text_field: str = "text", tfds_data_dir: str | None = None,

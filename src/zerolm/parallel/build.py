@@ -23,7 +23,7 @@ from zerolm.model.dropout import has_dropout
 from zerolm.parallel import sharding
 from zerolm.parallel.mesh import TP
 from zerolm.parallel.optim import make_optimizer
-from zerolm.parallel.zero import Programs, Zero
+from zerolm.parallel.zero import Objective, Programs, Zero
 
 
 def build_model(cfg: Config, device: jax.Device) -> tuple[gpt_model.GPT, functools.partial]:
@@ -55,11 +55,9 @@ def build_step(cfg: Config, mesh: Mesh, rules=sharding.RULES) -> tuple[gpt_model
         cfg = cfg.resolve(model__scan_layers=scan)
     model, init_fn = build_model(cfg, mesh.devices.flat[0])
     tx, schedule = make_optimizer(cfg.train)
-    zero = Zero(mesh, functools.partial(losses.lm_loss, model), tx, jax.eval_shape(init_fn, jax.random.key(0)),
-                 logical_axes=gpt_model.logical_axes(model), grad_reduce=cfg.zero.grad_reduce, lr_schedule=schedule,
-                 precision=cfg.zero.precision, accumulate_dtype=cfg.zero.accumulate_dtype,
-                 scatter=cfg.zero.scatter, rules=rules, stage=cfg.zero.stage,
-                 dropout_seed=cfg.train.seed if has_dropout(cfg.model) else None)
+    objective = Objective(functools.partial(losses.lm_loss, model), jax.eval_shape(init_fn, jax.random.key(0)),
+                          gpt_model.logical_axes(model), cfg.train.seed if has_dropout(cfg.model) else None)
+    zero = Zero(mesh, objective, tx, cfg.zero, lr_schedule=schedule, rules=rules)
     return model, zero, init_fn
 
 

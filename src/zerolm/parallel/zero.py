@@ -38,7 +38,7 @@ import copy
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import flax.struct
 import jax
@@ -55,6 +55,9 @@ from zerolm.parallel.optim import MasterWeights, with_master_weights
 from zerolm.parallel.scatter import Scatter
 from zerolm.parallel.sharded_grad import GradSettings, LossFn, dropout_keys, sum_over_micro_batches
 from zerolm.parallel.sharding import from_views, is_layout, to_views
+
+if TYPE_CHECKING:
+    from zerolm.config.tree import ZeroConfig
 
 PyTree = Any
 GradReduce = Literal["all_reduce", "reduce_scatter"]
@@ -97,13 +100,26 @@ class Programs:
         return [(name, program) for name in self.NAMES if (program := getattr(self, name)) is not None]
 
 
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """What the step optimises: the model's loss, its parameters' shapes (float32), their logical axes (for the
+    rule table's tensor parallelism; None: every leaf replicated over tp) and the seed of its dropout masks
+    (None: no dropout)."""
+
+    loss_fn: LossFn
+    abstract_params: PyTree
+    logical_axes: PyTree | None = None
+    dropout_seed: int | None = None
+
+
 class Zero:
-    """The ZeRO training step (stage 1, 2 or 3) for one mesh, model loss, optimizer and accumulation count.
+    """The ZeRO training step (stage 1, 2 or 3) for one mesh, objective, optimizer and accumulation count.
 
     `step(state, batch) -> (state, metrics)` is a pure function of its inputs; `batch` is the global
     array of shape (accum_steps, dp * micro_batch, seq_len + 1) sharded by `table.batch_sharding`;
     `table` (zerolm.parallel.sharding.Table) holds every sharding the step uses.
 
+    `settings` is the config's `zero:` section (zerolm.config.tree.ZeroConfig):
     `stage`: 1 splits the optimizer state over dp and reduces the gradient once per step; 2 also keeps
     the gradient split (a reduce-scatter per micro-step); 3 also the parameters (each layer gathered where
     it is used). Stages 2 and 3 reduce with reduce-scatters only (`grad_reduce` must be reduce_scatter).
@@ -113,45 +129,46 @@ class Zero:
     and the parameters all-gathered in bfloat16 (half the bytes of each).
     `accumulate_dtype`: the dtype of each device's gradient accumulator over its micro-batches.
     `scatter` (reduce_scatter): "collective" (`lax.psum_scatter`), "two_stage" or "ring", the ways
-    zerolm.parallel.scatter knows; "auto" is `scatter.resolve_scatter`'s choice for the mesh.
+    zerolm.parallel.scatter knows; "auto" is `scatter.resolve_scatter`'s choice for the mesh (`self.scatter`
+    holds the choice).
+    `lr_schedule`: the optimizer's schedule, whose value each step's metrics report; `rules`: the logical-axis
+    rule table (zerolm.parallel.sharding.RULES).
     """
 
-    def __init__(self, mesh: Mesh, loss_fn: LossFn, tx: optax.GradientTransformation,
-                 abstract_params: PyTree, *, logical_axes: PyTree | None = None,
-                 grad_reduce: GradReduce = "reduce_scatter", lr_schedule: optax.Schedule | None = None,
-                 precision: Precision = "fp32", accumulate_dtype=jnp.float32, scatter: Scatter = "auto",
-                 rules=sharding.RULES, stage: Stage = 1, dropout_seed: int | None = None):
+    def __init__(self, mesh: Mesh, objective: Objective, tx: optax.GradientTransformation, settings: ZeroConfig, *,
+                 lr_schedule: optax.Schedule | None = None, rules=sharding.RULES):
+        stage, grad_reduce, precision = settings.stage, settings.grad_reduce, settings.precision
         if stage > 1 and grad_reduce != "reduce_scatter":
             raise ValueError(f"ZeRO-{stage} reduces with reduce-scatters: grad_reduce must be reduce_scatter")
         self.mesh = mesh
-        self.stage = stage
-        self.grad_reduce = grad_reduce
-        self.precision = precision
+        self.stage: Stage = stage
+        self.grad_reduce: GradReduce = grad_reduce
+        self.precision: Precision = precision
         self.param_dtype = jnp.dtype(jnp.bfloat16 if precision == "mixed" else jnp.float32)
         self.tx = tx = with_master_weights(tx) if precision == "mixed" else tx
-        self.abstract_params = abstract_params  # float32: the model's (and the master weights')
+        self.abstract_params = abstract_params = objective.abstract_params  # float32: the model's (and the master weights')
         self.working_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, self.param_dtype), abstract_params)
-        self.table = table = sharding.Table(mesh, abstract_params, logical_axes, tx, rules, stage)  # every sharding
+        self.table = table = sharding.Table(mesh, abstract_params, objective.logical_axes, tx, rules, stage)  # every sharding
         self.state_shardings = TrainState(step=table.replicated, params=table.param_shardings,
                                           opt_state=table.opt_shardings)
-        self.scatter = scatter_lib.resolve_scatter(scatter, mesh)  # "collective", "two_stage" or "ring"
+        self.scatter = scatter_lib.resolve_scatter(settings.scatter, mesh)  # "collective", "two_stage" or "ring"
         self.scatter_inner = scatter_lib.two_stage_inner(mesh) if self.scatter == "two_stage" else None
         # Manual over dp; without tensor parallelism over the whole mesh: nothing is left for the partitioner
         # inside, where JAX cannot run a custom partitioner (cuDNN's attention has one) under a partly manual map.
         manual = frozenset(mesh.axis_names) if table.tp == 1 else frozenset({DP})
-        self.dropout = dropout_seed is not None
-        how = GradSettings(jnp.dtype(accumulate_dtype), self.param_dtype, dropout_seed)
+        self.dropout = objective.dropout_seed is not None
+        how = GradSettings(jnp.dtype(settings.accumulate_dtype), self.param_dtype, objective.dropout_seed)
         if stage == 1:
-            grad_step = self._stage1(loss_fn, how, manual)
+            grad_step = self._stage1(objective.loss_fn, how, manual)
         else:  # zerolm.parallel.sharded_grad: each layer's gradient reduce-scattered inside the layers' loop
             reduce_scatter = scatter_lib.reduce_scatter(self.scatter, table.dp, self.scatter_inner)
-            grad_step = sharded_grad.grad_program(table, loss_fn, how, reduce_scatter, manual)
+            grad_step = sharded_grad.grad_program(table, objective.loss_fn, how, reduce_scatter, manual)
 
         # What a step runs; zerolm.parallel.build.compile_step gives them compiled for a run's shapes (`using`).
         self.programs = Programs(
             grad=jax.jit(grad_step),
             reshard=jax.jit(functools.partial(to_views, table.layouts), out_shardings=table.view_shardings),
-            update=jax.jit(functools.partial(_update, tx=tx, layouts=table.layouts, lr_schedule=lr_schedule),
+            update=jax.jit(functools.partial(_update, how=_UpdateSettings(tx, table.layouts, lr_schedule)),
                            out_shardings=(table.param_shardings, table.opt_shardings, table.replicated,
                                           table.replicated),
                            # The optimizer state, and the old parameters: the new ones take their buffers (kept,
@@ -299,12 +316,22 @@ def _reduce(grads, loss, *, how: _Reduction):
     return jax.tree.map(scatter_leaf, how.layouts, how.tp_local, grads, is_leaf=is_layout), {"loss": loss}
 
 
-def _update(grads_view, params_view, opt_state, step, old_params, *, tx, layouts, lr_schedule):
+@dataclasses.dataclass(frozen=True)
+class _UpdateSettings:
+    """What the update program is built with: the optimizer, each leaf's layout, the schedule it reports."""
+
+    tx: optax.GradientTransformation
+    layouts: PyTree  # each leaf's optimizer-state layout (zerolm.parallel.sharding.Layout)
+    lr_schedule: optax.Schedule | None
+
+
+def _update(grads_view, params_view, opt_state, step, old_params, *, how: _UpdateSettings):
     """The optax update on the optimizer-state layout. `params_view` is None in mixed precision: the
     master weights in `opt_state` are what is updated, and the new working parameters are them cast down.
     `old_params` are only donated: the new parameters are written into their buffers, so the step never
     holds two copies of the parameters (in mixed precision, nothing else reads them)."""
     del old_params
+    tx, layouts, lr_schedule = how.tx, how.layouts, how.lr_schedule
     # Over the whole, sharded gradient, in float32 whatever it was reduced in.
     metrics = {"grad_norm": optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads_view))}
     if lr_schedule is not None:

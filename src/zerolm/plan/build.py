@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -14,8 +15,19 @@ GPT3 = ((125e6, 12, 768, 12), (350e6, 24, 1024, 16), (760e6, 24, 1536, 16), (1.3
         (2.7e9, 32, 2560, 32), (6.7e9, 32, 4096, 32), (13e9, 40, 5140, 40), (175e9, 96, 12288, 96))
 
 
-def model_from_params(n: int, layers: int | None, width: int | None, heads: int | None, seq_len: int,
-                      vocab: int, remat: str) -> Model:
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What `zerolm plan --params N` is told of the model's shape (None: derived from N, or GPT-3's nearest)."""
+
+    layers: int | None = None
+    width: int | None = None
+    heads: int | None = None
+
+
+def model_from_params(n: int, shape: Shape, seq_len: int, vocab: int, remat: str) -> Model:
+    """A model of N parameters: the shape given, or solved from N (the width for a given depth, the depth for a
+    given width), or GPT-3's nearest size's."""
+    layers, width, heads = shape.layers, shape.width, shape.heads
     if n <= 0:
         raise PlanError(f"--params: {n} is not a positive parameter count")
     padded = -(-vocab // 128) * 128

@@ -163,7 +163,7 @@ class Planner:
         if stage < 2:
             bwd = compute / accum * (3 / 4 if remat else 2 / 3)
             bucket, k, overlapped = bucketed(d, "all-reduce" if stage == 0 else "reduce-scatter", grads, bwd,
-                                             compute + tp_comm + gather, lay.dp, lay.tp)
+                                             compute + tp_comm + gather, lay)
         else:  # a layer at a time, if beside the layers' compute (libtpu overlaps part of it, with its async
             # collective fusion flags only: BENCHMARKS.md, "ZeRO stages on the TPU compiler")
             bucket, k = grads // m.n_layer, m.n_layer * accum

@@ -10,7 +10,7 @@ import math
 from zerolm.config.tree import Config, load_config, tp_split_problem
 from zerolm.core.hardware import preset
 from zerolm.data.dataset import load_planned
-from zerolm.plan.build import from_config, model_from_params
+from zerolm.plan.build import Shape, from_config, model_from_params
 from zerolm.plan.planner import Planner, PlanSettings
 from zerolm.plan.spec import Parallelism, PlanError
 from zerolm.plan.states import AnalyticStates
@@ -81,8 +81,8 @@ def planner_for(request: PlanRequest) -> Planner:
         model, factory = from_config(cfg, dp, tp)
     else:
         assert request.params is not None  # check(): one of config and params
-        model = model_from_params(int(request.params), request.layers, request.width, request.heads, request.seq_len,
-                                  request.vocab, request.remat or "none")
+        model = model_from_params(int(request.params), Shape(request.layers, request.width, request.heads),
+                                  request.seq_len, request.vocab, request.remat or "none")
         if why := tp_split_problem(model.n_head, 4 * model.d_model, tp):
             raise PlanError(f"--tp: {tp} {why}")
         factory = functools.partial(AnalyticStates, model)

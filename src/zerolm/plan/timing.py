@@ -19,6 +19,7 @@ import functools
 import math
 
 from zerolm.core.hardware import Device
+from zerolm.plan.spec import Parallelism
 
 
 def _span(device: Device, n: int, tp: int) -> tuple[int, float, float]:
@@ -77,10 +78,11 @@ class StepTime:
         return {**dataclasses.asdict(self), "step_s": self.step_s, "mfu": self.mfu(), "mfu_overlapped": self.mfu(True)}
 
 
-def bucketed(device: Device, op: str, grads: int, bwd: float, rest: float, dp: int, tp: int) -> tuple[int, int, float]:
+def bucketed(device: Device, op: str, grads: int, bwd: float, rest: float, layout: Parallelism) -> tuple[int, int, float]:
     """The bucketed reduction of the last micro-batch's backward pass (`bwd` seconds) overlapping the
-    communication of `grads` bytes, the rest of the step taking `rest`: (bucket bytes, buckets, step)."""
-    comm = functools.partial(ring_time, device, op, n=dp, tp=tp)
+    communication of `grads` bytes over `layout`'s dp (each device's share of tp), the rest of the step taking
+    `rest`: (bucket bytes, buckets, step)."""
+    comm = functools.partial(ring_time, device, op, n=layout.dp, tp=layout.tp)
     options = []
     size = 2**20
     while True:

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 import zerolm
 from zerolm.checkpoint.meta import CheckpointMeta
-from zerolm.checkpoint.resume import Start, check_before_compiling, start_state
+from zerolm.checkpoint.resume import Resume, Start, check_before_compiling, start_state
 from zerolm.checkpoint.run_lock import LockHeld, RunLock
 from zerolm.checkpoint.store import remove_unfinished
 from zerolm.config.tree import Config
@@ -76,12 +76,13 @@ def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = 
     credentials = check_storage(cfg)
     with library_log.capture(cfg.log_dir / library_log.NAME.format(process=jax.process_index())), \
             contextlib.ExitStack() as held:
+        asked = Resume(resume, overwrite)
         try:
-            opened = open_run(cfg, held, out, credentials, Resume(resume, overwrite))
+            opened = open_run(cfg, held, out, credentials, asked)
         except _NothingToDo as done:
             return {"unigram_entropy": done.entropy}
         t0 = time.perf_counter()
-        start = _start(opened, resume, overwrite, held)
+        start = _start(opened, asked, held)
         cfg = opened.cfg
         if start.step < cfg.train.steps and is_first_host(opened.mesh):
             _record_launch(opened, start, time.perf_counter() - t0)
@@ -116,14 +117,6 @@ class Run:
     compile_s: float = 0.0  # building and compiling the step
 
 
-@dataclasses.dataclass(frozen=True)
-class Resume:
-    """How a run starts (`zerolm train --resume`, `--overwrite`)."""
-
-    mode: str = "auto"  # auto | strict | never
-    overwrite: bool = False
-
-
 class _NothingToDo(Exception):
     """The run's checkpoints are already at train.steps: said before anything is compiled."""
 
@@ -138,7 +131,7 @@ def _say_nothing_to_do(say: Say, cfg: Config, step: int) -> None:
 
 
 def open_run(cfg: Config, held: contextlib.ExitStack, out=sys.stdout, credentials: str | None = None,
-             resume: Resume = Resume()) -> Run:
+             resume: Resume | None = None) -> Run:
     """Open `cfg`'s run: its eval.tasks and data (checked), the directories' locks (held by `held`), whatever
     refuses the start without a compiled step (zerolm.checkpoint.resume.check_before_compiling), then the step built and
     compiled for its shapes and checked to fit, the evaluators and the sampler; the header said on the way."""
@@ -154,7 +147,7 @@ def open_run(cfg: Config, held: contextlib.ExitStack, out=sys.stdout, credential
     # Before the step is built and compiled: a directory in use is refused in seconds, not minutes.
     lock = _lock_directories(cfg, held)
     data_id = dataset_identity(cfg, data.dataset)
-    resumes = check_before_compiling(cfg, data_id, resume.mode, resume.overwrite)
+    resumes = check_before_compiling(cfg, data_id, resume or Resume())
     if resumes is not None and resumes >= cfg.train.steps:
         _say_nothing_to_do(say, cfg, resumes)
         raise _NothingToDo(data.entropy)
@@ -226,7 +219,7 @@ def _sampler(cfg: Config, model: GPT, data: RunData) -> Callable[[Any], str] | N
                                                     tokenizer.eot_id))
 
 
-def _start(opened: Run, resume: str, overwrite: bool, held: contextlib.ExitStack) -> Start:
+def _start(opened: Run, resume: Resume, held: contextlib.ExitStack) -> Start:
     """Unfinished saves of an earlier run removed, then where the run starts (zerolm.checkpoint.resume); its checkpoints
     closed by `held` if the run stops before its loop ends."""
     cfg = opened.cfg
@@ -238,7 +231,7 @@ def _start(opened: Run, resume: str, overwrite: bool, held: contextlib.ExitStack
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("zerolm: unfinished saves removed")
     with _out_of_memory_as(cfg):
-        start = start_state(cfg, opened.zero, opened.init_fn, opened.data_id, resume, overwrite, opened.say)
+        start = start_state(cfg, opened.zero, opened.init_fn, opened.data_id, resume, opened.say)
     held.callback(start.checkpoints.close)
     if opened.lock is not None:
         start.checkpoints.health = opened.lock.check
