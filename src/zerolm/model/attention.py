@@ -73,9 +73,16 @@ def alibi_slopes(n_head: int) -> np.ndarray:
 
 
 def alibi_bias(slopes_H: jax.Array, query_positions_S: jax.Array, key_positions_T: jax.Array) -> jax.Array:
-    """(1, H, S, T) float32: slope_h · (key position − query position)."""
+    """(1, H, S, T) float32: slope_h · (key position − query position). Every attention takes ALiBi's bias from
+    here: XLA's and cuDNN's over the whole sequence, the blockwise attention block by block, decoding over the
+    cache."""
     distance_SxT = (key_positions_T[None, :] - query_positions_S[:, None]).astype(jnp.float32)
     return slopes_H[None, :, None, None] * distance_SxT[None, None]
+
+
+def same_segment(query_ids_BxS: jax.Array, key_ids_BxT: jax.Array) -> jax.Array:
+    """(B, 1, S, T): whether each query and key are of one document (the document mask's segment ids)."""
+    return query_ids_BxS[:, None, :, None] == key_ids_BxT[:, None, None, :]
 
 
 class Dropout(NamedTuple):
@@ -108,7 +115,7 @@ def causal_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.
     if implementation in ("xla", "cudnn"):
         same_Bx1xTxT = None
         if segment_ids_BxT is not None:  # XLA's applies it as a mask, cuDNN's as an additive bias
-            same_Bx1xTxT = segment_ids_BxT[:, None, :, None] == segment_ids_BxT[:, None, None, :]
+            same_Bx1xTxT = same_segment(segment_ids_BxT, segment_ids_BxT)
         alibi_1xHxTxT = None
         if slopes_H is not None:  # one (1, H, T, T) bias for the whole batch
             alibi_1xHxTxT = alibi_bias(slopes_H, jnp.arange(T), jnp.arange(T)).astype(q_BxTxHxK.dtype)
@@ -146,7 +153,7 @@ def _xla_with_dropout(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias: Bias):
         s = s + alibi_bias(slopes_H, jnp.arange(T), jnp.arange(T))
     visible = jnp.tril(jnp.ones((T, T), bool))[None, None]
     if segment_ids_BxT is not None:
-        visible = visible & (segment_ids_BxT[:, None, :, None] == segment_ids_BxT[:, None, None, :])
+        visible = visible & same_segment(segment_ids_BxT, segment_ids_BxT)
     p = jax.nn.softmax(jnp.where(visible, s, _MASKED), axis=-1)
     p = dropout_lib.drop(p, keys_B, rate, layer, dropout_lib.ATTENTION_PROBS).reshape(B, G, H // G, T, T)
     out = jnp.einsum("bgrts,bsgk->btgrk", p.astype(v_BxTxHxK.dtype), v_BxTxHxK).astype(q_BxTxHxK.dtype)
@@ -198,13 +205,12 @@ def _scores(q_BxGxRCxK, k_BxGxCxK, i, j, block, bias: Bias = NO_BIAS):
     s = jnp.einsum("bhqk,bhsk->bhqs", q_BxGxRCxK, k_BxGxCxK, preferred_element_type=jnp.float32)
     s = s / math.sqrt(q_BxGxRCxK.shape[-1])
     queries, keys = i * block + jnp.tile(jnp.arange(block), groups), j * block + jnp.arange(block)
-    if slopes_H is not None:  # each row's head's slope: (G, R) heads, each over the block's positions
-        slopes_GxRC = jnp.repeat(slopes_H.reshape(G, groups), block, axis=1)
-        s = s + slopes_GxRC[None, :, :, None] * (keys[None, :] - queries[:, None]).astype(jnp.float32)
+    if slopes_H is not None:  # each row's head's: heads (G, R), rows (R, block) of a key/value head's group
+        bias_1xHxCxC = alibi_bias(slopes_H, queries[:block], keys)
+        s = s + bias_1xHxCxC.reshape(1, G, groups * block, block)
     visible = queries[:, None] >= keys[None, :]
     if segs_NxBxC is not None:
-        query_segs_BxRC = jnp.tile(segs_NxBxC[i], (1, groups))
-        visible = visible & (query_segs_BxRC[:, None, :, None] == segs_NxBxC[j][:, None, None, :])
+        visible = visible & same_segment(jnp.tile(segs_NxBxC[i], (1, groups)), segs_NxBxC[j])
     return jnp.where(visible, s, _MASKED)
 
 

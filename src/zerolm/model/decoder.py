@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -69,16 +69,12 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array, start: jax.Array | None = None,
                  segment_ids_BxT: jax.Array | None = None, dropout: Dropout | None = None,
-                 positions_BxT: jax.Array | None = None) -> jax.Array:
-        """`positions_BxT`: each token's position, for rotary embeddings (training; decoding counts from `start`)."""
+                 rope: Rope | None = None) -> jax.Array:
+        """`rope`: the rotary embedding's angles of every position, computed once per forward pass (`rope_angles`)."""
         B, T, D = x_BxTxD.shape
         q_BxTxHxK, k_BxTxGxK, v_BxTxGxK = self._project(x_BxTxD)
-        if self.cfg.position == "rope":
-            if start is not None:
-                positions_BxT = jnp.broadcast_to(start + jnp.arange(T), (B, T))
-            elif positions_BxT is None:
-                positions_BxT = jnp.broadcast_to(jnp.arange(T), (B, T))
-            q_BxTxHxK, k_BxTxGxK = (rotary(x, positions_BxT, self.cfg.rope_theta) for x in (q_BxTxHxK, k_BxTxGxK))
+        if rope is not None:
+            q_BxTxHxK, k_BxTxGxK = rotate(q_BxTxHxK, rope), rotate(k_BxTxGxK, rope)
         slopes_H = jnp.asarray(alibi_slopes(self.cfg.n_head)) if self.cfg.position == "alibi" else None
         if start is None:
             y = causal_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, self.implementation, self.cfg.attention_block,
@@ -128,15 +124,32 @@ class Attention(nn.Module):
                                             mask=visible_SxT[None, None], implementation="xla")
 
 
-def rotary(x_BxTxHxK: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding (Su et al. 2021), Llama's rotate-half form (Hugging Face's): dimension i of
-    a head's first half and i of its second are the pair turned by position · theta^(-2i/K), in float32."""
-    K = x_BxTxHxK.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, K, 2, dtype=jnp.float32) / K))
+class Rope(NamedTuple):
+    """The rotary embedding's angles, cos and sin (B, T, 1, K/2), of every position of a forward pass."""
+
+    cos: jax.Array
+    sin: jax.Array
+
+
+def rope_angles(positions_BxT: jax.Array, head_dim: int, theta: float) -> Rope:
+    """Rotary position embedding (Su et al. 2021)'s angles: dimension pair i of a head turns by position ·
+    theta^(-2i/K), in float32. Computed once per forward pass; every layer rotates with them (`rotate`)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     angles_BxTx1xK2 = (positions_BxT.astype(jnp.float32)[:, :, None] * inv_freq)[:, :, None, :]
-    cos, sin = jnp.cos(angles_BxTx1xK2), jnp.sin(angles_BxTx1xK2)
+    return Rope(jnp.cos(angles_BxTx1xK2), jnp.sin(angles_BxTx1xK2))
+
+
+def rotate(x_BxTxHxK: jax.Array, rope: Rope) -> jax.Array:
+    """Llama's rotate-half form (Hugging Face's): dimension i of a head's first half and i of its second are the
+    pair `rope`'s angle turns, in float32."""
     x1, x2 = jnp.split(x_BxTxHxK.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxTxHxK.dtype)
+    return jnp.concatenate([x1 * rope.cos - x2 * rope.sin, x2 * rope.cos + x1 * rope.sin],
+                           axis=-1).astype(x_BxTxHxK.dtype)
+
+
+def rotary(x_BxTxHxK: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
+    """`x` rotated by the rotary embedding of `positions` (`rope_angles` then `rotate`)."""
+    return rotate(x_BxTxHxK, rope_angles(positions_BxT, x_BxTxHxK.shape[-1], theta))
 
 
 class MLP(nn.Module):
@@ -166,7 +179,7 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, carry, start: jax.Array | None, segment_ids_BxT: jax.Array | None,
-                 keys_B: jax.Array | None, positions_BxT: jax.Array | None = None) -> tuple[Any, None]:
+                 keys_B: jax.Array | None, rope: Rope | None = None) -> tuple[Any, None]:
         """`carry`: the hidden states, or in training with dropout (`keys_B`, each sample's key) the pair
         (hidden states, this layer's index), which each mask is drawn with (zerolm.model.dropout)."""
         cfg, ln = self.cfg, functools.partial(norm, self.cfg, self.dtype)
@@ -175,7 +188,7 @@ class Block(nn.Module):
         if keys_B is not None and cfg.attention_dropout:
             attention_dropout = Dropout(keys_B, layer, cfg.attention_dropout)
         y = Attention(cfg, self.dtype, self.implementation, name="attn")(ln("ln_1")(x_BxTxD), start, segment_ids_BxT,
-                                                                         attention_dropout, positions_BxT)
+                                                                         attention_dropout, rope)
         x_BxTxD = x_BxTxD + dropout_lib.drop(y, keys_B, cfg.residual_dropout, layer, dropout_lib.ATTENTION_OUT)
         y = MLP(cfg, self.dtype, name="mlp")(ln("ln_2")(x_BxTxD))
         x_BxTxD = x_BxTxD + dropout_lib.drop(y, keys_B, cfg.residual_dropout, layer, dropout_lib.MLP_OUT)
@@ -210,17 +223,36 @@ class GPT(nn.Module):
         `dropout_keys`: in training, each sample's key (zerolm.model.dropout.row_keys): the model.*_dropout
         rates apply, each mask drawn from the sample's key, the layer and the site; None: no dropout."""
         cfg = self.cfg
-        dtype = jnp.dtype(cfg.dtype)
         V, D = cfg.padded_vocab_size, cfg.d_model
-        T = tokens_BxT.shape[1]
         wte_VxD = self.param("wte", _named(nn.initializers.normal(0.02), "vocab", "embed"), (V, D), jnp.float32)
-        segment_ids_BxT, positions_BxT = None, None
-        if start is None and cfg.document_mask:
-            segment_ids_BxT, positions_BxT = documents(tokens_BxT, cfg.eot, cfg.document_positions == "restart")
+        segment_ids_BxT, positions_BxT = token_positions(cfg, tokens_BxT, start)
+        x_BxTxD = self._embed(wte_VxD, tokens_BxT, positions_BxT, start, dropout_keys)
+        # Positions, once per forward pass: learned ones are added above; rotary angles go to every layer;
+        # ALiBi's bias comes from the positions' distance inside each attention (zerolm.model.attention.alibi_bias),
+        # which is the same counted from a document's start or the sample's.
+        rope = None
+        if cfg.position == "rope":
+            T = tokens_BxT.shape[1]
+            rope = rope_angles(positions_BxT if positions_BxT is not None else jnp.broadcast_to(
+                jnp.arange(T), tokens_BxT.shape), cfg.head_dim, cfg.rope_theta)
+        carry = x_BxTxD if dropout_keys is None else (x_BxTxD, jnp.int32(0))
+        carry, _ = self._blocks()(cfg, jnp.dtype(cfg.dtype), cfg.attention, name="h")(carry, start, segment_ids_BxT,
+                                                                                     dropout_keys, rope)
+        x_BxTxD = norm(cfg, jnp.dtype(cfg.dtype), "ln_f")(carry if dropout_keys is None else carry[0])
+        out_VxD = wte_VxD
+        if not cfg.tie_embeddings:  # the output layer's own matrix, (vocab, embed) as wte
+            out_VxD = self.param("lm_head", _named(nn.initializers.normal(0.02), "vocab", "embed"), (V, D), jnp.float32)
+        if hidden_only:
+            return x_BxTxD
+        return output_logits(x_BxTxD, out_VxD, cfg.vocab)
+
+    def _embed(self, wte_VxD, tokens_BxT, positions_BxT, start, dropout_keys) -> jax.Array:
+        """The tokens' embeddings, plus their learned positions' (model.position learned), after dropout."""
+        cfg, T = self.cfg, tokens_BxT.shape[1]
         x_BxTxD = jnp.take(wte_VxD, tokens_BxT, axis=0)
         if cfg.position == "learned":
-            wpe_TxD = self.param("wpe", _named(nn.initializers.normal(0.01), "position", "embed"), (cfg.seq_len, D),
-                                 jnp.float32)
+            wpe_TxD = self.param("wpe", _named(nn.initializers.normal(0.01), "position", "embed"),
+                                 (cfg.seq_len, cfg.d_model), jnp.float32)
             if start is not None:  # decoding: one document, from the cached positions on
                 positions = lax.dynamic_slice_in_dim(wpe_TxD, start, T)
             elif positions_BxT is not None:
@@ -228,39 +260,39 @@ class GPT(nn.Module):
             else:
                 positions = wpe_TxD[:T]
             x_BxTxD = x_BxTxD + positions
-        # ALiBi: the attention adds each head's bias from the positions' distance (within a document, the
-        # distance is the same counted from the document's start or the sample's).
         x_BxTxD = dropout_lib.drop(x_BxTxD, dropout_keys, cfg.embedding_dropout, dropout_lib.EMBEDDING_LAYER,
                                    dropout_lib.EMBEDDING)
-        x_BxTxD = x_BxTxD.astype(dtype)
+        return x_BxTxD.astype(jnp.dtype(cfg.dtype))
 
-        # The layers' parameters are stacked along `layers` either way; unrolled, the loop is written out
-        # (scan's unroll), so no activation is stacked for the backward pass. Inside a scan the loop keeps
-        # XLA from merging a rematerialised forward pass with the first one; unrolled, the remat must.
-        # remat auto is resolved where the step is compiled (zerolm.parallel.build.build_and_compile); a model outside
-        # the step (evaluation, sampling) takes no gradient, so any policy computes the same.
+    def _blocks(self):
+        """The layers' loop: the blocks' parameters stacked along `layers` either way; unrolled, the loop is
+        written out (scan's unroll), so no activation is stacked for the backward pass. Inside a scan the loop
+        keeps XLA from merging a rematerialised forward pass with the first one; unrolled, the remat must.
+        remat auto is resolved where the step is compiled (zerolm.parallel.build.build_and_compile); a model
+        outside the step (evaluation, sampling) takes no gradient, so any policy computes the same."""
+        cfg = self.cfg
         scanned = bool(cfg.scan_layers)
-        policy = REMAT_POLICIES["none" if cfg.remat == "auto" else cfg.remat]
         block = Block
         if (layer_params := self.layer_params) is not None:
             block = nn.map_variables(Block, "params", trans_in_fn=lambda v: {"params": layer_params(v["params"])},
                                      mutable=False)
-        block = nn.remat(block, prevent_cse=not scanned, policy=policy)
-        blocks = nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
-                         in_axes=nn.broadcast, length=cfg.n_layer, unroll=1 if scanned else cfg.n_layer,
-                         metadata_params={nn.PARTITION_NAME: "layers"})
-        carry = x_BxTxD if dropout_keys is None else (x_BxTxD, jnp.int32(0))
-        rope_positions = positions_BxT if cfg.position == "rope" else None
-        carry, _ = blocks(cfg, dtype, cfg.attention, name="h")(carry, start, segment_ids_BxT, dropout_keys,
-                                                               rope_positions)
-        x_BxTxD = carry if dropout_keys is None else carry[0]
-        x_BxTxD = norm(cfg, dtype, "ln_f")(x_BxTxD)
-        out_VxD = wte_VxD
-        if not cfg.tie_embeddings:  # the output layer's own matrix, (vocab, embed) as wte
-            out_VxD = self.param("lm_head", _named(nn.initializers.normal(0.02), "vocab", "embed"), (V, D), jnp.float32)
-        if hidden_only:
-            return x_BxTxD
-        return output_logits(x_BxTxD, out_VxD, cfg.vocab)
+        block = nn.remat(block, prevent_cse=not scanned, policy=REMAT_POLICIES["none" if cfg.remat == "auto" else cfg.remat])
+        return nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
+                       in_axes=nn.broadcast, length=cfg.n_layer, unroll=1 if scanned else cfg.n_layer,
+                       metadata_params={nn.PARTITION_NAME: "layers"})
+
+
+def token_positions(cfg: ModelConfig, tokens_BxT: jax.Array, start: jax.Array | None
+                    ) -> tuple[jax.Array | None, jax.Array | None]:
+    """(segment ids, positions) of a forward pass's tokens: decoding sits at start .. start+T-1; a document-masked
+    sample has each token's document (`documents`), its positions counted from the sample's start or its
+    document's; otherwise (None, None): one sequence at 0 .. T-1."""
+    B, T = tokens_BxT.shape
+    if start is not None:
+        return None, jnp.broadcast_to(start + jnp.arange(T), (B, T))
+    if cfg.document_mask:
+        return documents(tokens_BxT, cfg.eot, cfg.document_positions == "restart")
+    return None, None
 
 
 def norm(cfg: ModelConfig, dtype: jnp.dtype, name: str) -> nn.Module:
