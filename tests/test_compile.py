@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, small_config, small_model
+from conftest import REPO, small_config
 from zerolm import plan
 from zerolm.compile import aot
 from zerolm.core.exitcodes import EXIT_DOES_NOT_FIT, EXIT_USAGE
 from zerolm.core.hardware import preset
+from zerolm.model import decoder as gpt_model
+from zerolm.model import device_policy, losses
 
 pytestmark = pytest.mark.slow  # TPU compiles
 
@@ -115,7 +118,9 @@ def test_the_tpu_attentions_never_allocate_the_t_by_t_scores(target, attention):
         cfg = small_config("model.n_layer=1", "model.d_model=128", "model.n_head=1", "model.seq_len=1024",
                            "model.attention_block=128", "model.dtype=bfloat16", "model.loss_chunk=256",
                            f"model.attention={impl}")
-        _, _, loss_fn, abstract = small_model(cfg.model)
+        model = gpt_model.GPT(device_policy.resolve(cfg.model, device_policy.Where.of(device)))  # for the TPU core
+        loss_fn = functools.partial(losses.lm_loss, model)
+        abstract = jax.eval_shape(functools.partial(gpt_model.init_params, model), jax.random.key(0))
         params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), abstract)
         rows = jax.ShapeDtypeStruct((2, 1025), jnp.int32, sharding=on)
         text = jax.jit(jax.grad(loss_fn)).lower(params, rows).compile().as_text()

@@ -139,7 +139,8 @@ def load(path: str, devices: list[jax.Device] | None = None) -> Restored:
             meta = ckpts.readable_meta(step)
             cfg = ModelConfig.model_validate(meta.model)
             devices = devices or jax.local_devices()
-            if device_policy.unrunnable_attention(cfg, devices[0]):  # trained with a kernel this machine lacks
+            # A model trained with a kernel this machine lacks computes with another (its parameters are the same).
+            if device_policy.unrunnable_attention(cfg, device_policy.Where.of(devices[0])):
                 cfg = cfg.model_copy(update={"attention": "auto"})  # compute only: the parameters are the same
             model = gpt_model.GPT(device_policy.for_device(cfg, devices[0]))
             mesh = make_mesh(len(devices), 1, devices)

@@ -128,7 +128,7 @@ def save_start(cfg: Config, params: Any, out: Any, origin: Origin, say: Callable
     device = jax.local_devices()[:1]
     cfg = cfg.resolve(mesh__dp=1, mesh__tp=1)
     # (An attention this machine lacks is only how the model computes: the step built here runs nothing.)
-    unrunnable = device_policy.unrunnable_attention(cfg.model, device[0]) is not None
+    unrunnable = device_policy.unrunnable_attention(cfg.model, device_policy.Where.of(device[0])) is not None
     from zerolm.parallel.build import build_step
 
     _, zero, init_fn = build_step(cfg.resolve(model__attention="auto") if unrunnable else cfg, make_mesh(1, 1, device))

@@ -1,38 +1,68 @@
-"""What `auto` means on each device: the model's dtype, attention and layer loop for the device it runs on
-(a TPU slice compiled for ahead of time is not this machine's backend), and which attention cannot run there.
+"""What `auto` means where the model runs: every `auto` of the `model:` section (its compute dtype, attention and
+layer loop) decided here, in one place, for a device (a TPU slice compiled for ahead of time is not this
+machine's backend), the mesh's tensor parallelism and the ZeRO stage; and which attention cannot run there.
 
-Host code resolves a config here once (zerolm.parallel.build.build_model, zerolm.checkpoint.trained_model.load); the model
-(zerolm.model.decoder.GPT) takes only resolved configs, so nothing traced reads a global device. The planner's
-device presets ask the same rules (`resolve_auto`, `resolve_scan_layers`) by platform name.
+`resolve` is that one decision. The step (zerolm.parallel.build.build_step), a model read from a checkpoint
+(zerolm.checkpoint.trained_model) and the planner's device presets (by platform name: `Where(platform, kind)`)
+all ask it; the model (zerolm.model.decoder.GPT) takes only resolved configs, so nothing traced reads a
+global device. `model.remat: auto` alone is decided elsewhere, by compiling: the least recomputation whose
+compiled step fits (zerolm.parallel.build.build_and_compile).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
-from zerolm.config.tree import ModelConfig
+from zerolm.config.tree import ConfigError, ModelConfig
 from zerolm.core.hardware import tpu_generation
 from zerolm.model.attention import BLOCK, PALLAS_LANES, block_size, pallas_available, pallas_fits
 
 
-def for_device(cfg: ModelConfig, device: jax.Device | None = None) -> ModelConfig:
-    """`dtype: auto` and `attention: auto` made concrete for the device the model will run on (default:
-    this process's first): a TPU slice compiled for ahead of time is not this machine's backend.
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """Where a model runs, as far as its `auto` settings care: the JAX platform (cpu, gpu/cuda, tpu), the device
+    kind (a TPU's generation; a planner preset's name will do), the mesh's tp and the ZeRO stage."""
+
+    platform: str
+    device_kind: str = ""
+    tp: int = 1
+    stage: int = 1
+
+    @classmethod
+    def of(cls, device: jax.Device | None = None, tp: int = 1, stage: int = 1) -> Where:
+        """A device's (default: this process's first)."""
+        device = device or jax.devices()[0]
+        return cls(device.platform, device.device_kind, tp, stage)
+
+
+def resolve(cfg: ModelConfig, where: Where) -> ModelConfig:
+    """`cfg` with every `auto` but remat's made concrete for `where` (ConfigError: an attention it cannot run).
 
     dtype: bfloat16 on GPU and TPU, float32 on CPU. attention: cuDNN flash attention on a GPU with 16-bit
     compute; Pallas's flash attention on TPU v4 and later, the blockwise attention on TPU v2/v3 (neither
     holds T×T scores; zerolm.model.attention); XLA's on CPU. With ALiBi, the blockwise attention where Pallas's
     would be chosen (its kernel takes a bias only as a dense array per example); with attention dropout,
-    neither fused kernel (XLA's on a GPU, blockwise on a TPU)."""
-    device = device or jax.devices()[0]
-    dtype, attention = resolve_auto(cfg.dtype, cfg.attention, device.platform, device.device_kind, cfg.seq_len,
+    neither fused kernel (XLA's on a GPU, blockwise on a TPU); with tp > 1, XLA's where cuDNN's would be
+    chosen (JAX cannot partition cuDNN's call under the step's partly manual shard_map). The layer loop:
+    `resolve_scan_layers`, at stages 2 and 3 a scan (`scan_layers_at_stage`)."""
+    if (why := unrunnable_attention(cfg, where)) is not None:
+        raise ConfigError(why)
+    dtype, attention = resolve_auto(cfg.dtype, cfg.attention, where.platform, where.device_kind, cfg.seq_len,
                                     cfg.attention_block)
-    if attention == "pallas" and cfg.attention == "auto" and (cfg.position == "alibi" or cfg.attention_dropout):
+    if cfg.attention == "auto" and attention == "pallas" and (cfg.position == "alibi" or cfg.attention_dropout):
         attention = "blockwise"
-    if attention == "cudnn" and cfg.attention == "auto" and cfg.attention_dropout:
-        attention = "xla"  # cuDNN's kernel cannot draw zerolm's masks
-    return cfg.model_copy(update={"dtype": dtype, "attention": attention,
-                                  "scan_layers": resolve_scan_layers(cfg.scan_layers, device.platform, cfg.remat)})
+    if cfg.attention == "auto" and attention == "cudnn" and (cfg.attention_dropout or where.tp > 1):
+        attention = "xla"  # cuDNN's kernel cannot draw zerolm's masks, nor be partitioned inside the step
+    scan = resolve_scan_layers(scan_layers_at_stage(cfg.scan_layers, where.stage), where.platform, cfg.remat)
+    return cfg.model_copy(update={"dtype": dtype, "attention": attention, "scan_layers": scan})
+
+
+def for_device(cfg: ModelConfig, device: jax.Device | None = None) -> ModelConfig:
+    """`resolve` for one device (default: this process's first), no tensor parallelism, stage 1: a model
+    outside the step (evaluation, sampling, tests)."""
+    return resolve(cfg, Where.of(device))
 
 
 def resolve_scan_layers(scan_layers: bool | str, platform: str, remat: str = "none") -> bool:
@@ -56,17 +86,20 @@ def scan_layers_at_stage(scan_layers: bool | str, stage: int) -> bool | str:
     return True if stage > 1 and scan_layers == "auto" else scan_layers
 
 
-def unrunnable_attention(cfg: ModelConfig, device: jax.Device) -> str | None:
-    """Why `cfg`'s attention cannot run on `device` (a one-line error naming the key), or None."""
+def unrunnable_attention(cfg: ModelConfig, where: Where) -> str | None:
+    """Why `cfg`'s attention cannot run `where` (a one-line error naming the key), or None."""
     if cfg.attention == "pallas" and not pallas_fits(cfg.seq_len, cfg.attention_block):
         return (f"model.attention: pallas cuts the sequence into blocks of a multiple of {PALLAS_LANES} positions; "
                 f"seq_len {cfg.seq_len} and attention_block {cfg.attention_block} give "
                 f"{block_size(cfg.seq_len, cfg.attention_block)}")
-    if cfg.attention == "pallas" and (device.platform != "tpu" or (tpu_generation(device.device_kind) or 0) < 4):
-        return (f"model.attention: pallas runs on TPU v4 and later, not on {device.device_kind} ({device.platform}); "
+    if cfg.attention == "pallas" and (where.platform != "tpu" or (tpu_generation(where.device_kind) or 0) < 4):
+        return (f"model.attention: pallas runs on TPU v4 and later, not on {where.device_kind} ({where.platform}); "
                 "use auto or blockwise")
-    if cfg.attention == "cudnn" and device.platform not in ("gpu", "cuda"):
-        return f"model.attention: cudnn runs on NVIDIA GPUs, not on {device.device_kind} ({device.platform}); use auto"
+    if cfg.attention == "cudnn" and where.platform not in ("gpu", "cuda"):
+        return f"model.attention: cudnn runs on NVIDIA GPUs, not on {where.device_kind} ({where.platform}); use auto"
+    if cfg.attention == "cudnn" and where.tp > 1:
+        return ("model.attention: cudnn does not compile with mesh.tp > 1 in zerolm's step (JAX cannot partition "
+                "cuDNN's attention call there); use mesh.tp=1, or model.attention=xla")
     return None
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from zerolm.config.tree import Config, ConfigError
+from zerolm.config.tree import Config
 from zerolm.core.errors import ZerolmError, first_line
 from zerolm.model import decoder as gpt_model
 from zerolm.model import device_policy, losses
@@ -26,34 +26,21 @@ from zerolm.parallel.optim import make_optimizer
 from zerolm.parallel.zero import Objective, Programs, Zero
 
 
-def build_model(cfg: Config, device: jax.Device) -> tuple[gpt_model.GPT, functools.partial]:
-    """The model and its init function, as the config says (vocab resolved), its `auto` dtype, attention
-    and layer loop resolved for `device` (zerolm.model.device_policy); an attention `device` cannot run is refused."""
-    if (why := device_policy.unrunnable_attention(cfg.model, device)) is not None:
-        raise ConfigError(why)
-    model = gpt_model.GPT(device_policy.for_device(cfg.model, device))
-    return model, functools.partial(gpt_model.init_params, model)
+def resolved(cfg: Config, mesh: Mesh) -> Config:
+    """`cfg` with its model's `auto` settings decided for the mesh's devices, its tp and the ZeRO stage
+    (zerolm.model.device_policy.resolve, the one place they are decided); the devices may be a TPU slice or
+    GPUs compiled for ahead of time. An attention they cannot run is a ConfigError."""
+    where = device_policy.Where.of(mesh.devices.flat[0], mesh.shape.get(TP, 1), cfg.zero.stage)
+    return cfg.model_copy(update={"model": device_policy.resolve(cfg.model, where)})
 
 
 def build_step(cfg: Config, mesh: Mesh, rules=sharding.RULES) -> tuple[gpt_model.GPT, Zero, functools.partial]:
     """The model, its ZeRO step (zero.stage) on `mesh` and its init function, as the config says (vocab resolved;
-    the model's `auto` dtype and attention for the mesh's devices, which may be a TPU slice compiled for
-    ahead of time). `rules`: the logical-axis rule table (zerolm.parallel.sharding).
-
-    cuDNN's attention does not compile with tensor parallelism inside the step (JAX runs its custom
-    partitioner under the step's partly manual shard_map, and it fails there): with mesh.tp > 1, `auto`
-    takes XLA's attention on a GPU, and an explicit cudnn is refused. At zero.stage 2 and 3, `model.scan_layers:
-    auto` is a scan (device_policy.scan_layers_at_stage)."""
-    if mesh.shape.get(TP, 1) > 1 and cfg.model.attention in ("auto", "cudnn"):
-        device = mesh.devices.flat[0]
-        if device_policy.for_device(cfg.model, device).attention == "cudnn":
-            if cfg.model.attention == "cudnn":
-                raise ConfigError("model.attention: cudnn does not compile with mesh.tp > 1 in zerolm's step (JAX "
-                                  "cannot partition cuDNN's attention call there); use mesh.tp=1, or model.attention=xla")
-            cfg = cfg.resolve(model__attention="xla")
-    if (scan := device_policy.scan_layers_at_stage(cfg.model.scan_layers, cfg.zero.stage)) != cfg.model.scan_layers:
-        cfg = cfg.resolve(model__scan_layers=scan)
-    model, init_fn = build_model(cfg, mesh.devices.flat[0])
+    the model's `auto` settings resolved for the mesh: `resolved`). `rules`: the logical-axis rule table
+    (zerolm.parallel.sharding)."""
+    cfg = resolved(cfg, mesh)
+    model = gpt_model.GPT(cfg.model)
+    init_fn = functools.partial(gpt_model.init_params, model)
     tx, schedule = make_optimizer(cfg.train)
     objective = Objective(functools.partial(losses.lm_loss, model), jax.eval_shape(init_fn, jax.random.key(0)),
                           gpt_model.logical_axes(model), cfg.train.seed if has_dropout(cfg.model) else None)
@@ -112,7 +99,7 @@ REMAT_ORDER = ("none", "dots_attention", "dots", "attention", "full")
 class BuiltStep:
     """The step built and compiled for a run's shapes (`build_and_compile`)."""
 
-    cfg: Config  # as compiled: model.remat resolved
+    cfg: Config  # as compiled: every `auto` of the model's section resolved (remat by the compile, the rest: `resolved`)
     model: gpt_model.GPT
     zero: Zero
     init_fn: functools.partial
@@ -141,7 +128,8 @@ def build_and_compile(cfg: Config, mesh: Mesh, limit: int | None, rules=sharding
                                 keep_refusals=True)
         peak = tried[remat] = step_peak(compiled, zero, this)
         if remat == candidates[-1] or (peak is not None and (limit is None or peak <= limit)):
-            return BuiltStep(this, model, zero, init_fn, compiled, tried if len(candidates) > 1 else {})
+            return BuiltStep(this.model_copy(update={"model": model.cfg}), model, zero, init_fn, compiled,
+                             tried if len(candidates) > 1 else {})
     raise AssertionError("unreachable")
 
 
