@@ -1,4 +1,4 @@
-"""Train a GPT model with ZeRO-1: `python main_zero.py --config configs/tiny.yaml [--set key=value ...]`.
+"""Train a GPT model: `python main_zero.py --config configs/tiny.yaml [--set key=value ...]`.
 
 Intentionally thin; everything lives in the zerolm package (`zerolm train` is the same command).
 """

@@ -1,14 +1,23 @@
-"""The GPT-2 decoder (pre-LayerNorm blocks, learned positions, GELU MLP, tied embeddings), in flax, and the
-settings that change it: `model.position` (learned, or ALiBi's attention biases: no position table),
-`model.bias` (false: no LayerNorm or linear biases), `model.activation` (the MLP's GELU: tanh or exact).
+"""The decoder, in flax: one GPT whose layout is a set of settings that compose (the `model:` section,
+zerolm.config.model), never a second model file.
+
+- Positions (`model.position`): a learned table (GPT-2), ALiBi's attention biases (no table: a model
+  evaluates past its trained context), or rotary embeddings (Llama's rotate-half form); computed once per
+  forward pass (`token_positions`, `rope_angles`), with a document mask (`model.document_mask`) per
+  document.
+- The block: pre-norm attention and MLP; `model.norm` LayerNorm or RMSNorm, `model.bias`, `model.mlp` a
+  GELU MLP (`model.activation`: tanh or exact) or SwiGLU (`model.mlp_hidden`), `model.n_kv_head` for
+  grouped-query attention; the attention by implementation (zerolm.model.attention); dropout on the
+  embedding, the residual branches and the attention probabilities (zerolm.model.dropout).
+- The output layer tied to the token embedding, or its own (`model.tie_embeddings: false`: `lm_head`).
+- The layers stacked along a leading `layers` axis, in a scan (compile time flat in depth) or unrolled
+  (`model.scan_layers`), with a remat policy (`model.remat`, REMAT_POLICIES).
 
 Pure: no sharding logic. Each parameter carries *logical* axis names (`vocab`, `embed`, `heads`,
-`mlp`, `qkv`, `position`, `layers`), which say what an axis means; `zerolm.parallel.sharding`'s rule table
-decides which mesh axis, if any, splits it. Parameter names follow Hugging Face's GPT-2 (wte, wpe,
-h.attn.c_attn, ...). `c_attn`'s kernel is (d, 3, d) = (embed, qkv, heads), so that tensor
-parallelism splits whole heads of q, k and v; reshaped to (d, 3·d) it is GPT-2's, column for column.
-The blocks are stacked along a leading `layers` axis by `nn.scan`, which keeps compile time flat in
-depth.
+`kv_heads`, `mlp`, `qkv`, `position`, `layers`), which say what an axis means; `zerolm.parallel.sharding`'s
+rule table decides which mesh axis, if any, splits it. Parameter names follow Hugging Face's GPT-2 (wte,
+wpe, h.attn.c_attn, ...). `c_attn`'s kernel is (d, 3, d) = (embed, qkv, heads), so that tensor parallelism
+splits whole heads of q, k and v; reshaped to (d, 3·d) it is GPT-2's, column for column.
 """
 
 from __future__ import annotations
