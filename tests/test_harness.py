@@ -160,7 +160,8 @@ def test_download_without_internet_is_one_line_at_once(trained_run, monkeypatch,
     assert main(["eval", "--checkpoint", str(trained_run / "ckpt"), "--tasks", "lambada_openai", "--download"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1
-    assert err.startswith("error: --download: no internet (https://huggingface.co: [Errno 111] Connection refused): ")
+    # (refused by the dead proxy, or the name not resolved where the probe goes direct: no internet either way)
+    assert err.startswith("error: --download: no internet (https://huggingface.co: [Errno "), err
 
 
 TASK_FILE = """task: mine
