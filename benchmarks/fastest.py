@@ -102,7 +102,8 @@ def maxtext_lines(config: str, target: str) -> list[str]:
             lines.append(f"| MaxText FSDP, micro-batch {micro} × {16 // micro}, full remat (quoted) | {peak:.2f} | "
                          f"yes | {flops:.4g}\\* | - | {sent / 1e9:.2f} |")
     return [*lines, "", f"\\* the MaxText compile's own FLOP count, not zerolm.compile.step_time's: by it zerolm's stage-1 step is {REFERENCE_ZEROLM:.4g} "
-            f"({REFERENCE_ZEROLM / model_flops:.3f}x zerolm's model FLOPs; MaxText {MAXTEXT[2][0] / REFERENCE_ZEROLM:.3f}x "
+            f"({REFERENCE_ZEROLM / model_flops:.3f}x zerolm's model FLOPs, the figure zerolm.compile.step_time now gives it "
+            f"too; MaxText {MAXTEXT[2][0] / REFERENCE_ZEROLM:.3f}x "
             "zerolm's). MaxText's figures are quoted from a compile for a v3-32 by the same libtpu made "
             "outside this repository; MaxText is not run here."]
 
