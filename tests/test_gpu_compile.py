@@ -75,9 +75,15 @@ def test_a_small_config_compiled_for_an_h100_states_its_peak_and_fits():
                                   - grad["alias_bytes"] + grad["live_outside_bytes"])
     assert 0 < r["peak_bytes_per_device"] < 2**30
     # (and the Llama layout: cuDNN's attention takes the grouped key/value heads as they are)
+    # (and the Llama layout: cuDNN's attention takes the grouped key/value heads as they are; and a staged context,
+    # each stage's step compiled for its shapes: 128 tokens split into 4 rows of 32 per sample)
     half = json.loads(compile_cmd("--config", TINY.parent / "tiny_llama.yaml", "--target", "h100", "--set",
-                                  "model.vocab_size=1024", "--json", XLA_PYTHON_CLIENT_MEM_FRACTION="0.5").stdout)
+                                  "model.vocab_size=1024", "--set", "train.context_stages=[{steps: 10, seq_len: 32}]",
+                                  "--json", XLA_PYTHON_CLIENT_MEM_FRACTION="0.5").stdout)
     assert half["usable_bytes_per_device"] == int(0.5 * H100_BYTES) and half["attention"] == "cudnn" and half["fits"]
+    (stage,) = half["contexts"]
+    assert (stage["steps"], stage["seq_len"], stage["micro_rows"]) == ("1-10", 32, 4 * half["micro_batch"])
+    assert stage["fits"] and 0 < stage["peak_bytes"] < 2**30
 
 
 def test_eight_gpus_of_a_host_reduce_once_per_step_and_print_the_census():

@@ -276,3 +276,14 @@ def test_the_compile_target_the_advice_names_has_the_plans_devices(preset, devic
     assert advice.compile_target(preset, devices) == target
     if target is not None:
         assert aot.parse_target(target).devices == devices
+
+
+def test_a_staged_context_is_planned_stage_by_stage():
+    """train.context_stages: zerolm's step at each staged context, its rows per device and its peak, beside the
+    full context's (split into rows, a micro-step holds the same tokens: about the same bytes)."""
+    report = planner("--config", str(TINY), "--device", "v3-core", "--dp", "8", "--set",
+                     "train.context_stages=[{steps: 100, seq_len: 32}, {steps: 20, seq_len: 64}]").report().to_json()
+    assert [(c["steps"], c["seq_len"], c["micro_rows"]) for c in report["contexts"]] == [("1-100", 32, 16), ("101-120", 64, 8)]
+    full = report["zerolm_step"]["activation_bytes"]  # rows of a quarter and a half: the tokens of whole samples
+    assert all(0.8 * full < c["activation_bytes"] < 1.25 * full for c in report["contexts"]), (full, report["contexts"])
+    assert planner("--config", str(TINY), "--device", "v3-core", "--dp", "8").report().to_json()["contexts"] == []

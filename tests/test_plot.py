@@ -55,14 +55,15 @@ def test_non_finite_steps_are_counted_and_marked(trained_run, tmp_path):
 
 
 def test_step_time_is_the_step_not_the_host_work_between_steps(monkeypatch):
-    """A save (or an evaluation) between two steps is logged as save_s; the next step's time is its own."""
+    """A save (or an evaluation) between two steps is logged as save_s; the next step's time is its own: from
+    the end of that host work to the step's end on the device (here, when the clock says its outputs were ready)."""
     import time
 
-    from zerolm.observe.metrics import StepMetrics
+    from zerolm.observe.metrics import StepMetrics, StepTokens
     from zerolm.observe.mfu import Accounting
 
-    clock = [0.0]
-    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     written = []
 
     class Writer:
@@ -73,19 +74,27 @@ def test_step_time_is_the_step_not_the_host_work_between_steps(monkeypatch):
         def update(self, n):
             pass
 
-    emitter = StepMetrics(Writer(), Bar(), 100, Accounting(1.0, 1, "cpu"), every=1000, max_skips=None)
+    class Clock:  # each step's end on the device, as zerolm.observe.metrics.CompletionClock notes it
+        ends = {1: 2.0, 2: 10.5}
+
+        def watch(self, step, outputs):
+            pass
+
+        def done_at(self, step):
+            return self.ends[step]
+
+    tokens = lambda step: StepTokens(100, 100 * step, Accounting(1.0, 1, "cpu"))  # noqa: E731
+    emitter = StepMetrics(Writer(), Bar(), tokens, every=1000, max_skips=None, clock=Clock())
     metrics = {"loss": np.float32(2.0), "grad_norm": np.float32(1.0)}
     emitter.push(1, metrics, 0.0)
-    clock[0] = 2.0  # step 1 (compiling) ends
-    emitter.flush()
-    clock[0] = 10.0  # a checkpoint save took 8 s
+    emitter.flush()  # step 1 (compiling) ended at 2.0
+    now[0] = 10.0  # a checkpoint save took 8 s
     emitter.restart_clock()
     emitter.push(2, metrics, 0.0)
-    clock[0] = 10.5
-    emitter.flush()
+    emitter.flush()  # step 2 ended at 10.5
     times = {step: values["step_time_s"] for step, values in written}
     assert times == {1: 2.0, 2: 0.5}
-    assert written[1][1]["tokens_per_s"] == 200
+    assert written[1][1]["tokens_per_s"] == 200 and written[1][1]["tokens_seen"] == 200
 
 
 def test_the_cli_writes_a_png(trained_run, tmp_path):

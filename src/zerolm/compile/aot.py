@@ -41,7 +41,8 @@ from zerolm.compile import hlo, step_time
 from zerolm.config.tree import Config
 from zerolm.core.errors import ZerolmError, first_line
 from zerolm.core.hardware import GPU_TYPES, GPUS_PER_HOST, TPU_TYPES, gpu_memory_fraction, grid, preset
-from zerolm.parallel.build import build_and_compile, describe_remat_choice, live_outside
+from zerolm.data.context import ContextPlan
+from zerolm.parallel.build import build_and_compile, compile_step, describe_remat_choice, live_outside, step_memory
 from zerolm.parallel.mesh import TP, make_mesh
 from zerolm.parallel.sharding import shard_bytes
 from zerolm.plan.traffic import Prediction, step_predictions
@@ -193,6 +194,19 @@ def _tpu_usable_bytes(device) -> int:
                               "it states no memory limit to check against")
 
 
+def _staged_contexts(built, usable: int) -> list[dict]:
+    """Each staged context's step (train.context_stages; zerolm.data.context) compiled for its shapes, and its peak."""
+    cfg = built.cfg
+    rows = []
+    for context in ContextPlan.of(cfg.train, cfg.model.seq_len).contexts[:-1]:
+        micro = cfg.train.micro_batch_size * context.rows
+        compiled = compile_step(built.zero, micro, context.seq_len, cfg.accum_steps, keep_refusals=True)
+        peak = step_memory(compiled, built.zero, micro, context.seq_len, cfg.accum_steps)
+        rows.append({"steps": f"{context.first}-{context.last}", "seq_len": context.seq_len, "rows": context.rows,
+                     "micro_rows": micro, "peak_bytes": peak, "fits": peak is not None and peak <= usable})
+    return rows
+
+
 def compile_for(cfg: Config, target: Target, devices: list, *, census: bool = False) -> CompileReport:
     """Compile `cfg`'s step (vocab resolved, mesh dp × tp = the slice's devices) for `target`."""
     mesh = make_mesh(cfg.dp, cfg.mesh.tp, devices)
@@ -223,7 +237,9 @@ def compile_for(cfg: Config, target: Target, devices: list, *, census: bool = Fa
     comms.compare(rows, predicted)
     peak_program = max(report_programs, key=lambda p: report_programs[p]["peak_bytes"])
     peak = report_programs[peak_program]["peak_bytes"]
-    fits = peak <= usable and all(r["error"] is None for r in report_programs.values())
+    contexts = _staged_contexts(built, usable)
+    fits = peak <= usable and all(r["error"] is None for r in report_programs.values()) and \
+        all(c["fits"] for c in contexts)
     return CompileReport(
         config=cfg.name, target=target.name, topology=target.topology, device_kind=devices[0].device_kind,
         devices=len(devices), mesh=dict(mesh.shape), micro_batch=micro, accum_steps=accum, remat=cfg.model.remat,
@@ -239,6 +255,7 @@ def compile_for(cfg: Config, target: Target, devices: list, *, census: bool = Fa
         step_model=(step_time.of_step(built, preset(device_preset)) if (device_preset := preset_for(target))
                     and not compiled.refused
                     else None),
+        contexts=contexts,
         async_collectives=[{"program": name, "ops": list(a.ops), "in_loop": a.in_loop, "bytes": a.bytes,
                             "overlaps": list(a.overlaps)} for name, text in texts.items()
                            for a in hlo.async_collectives(text)])
@@ -282,6 +299,8 @@ class CompileReport:
     async_collectives: list[dict] = dataclasses.field(default_factory=list)
     # zerolm.compile.step_time's model of the step on the target's planner preset (None: no preset, or a refused program)
     step_model: step_time.StepModel | None = None
+    # train.context_stages: each staged context's step compiled (steps, seq_len, rows per sample, peak, fits)
+    contexts: list[dict] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
@@ -331,6 +350,10 @@ def describe(report: CompileReport) -> list[str]:
         lines.append(report.remat_choice)
     if report.step_model is not None:
         lines.append(report.step_model.describe())
+    for c in report.contexts:
+        lines.append(f"context stage, steps {c['steps']}: {c['seq_len']} tokens, {c['micro_rows']} rows per device per "
+                     f"micro-step: peak {_gib(c['peak_bytes'])} per device"
+                     + ("" if c["fits"] else " DOES NOT FIT"))
     if report.census is not None:
         lines += census_lib.describe(report.census)
     verdict = "FITS" if r["fits"] else "DOES NOT FIT"

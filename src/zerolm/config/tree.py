@@ -35,6 +35,13 @@ class ConfigError(ZerolmError):
     """A config that cannot be used; the message is one line naming the file and the key."""
 
 
+class ContextStage(_Section):
+    """One stage of a run's staged context (train.context_stages): its steps at a context of seq_len tokens."""
+
+    steps: int = PositiveInt
+    seq_len: int = PositiveInt
+
+
 class TrainConfig(_Section):
     steps: int = PositiveInt
     # Persistent XLA compilation cache: "default" ($ZEROLM_CACHE/xla), a directory (or gs:// path), or null (off).
@@ -58,6 +65,10 @@ class TrainConfig(_Section):
     skip_nonfinite: bool  # skip (and count) updates with a non-finite gradient instead of stopping
     max_consecutive_skips: int = PositiveInt  # with skip_nonfinite: stop when this many in a row were skipped
     init_from: str | None  # a checkpoint whose params a fresh run starts from (zerolm.checkpoint.warm_start)
+    # Staged context (zerolm.data.context): the first stage's steps at its seq_len, then the next stage's, then
+    # model.seq_len; each sample cut to the stage's context (truncate) or into model.seq_len / seq_len rows (split).
+    context_stages: tuple[ContextStage, ...]
+    context_rows: Literal["truncate", "split"]
 
     @property
     def schedule_length(self) -> int:
@@ -259,6 +270,7 @@ class Config(_Section):
         if (why := tp_split_problem(m.n_head, m.mlp_width, tp, m.kv_heads)) is not None:
             key = next(k for k in ("n_kv_head", "n_head", "mlp_hidden") if f"model.{k}" in why)
             raise _KeyError("mesh.tp", f"tp={tp} {why}", related=(f"model.{key}",))
+        _check_context_stages(self.train, m.seq_len)
         if dp != "auto":
             per_step = self.train.micro_batch_size * dp
             if self.train.global_batch_size % per_step:
@@ -292,6 +304,19 @@ class Config(_Section):
         for key, value in updates.items():
             _set_dotted(data, key.replace("__", "."), value)
         return Config.model_validate(data)
+
+
+def _check_context_stages(train: TrainConfig, seq_len: int) -> None:
+    """Each stage's context shorter than model.seq_len, and (split) a divisor of it: its samples cut into whole rows."""
+    for i, stage in enumerate(train.context_stages):
+        key = f"train.context_stages.{i}.seq_len"
+        if stage.seq_len >= seq_len:
+            raise _KeyError(key, f"{stage.seq_len} is not shorter than model.seq_len={seq_len}: a stage trains at a "
+                            "shorter context, and model.seq_len comes after the last", related=("model.seq_len",))
+        if train.context_rows == "split" and seq_len % stage.seq_len:
+            raise _KeyError(key, f"{stage.seq_len} does not divide model.seq_len={seq_len}: train.context_rows split "
+                            "cuts each sample into model.seq_len / seq_len rows; use a divisor, or context_rows "
+                            "truncate", related=("train.context_rows", "model.seq_len"))
 
 
 # Keys that were renamed: an old config gets told the new name instead of "unknown key".

@@ -5,7 +5,8 @@ epoch). No shuffle buffer holds state, so the sample at stream position p is a p
 p). Optimizer step s takes positions [s·G, (s+1)·G). The global batch of a step is therefore fixed,
 whatever the number of hosts, and resuming at step s needs only s.
 
-Layout, for the accumulation scan: (accum, dp · micro, seq_len + 1), sharded P(None, 'dp'). Device
+Layout, for the accumulation scan: (accum, dp · micro, seq_len + 1), sharded P(None, 'dp'); with a staged
+context (zerolm.data.context), each device's rows cut to the step's context. Device
 d's rows are the contiguous block [d·A·m, (d+1)·A·m) of the step's G rows, split into A micro-batches
 of m. Each process reads only the rows of its own devices. On a (dp, tp) mesh with tp > 1, only tp = 0
 devices are fed from storage (docs/design.md, "Data on a (dp, tp) mesh"); the others hold zeros and receive the rows through a
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from zerolm.data.context import ContextPlan
 from zerolm.data.mixture import MixedSplit
 from zerolm.data.order import VERSION as ORDER_VERSION
 from zerolm.data.shards import DataError, Split
@@ -73,18 +75,24 @@ class BatchLoader:
     def global_batch(self, step: int) -> jax.Array:
         return self.assemble(self.stage(step))
 
-    def stage(self, step: int) -> jax.Array:
-        """The step's rows on the devices that read them (zeros on tp ≠ 0 devices): no collective, so
-        safe on the prefetch thread."""
+    def stage(self, step: int, plan: ContextPlan | None = None) -> jax.Array:
+        """The step's rows on the devices that read them (zeros on tp ≠ 0 devices), cut to the step's context
+        where a staged-context `plan` says: no collective, so safe on the prefetch thread."""
         read = {dp: self.device_rows(step, dp) for dp in self._read_blocks}  # each block once
-        zeros = np.zeros((self.accum, self.micro, self.shape[-1]), np.int32)
+        per_device = (self.accum, self.micro, self.shape[-1])
+        if plan is not None:  # `step` counts from 0: it feeds step + 1
+            context = plan.at(step + 1)
+            read = {dp: plan.cut(rows, context) for dp, rows in read.items()}
+            per_device = (self.accum, self.micro * context.rows, context.seq_len + 1)
+        shape = (self.accum, self.dp * per_device[1], per_device[2])
+        zeros = np.zeros(per_device, np.int32)
         arrays = []
         for d, (tp_index, dp_index) in self._devices:
             rows = read[dp_index] if tp_index == 0 else zeros
             arrays.append(jax.device_put(rows if self.tp == 1 else rows[None], d))
         if self.tp == 1:  # nothing to hand over: the rows are already where they belong
-            return jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)
-        return jax.make_array_from_single_device_arrays(self._staged_shape, self._staging, arrays)
+            return jax.make_array_from_single_device_arrays(shape, self.sharding, arrays)
+        return jax.make_array_from_single_device_arrays((self.tp, *shape), self._staging, arrays)
 
     def assemble(self, staged: jax.Array) -> jax.Array:
         """The staged rows handed over tp: a collective when tp spans processes, so it must run on the
@@ -92,12 +100,13 @@ class BatchLoader:
         everywhere (gloo and NCCL pair them by order), and the prefetch thread's would race the step's."""
         return staged if self.tp == 1 else self._sum_tp(staged)
 
-    def batches(self, start_step: int, prefetch: int = 2) -> Prefetcher:
-        """(batch, seconds the consumer waited for it) from `start_step` on, read ahead on a thread."""
+    def batches(self, start_step: int, prefetch: int = 2, plan: ContextPlan | None = None) -> Prefetcher:
+        """(batch, seconds the consumer waited for it) from `start_step` on, read ahead on a thread; each cut to
+        its step's context where a staged-context `plan` says."""
         def produce():
             step = start_step
             while True:
-                yield self.stage(step)
+                yield self.stage(step, plan)
                 step += 1
         return Prefetcher(produce(), prefetch, finish=self.assemble)
 

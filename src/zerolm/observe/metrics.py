@@ -24,6 +24,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -207,21 +208,33 @@ class CompletionClock:
                 self._ready.notify_all()
 
 
+@dataclasses.dataclass(frozen=True)
+class StepTokens:
+    """What one step trains, for its metrics: its tokens, the tokens seen after it, and its FLOP accounting (a
+    staged-context run's steps differ: zerolm.data.context)."""
+
+    tokens: int
+    seen: int
+    accounting: Accounting
+
+
 class StepMetrics:
     """Turns a step's device metrics into logged numbers one step late, so dispatch never waits.
 
     `step_time_s` is the time from the end of the previous step on the device (or from the end of the host
     work between steps: saves, evaluations, samples, which `save_s`, `eval_s` and `tasks_s` time) to the end
     of this one (`CompletionClock`): the step itself, its wait for data included. tokens/s and MFU follow
-    from it."""
+    from it and from what the step trains (`step_tokens(step)`)."""
 
-    def __init__(self, writer, bar, tokens_per_step, accounting: Accounting, every, max_skips: int | None):
+    def __init__(self, writer, bar, step_tokens: Callable[[int], StepTokens], every, max_skips: int | None,
+                 clock: CompletionClock | None = None):
+        """`clock`: when each step ended (default: a CompletionClock of this run's steps)."""
         self.writer, self.bar = writer, bar
         self._last: dict[str, float] = {}  # the last emitted step's values
-        self.tokens_per_step, self.accounting = tokens_per_step, accounting
+        self.step_tokens = step_tokens
         self.every, self.max_skips = every, max_skips
         self.pending: tuple[int, dict[str, Any], float] | None = None
-        self.clock = CompletionClock()
+        self.clock = clock or CompletionClock()
         self.last_time = time.perf_counter()
 
     def push(self, step, metrics, waited):
@@ -250,13 +263,14 @@ class StepMetrics:
         done = self.clock.done_at(step)
         step_time = max(done - self.last_time, 1e-9)
         self.last_time = max(done, self.last_time)
+        trained = self.step_tokens(step)
         values["perplexity"] = perplexity(values["loss"])
-        values["tokens_seen"] = step * self.tokens_per_step
+        values["tokens_seen"] = trained.seen
         values["step_time_s"] = step_time
-        values["tokens_per_s"] = self.tokens_per_step / step_time
+        values["tokens_per_s"] = trained.tokens / step_time
         values["data_wait_s"] = waited
         values["data_wait_share"] = min(waited / step_time, 1.0)
-        values.update(self.accounting(values["tokens_per_s"]))
+        values.update(trained.accounting(values["tokens_per_s"]))
         memory = jax.local_devices()[0].memory_stats()  # None where the backend keeps no count (CPU)
         for key, name in (("bytes_in_use", "device_bytes_in_use"), ("peak_bytes_in_use", "device_peak_bytes")):
             if memory and key in memory:

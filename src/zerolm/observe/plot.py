@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from zerolm.core.errors import ZerolmError
+from zerolm.data.context import ContextPlan
 from zerolm.observe import launches
 
 METRICS = "metrics.jsonl"
@@ -59,8 +60,16 @@ def restarts(run_dir: Path) -> list[tuple[float, str]]:
     marks = []
     for n, launch in enumerate(launches.read(run_dir)[1:], 2):
         how = f"resumed from step {launch.start_step}" if launch.start_step else "restarted from scratch"
-        marks.append((launch.start_step * launch.facts["tokens_per_step"], f"launch {n}: {how}"))
+        marks.append((float(_tokens_seen(launch.config, launch.start_step)), f"launch {n}: {how}"))
     return marks
+
+
+def _tokens_seen(config: dict, step: int) -> int:
+    """Tokens a run of `config` (a launch's record) trained on in its first `step` steps, each at its context."""
+    train = config["train"]
+    plan = ContextPlan([(s["steps"], s["seq_len"]) for s in train.get("context_stages", [])],
+                       train.get("context_rows", "split"), config["model"]["seq_len"])
+    return plan.tokens_seen(step, train["global_batch_size"])
 
 
 def mark_restarts(axes, marks: list[tuple[float, str]], color: str, labelled) -> None:

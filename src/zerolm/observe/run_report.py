@@ -169,7 +169,7 @@ def data_section(files: RunFiles) -> list[str]:
         where = files.checkpoint.dataset_location if files.checkpoint else None
         return [*lines, f"Dataset{f' {where}' if where else ''}: its size and the epochs trained: {NOT_RECORDED}.", ""]
     launch = files.launches[-1]
-    samples_seen = seen / launch.facts["tokens_per_step"] * launch.config["train"]["global_batch_size"]
+    samples_seen = files.steps[-1]["step"] * launch.config["train"]["global_batch_size"] if files.steps else 0
     last_shares = next(({k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("mixture_share/")}
                         for r in reversed(files.steps) if any(k.startswith("mixture_share/") for k in r)), {})
     rows = []

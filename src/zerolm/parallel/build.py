@@ -109,9 +109,14 @@ class BuiltStep:
 
 def step_peak(compiled: CompiledStep, zero: Zero, cfg: Config) -> int | None:
     """The compiled step's peak bytes per device (the largest of its programs'), None if a program was refused."""
+    return step_memory(compiled, zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps)
+
+
+def step_memory(compiled: CompiledStep, zero: Zero, micro_batch: int, seq_len: int, accum_steps: int) -> int | None:
+    """`step_peak` for the shapes the step was compiled for (a staged context's: its rows and seq_len)."""
     if compiled.refused:
         return None
-    memory = compiled.memory(zero, cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps)
+    memory = compiled.memory(zero, micro_batch, seq_len, accum_steps)
     return max(m["peak_bytes"] for m in memory.values())
 
 

@@ -29,6 +29,8 @@ class PlanReport:
     scaling: list[dict[str, Any]]
     # `zerolm compile --fastest` for this config and target (zerolm.compile.micro_batch_search)
     fastest_command: str | None = None
+    # train.context_stages: zerolm's step at each staged context (steps, seq_len, rows per device, its peak)
+    contexts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -93,7 +95,10 @@ def _zerolm_step(r: dict) -> list[str]:
             + f"   peak {_gib(z['total_bytes']).strip()} ({z['program']}){_verdict(z, r)}; "
             + (f"largest micro-batch that fits: {b}" if b else "no micro-batch fits"),
             *(["  (never more than the compiler fits, sometimes less: `zerolm compile --target SLICE "
-               "--largest-micro-batch` compiles up from it)"] if r["device"]["usable"] is not None else [])]
+               "--largest-micro-batch` compiles up from it)"] if r["device"]["usable"] is not None else []),
+            *(f"  context stage, steps {c['steps']}: {c['seq_len']} tokens, {c['micro_rows']} rows per device per "
+              f"micro-step: peak {_gib(c['total_bytes']).strip()} ({c['program']}){_verdict(c, r)}"
+              for c in r["contexts"])]
 
 
 def _stages(r: dict) -> list[str]:

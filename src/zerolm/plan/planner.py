@@ -32,6 +32,8 @@ class PlanSettings:
     efficiency: float = 0.5  # the share of the device's peak FLOP/s the step's compute reaches
     memory_fraction: float | None = None  # the share of a device's memory a run may hold (None: Planner.usable)
     stage: int = 1  # the config's zero.stage: what the step time and the advice are for by default
+    # train.context_stages: (steps, seq_len, rows per sample) of each staged context (zerolm.data.context)
+    contexts: tuple[tuple[str, int, int], ...] = ()
 
 
 class Planner:
@@ -196,6 +198,11 @@ class Planner:
             dp *= 2
         return rows
 
+    def at_context(self, seq_len: int) -> Planner:
+        """This plan with the model at a staged context's seq_len (its step's memory: zerolm.data.context)."""
+        return Planner(dataclasses.replace(self.model, seq_len=seq_len), self._factory, self.device, self.layout,
+                       dataclasses.replace(self.settings, contexts=()))
+
     def report(self, stage: int | None = None) -> PlanReport:
         """The plan; `stage` (default: the config's) for zerolm's step, its step time and the scaling table."""
         stage = self.stage if stage is None else stage
@@ -210,7 +217,10 @@ class Planner:
         peak = self.step_peak(micro, zerolm_stage)
         fitting = [b for b in self.micro_batches() if self.step_peak(b, zerolm_stage)["fits"]]
         zerolm_step = {**peak, "stage": zerolm_stage, "largest_micro_batch": max(fitting) if fitting else None}
-        return PlanReport(
+        contexts = [{"steps": steps, "seq_len": seq_len, "micro_rows": micro * rows,
+                     **self.at_context(seq_len).step_peak(micro * rows, zerolm_stage)}
+                    for steps, seq_len, rows in self.settings.contexts]
+        return PlanReport(contexts=contexts,
             model=dataclasses.asdict(self.model), device=dataclasses.asdict(self.device), zerolm_step=zerolm_step,
             attention=self.attention,
             layout={"dp": self.layout.dp, "tp": self.layout.tp, "devices": self.layout.devices,

@@ -9,6 +9,7 @@ import math
 
 from zerolm.config.tree import Config, load_config, tp_split_problem
 from zerolm.core.hardware import preset
+from zerolm.data.context import ContextPlan
 from zerolm.data.dataset import load_planned
 from zerolm.plan.build import Shape, from_config, model_from_params
 from zerolm.plan.planner import Planner, PlanSettings
@@ -87,9 +88,11 @@ def planner_for(request: PlanRequest) -> Planner:
             raise PlanError(f"--tp: {tp} {why}")
         factory = functools.partial(AnalyticStates, model)
     precision = request.precision or (cfg.zero.precision if cfg is not None else "fp32")
+    contexts = () if cfg is None else tuple(
+        (f"{c.first}-{c.last}", c.seq_len, c.rows) for c in ContextPlan.of(cfg.train, cfg.model.seq_len).contexts[:-1])
     return Planner(model, factory, device, Parallelism(dp, tp, global_batch),
                    PlanSettings(precision, micro, efficiency=request.efficiency, memory_fraction=request.memory_fraction,
-                                stage=cfg.zero.stage if cfg is not None else 1))
+                                stage=cfg.zero.stage if cfg is not None else 1, contexts=contexts))
 
 
 def _micro_batch(request: PlanRequest, cfg: Config | None, per_rank: int, dp: int, global_batch: int) -> int:

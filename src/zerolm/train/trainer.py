@@ -32,6 +32,7 @@ from zerolm.config.tree import Config
 from zerolm.core import storage
 from zerolm.core.errors import first_line
 from zerolm.core.hardware import memory_limit
+from zerolm.data.context import ContextPlan
 from zerolm.data.dataset import dataset_identity
 from zerolm.data.loader import BatchLoader
 from zerolm.data.mixture import MixedOrder
@@ -41,13 +42,14 @@ from zerolm.model import losses
 from zerolm.model.decoder import GPT
 from zerolm.model.generate import Sampling, generate
 from zerolm.observe import launches, library_log
-from zerolm.observe.metrics import MetricsWriter, StepMetrics, WandbRun, perplexity
+from zerolm.observe.metrics import MetricsWriter, StepMetrics, StepTokens, WandbRun, perplexity
 from zerolm.observe.mfu import Accounting
 from zerolm.observe.profiling import Profiler
 from zerolm.parallel.build import DoesNotFit, build_and_compile, check_fits, is_out_of_memory
 from zerolm.parallel.mesh import exit_peer_lost, is_first_host, is_peer_failure, make_mesh, on_process_0
 from zerolm.parallel.zero import TrainState, Zero
 from zerolm.train import compilation_cache
+from zerolm.train.context_steps import ContextSteps
 from zerolm.train.preemption import Preempted, PreemptionWatch
 from zerolm.train.preflight import accounting_for, describe_step, run_facts
 from zerolm.train.run_data import RunData, data_facts, describe_data, open_data
@@ -104,7 +106,8 @@ class Run:
     mesh: Mesh
     data: RunData
     model: GPT  # resolved for the mesh's devices
-    zero: Zero  # running the programs compiled for this run's shapes
+    zero: Zero  # running the programs compiled for this run's shapes (at model.seq_len)
+    contexts: ContextSteps  # the step of each context (train.context_stages: one per stage, then model.seq_len's)
     init_fn: Callable[[jax.Array], Any]
     accounting: Accounting
     data_id: dict[str, Any]  # the data's identity, which checkpoints record and a resume must match
@@ -158,8 +161,12 @@ def open_run(cfg: Config, held: contextlib.ExitStack, out=sys.stdout, credential
     memory = check_fits(built, limit)
     zero = built.zero.using(built.compiled.programs)
     accounting = accounting_for(built.cfg, zero)
+    contexts = ContextSteps(built, zero, ContextPlan.of(built.cfg.train, built.cfg.model.seq_len), limit)
     for line in describe_step(built, accounting, memory, limit):
         say(line)
+    if contexts.plan.staged:
+        for line in contexts.describe():
+            say(line)
     if cache := compilation_cache.directory(cfg.train.compilation_cache):
         loaded = compilation_cache.Hits.hits - hits
         say(f"compiled the step in {compile_s:.1f} s; "
@@ -174,7 +181,7 @@ def open_run(cfg: Config, held: contextlib.ExitStack, out=sys.stdout, credential
 
         tasks = downstream.DuringTraining(list(cfg.eval.tasks), manager, Loaded(model, None, mesh, data.tokenizer),
                                           cfg.eval.limit)
-    return Run(cfg, mesh, data, model, zero, built.init_fn, accounting, data_id,
+    return Run(cfg, mesh, data, model, zero, contexts, built.init_fn, accounting, data_id,
                _evaluator(cfg, model, zero, data, say), _sampler(cfg, model, data), tasks, lock, say, out, compile_s)
 
 
@@ -294,10 +301,21 @@ class _Loop:
 
     def __init__(self, opened: Run, start: Start):
         self.run_, self.start = opened, start
-        cfg = opened.cfg
-        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+        self.plan = opened.contexts.plan
         self.is_main = is_first_host(opened.mesh)
         self.shares: Callable[[int], dict[str, float]] | None = None  # a mixture's realised shares
+
+    def tokens_seen(self, step: int) -> int:
+        """Tokens trained on in steps 1 .. `step`, each at its context (zerolm.data.context)."""
+        return self.plan.tokens_seen(step, self.run_.cfg.train.global_batch_size)
+
+    def step_tokens(self, step: int) -> StepTokens:
+        """What step `step` trains: its tokens, the tokens seen after it, and its context's FLOP accounting."""
+        context = self.plan.at(step)
+        accounting = self.run_.accounting if context is self.plan.contexts[-1] else \
+            self.run_.contexts.accounting(context)
+        return StepTokens(self.run_.cfg.train.global_batch_size * context.tokens_per_sample, self.tokens_seen(step),
+                          accounting)
 
     def hooks(self, writer: MetricsWriter, bar, emitter: StepMetrics) -> list[Hook]:
         """Evaluation, downstream tasks, samples and checkpoints, in the order they run between two steps. The
@@ -321,7 +339,7 @@ class _Loop:
         t0 = time.perf_counter()
         loss = self.run_.evaluate(state.params)
         writer.write(step, {"val_loss": loss, "val_perplexity": perplexity(loss),
-                            "tokens_seen": step * self.tokens_per_step, "eval_s": time.perf_counter() - t0})
+                            "tokens_seen": self.tokens_seen(step), "eval_s": time.perf_counter() - t0})
         bar.write(f"step {step}: val loss {loss:.4f}, perplexity {perplexity(loss):.2f}", file=self.run_.out)
         return {"val_loss": loss}
 
@@ -330,7 +348,7 @@ class _Loop:
         assert self.run_.tasks is not None
         t0 = time.perf_counter()
         numbers = self.run_.tasks(state.params, step)
-        writer.write(step, {**numbers, "tokens_seen": step * self.tokens_per_step, "tasks_s": time.perf_counter() - t0})
+        writer.write(step, {**numbers, "tokens_seen": self.tokens_seen(step), "tasks_s": time.perf_counter() - t0})
         if self.is_main:
             bar.write(f"step {step}: " + ", ".join(f"{key.removeprefix('tasks/')} {value:.4f}"
                                                    for key, value in numbers.items()), file=self.run_.out)
@@ -357,7 +375,7 @@ class _Loop:
                               accum_steps=cfg.accum_steps, process_count=jax.process_count(),
                               dataset={**self.run_.data_id, "order": self.start.order},
                               dataset_location=str(self.run_.data.train.dataset.location),
-                              tokens_seen=step * self.tokens_per_step, loss=loss, wandb_id=self.start.wandb_id,
+                              tokens_seen=self.tokens_seen(step), loss=loss, wandb_id=self.start.wandb_id,
                               zerolm_version=zerolm.__version__)
 
     def run(self) -> tuple[TrainState, dict[str, float]]:
@@ -383,10 +401,11 @@ class _Loop:
         bar = tqdm(total=cfg.train.steps, initial=start, desc=cfg.name, unit="step", disable=not self.is_main,
                    file=opened.out, dynamic_ncols=True, mininterval=0.5)
         held.callback(bar.close)
-        emitter = StepMetrics(writer, bar, self.tokens_per_step, opened.accounting, cfg.logging.every,
+        emitter = StepMetrics(writer, bar, self.step_tokens, cfg.logging.every,
                               cfg.train.max_consecutive_skips if cfg.train.skip_nonfinite else None)
         held.callback(emitter.close)
-        batches = loader.batches(start_step=start, prefetch=cfg.data.prefetch)
+        batches = loader.batches(start_step=start, prefetch=cfg.data.prefetch,
+                                 plan=self.plan if self.plan.staged else None)
         held.callback(batches.close)
         self.shares = loader.order.shares if isinstance(loader.order, MixedOrder) else None
         return writer, bar, emitter, batches
@@ -402,7 +421,7 @@ class _Loop:
             preemption.dispatching(step)
             batch, waited = next(batches)
             profiler.before(step)
-            state, metrics = opened.zero(state, batch)
+            state, metrics = opened.contexts.at(step)(state, batch)
             self.check_health()
             emitter.push(step, self.with_data_metrics(step, metrics), waited)  # emits the previous step's
             stopping = preemption.reached(step)
