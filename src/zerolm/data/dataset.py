@@ -3,6 +3,7 @@ on first use (by process 0 first, then by any host whose disk still lacks it).""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 from collections.abc import Sequence
@@ -48,6 +49,23 @@ def open_dataset(cfg: Config) -> PreparedDataset | Mixture:
     return Mixture(datasets, [e.weight for e in cfg.data.mixture], names)
 
 
+def _prepare_default(cfg: Config, location: Path) -> None:
+    """The default corpus prepared into the cache, once whatever the processes of this machine that ask at the same
+    time (two runs started together; the test suite's workers): the first to take the lock prepares it, the
+    others find it prepared. (Each would otherwise publish its own copy over the other's, under a run reading it.)"""
+    location.parent.mkdir(parents=True, exist_ok=True)
+    with open(location.parent / f".{location.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (location / MANIFEST).exists():
+            return
+        try:
+            prepare("default", location, vocab_size=cfg.data.default_vocab_size, seq_len=cfg.model.seq_len,
+                    progress=False, catch_sigterm=jax.process_count() == 1)
+        except PrepareError as e:
+            raise ConfigError(f"model.seq_len: {cfg.model.seq_len}: the default dataset cannot be prepared for it: "
+                              f"{e}") from None
+
+
 def recorded_dataset(config: dict, location: str | None) -> PreparedDataset | Mixture:
     """The data a run trained on, as its checkpoint records it: the dataset at `location` (where the run read
     it), or the run's mixture, opened again from its config's data.mixture (DataError if it cannot be)."""
@@ -67,12 +85,7 @@ def _open(cfg: Config, location: str | Path, key: str) -> PreparedDataset:
         # Process 0 first; then any host whose disk still lacks it (hosts of a slice have their own disks).
         for turn in ("first", "rest"):
             if (turn == "first") == (jax.process_index() == 0) and not (Path(location) / MANIFEST).exists():
-                try:
-                    prepare("default", location, vocab_size=cfg.data.default_vocab_size, seq_len=cfg.model.seq_len,
-                            progress=False, catch_sigterm=jax.process_count() == 1)
-                except PrepareError as e:
-                    raise ConfigError(f"model.seq_len: {cfg.model.seq_len}: the default dataset cannot be prepared "
-                                      f"for it: {e}") from None
+                _prepare_default(cfg, Path(location))
             if jax.process_count() > 1:
                 multihost_utils.sync_global_devices(f"zerolm: default dataset prepared ({turn})")
     try:
