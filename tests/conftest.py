@@ -53,8 +53,13 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory):
-    """Tokenizers are built into a per-session cache, never the user's."""
-    os.environ["ZEROLM_CACHE"] = str(tmp_path_factory.mktemp("zerolm-cache"))
+    """Tokenizers, the prepared default corpus and compiled programs go into the session's own cache, never the
+    user's; one for both xdist workers (their common directory), so that each is built once, not once each
+    (zerolm prepares the default corpus under a lock; JAX's compilation cache takes several processes)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    (root / "zerolm-cache").mkdir(exist_ok=True)
+    os.environ["ZEROLM_CACHE"] = str(root / "zerolm-cache")
 
 
 def free_port() -> int:

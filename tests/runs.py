@@ -1,8 +1,10 @@
 """Training runs in subprocesses, shared by the checkpoint and launch tests: a small model on the tiny
 config, 16 steps, a checkpoint every 4."""
 
+import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -33,6 +35,21 @@ def train(run_dir, *extra_sets, devices=8, expect=0, extra_env=None, **kw):
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == expect, proc.stderr[-3000:]
     return proc
+
+
+def shared_run(tmp_path_factory, name: str, *extra_sets, **kw):
+    """A run made once per test session, whichever xdist worker asks first (the others wait on its lock, then
+    read it): the reference runs several files compare with. Read-only: a test copies what it changes."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the workers' common directory
+    run_dir = root / f"shared-{name}"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (run_dir / "complete").exists():
+            shutil.rmtree(run_dir, ignore_errors=True)
+            train(run_dir, *extra_sets, **kw)
+            (run_dir / "complete").touch()
+    return run_dir
 
 
 def losses(run_dir) -> dict[int, float]:

@@ -17,7 +17,20 @@ import pytest
 
 import runs
 from conftest import REPO
-from runs import STEPS, command, env, kill_9_after, logged_steps, losses, release, snapshot, start_and_wait, start_held, train
+from runs import (
+    STEPS,
+    command,
+    env,
+    kill_9_after,
+    logged_steps,
+    losses,
+    release,
+    shared_run,
+    snapshot,
+    start_and_wait,
+    start_held,
+    train,
+)
 from zerolm.checkpoint.store import SIZES_ONLY, Checkpoints
 from zerolm.core.exitcodes import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED
 from zerolm.data.prepare import prepare
@@ -28,9 +41,8 @@ pytestmark = pytest.mark.slow  # training runs in subprocesses
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """The uninterrupted reference run: 16 steps on dp = 8, checkpoints every 4."""
-    run_dir = tmp_path_factory.mktemp("straight")
-    train(run_dir)
+    """The uninterrupted reference run: 16 steps on dp = 8, checkpoints every 4 (test_launch compares with it too)."""
+    run_dir = shared_run(tmp_path_factory, "straight")
     return run_dir, losses(run_dir)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, TINY
-from runs import SMALL, STEPS, checkpoint_params, env, logged_steps, losses, train
+from runs import SMALL, STEPS, checkpoint_params, env, logged_steps, losses, shared_run, train
 from zerolm.checkpoint.store import Checkpoints
 from zerolm.core.exitcodes import EXIT_PEER_LOST, EXIT_PREEMPTED
 from zerolm.train.launch_local import KEPT_LAUNCHES, _rotate_logs, _WithoutGloo
@@ -60,8 +60,8 @@ def read_launcher_err(proc) -> str:
 
 @pytest.fixture(scope="module")
 def one_by_eight(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("one")
-    train(run_dir)
+    """One process of 8 devices: test_checkpoint's uninterrupted reference run, made once for both."""
+    run_dir = shared_run(tmp_path_factory, "straight")
     return run_dir, losses(run_dir)
 
 
