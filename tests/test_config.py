@@ -195,19 +195,22 @@ def test_a_misspelled_key_is_named_before_the_key_it_leaves_missing():
 
 def test_a_checkpoints_config_from_before_the_model_settings_validates_as_today():
     """A mixture checkpoint's data is opened again from its config: one saved before model.position, model.bias,
-    the activation, dropout, train.init_from and the eval section existed reads them as they were then (BEFORE_RECORDED)."""
+    the activation, dropout, train.init_from, the lr schedules and the eval section existed reads them as they were
+    then (BEFORE_RECORDED)."""
     from zerolm.checkpoint.meta import CheckpointMeta
     from zerolm.config.tree import Config
 
     old = load_config(TINY).model_dump()
     for key in ("position", "bias", "activation", "embedding_dropout", "residual_dropout", "attention_dropout"):
         del old["model"][key]
-    del old["train"]["init_from"]
+    for key in ("init_from", "schedule", "decay_steps", "decay_shape"):
+        del old["train"][key]
     del old["eval"]
     del old["zero"]["tpu_async_collectives"]
     meta = CheckpointMeta(step=1, time=0.0, config=old, dp=1, accum_steps=1, dataset={}, tokens_seen=0, loss=None,
                           wandb_id="x")
     cfg = Config.model_validate(meta.full_config)
     assert (cfg.model.position, cfg.model.bias, cfg.train.init_from) == ("learned", True, None)
+    assert (cfg.train.schedule, cfg.train.decay_steps, cfg.train.decay_shape) == ("cosine", None, "linear")
     assert cfg.eval == load_config(TINY).eval and cfg.eval.tasks == ()
     assert cfg.zero.tpu_async_collectives == "off"  # zerolm set no libtpu flags then

@@ -22,7 +22,7 @@ BEFORE_RECORDED: dict[str, dict[str, Any]] = {
               "attention_dropout": 0.0, "rope_theta": 10000.0, "norm": "layernorm", "norm_eps": 1e-5, "mlp": "gelu",
               "mlp_hidden": "auto", "n_kv_head": "auto", "tie_embeddings": True},
     "zero": {"precision": "fp32", "stage": 1, "tpu_async_collectives": "off"},
-    "train": {"init_from": None},
+    "train": {"init_from": None, "schedule": "cosine", "decay_steps": None, "decay_shape": "linear"},
     "eval": {"tasks": [], "every": None, "limit": None, "include_path": None},
 }
 

@@ -47,6 +47,11 @@ class TrainConfig(_Section):
     # Persistent XLA compilation cache: "default" ($ZEROLM_CACHE/xla), a directory (or gs:// path), or null (off).
     compilation_cache: str | None
     schedule_steps: int | None = Field(gt=0)  # length of the lr schedule; null: steps
+    # The lr after the warmup (zerolm.parallel.optim.lr_schedule): cosine to lr * min_lr_ratio at the schedule's end;
+    # wsd: constant, then a decay over the schedule's last decay_steps; constant: lr for ever.
+    schedule: Literal["cosine", "wsd", "constant"]
+    decay_steps: int | None = Field(gt=0)  # wsd only: the decay's length, the last steps of the schedule
+    decay_shape: Literal["linear", "sqrt"]  # wsd's decay: linear, or 1 - sqrt (Hägele et al. 2024)
     seed: int = Field(ge=0)
     global_batch_size: int = PositiveInt  # sequences per optimizer step
     micro_batch_size: int = PositiveInt  # sequences per device per accumulation micro-step
@@ -84,7 +89,7 @@ class TrainConfig(_Section):
         train = handler(data)
         length = train.schedule_length
         if train.warmup_steps < length:
-            return train
+            return train._decay_within_schedule()
         notes = (info.context or {}).get("notes")
         if notes is not None:
             key = "train.schedule_steps" if train.schedule_steps else "train.steps"
@@ -92,7 +97,27 @@ class TrainConfig(_Section):
             notes.append(f"warning: train.warmup_steps {train.warmup_steps} is not shorter than the lr schedule "
                          f"({key} {length}): this run warms up over {length - 1} step(s) (train.warmup_steps "
                          f"{length - 1}){keep}")
-        return train.model_copy(update={"warmup_steps": length - 1})
+        return train.model_copy(update={"warmup_steps": length - 1})._decay_within_schedule()
+
+    def _decay_within_schedule(self) -> TrainConfig:
+        """train.decay_steps is wsd's, and wsd's decay starts after the warmup (as cut to the schedule)."""
+        if self.schedule != "wsd":
+            if self.decay_steps is not None:
+                raise _KeyError("train.decay_steps", f"{self.decay_steps} is set and train.schedule is {self.schedule}, "
+                                "which has no decay of a set length; set train.schedule=wsd, or train.decay_steps=null",
+                                related=("train.schedule",))
+            return self
+        length_key = "train.schedule_steps" if self.schedule_steps else "train.steps"
+        if self.decay_steps is None:
+            raise _KeyError("train.decay_steps", "null, and train.schedule is wsd, which decays over the schedule's "
+                            "last train.decay_steps steps; set it (20% of the schedule is usual)",
+                            related=("train.schedule",))
+        if self.warmup_steps + self.decay_steps > self.schedule_length:
+            raise _KeyError("train.decay_steps", f"{self.decay_steps} after train.warmup_steps {self.warmup_steps} is "
+                            f"longer than the lr schedule ({length_key} {self.schedule_length}): wsd's decay ends the "
+                            "schedule and starts after its warmup",
+                            related=("train.warmup_steps", "train.schedule_steps", "train.steps"))
+        return self
 
 
 class MeshConfig(_Section):

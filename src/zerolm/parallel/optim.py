@@ -1,5 +1,6 @@
-"""The optimizer: AdamW after global-norm clipping, with warmup and cosine decay; and ZeRO's mixed-precision
-form of any optax optimizer, which steps float32 master weights kept in its own state.
+"""The optimizer: AdamW after global-norm clipping, with its lr schedule (a linear warmup, then a cosine
+decay, warmup-stable-decay or a constant); and ZeRO's mixed-precision form of any optax optimizer, which steps
+float32 master weights kept in its own state.
 
 zerolm.parallel.zero runs the optimizer on the dp-sharded optimizer-state layout; nothing here knows of meshes.
 """
@@ -16,11 +17,9 @@ PyTree = Any
 
 
 def make_optimizer(train_cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with linear warmup then cosine decay, after global-norm clipping; with
+    """AdamW with train.schedule's lr (lr_schedule), after global-norm clipping; with
     train.skip_nonfinite, wrapped so that an update with a non-finite gradient is skipped and counted."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=train_cfg.lr, warmup_steps=train_cfg.warmup_steps,
-        decay_steps=train_cfg.schedule_length, end_value=train_cfg.lr * train_cfg.min_lr_ratio)
+    schedule = lr_schedule(train_cfg)
     tx = optax.chain(
         optax.clip_by_global_norm(train_cfg.grad_clip),
         optax.adamw(schedule, b1=train_cfg.beta1, b2=train_cfg.beta2, eps=train_cfg.eps,
@@ -28,6 +27,34 @@ def make_optimizer(train_cfg) -> tuple[optax.GradientTransformation, optax.Sched
     if train_cfg.skip_nonfinite:
         tx = optax.apply_if_finite(tx, max_consecutive_errors=2**31 - 1)
     return tx, schedule
+
+
+def lr_schedule(train_cfg) -> optax.Schedule:
+    """The lr of the update after `count` updates (optax's count: step s of metrics.jsonl is count s - 1).
+
+    Every schedule warms up linearly from 0 to train.lr over train.warmup_steps. Then, with L the schedule's
+    length (train.schedule_steps, else train.steps) and m = lr * min_lr_ratio: cosine decays to m at count L
+    (optax's warmup_cosine_decay_schedule); wsd stays at lr until count L - decay_steps, then decays to m at
+    count L, linearly or as 1 - sqrt of the decay's fraction done (Hägele et al. 2024, "Scaling Laws and
+    Compute-Optimal Training beyond Fixed Training Durations"; MiniCPM 2024); constant stays at lr. Past L,
+    cosine and wsd stay at m."""
+    lr, warmup = train_cfg.lr, train_cfg.warmup_steps
+    end = lr * train_cfg.min_lr_ratio
+    if train_cfg.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=lr, warmup_steps=warmup,
+                                                  decay_steps=train_cfg.schedule_length, end_value=end)
+    decay, sqrt = train_cfg.decay_steps, train_cfg.decay_shape == "sqrt"
+    start = train_cfg.schedule_length - (decay or 0)
+
+    def schedule(count):
+        t = jnp.asarray(count, jnp.float32)
+        value = jnp.where(t < warmup, lr * t / max(warmup, 1), lr)  # lr itself once warm: constant and wsd agree
+        if decay is not None:  # wsd (its decay starts after the warmup: zerolm.config.tree.TrainConfig)
+            done = jnp.clip((t - start) / decay, 0.0, 1.0)
+            value = jnp.where(t > start, end + (lr - end) * (1.0 - (jnp.sqrt(done) if sqrt else done)), value)
+        return value
+
+    return schedule
 
 
 def decay_mask(params: PyTree) -> PyTree:
