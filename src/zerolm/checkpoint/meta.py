@@ -22,7 +22,8 @@ BEFORE_RECORDED: dict[str, dict[str, Any]] = {
               "attention_dropout": 0.0, "rope_theta": 10000.0, "norm": "layernorm", "norm_eps": 1e-5, "mlp": "gelu",
               "mlp_hidden": "auto", "n_kv_head": "auto", "tie_embeddings": True},
     "zero": {"precision": "fp32", "stage": 1, "tpu_async_collectives": "off"},
-    "train": {"init_from": None, "schedule": "cosine", "decay_steps": None, "decay_shape": "linear"},
+    "train": {"init_from": None, "schedule": "cosine", "decay_steps": None, "decay_shape": "linear",
+              "branch_from": None},
     "eval": {"tasks": [], "every": None, "limit": None, "include_path": None},
 }
 
@@ -42,6 +43,9 @@ class CheckpointMeta:
     process_count: int = 1
     dataset_location: str | None = None  # where the run read its dataset (evaluation and the tokenizer look there)
     zerolm_version: str = ""
+    # A decay branch's (train.branch_from): where its state came from (zerolm.checkpoint.branch.Source.record), its
+    # source's own record within, if that was a branch too; None: a run that started fresh or from init_from.
+    branched_from: dict[str, Any] | None = None
     format: int = FORMAT
 
     @classmethod

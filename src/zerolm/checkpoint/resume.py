@@ -1,8 +1,10 @@
-"""Where a run starts: a fresh state, or the newest intact checkpoint of the run (and what changed since).
+"""Where a run starts: a fresh state, the newest intact checkpoint of the run (and what changed since), or, for a
+decay branch without checkpoints of its own, the checkpoint train.branch_from names (zerolm.checkpoint.branch).
 
 Refuses to start over existing checkpoints without --overwrite; moves a damaged checkpoint aside and
 takes the one before it (`--resume auto`), or stops (`--resume strict`); moves an old run's checkpoints
-and logs aside with `--resume never --overwrite`; refuses a resume whose data order cannot continue.
+and logs aside with `--resume never --overwrite`; refuses a resume (or a branch) whose data order cannot
+continue.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 import jax
 from jax.experimental import multihost_utils
 
-from zerolm.checkpoint import warm_start
+from zerolm.checkpoint import branch, warm_start
 from zerolm.checkpoint.meta import CheckpointMeta
 from zerolm.checkpoint.run_lock import LEASE_FILE, LOCK_FILE
 from zerolm.checkpoint.store import (
@@ -43,6 +45,7 @@ class Start:
     state: TrainState
     wandb_id: str
     order: int = ORDER_VERSION
+    branched_from: dict | None = None  # a decay branch's source (zerolm.checkpoint.branch.Source.record)
 
     @property
     def step(self) -> int:
@@ -72,6 +75,8 @@ def start_state(cfg: Config, zero: Zero, init_fn, data_id: dict, asked: Resume, 
         restored = None
         while latest is not None and asked.mode != "never" and restored is None:
             ckpts, latest, restored = _restore_or_move_aside(places, ckpts, latest, zero, asked.mode, say)
+        if restored is None and cfg.train.branch_from is not None:  # a branch: its source's whole state
+            return _branched(cfg, zero, data_id, ckpts, say)
         if restored is None:  # fresh: drawn from train.seed, or train.init_from's parameters
             state = warm_start.initial_state(cfg, zero, init_fn, data_id, say)
             return Start(ckpts, state, secrets.token_hex(4), ORDER_VERSION)
@@ -81,7 +86,30 @@ def start_state(cfg: Config, zero: Zero, init_fn, data_id: dict, asked: Resume, 
         ckpts.close()
         raise
     _say_resumed(cfg, meta, ckpts.directory / str(latest), say)
-    return Start(ckpts, state, meta.wandb_id, meta.dataset.get("order", 1))
+    return Start(ckpts, state, meta.wandb_id, meta.dataset.get("order", 1), meta.branched_from)
+
+
+def _branched(cfg: Config, zero: Zero, data_id: dict, ckpts: Checkpoints, say) -> Start:
+    """A branch's start: the state of the checkpoint train.branch_from names, restored onto this run's mesh as a
+    resume restores it (the source read only), a wandb run of its own, the source's data order."""
+    with branch.opened(cfg) as source:
+        _check_branchable(cfg, source, data_id)
+        try:
+            state, meta = source.checkpoints.restore(source.step, zero, cfg.model.model_dump())
+        except CheckpointError as e:
+            raise CheckpointError(f"{branch.KEY}: {e}") from None
+        record = source.record()
+    _say_resumed(cfg, meta, source.where, say, branched=True)
+    return Start(ckpts, state, secrets.token_hex(4), meta.dataset.get("order", 1), record)
+
+
+def _check_branchable(cfg: Config, source: branch.Source, data_id: dict) -> None:
+    """What a resume checks (the model, the precision, the data and the global batch), naming train.branch_from."""
+    try:
+        check_compatible(source.meta, source.where, cfg.model.model_dump(), cfg.zero.precision)
+        _check_resumable(cfg, source.meta, data_id, source.where)
+    except CheckpointError as e:
+        raise CheckpointError(f"{branch.KEY}: {e}") from None
 
 
 def check_before_compiling(cfg: Config, data_id: dict, asked: Resume) -> int | None:
@@ -89,8 +117,9 @@ def check_before_compiling(cfg: Config, data_id: dict, asked: Resume) -> int | N
     real model, minutes): --resume never over checkpoints without --overwrite, and a resume whose newest
     checkpoint cannot continue (another model, precision, data or global batch). Returns the step of the
     checkpoint the run would continue (None: it starts fresh, or the newest checkpoint is damaged and
-    start_state decides); a fresh start's train.init_from (zerolm.checkpoint.warm_start.check). Reads only; every process
-    reads the same and raises the same."""
+    start_state decides); a fresh start's train.init_from (zerolm.checkpoint.warm_start.check) or train.branch_from
+    (the same checks as a resume's, and zerolm.checkpoint.branch.opened's). Reads only; every process reads the same
+    and raises the same."""
     with storage.faults(cfg.checkpoint_dir, "listing the checkpoints"), quiet_orbax():
         if not storage.path(cfg.checkpoint_dir).exists():
             return _fresh(cfg, data_id)
@@ -118,9 +147,14 @@ def check_before_compiling(cfg: Config, data_id: dict, asked: Resume) -> int | N
 
 
 def _fresh(cfg: Config, data_id: dict) -> int | None:
-    """check_before_compiling's answer for a fresh start (None), its train.init_from checked first."""
+    """check_before_compiling's answer for a start without checkpoints of the run's own: None, its train.init_from
+    checked first; or the step train.branch_from continues, checked."""
     warm_start.check(cfg, data_id)
-    return None
+    if cfg.train.branch_from is None:
+        return None
+    with branch.opened(cfg) as source:
+        _check_branchable(cfg, source, data_id)
+        return source.step
 
 
 def _refused_start_over(directory, latest: int) -> CheckpointError:
@@ -182,14 +216,25 @@ def _restore_or_move_aside(places: _Places, ckpts: Checkpoints, latest: int, zer
         return ckpts, before, None
 
 
-def _say_resumed(cfg: Config, meta: CheckpointMeta, where, say) -> None:
-    """Where the run resumed from, and what changed since the checkpoint was saved."""
-    say(f"resumed from {where} (step {meta.step}, saved on dp={meta.dp} tp={meta.tp})")
-    saved_train = meta.train
+def _say_resumed(cfg: Config, meta: CheckpointMeta, where, say, branched: bool = False) -> None:
+    """Where the run resumed (or branched) from, and what changed since the checkpoint was saved."""
+    if branched:
+        say(f"branched from {where} ({branch.KEY}: step {meta.step} of the run {meta.config['name']}, saved on "
+            f"dp={meta.dp} tp={meta.tp}): its parameters, optimizer state and data position; checkpoints to "
+            f"{cfg.checkpoint_dir}, logs to {cfg.log_dir}")
+    else:
+        say(f"resumed from {where} (step {meta.step}, saved on dp={meta.dp} tp={meta.tp})")
+    saved_train, train = meta.full_config["train"], cfg.train
     saved_schedule = saved_train["schedule_steps"] or saved_train["steps"]
-    if saved_schedule != cfg.train.schedule_length:
-        say(f"  note: the lr schedule changed length: {saved_schedule} -> {cfg.train.schedule_length} steps "
+    if saved_schedule != train.schedule_length and not branched:
+        say(f"  note: the lr schedule changed length: {saved_schedule} -> {train.schedule_length} steps "
             "(set train.schedule_steps to keep it)")
+    if saved_train["lr"] != train.lr:
+        say(f"  train.lr: {saved_train['lr']:g} -> {train.lr:g}")
+    if saved_train["schedule"] != train.schedule:
+        say(f"  lr schedule: {saved_train['schedule']} -> {train.schedule}" + (
+            f", its decay over steps {train.schedule_length - train.decay_steps + 1}..{train.schedule_length}"
+            if train.decay_steps else ""))
     if meta.accum_steps != cfg.accum_steps or meta.dp != cfg.dp:
         say(f"  device count changed: dp {meta.dp} -> {cfg.dp}; accumulation steps recomputed "
             f"{meta.accum_steps} -> {cfg.accum_steps} (same global batch of {cfg.train.global_batch_size})")

@@ -11,6 +11,7 @@ file and the key.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -74,6 +75,9 @@ class TrainConfig(_Section):
     # model.seq_len; each sample cut to the stage's context (truncate) or into model.seq_len / seq_len rows (split).
     context_stages: tuple[ContextStage, ...]
     context_rows: Literal["truncate", "split"]
+    # A checkpoint whose whole state (params, optimizer state, step, data position) a run without checkpoints of
+    # its own starts from, into its own directories: a decay branch (zerolm.checkpoint.branch).
+    branch_from: str | None
 
     @property
     def schedule_length(self) -> int:
@@ -89,7 +93,7 @@ class TrainConfig(_Section):
         train = handler(data)
         length = train.schedule_length
         if train.warmup_steps < length:
-            return train._decay_within_schedule()
+            return train._agreed()
         notes = (info.context or {}).get("notes")
         if notes is not None:
             key = "train.schedule_steps" if train.schedule_steps else "train.steps"
@@ -97,10 +101,15 @@ class TrainConfig(_Section):
             notes.append(f"warning: train.warmup_steps {train.warmup_steps} is not shorter than the lr schedule "
                          f"({key} {length}): this run warms up over {length - 1} step(s) (train.warmup_steps "
                          f"{length - 1}){keep}")
-        return train.model_copy(update={"warmup_steps": length - 1})._decay_within_schedule()
+        return train.model_copy(update={"warmup_steps": length - 1})._agreed()
 
-    def _decay_within_schedule(self) -> TrainConfig:
-        """train.decay_steps is wsd's, and wsd's decay starts after the warmup (as cut to the schedule)."""
+    def _agreed(self) -> TrainConfig:
+        """The keys that must agree: train.decay_steps is wsd's, and wsd's decay starts after the warmup (as cut
+        to the schedule); a run starts from one other checkpoint at most."""
+        if self.branch_from is not None and self.init_from is not None:
+            raise _KeyError("train.branch_from", "set beside train.init_from: a run starts from another run's whole "
+                            "state (branch_from) or from its parameters alone (init_from), not both",
+                            related=("train.init_from",))
         if self.schedule != "wsd":
             if self.decay_steps is not None:
                 raise _KeyError("train.decay_steps", f"{self.decay_steps} is set and train.schedule is {self.schedule}, "
@@ -304,6 +313,21 @@ class Config(_Section):
                                 f"{self.train.micro_batch_size} × {dp} = {per_step}")
         return self
 
+    @model_validator(mode="after")
+    def _branch_elsewhere(self) -> Config:
+        """A branch writes its own checkpoints: train.branch_from may not name checkpoint.dir or a step in it
+        (refused here, before the run locks the directory or removes unfinished saves from it)."""
+        source = self.train.branch_from
+        if source is None:
+            return self
+        own = _place(self.checkpoint_dir)
+        if own in (_place(source), _place(source).rsplit("/", 1)[0]):
+            raise _KeyError("train.branch_from", f"{source} is in this run's own checkpoint.dir {self.checkpoint_dir}: "
+                            "a branch writes its checkpoints and logs apart from its source's; give it its own "
+                            "(set name, or checkpoint.dir and logging.dir)",
+                            related=("checkpoint.dir", "name"))
+        return self
+
     # Derived quantities: read these rather than recomputing them at call sites.
     @property
     def dp(self) -> int:
@@ -347,6 +371,11 @@ def _check_context_stages(train: TrainConfig, seq_len: int) -> None:
 # Keys that were renamed: an old config gets told the new name instead of "unknown key".
 RENAMED = {"train.eval_batches": "train.eval_sequences (validation sequences per evaluation, independent of "
                                  "dp and micro-batch)"}
+
+
+def _place(location: str) -> str:
+    """A directory's name to compare: a gs:// URL as written, a local path made absolute; no trailing slash."""
+    return location.rstrip("/") if "://" in location else os.path.normpath(os.path.abspath(location))
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:

@@ -7,8 +7,9 @@ saw them (the resolved config, the parameter count, devices and mesh, the data's
 compiling the step and restoring (or initialising) the state, the last step metrics.jsonl held before it
 started, and the seconds of the rows after the step it starts from: a resume from an earlier checkpoint (or a
 restart from scratch, where no checkpoint was saved) drops those rows from metrics.jsonl, and they are the
-steps, evaluations and saves the interruption lost, recorded nowhere else. Runs of a zerolm before this file
-existed have none; launches recorded before version 2 lack the lost seconds.
+steps, evaluations and saves the interruption lost, recorded nowhere else. A decay branch's launches record
+where it branched from (train.branch_from). Runs of a zerolm before this file existed have none; launches
+recorded before version 2 lack the lost seconds, and before version 3 the branch record (they were no branches).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 NAME = "launches.jsonl"
-VERSION = 2
+VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,10 @@ class Launch:
     # rows after start_step, which this launch dropped: time an earlier launch spent on work that is done
     # again. None: a launch recorded before version 2.
     lost_s: dict[str, float] | None = None
+    # A decay branch's source: the checkpoint (and its step) it started from, the source's logging directory as
+    # found then (None: not found), and the source's own record if it was a branch
+    # (zerolm.checkpoint.branch.Source.record); None: not a branch.
+    branched_from: dict[str, Any] | None = None
     version: int = VERSION
 
     @property

@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 import zerolm
+from zerolm.checkpoint import branch
 from zerolm.checkpoint.meta import CheckpointMeta
 from zerolm.checkpoint.resume import Resume, Start, check_before_compiling, start_state
 from zerolm.checkpoint.run_lock import LockHeld, RunLock
@@ -65,7 +66,7 @@ def check_storage(cfg: Config) -> str | None:
     """Before any device work: every place the run reads or writes can be used (StorageError, one line,
     otherwise). Returns the line that says which credentials gs:// is reached with, if that needs saying."""
     places = {"checkpoint.dir": cfg.checkpoint_dir, "data.dataset": cfg.data.dataset, "train.init_from":
-              cfg.train.init_from or "",
+              cfg.train.init_from or "", "train.branch_from": cfg.train.branch_from or "",
               "train.compilation_cache": compilation_cache.directory(cfg.train.compilation_cache) or ""}
     storage.check(cfg.logging.dir or "", "logging.dir", local_only=LOCAL_LOGS)  # (cfg.log_dir is a local Path)
     for what, location in places.items():
@@ -76,6 +77,7 @@ def check_storage(cfg: Config) -> str | None:
 def run(cfg: Config, out=sys.stdout, *, resume: str = "auto", overwrite: bool = False) -> dict[str, float]:
     """Train `cfg` (resuming per `resume`); returns the last train loss, val loss and unigram entropy."""
     credentials = check_storage(cfg)
+    branch.check_logs_apart(cfg)  # before anything is written in logging.dir
     with library_log.capture(cfg.log_dir / library_log.NAME.format(process=jax.process_index())), \
             contextlib.ExitStack() as held:
         asked = Resume(resume, overwrite)
@@ -254,7 +256,7 @@ def _record_launch(opened: Run, start: Start, start_s: float) -> None:
     launches.append(cfg.log_dir, launches.Launch(
         time=time.time(), start_step=start.step, last_logged_step=last_logged, compile_s=opened.compile_s,
         start_s=start_s, checkpoint_dir=where, wandb_id=start.wandb_id, config=cfg.model_dump(), facts=facts,
-        data=data_facts(opened.data), lost_s=lost_s))
+        data=data_facts(opened.data), lost_s=lost_s, branched_from=start.branched_from))
 
 
 def _say_done(opened: Run, summary: dict[str, float], state: TrainState) -> None:
@@ -376,7 +378,7 @@ class _Loop:
                               dataset={**self.run_.data_id, "order": self.start.order},
                               dataset_location=str(self.run_.data.train.dataset.location),
                               tokens_seen=self.tokens_seen(step), loss=loss, wandb_id=self.start.wandb_id,
-                              zerolm_version=zerolm.__version__)
+                              zerolm_version=zerolm.__version__, branched_from=self.start.branched_from)
 
     def run(self) -> tuple[TrainState, dict[str, float]]:
         with contextlib.ExitStack() as held:
