@@ -11,6 +11,12 @@ legend counts them, and each is marked by a red x on the loss panel's bottom edg
 launch after its first, from launches.jsonl) is a dotted vertical line at the tokens seen where it started,
 labelled on the loss panel with the step it resumed from, or "restarted from scratch" where there was no
 checkpoint.
+
+A decay branch (train.branch_from; its launches.jsonl records its source) is drawn with where it came from: a
+dash-dot line at the step it branched at, labelled on the loss panel, and its source's loss and lr curves up to
+that step in a lighter line of its colour (and the source's source's, for a branch of a branch), unless that run
+is plotted itself. So `zerolm plot SOURCE BRANCH...` draws a run and its branches, and `zerolm plot BRANCH` a
+branch with the run it continues.
 """
 
 from __future__ import annotations
@@ -81,6 +87,41 @@ def mark_restarts(axes, marks: list[tuple[float, str]], color: str, labelled) ->
                       transform=labelled.get_xaxis_transform())
 
 
+def branch_points(run_dir: Path) -> list[dict]:
+    """A decay branch's sources, nearest first (zerolm.checkpoint.branch.Source.record: checkpoint, step, name,
+    log_dir, ...), from its first launch's record; [] for a run that is no branch (or recorded no launches)."""
+    recorded = launches.read(run_dir)
+    record = recorded[0].branched_from if recorded else None
+    points = []
+    while record is not None:
+        points.append(record)
+        record = record.get("from")
+    return points
+
+
+def draw_sources(run_dir: Path, plotted: set[Path], color: str, loss_ax, lr_ax, axes) -> None:
+    """A branch's point (a dash-dot line on every panel in `axes`, labelled on `loss_ax`) and its sources' loss
+    and lr up to the steps branched at, lighter, where they are not in `plotted` (resolved logging directories)
+    and their metrics.jsonl is there."""
+    points = branch_points(run_dir)
+    if not points:
+        return
+    per_step = launches.read(run_dir)[0].facts["tokens_per_step"]
+    x = points[0]["step"] * per_step
+    for ax in axes:
+        ax.axvline(x, color=color, ls="-.", lw=1)
+    loss_ax.text(x, 0.02, f"branched from {points[0]['name']} at step {points[0]['step']}", rotation=90,
+                 va="bottom", ha="right", fontsize=7, color=color, transform=loss_ax.get_xaxis_transform())
+    for point in points:
+        where = Path(point["log_dir"]) if point.get("log_dir") else None
+        if where is None or where.resolve() in plotted or not (where / METRICS).exists():
+            return
+        records = [r for r in read_run(where) if r["step"] <= point["step"]]
+        label = f"{where} to step {point['step']} (source of {run_dir})"
+        loss_ax.plot(*series(records, "loss"), color=color, lw=1, alpha=0.35, label=label)
+        lr_ax.plot(*series(records, "lr"), color=color, lw=1, alpha=0.35, label=label)
+
+
 def skip_first(records: list[dict], n: int) -> list[dict]:
     """The records of steps after the run's first `n` steps (their times include compiling)."""
     steps = sorted({r["step"] for r in records if "loss" in r})
@@ -118,6 +159,7 @@ def figure(run_dirs: list[Path], skip_steps: int = 1):
             mfu_ax.plot(*series(timed, "model_tflops_per_device"), color=color, lw=1, label=name)
         lr_ax.plot(*series(records, "lr"), color=color, lw=1, label=name)
         mark_restarts(list(axes.flat), restarts(Path(name)), color, loss_ax)
+        draw_sources(Path(name), {d.resolve() for d in run_dirs}, color, loss_ax, lr_ax, list(axes.flat))
     loss_ax.set(title="loss", ylabel="nats/token")
     speed_ax.set(title="throughput", ylabel="tokens/s")
     mfu_ax.set(title="MFU" if use_mfu else "model TFLOP/s per device (MFU: device peak unknown)",

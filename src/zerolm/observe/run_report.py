@@ -6,6 +6,11 @@ config, parameter count, devices, mesh, the data's size, compile and restore sec
 a restart lost: zerolm.observe.launches) and the run's newest checkpoint (its record, and the parameter count its
 arrays hold). A run of a zerolm that did not record something says "not recorded by this run" where it would
 stand; nothing is filled in from a guess.
+
+A decay branch (train.branch_from) says where it started, and its curves show its source up to that step
+(zerolm.observe.plot.draw_sources). A run's own report finds its branches beside it (directories next to RUN_DIR,
+as runs/<name> are, whose launches.jsonl records a start from this run) and draws them on its curves figure, with
+a table of where each branched and ended.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class RunFiles:
     checkpoint_dir: str | None  # the launches' record, or --checkpoints
     checkpoint: CheckpointMeta | None  # the newest checkpoint's record
     checkpoint_params: int | None  # the parameter count its arrays hold
+    branches: list[Path] = dataclasses.field(default_factory=list)  # logging dirs of its decay branches beside it
 
     @property
     def steps(self) -> list[dict[str, Any]]:
@@ -83,7 +89,21 @@ def read(run_dir: Path, checkpoints: str | None = None) -> RunFiles:
     recorded = launches.read(run_dir)
     where = checkpoints or (recorded[-1].checkpoint_dir if recorded else None)
     meta, count = _newest_checkpoint(where) if where else (None, None)
-    return RunFiles(run_dir, records, recorded, where, meta, count)
+    return RunFiles(run_dir, records, recorded, where, meta, count, find_branches(run_dir))
+
+
+def find_branches(run_dir: Path) -> list[Path]:
+    """The decay branches of the run in `run_dir` that sit beside it (runs/<name>, the default logging.dir): the
+    directories next to it whose first launch records a start from this run's logs."""
+    here = run_dir.resolve()
+    found = []
+    for other in sorted(here.parent.iterdir()):
+        if other == here or not (other / launches.NAME).exists() or not (other / plot.METRICS).exists():
+            continue
+        points = plot.branch_points(other)
+        if points and points[0].get("log_dir") and Path(points[0]["log_dir"]).resolve() == here:
+            found.append(other)
+    return found
 
 
 def _newest_checkpoint(where: str) -> tuple[CheckpointMeta | None, int | None]:
@@ -111,7 +131,7 @@ def write(files: RunFiles, out: Path | None = None) -> Path:
     """The page and its figures, into `out` (default RUN_DIR/report); returns the page's path."""
     out = out or files.run_dir / OUT
     out.mkdir(parents=True, exist_ok=True)
-    plot.save(plot.figure([files.run_dir]), out / "curves.png")
+    plot.save(plot.figure([files.run_dir, *files.branches]), out / "curves.png")
     plot.save(plot.perplexity_figure(files.run_dir), out / "perplexity.png")
     page = out / PAGE
     page.write_text("\n".join(markdown(files)) + "\n")
@@ -127,7 +147,8 @@ def markdown(files: RunFiles) -> list[str]:
     return [f"# Training log: {name}", "",
             f"_Written by `zerolm report` from the run's own files: {', '.join(sources)}._", "",
             *model_section(files), *data_section(files), *hardware_section(files), *speed_section(files),
-            *curves_section(files), *tasks_section(files), *time_section(files), *launches_section(files)]
+            *curves_section(files), *branches_section(files), *tasks_section(files), *time_section(files),
+            *launches_section(files)]
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
@@ -163,8 +184,10 @@ def tokens_seen(files: RunFiles) -> int:
 
 def data_section(files: RunFiles) -> list[str]:
     seen = tokens_seen(files)
-    lines = ["## Data", "", f"**{seen:,} tokens seen** in {len(files.steps)} steps (the last step's `tokens_seen`).",
-             ""]
+    points = plot.branch_points(files.run_dir)
+    branched = f": the branch's own, after the {points[0]['step']} of the run it branched from" if points else ""
+    lines = ["## Data", "", f"**{seen:,} tokens seen** in {len(files.steps)} steps{branched} (the last step's "
+             "`tokens_seen`).", ""]
     if not files.launches:
         where = files.checkpoint.dataset_location if files.checkpoint else None
         return [*lines, f"Dataset{f' {where}' if where else ''}: its size and the epochs trained: {NOT_RECORDED}.", ""]
@@ -247,6 +270,37 @@ def curves_section(files: RunFiles) -> list[str]:
     return ["## Loss, perplexity and learning rate", "", "; ".join(said) + ".", "",
             "![loss, throughput, MFU and learning rate against tokens seen](curves.png)", "",
             "![train and validation perplexity against tokens seen](perplexity.png)", ""]
+
+
+def branches_section(files: RunFiles) -> list[str]:
+    """Where a branch started (and its source, for a branch of a branch); the run's own branches, if any."""
+    points = plot.branch_points(files.run_dir)
+    if not points and not files.branches:
+        return []
+    lines = ["## Branches", ""]
+    if points:
+        said = [f"the checkpoint of step {p['step']} of the run {p['name']} (`{p['checkpoint']}`)" for p in points]
+        drawn = (f"its logs, `{points[0]['log_dir']}`, are drawn lighter on the curves up to that step"
+                 if points[0].get("log_dir") else "its logs were not found when the branch started, so the curves "
+                 "begin at the branch point")
+        lines += [f"This run is a decay branch (`train.branch_from`): it started from {said[0]}, with its parameters, "
+                  "optimizer state and data position" + "".join(f", which started from {s}" for s in said[1:])
+                  + f"; {drawn}.", ""]
+    if files.branches:
+        rows = [_branch_row(b) for b in files.branches]
+        lines += ["Its decay branches beside it (runs whose launches.jsonl records a start from this run's "
+                  "checkpoints), drawn on the curves figure in colours of their own from the step each branched at:",
+                  "", *_table(["branch", "branched at step", "last step", "last validation loss", "lr schedule"], rows)]
+    return lines
+
+
+def _branch_row(branch: Path) -> list[Any]:
+    records, train = plot.read_run(branch), launches.read(branch)[-1].config["train"]
+    val = next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None)
+    schedule = train["schedule"] + (f", decay_steps {train['decay_steps']} ({train['decay_shape']})"
+                                    if train.get("decay_steps") else "")
+    return [f"`{branch}`", plot.branch_points(branch)[0]["step"], max(r["step"] for r in records if "loss" in r),
+            f"{val:.4f}" if val is not None else "", schedule]
 
 
 def task_results(records: list[dict[str, Any]]) -> dict[int, dict[tuple[str, str], float]]:
@@ -364,6 +418,8 @@ def launches_section(files: RunFiles) -> list[str]:
 
 
 def _how_started(n: int, launch: Launch) -> str:
+    if n == 1 and launch.branched_from is not None:
+        return f"a branch of step {launch.start_step} of {launch.branched_from['name']}"
     if launch.start_step:
         return f"the checkpoint of step {launch.start_step}"
     return "a fresh state" if n == 1 else "scratch (no checkpoint to resume from)"
