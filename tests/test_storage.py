@@ -189,6 +189,18 @@ def test_commands_on_a_gs_run(gs_run, tmp_path):
     assert err.strip() == f"error: --out: {bucket.url}/hf already exists (pass --overwrite to replace it)"
 
 
+def test_a_branch_of_a_gs_checkpoint_continues_it_exactly_and_writes_nothing_there(gs_run, reference, tmp_path):
+    """train.branch_from a step on gs://, into local directories of the branch's own: the run's steps 9..16 again,
+    bit for bit (the same schedule: a branch that changes nothing is the run itself); the bucket as it was."""
+    bucket, url, _ = gs_run
+    before = bucket.objects()
+    proc = train(tmp_path, f"train.branch_from={url}/8")
+    assert f"branched from {url}/8 (train.branch_from: step 8 of the run tiny" in proc.stdout
+    assert losses(tmp_path) == {step: reference[step] for step in range(9, 17)}
+    assert bucket.objects() == before
+    quiet(proc)
+
+
 @pytest.mark.parametrize("case", ["no bucket", "invalid bucket", "missing bucket", "no permission", "unreachable"])
 def test_a_bad_gs_location_is_one_line_before_any_work(case, gcs, tmp_path):
     proxy = None
