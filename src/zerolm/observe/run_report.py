@@ -98,9 +98,12 @@ def find_branches(run_dir: Path) -> list[Path]:
     here = run_dir.resolve()
     found = []
     for other in sorted(here.parent.iterdir()):
-        if other == here or not (other / launches.NAME).exists() or not (other / plot.METRICS).exists():
+        try:
+            if other == here or not (other / launches.NAME).exists() or not (other / plot.METRICS).exists():
+                continue
+            points = plot.branch_points(other)
+        except OSError:  # a neighbour this user may not read is no branch of this run's
             continue
-        points = plot.branch_points(other)
         if points and points[0].get("log_dir") and Path(points[0]["log_dir"]).resolve() == here:
             found.append(other)
     return found
