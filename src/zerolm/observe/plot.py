@@ -106,8 +106,7 @@ def draw_sources(run_dir: Path, plotted: set[Path], color: str, loss_ax, lr_ax, 
     points = branch_points(run_dir)
     if not points:
         return
-    per_step = launches.read(run_dir)[0].facts["tokens_per_step"]
-    x = points[0]["step"] * per_step
+    x = _tokens_seen(launches.read(run_dir)[0].config, points[0]["step"])
     for ax in axes:
         ax.axvline(x, color=color, ls="-.", lw=1)
     loss_ax.text(x, 0.02, f"branched from {points[0]['name']} at step {points[0]['step']}", rotation=90,
