@@ -23,7 +23,7 @@ BEFORE_RECORDED: dict[str, dict[str, Any]] = {
               "mlp_hidden": "auto", "n_kv_head": "auto", "tie_embeddings": True},
     "zero": {"precision": "fp32", "stage": 1, "tpu_async_collectives": "off"},
     "train": {"init_from": None, "schedule": "cosine", "decay_steps": None, "decay_shape": "linear",
-              "branch_from": None},
+              "branch_from": None, "ema": None, "context_stages": [], "context_rows": "split"},
     "eval": {"tasks": [], "every": None, "limit": None, "include_path": None},
 }
 
@@ -72,7 +72,12 @@ class CheckpointMeta:
 
     @property
     def train(self) -> dict[str, Any]:
-        return self.config["train"]
+        return {**BEFORE_RECORDED["train"], **self.config["train"]}
+
+    @property
+    def ema(self) -> float | None:
+        """train.ema (None before it existed): the decay of the moving average its optimizer state keeps, or None."""
+        return self.train["ema"]
 
     @property
     def precision(self) -> str:

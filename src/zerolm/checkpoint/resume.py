@@ -139,7 +139,7 @@ def check_before_compiling(cfg: Config, data_id: dict, asked: Resume) -> int | N
         except DamagedCheckpoint:
             return None
         where = ckpts.directory / str(latest)
-        check_compatible(meta, where, cfg.model.model_dump(), cfg.zero.precision)
+        check_compatible(meta, where, cfg.model.model_dump(), cfg.zero.precision, cfg.train.ema)
         _check_resumable(cfg, meta, data_id, where)
         return latest
     finally:
@@ -200,7 +200,7 @@ def _restore_or_move_aside(places: _Places, ckpts: Checkpoints, latest: int, zer
     (--resume auto) and the step before it returned with None, or the run stops (--resume strict)."""
     try:
         ckpts.verify(latest)
-        return ckpts, latest, ckpts.restore(latest, zero, places.cfg.model.model_dump())
+        return ckpts, latest, ckpts.restore(latest, zero, places.cfg.model.model_dump(), places.cfg.train.ema)
     except DamagedCheckpoint as e:
         if resume == "strict":
             raise CheckpointError(f"{e} (--resume strict; --resume auto moves it aside and takes the "

@@ -265,11 +265,13 @@ class Checkpoints:
             raise DamagedCheckpoint(step, self.directory / str(step), "cannot restore its parameters "
                                     f"({type(e).__name__}: {first_line(e)})") from None
 
-    def restore(self, step: int, zero: Zero, model_config: dict) -> tuple[TrainState, CheckpointMeta]:
-        """Restore `step` into `zero`'s mesh and shardings. Checks the model first; writes nothing."""
+    def restore(self, step: int, zero: Zero, model_config: dict, ema: float | None = None
+                ) -> tuple[TrainState, CheckpointMeta]:
+        """Restore `step` into `zero`'s mesh and shardings (`ema`: the train.ema its optimizer was built with).
+        Checks the model first; writes nothing."""
         meta = self.readable_meta(step)
         where = self.directory / str(step)
-        check_compatible(meta, where, model_config, zero.precision)
+        check_compatible(meta, where, model_config, zero.precision, ema)
         saved_dp, saved_tp = meta.dp, meta.tp
         opt_target, repack = zero.table.restore_target(saved_dp, saved_tp, meta.stage)
         target = TrainState(step=jax.ShapeDtypeStruct((), np.int32, sharding=zero.table.replicated),
@@ -285,8 +287,9 @@ class Checkpoints:
         return state, meta
 
 
-def check_compatible(meta: CheckpointMeta, where: epath.Path, model_config: dict, precision: str) -> None:
-    """CheckpointError unless a run of this model and precision can continue checkpoint `where`."""
+def check_compatible(meta: CheckpointMeta, where: epath.Path, model_config: dict, precision: str,
+                     ema: float | None) -> None:
+    """CheckpointError unless a run of this model, precision and train.ema can continue checkpoint `where`."""
     differs = [f"model.{k}: checkpoint {saved!r}, config {v!r}" for k, saved, v in
                parameter_differences(meta.model, model_config)]
     if differs:
@@ -296,6 +299,12 @@ def check_compatible(meta: CheckpointMeta, where: epath.Path, model_config: dict
             f"{where}: the checkpoint was trained with zero.precision={meta.precision}, the config says "
             f"{precision}; resume with --set zero.precision={meta.precision} (the optimizer state differs: "
             "mixed keeps float32 master weights in it; zerolm does not change a run's precision mid-way)")
+    if meta.ema != ema:
+        null = lambda v: "null" if v is None else v  # noqa: E731
+        raise CheckpointError(
+            f"{where}: the checkpoint was trained with train.ema={null(meta.ema)}, the config says {null(ema)}; resume "
+            f"with --set train.ema={null(meta.ema)} (the moving average lives in the optimizer state and goes on with "
+            "the decay it began with: zerolm does not start, stop or change one mid-run)")
 
 
 # Keys that change how the model computes, not what its parameters are.

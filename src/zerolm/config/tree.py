@@ -78,6 +78,9 @@ class TrainConfig(_Section):
     # A checkpoint whose whole state (params, optimizer state, step, data position) a run without checkpoints of
     # its own starts from, into its own directories: a decay branch (zerolm.checkpoint.branch).
     branch_from: str | None
+    # The decay of an exponential moving average of the params kept in the optimizer state (zerolm.parallel.optim.with_ema)
+    # and evaluated beside them; null: none.
+    ema: float | None = Field(gt=0, lt=1)
 
     @property
     def schedule_length(self) -> int:

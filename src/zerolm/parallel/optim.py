@@ -1,6 +1,7 @@
 """The optimizer: AdamW after global-norm clipping, with its lr schedule (a linear warmup, then a cosine
-decay, warmup-stable-decay or a constant); and ZeRO's mixed-precision form of any optax optimizer, which steps
-float32 master weights kept in its own state.
+decay, warmup-stable-decay or a constant), and (train.ema) an exponential moving average of the parameters
+kept in its state; and ZeRO's mixed-precision form of any optax optimizer, which steps float32 master weights
+kept in its own state.
 
 zerolm.parallel.zero runs the optimizer on the dp-sharded optimizer-state layout; nothing here knows of meshes.
 """
@@ -24,7 +25,9 @@ def make_optimizer(train_cfg) -> tuple[optax.GradientTransformation, optax.Sched
         optax.clip_by_global_norm(train_cfg.grad_clip),
         optax.adamw(schedule, b1=train_cfg.beta1, b2=train_cfg.beta2, eps=train_cfg.eps,
                     weight_decay=train_cfg.weight_decay, mask=decay_mask))
-    if train_cfg.skip_nonfinite:
+    if train_cfg.ema is not None:
+        tx = with_ema(tx, train_cfg.ema)
+    if train_cfg.skip_nonfinite:  # outside the EMA: a skipped update leaves it as it was
         tx = optax.apply_if_finite(tx, max_consecutive_errors=2**31 - 1)
     return tx, schedule
 
@@ -89,3 +92,50 @@ def with_master_weights(tx: optax.GradientTransformation) -> optax.GradientTrans
         return updates, MasterWeights(optax.apply_updates(state.master, updates), inner)
 
     return optax.GradientTransformation(init, update)
+
+
+class EmaState(NamedTuple):
+    """An exponential moving average of the parameters beside the inner optimizer's state, in the optimizer-state
+    layout like Adam's moments (so each device holds 1/(dp·tp) of it), always float32."""
+
+    ema_count: jax.Array  # int32: the updates averaged so far
+    ema: PyTree  # the average: after the first update, that update's parameters
+    inner: optax.OptState
+
+
+def with_ema(tx: optax.GradientTransformation, decay: float) -> optax.GradientTransformation:
+    """`tx`, keeping in its state the exponential moving average (`decay` per update) of the parameters it steps.
+
+    The average is debiased as Adam's moments are: after t updates it is the mean of the t parameters
+    θ_1..θ_t weighted by decay^(t-i), the weights summing to 1 (the running update
+    ema += (1 - decay) / (1 - decay^t) · (θ_t - ema)), so a run shorter than 1 / (1 - decay) updates
+    averages what it visited, not its initialisation. `update` needs the parameters: the float32 ones
+    `tx` steps (in mixed precision, with_master_weights hands it the master weights)."""
+    decay32 = jnp.float32(decay)
+
+    def init(params):
+        return EmaState(jnp.zeros((), jnp.int32), jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params),
+                        tx.init(params))
+
+    def update(grads, state, params=None):
+        if params is None:
+            raise ValueError("with_ema needs the parameters its update steps")
+        updates, inner = tx.update(grads, state.inner, params)
+        count = state.ema_count + 1
+        weight = (1 - decay32) / (1 - decay32 ** count.astype(jnp.float32))  # 1 at the first update
+        new = optax.apply_updates(params, updates)
+        ema = jax.tree.map(lambda e, p: e + weight * (p.astype(jnp.float32) - e), state.ema, new)
+        return updates, EmaState(count, ema, inner)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _is_state(x) -> bool:
+    return isinstance(x, (EmaState, MasterWeights))
+
+
+def ema_of(opt_state: PyTree) -> PyTree | None:
+    """The moving average an optimizer state keeps (with_ema; in the optimizer-state layout), or None."""
+    is_ema = lambda x: isinstance(x, EmaState)  # noqa: E731
+    found = [s.ema for s in jax.tree.leaves(opt_state, is_leaf=is_ema) if is_ema(s)]
+    return found[0] if found else None

@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 from zerolm.parallel import scatter as scatter_lib
 from zerolm.parallel import sharded_grad, sharding
 from zerolm.parallel.mesh import DP, TP
-from zerolm.parallel.optim import MasterWeights, with_master_weights
+from zerolm.parallel.optim import MasterWeights, ema_of, with_master_weights
 from zerolm.parallel.scatter import Scatter
 from zerolm.parallel.sharded_grad import GradSettings, LossFn, dropout_keys, sum_over_micro_batches
 from zerolm.parallel.sharding import from_views, is_layout, to_views
@@ -253,6 +253,20 @@ class Zero:
                              out_shardings=table.param_shardings)(params)
         return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), table.replicated),
                           params=params, opt_state=opt_state)
+
+    def ema_params(self, state: TrainState) -> PyTree | None:
+        """The moving average of the parameters that the optimizer keeps (train.ema; None without one) as working
+        parameters: in their dtype and shardings, gathered out of the optimizer-state layout (a copy, as large as
+        `state.params`, for as long as the caller holds it)."""
+        ema = ema_of(state.opt_state)
+        return None if ema is None else self._as_params(ema)
+
+    @functools.cached_property
+    def _as_params(self) -> Callable[[PyTree], PyTree]:
+        """Float32 views in the optimizer-state layout -> working parameters in their shardings."""
+        layouts, dtype = self.table.layouts, self.param_dtype
+        return jax.jit(lambda views: jax.tree.map(lambda x: x.astype(dtype), from_views(layouts, views)),
+                       out_shardings=self.table.param_shardings)
 
     def step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
         run = self.programs

@@ -94,5 +94,7 @@ def _sizes(built: BuiltStep, accounting: Accounting) -> list[str]:
             *_stage_trade(zero.stage, cfg.accum_steps),
             f"per device: params {mib(shard_bytes(params))}, gradient accumulator {mib(accumulator)}, optimizer state "
             f"{mib(shard_bytes(opt))} (1/{cfg.dp * cfg.mesh.tp} of it, plus padding"
-            + (", master weights included" if zero.mixed else "") + "); activations not counted",
+            + (", master weights included" if zero.mixed else "")
+            + (", the params' moving average (train.ema) included" if cfg.train.ema is not None else "")
+            + "); activations not counted",
             accounting.describe()]

@@ -262,6 +262,7 @@ def _record_launch(opened: Run, start: Start, start_s: float) -> None:
 def _say_done(opened: Run, summary: dict[str, float], state: TrainState) -> None:
     cfg, entropy = opened.cfg, opened.data.entropy
     val = f", val loss {summary['val_loss']:.4f}" if "val_loss" in summary else ""
+    val += f" (its EMA's {summary['val_loss_ema']:.4f})" if "val_loss_ema" in summary else ""
     opened.say(f"done: train loss {summary['loss']:.4f}{val} (unigram entropy {entropy:.4f}); metrics in "
                f"{cfg.log_dir / 'metrics.jsonl'}, checkpoints in {cfg.checkpoint_dir}")
     if opened.sample is not None:
@@ -279,6 +280,10 @@ def _out_of_memory_as(cfg: Config):
             raise
         xla = str(e).split("RESOURCE_EXHAUSTED:", 1)[-1].split(" with allocator")[0]
         raise DoesNotFit(cfg, f"the device ran out: {first_line(xla, 200)}") from None
+
+
+def _validation(loss: float) -> dict[str, float]:
+    return {"val_loss": loss, "val_perplexity": perplexity(loss)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,13 +342,20 @@ class _Loop:
         return hooks
 
     def evaluate(self, writer: MetricsWriter, bar, step: int, state: TrainState, stopping: bool) -> dict[str, float]:
+        """The validation loss of the parameters, and with train.ema of their moving average beside it."""
         assert self.run_.evaluate is not None
         t0 = time.perf_counter()
-        loss = self.run_.evaluate(state.params)
-        writer.write(step, {"val_loss": loss, "val_perplexity": perplexity(loss),
-                            "tokens_seen": self.tokens_seen(step), "eval_s": time.perf_counter() - t0})
-        bar.write(f"step {step}: val loss {loss:.4f}, perplexity {perplexity(loss):.2f}", file=self.run_.out)
-        return {"val_loss": loss}
+        numbers = _validation(self.run_.evaluate(state.params))
+        ema = self.run_.zero.ema_params(state)  # (a gathered copy, dropped once evaluated)
+        if ema is not None:
+            numbers.update({f"{key}_ema": value for key, value in _validation(self.run_.evaluate(ema)).items()})
+            del ema
+        writer.write(step, {**numbers, "tokens_seen": self.tokens_seen(step), "eval_s": time.perf_counter() - t0})
+        line = f"step {step}: val loss {numbers['val_loss']:.4f}, perplexity {numbers['val_perplexity']:.2f}"
+        if "val_loss_ema" in numbers:
+            line += f"; EMA: val loss {numbers['val_loss_ema']:.4f}, perplexity {numbers['val_perplexity_ema']:.2f}"
+        bar.write(line, file=self.run_.out)
+        return {key: numbers[key] for key in ("val_loss", "val_loss_ema") if key in numbers}
 
     def evaluate_tasks(self, writer: MetricsWriter, bar, step: int, state: TrainState,
                        stopping: bool) -> dict[str, float]:
