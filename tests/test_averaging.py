@@ -1,7 +1,8 @@
 """Weight averaging: the moving average training keeps (`train.ema`, zerolm.parallel.optim.with_ema) through the
 real sharded step (dp 8 at ZeRO stages 1 and 3, dp 4 × tp 2, scan and unrolled layers, mixed precision) against one
 device and against the debiased recurrence in numpy; its bytes per device split over dp; and (the slow tier) its
-exact resume after kill -9, and a resume that would drop it refused."""
+exact resume after kill -9, `val_loss_ema`, and `zerolm average` (the mean of a run's last checkpoints, or its
+EMA, written as a checkpoint that eval, sample and train.init_from read)."""
 
 import functools
 
@@ -153,6 +154,16 @@ def float32_parts(ckpt_dir, step: int) -> dict[str, np.ndarray]:
     return parts
 
 
+def average(capsys, *args) -> tuple[int, str, str]:
+    """`zerolm average ARGS` in this process: (exit code, stdout, stderr)."""
+    from zerolm.commands import main
+
+    capsys.readouterr()
+    code = main(["average", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 @pytest.mark.slow
 def test_kill_9_then_resume_with_an_ema_is_bit_identical(ema_trained, tmp_path):
     """The EMA lives in the optimizer state, so a checkpoint saves it: a run killed (-9) and resumed logs the same
@@ -199,3 +210,116 @@ def test_another_ema_decay_is_refused_as_a_resume_without_one():
         with pytest.raises(CheckpointError, match=f"ckpt/4: the checkpoint was trained with train.ema=0.9, {says}; "
                                                   "resume with --set train.ema=0.9 "):
             check_compatible(meta, "ckpt/4", cfg.model.model_dump(), "fp32", other)
+
+
+@pytest.mark.slow
+def test_the_average_of_a_mixed_precision_run_is_the_mean_of_its_float32_master_weights(ema_trained, tmp_path,
+                                                                                          capsys):
+    """--last 3: the mean of steps 8, 12 and 16's float32 master weights (not of their bfloat16 params), in the
+    written checkpoint's master weights exactly and in its params as their bfloat16 rounding; the source is only
+    read; `zerolm eval`, `zerolm sample` and train.init_from read the average like any checkpoint."""
+    from runs import snapshot
+    from zerolm.checkpoint.store import Checkpoints
+    from zerolm.commands import main
+
+    before = snapshot(ema_trained / "ckpt")
+    out = tmp_path / "lawa"
+    code, stdout, _ = average(capsys, "--checkpoints", ema_trained / "ckpt", "--last", 3, "--out", out)
+    assert code == 0 and stdout.startswith(f"averaged the float32 master weights of 3 checkpoint(s) of "
+                                           f"{ema_trained / 'ckpt'} (steps 8, 12, 16) into {out / '0'}\n")
+    assert snapshot(ema_trained / "ckpt") == before
+    masters = np.stack([float32_parts(ema_trained / "ckpt", s)["master"] for s in (8, 12, 16)])
+    want = np.mean(masters.astype(np.float64), axis=0).astype(np.float32)
+    got = float32_parts(out, 0)
+    np.testing.assert_array_equal(got["master"], want)
+    np.testing.assert_array_equal(got["params"], want.astype(jax.numpy.bfloat16).astype(np.float32))
+    assert not np.array_equal(want, masters[-1])
+    meta = Checkpoints(out, read_only=True).meta(0)
+    assert meta.averaged == {"checkpoints": str(ema_trained / "ckpt"), "steps": [8, 12, 16], "of": "master weights"}
+
+    assert main(["eval", "--checkpoint", str(out), "--sequences", "16"]) == 0
+    assert main(["sample", "--checkpoint", str(out), "--prompt", "And God said", "--max-new-tokens", "4"]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith(f"step 0 of {out}: val loss ") and "\nAnd God said" in said
+    assert _init_from(out, "zero.precision=mixed") == pytest.approx(got["params"], abs=0)
+
+
+def _init_from(checkpoint, *sets: str) -> np.ndarray:
+    """The params a fresh run on dp 8 with train.init_from=checkpoint starts from (zerolm.checkpoint.warm_start)."""
+    from conftest import TINY
+    from runs import SMALL
+    from zerolm.checkpoint.store import Checkpoints
+    from zerolm.checkpoint.warm_start import initial_state
+    from zerolm.config.tree import load_config
+    from zerolm.parallel.build import build_step
+    from zerolm.parallel.mesh import make_mesh
+
+    cfg = load_config(TINY, [*SMALL, "model.vocab_size=2048", f"train.init_from={checkpoint}", *sets], device_count=8)
+    _, zero, init_fn = build_step(cfg, make_mesh(8))
+    data_id = Checkpoints(checkpoint, read_only=True).meta(0).dataset
+    return _flat(initial_state(cfg, zero, init_fn, data_id, lambda line: None).params)
+
+
+@pytest.mark.slow
+def test_the_average_of_a_float32_run_is_the_mean_of_its_params(trained_run, tmp_path, capsys):
+    code, stdout, _ = average(capsys, "--checkpoints", trained_run / "ckpt", "--steps", "16,12", "--out",
+                              tmp_path / "avg")
+    assert code == 0 and "averaged the params of 2 checkpoint(s)" in stdout and "(steps 12, 16)" in stdout
+    params = np.stack([float32_parts(trained_run / "ckpt", s)["params"] for s in (12, 16)])
+    want = np.mean(params.astype(np.float64), axis=0).astype(np.float32)
+    np.testing.assert_array_equal(float32_parts(tmp_path / "avg", 0)["params"], want)
+    np.testing.assert_array_equal(_init_from(tmp_path / "avg"), want)
+
+
+@pytest.mark.slow
+def test_the_ema_written_out_evaluates_as_training_logged_it(ema_trained, tmp_path, capsys):
+    """--ema: the newest checkpoint's moving average, as a checkpoint whose `zerolm eval` loss is the val_loss_ema
+    training logged at that step."""
+    import json
+
+    from zerolm.commands import main
+
+    out = tmp_path / "ema"
+    code, stdout, _ = average(capsys, "--checkpoints", ema_trained / "ckpt", "--ema", "--out", out)
+    assert code == 0 and stdout.startswith("averaged the moving averages (train.ema) of 1 checkpoint(s)")
+    np.testing.assert_array_equal(float32_parts(out, 0)["master"], float32_parts(ema_trained / "ckpt", 16)["ema"])
+    assert main(["eval", "--checkpoint", str(out), "--json"]) == 0
+    loss = json.loads(capsys.readouterr().out)["loss"]
+    logged = validation(ema_trained)[16]
+    assert loss == pytest.approx(logged["val_loss_ema"], rel=1e-5) and loss != pytest.approx(logged["val_loss"],
+                                                                                            rel=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, says", [
+    (["--checkpoints", "{missing}", "--last", "2"], "--checkpoints: {missing}: no such checkpoint directory"),
+    (["--checkpoints", "{empty}", "--last", "2"], "--checkpoints: {empty}: no checkpoint here"),
+    (["--checkpoints", "{ema}", "--last", "5"], "--last 5: {ema} keeps 4 checkpoint(s) (steps 4, 8, 12, 16)"),
+    (["--checkpoints", "{ema}", "--steps", "8,7"], "--steps: {ema} holds no checkpoint of step 7 (its steps: 4, 8, "),
+    (["--checkpoints", "{ema}", "--ema", "--out", "{ema}"], "--out: {ema} is the source {ema}: the checkpoints"),
+    (["--checkpoints", "{ema}", "--last", "2", "--out", "{ema}/avg"], "--out: {ema}/avg is inside the source"),
+    (["--checkpoints", "{plain}", "--ema"], "--ema: {plain}/16 holds no moving average of its parameters"),
+    (["--checkpoints", "{two}", "--last", "2"], "{two}/8: model.n_layer is 3 there and 2 in {two}/16: an "
+                                                  "average is of checkpoints of one model"),
+], ids=["missing", "empty", "too-few", "no-such-step", "out-is-source", "out-inside-source", "no-ema", "two-models"])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(ema_trained, trained_run, tmp_path, capsys, args, says):
+    import shutil
+
+    from runs import snapshot
+    from test_evaluate import copy_with_config
+
+    two = tmp_path / "two"
+    copy_with_config(trained_run, two, "model", n_layer=3)  # its step 16, recorded as a 3-layer model's, as 8
+    (two / "ckpt" / "16").rename(two / "ckpt" / "8")
+    shutil.copytree(trained_run / "ckpt" / "16", two / "ckpt" / "16")
+    (tmp_path / "empty").mkdir()
+    places = {"missing": tmp_path / "missing", "empty": tmp_path / "empty", "ema": ema_trained / "ckpt",
+              "plain": trained_run / "ckpt", "two": two / "ckpt"}
+    args = [a.format(**places) for a in args]
+    out = [] if "--out" in args else ["--out", str(tmp_path / "avg")]
+    before = {name: snapshot(p) for name, p in places.items() if p.exists()}
+    code, stdout, stderr = average(capsys, *args, *out)
+    assert (code, stdout) == (2, "") and stderr.startswith("error: " + says.format(**places))
+    assert stderr.count("\n") == 1
+    assert {name: snapshot(p) for name, p in places.items() if p.exists()} == before
+    assert not (tmp_path / "avg").exists() and not (ema_trained / "ckpt" / "avg").exists()

@@ -46,6 +46,8 @@ class CheckpointMeta:
     # A decay branch's (train.branch_from): where its state came from (zerolm.checkpoint.branch.Source.record), its
     # source's own record within, if that was a branch too; None: a run that started fresh or from init_from.
     branched_from: dict[str, Any] | None = None
+    # `zerolm average`'s: the checkpoint directory, the steps and what of them (params, master weights, ema) it averaged
+    averaged: dict[str, Any] | None = None
     format: int = FORMAT
 
     @classmethod

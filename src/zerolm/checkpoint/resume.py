@@ -106,7 +106,7 @@ def _branched(cfg: Config, zero: Zero, data_id: dict, ckpts: Checkpoints, say) -
 def _check_branchable(cfg: Config, source: branch.Source, data_id: dict) -> None:
     """What a resume checks (the model, the precision, the data and the global batch), naming train.branch_from."""
     try:
-        check_compatible(source.meta, source.where, cfg.model.model_dump(), cfg.zero.precision)
+        check_compatible(source.meta, source.where, cfg.model.model_dump(), cfg.zero.precision, cfg.train.ema)
         _check_resumable(cfg, source.meta, data_id, source.where)
     except CheckpointError as e:
         raise CheckpointError(f"{branch.KEY}: {e}") from None

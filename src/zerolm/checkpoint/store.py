@@ -60,6 +60,7 @@ class DamagedCheckpoint(CheckpointError):
         self.step, self.reason = step, reason
 
 
+SKIP = ocp.PLACEHOLDER  # a leaf of a restore target that is not read (`Checkpoints.restore_part`)
 FILE_LIST = "zerolm_files.json"  # relative path -> bytes of every file of a durable checkpoint
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's marker of a local save not yet finalized
 COMMIT_FILE = "commit_success.txt"  # orbax's marker of a finalized save on gs://
@@ -263,6 +264,17 @@ class Checkpoints:
             return self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
         except Exception as e:
             raise DamagedCheckpoint(step, self.directory / str(step), "cannot restore its parameters "
+                                    f"({type(e).__name__}: {first_line(e)})") from None
+
+    def restore_part(self, step: int, target: TrainState) -> TrainState:
+        """The leaves of `step` that `target` names (abstract arrays with the shardings wanted, in the layout the
+        checkpoint was saved in: zerolm.parallel.sharding.Table.restore_target); a leaf that is SKIP is not read and
+        comes back SKIP. E.g. the master weights alone of a mixed-precision optimizer state."""
+        args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+        except Exception as e:
+            raise DamagedCheckpoint(step, self.directory / str(step), "cannot restore it "
                                     f"({type(e).__name__}: {first_line(e)})") from None
 
     def restore(self, step: int, zero: Zero, model_config: dict, ema: float | None = None

@@ -117,6 +117,20 @@ class Origin(NamedTuple):
     dataset_location: str | None  # where that data is (or None: nowhere; an import's tokenizer is beside it)
     data: dict | None = None  # the config's data section to record instead of the config's own (a source run's)
     tokenizer: bytes | None = None  # the tokenizer file to write beside the checkpoint (where there is no dataset)
+    averaged: dict | None = None  # what `zerolm average` averaged (CheckpointMeta.averaged)
+
+
+def one_device_step(cfg: Config) -> tuple[Config, Zero, Callable[[jax.Array], Any]]:
+    """`cfg` laid out on one device (the layout of a written start), and its step and init function built on this
+    host's first device, to lay out or read states on (nothing is compiled)."""
+    device = jax.local_devices()[:1]
+    cfg = cfg.resolve(mesh__dp=1, mesh__tp=1)
+    # (An attention this machine lacks is only how the model computes: the step built here runs nothing.)
+    unrunnable = device_policy.unrunnable_attention(cfg.model, device_policy.Where.of(device[0])) is not None
+    from zerolm.parallel.build import build_step
+
+    _, zero, init_fn = build_step(cfg.resolve(model__attention="auto") if unrunnable else cfg, make_mesh(1, 1, device))
+    return cfg, zero, init_fn
 
 
 def save_start(cfg: Config, params: Any, out: Any, origin: Origin, say: Callable[[str], None] = lambda line: None) -> Any:
@@ -125,20 +139,15 @@ def save_start(cfg: Config, params: Any, out: Any, origin: Origin, say: Callable
     out for one device (a run on any mesh restores it), `cfg` as the run's config, and `origin` (its tokenizer,
     if any, beside the step directory, where zerolm.checkpoint.trained_model finds it). What `out` held is moved aside first. The
     step directory written."""
-    device = jax.local_devices()[:1]
-    cfg = cfg.resolve(mesh__dp=1, mesh__tp=1)
-    # (An attention this machine lacks is only how the model computes: the step built here runs nothing.)
-    unrunnable = device_policy.unrunnable_attention(cfg.model, device_policy.Where.of(device[0])) is not None
-    from zerolm.parallel.build import build_step
-
-    _, zero, init_fn = build_step(cfg.resolve(model__attention="auto") if unrunnable else cfg, make_mesh(1, 1, device))
+    cfg, zero, init_fn = one_device_step(cfg)
     expected = jax.tree.map(lambda a: a.shape, jax.eval_shape(init_fn, jax.random.key(0)))
     assert jax.tree.map(np.shape, params) == expected, "the parameters are not the config's model's"
     state = zero.init_from_params(jax.device_put(params, zero.table.param_shardings))
     config = {**cfg.model_dump(), **({"data": origin.data} if origin.data else {})}
     meta = CheckpointMeta(step=0, time=time.time(), config=config, dp=1, tp=1, accum_steps=cfg.accum_steps,
                           dataset=origin.dataset, tokens_seen=0, loss=None, wandb_id=secrets.token_hex(4),
-                          dataset_location=origin.dataset_location, zerolm_version=zerolm.__version__)
+                          dataset_location=origin.dataset_location, zerolm_version=zerolm.__version__,
+                          averaged=origin.averaged)
     if out.exists():
         say(f"--overwrite: moved what {out} held aside to {move_aside(out)}")
     with quiet_orbax():

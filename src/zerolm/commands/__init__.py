@@ -45,6 +45,8 @@ COMMANDS = {
     "import-hf": ("import_hf", "a local Hugging Face GPT-2, MPT or Llama model directory as a checkpoint train.init_from "
                                "starts from"),
     "grow": ("grow", "a deeper model from a trained one (layers repeated), as a checkpoint train.init_from starts from"),
+    "average": ("average", "the mean of a run's last checkpoints (or its train.ema), as a checkpoint eval, sample, "
+                           "export-hf and train.init_from read"),
     "plan": ("plan", "per-device memory of ZeRO stages 0-3, the micro-batch that fits, and the step time, before "
                      "launching"),
     "comms": ("comms", "every collective of the compiled training step, beside the planner's prediction"),

@@ -8,7 +8,8 @@ zerolm.parallel.zero runs the optimizer on the dp-sharded optimizer-state layout
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -139,3 +140,19 @@ def ema_of(opt_state: PyTree) -> PyTree | None:
     is_ema = lambda x: isinstance(x, EmaState)  # noqa: E731
     found = [s.ema for s in jax.tree.leaves(opt_state, is_leaf=is_ema) if is_ema(s)]
     return found[0] if found else None
+
+
+def only(opt_state: PyTree, part: Literal["master", "ema"], filler: Any) -> PyTree:
+    """`opt_state` (or a tree of its shape: abstract arrays, shardings) with every leaf but those of `part` (the
+    master weights of with_master_weights, the moving average of with_ema) replaced by `filler`: a restore target
+    that reads that part alone."""
+    fill: Callable[[Any], Any] = lambda tree: jax.tree.map(lambda _: filler, tree)  # noqa: E731
+
+    def keep(x):
+        if isinstance(x, MasterWeights):
+            return MasterWeights(x.master if part == "master" else fill(x.master), only(x.inner, part, filler))
+        if isinstance(x, EmaState) and part == "ema":
+            return EmaState(filler, x.ema, fill(x.inner))
+        return fill(x)
+
+    return jax.tree.map(keep, opt_state, is_leaf=_is_state)
