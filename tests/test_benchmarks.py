@@ -1,4 +1,5 @@
-"""The GPU MFU benchmark runs end to end on CPU (tiny config), through `zerolm train`."""
+"""The benchmarks run end to end on CPU (tiny config), through `zerolm train`: the GPU MFU benchmark, the PyTorch
+baseline, the attention mask and weight averaging."""
 
 import os
 import subprocess
@@ -60,3 +61,23 @@ def test_attention_mask_benchmark_checks_every_implementation_it_runs(tmp_path):
         assert "error" not in r and r["ms"] > 0 and not r["cudnn_fmha"]
         if r["mask"]:
             assert max(r["errors"]) < 0.02, r  # bfloat16 inputs against float32
+
+
+def test_averaging_benchmark_runs_the_commands_and_writes_its_table(tmp_path):
+    """benchmarks/averaging.py: a run, `zerolm average` twice, `zerolm eval` thrice; the final checkpoint's and the
+    written EMA's eval repeat what the run logged at its end."""
+    out = tmp_path / "B.md"
+    out.write_text("# Benchmarks\n")
+    small = ["model.n_layer=1", "model.d_model=32", "model.seq_len=32", "train.global_batch_size=8",
+             "train.micro_batch_size=8", "train.eval_sequences=16"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_flags(1)}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "averaging.py"), "--steps", "4", "--every", "1",
+                           "--last", "3", "--ema", "0.5", *[a for s in small for a in ("--set", s)], "--write", str(out)],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+            for line in out.read_text().splitlines() if line.startswith("| ") and "val loss" not in line}
+    assert list(rows) == ["final checkpoint", "LAWA, mean of the last 3", "EMA, decay 0.5"]
+    assert rows["LAWA, mean of the last 3"][1] == "steps 2, 3, 4" and "16 validation sequences" in out.read_text()
+    for name in ("final checkpoint", "EMA, decay 0.5"):
+        assert abs(float(rows[name][2]) - float(rows[name][5])) <= 1e-4  # `zerolm eval` of it: what the run logged
