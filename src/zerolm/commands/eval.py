@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def run(args: argparse.Namespace, out=sys.stdout) -> int:
+def run(args: argparse.Namespace, out=None) -> int:
+    out = out or sys.stdout  # (read when it runs: a caller may have replaced sys.stdout since the import)
     from zerolm.checkpoint import trained_model as restored
     from zerolm.core.storage import check
     from zerolm.eval.heldout import evaluate_checkpoint
