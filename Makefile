@@ -34,13 +34,13 @@ lint: install-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-# The whole suite on two xdist workers, one test file each at a time, the longest first (README.md, Tests: its time as measured,
-# 19:45 and 22:17 in pytest on 2 cores at 5860f27/a93a282, over its 15-minute budget; a third worker measured no faster earlier).
+# The whole suite on two xdist workers, one test file each at a time, the longest first (docs/testing.md: its time as
+# measured on 2 cores; a third worker measured no faster).
 test: lint
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
-# The unit tier for your own iterations (under 3 minutes on 2 cores): no training runs in subprocesses, no
-# TPU compiles, no multi-process runs (those are marked `slow`).
+# The unit tier for your own iterations: no training runs in subprocesses, no TPU compiles, no multi-process runs
+# (those are marked `slow`).
 test-fast: install-test
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" tests
 
