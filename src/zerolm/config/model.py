@@ -83,6 +83,11 @@ class ModelConfig(_Section):
     activation: Literal["gelu_tanh", "gelu"]  # the MLP's: GPT-2's tanh approximation, or the exact erf GELU (MPT's)
     n_kv_head: int | Literal["auto"]  # key/value heads, each shared by n_head / n_kv_head query heads; auto: n_head
     tie_embeddings: bool  # the output layer is the token embedding (GPT-2), or a matrix of its own (lm_head)
+    # The block: attention then MLP, each adding to the residual in turn (GPT-2), or both reading the block's input
+    # and adding to the residual together (GPT-J, GPT-NeoX, PaLM: with tensor parallelism, one all-reduce instead
+    # of two); shared_norm: both read one LayerNorm's output (GPT-J's ln_1), not one each (GPT-NeoX's).
+    parallel_residual: bool
+    shared_norm: bool
     # Dropout in training (zerolm.model.dropout: masks from the seed, step, sample and layer): after the embeddings,
     # on each residual branch's output, and on the attention's probabilities.
     embedding_dropout: float = Field(ge=0, lt=1)
@@ -110,6 +115,10 @@ class ModelConfig(_Section):
             raise _KeyError("model.document_positions", "restart counts positions from each document's start, "
                             "which needs model.document_mask: true (without it a sample is one sequence)",
                             related=("model.document_mask",))
+        if self.shared_norm and not self.parallel_residual:
+            raise _KeyError("model.shared_norm", "true shares one norm between the attention and the MLP, which "
+                            "read the same input only with model.parallel_residual: true",
+                            related=("model.parallel_residual",))
         if self.attention in ("pallas", "cudnn") and self.attention_dropout:
             raise _KeyError("model.attention", f"{self.attention}'s fused kernel draws no dropout mask zerolm can "
                             "make the same on every device; use xla or blockwise, or auto, which picks one",

@@ -5,7 +5,9 @@ zerolm.config.model), never a second model file.
   evaluates past its trained context), or rotary embeddings (Llama's rotate-half form); computed once per
   forward pass (`token_positions`, `rope_angles`), with a document mask (`model.document_mask`) per
   document.
-- The block: pre-norm attention and MLP; `model.norm` LayerNorm or RMSNorm, `model.bias`, `model.mlp` a
+- The block: pre-norm attention and MLP, one after the other (GPT-2) or side by side (`model.parallel_residual`:
+  GPT-NeoX's, with `model.shared_norm` GPT-J's, whose two branches' projections are made in one matmul each way,
+  so that tensor parallelism reduces once); `model.norm` LayerNorm or RMSNorm, `model.bias`, `model.mlp` a
   GELU MLP (`model.activation`: tanh or exact) or SwiGLU (`model.mlp_hidden`), `model.n_kv_head` for
   grouped-query attention; the attention by implementation (zerolm.model.attention); dropout on the
   embedding, the residual branches and the attention probabilities (zerolm.model.dropout).
@@ -70,18 +72,84 @@ def _named(init, *axes: str):
     return nn.with_logical_partitioning(init, axes)
 
 
+class Weights(NamedTuple):
+    """A linear layer's parameters: `kernel` (d_in, *features), `bias` (*features) or None."""
+
+    kernel: jax.Array
+    bias: jax.Array | None
+
+
+class Linear(nn.Module):
+    """A linear layer's parameters, declared as flax's DenseGeneral declares them (the same names, logical axes and
+    initial values) and returned, not applied (`linear` applies them): so that the parallel residual block can put
+    two branches' projections into one matmul (`fused_in`, `fused_out`)."""
+
+    d_in: int
+    features: tuple[int, ...]
+    axes: tuple[str, ...]  # the kernel's logical axes, the input's first; the bias has the features'
+    kernel_init: Callable
+    use_bias: bool
+
+    @nn.compact
+    def __call__(self) -> Weights:
+        flat = (self.d_in, math.prod(self.features))  # DenseGeneral draws the kernel as a matrix, then reshapes it
+        shape = (self.d_in, *self.features)
+        kernel = self.param("kernel", _named(lambda rng, _, dtype=jnp.float32: self.kernel_init(rng, flat, dtype)
+                                             .reshape(shape), *self.axes), shape, jnp.float32)
+        bias = self.param("bias", _named(nn.initializers.zeros, *self.axes[1:]), self.features,
+                          jnp.float32) if self.use_bias else None
+        return Weights(kernel, bias)
+
+
+def linear(x_BxTxN: jax.Array, w: Weights, dtype: jnp.dtype) -> jax.Array:
+    """x's last axis times the kernel, plus the bias, in `dtype` (what flax's Dense computes)."""
+    x, kernel, bias = nn.dtypes.promote_dtype(x_BxTxN, w.kernel, w.bias, dtype=dtype)
+    y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+    return y if bias is None else y + bias
+
+
+def _proj_init(cfg: ModelConfig):
+    """GPT-2 scales the residual projections' init by 1/sqrt(2 * n_layer)."""
+    return nn.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layer))
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype
     implementation: str
 
+    def setup(self):
+        """With as many key/value heads as query heads, one `c_attn` kernel (d, 3, d) = (embed, qkv, heads), GPT-2's
+        Conv1D column for column; with fewer (grouped-query attention), `c_q` (d, d) and `c_kv` (d, 2, G·K) =
+        (embed, qkv, kv_heads), so tensor parallelism splits whole key/value heads with their groups of query heads."""
+        cfg, D = self.cfg, self.cfg.d_model
+        dense = functools.partial(Linear, D, kernel_init=nn.initializers.normal(0.02), use_bias=cfg.bias)
+        if cfg.kv_heads == cfg.n_head:
+            self.c_attn = dense((3, D), ("embed", "qkv", "heads"))
+        else:
+            self.c_q = dense((D,), ("embed", "heads"))
+            self.c_kv = dense((2, cfg.kv_heads * cfg.head_dim), ("embed", "qkv", "kv_heads"))
+        self.c_proj = Linear(D, (D,), ("heads", "embed"), _proj_init(cfg), cfg.bias)
+
+    def in_weights(self) -> list[Weights]:
+        """The input projections': c_attn's, or c_q's and c_kv's."""
+        return [self.c_attn()] if self.cfg.kv_heads == self.cfg.n_head else [self.c_q(), self.c_kv()]
+
+    def out_weights(self) -> Weights:
+        return self.c_proj()
+
     @nn.compact
     def __call__(self, x_BxTxD: jax.Array, start: jax.Array | None = None,
                  segment_ids_BxT: jax.Array | None = None, dropout: Dropout | None = None,
-                 rope: Rope | None = None) -> jax.Array:
-        """`rope`: the rotary embedding's angles of every position, computed once per forward pass (`rope_angles`)."""
+                 rope: Rope | None = None, projected: list[jax.Array] | None = None) -> jax.Array:
+        """The heads' outputs (B, T, D), which the block projects with `out_weights` (alone, or with the MLP's in
+        one matmul). `rope`: the rotary embedding's angles of every position, computed once per forward pass
+        (`rope_angles`). `projected`: the input projections of x (`in_weights`' outputs) made elsewhere (a parallel
+        block's `fused_in`)."""
         B, T, D = x_BxTxD.shape
-        q_BxTxHxK, k_BxTxGxK, v_BxTxGxK = self._project(x_BxTxD)
+        if projected is None:
+            projected = [linear(x_BxTxD, w, self.dtype) for w in self.in_weights()]
+        q_BxTxHxK, k_BxTxGxK, v_BxTxGxK = self._heads(projected, B, T)
         if rope is not None:
             q_BxTxHxK, k_BxTxGxK = rotate(q_BxTxHxK, rope), rotate(k_BxTxGxK, rope)
         slopes_H = jnp.asarray(alibi_slopes(self.cfg.n_head)) if self.cfg.position == "alibi" else None
@@ -90,32 +158,17 @@ class Attention(nn.Module):
                                  Bias(segment_ids_BxT, slopes_H, dropout))
         else:
             y = self._cached_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, start, slopes_H)
-        # GPT-2 scales the residual projections' init by 1/sqrt(2 * n_layer).
-        proj_init = nn.initializers.normal(0.02 / math.sqrt(2 * self.cfg.n_layer))
-        return nn.Dense(D, dtype=self.dtype, kernel_init=_named(proj_init, "heads", "embed"), use_bias=self.cfg.bias,
-                        bias_init=_named(nn.initializers.zeros, "embed"), name="c_proj")(y.reshape(B, T, D))
+        return y.reshape(B, T, D)
 
-    def _project(self, x_BxTxD):
-        """Queries (B, T, H, K), keys and values (B, T, G, K) of G = model.n_kv_head heads. With as many
-        key/value heads as query heads, one `c_attn` kernel (d, 3, d) = (embed, qkv, heads), GPT-2's
-        Conv1D column for column; with fewer (grouped-query attention), `c_q` (d, d) and `c_kv`
-        (d, 2, G·K) = (embed, qkv, kv_heads), so tensor parallelism splits whole key/value heads with
-        their groups of query heads."""
-        B, T, D = x_BxTxD.shape
+    def _heads(self, projected: list[jax.Array], B: int, T: int):
+        """Queries (B, T, H, K), keys and values (B, T, G, K) of G = model.n_kv_head heads, from the input
+        projections' outputs: c_attn's (B, T, 3, D), or c_q's (B, T, D) and c_kv's (B, T, 2, G·K)."""
         H, G, K = self.cfg.n_head, self.cfg.kv_heads, self.cfg.head_dim
-        init = nn.initializers.normal(0.02)
-        dense = functools.partial(nn.DenseGeneral, dtype=self.dtype, use_bias=self.cfg.bias)
         if G == H:
-            qkv_BxTx3xD = dense((3, D), name="c_attn", kernel_init=_named(init, "embed", "qkv", "heads"),
-                                bias_init=_named(nn.initializers.zeros, "qkv", "heads"))(x_BxTxD)
-            q, k, v = (qkv_BxTx3xD[:, :, i].reshape(B, T, H, K) for i in range(3))
+            q, k, v = (projected[0][:, :, i].reshape(B, T, H, K) for i in range(3))
             return q, k, v
-        q = dense(D, name="c_q", kernel_init=_named(init, "embed", "heads"),
-                  bias_init=_named(nn.initializers.zeros, "heads"))(x_BxTxD).reshape(B, T, H, K)
-        kv_BxTx2xGK = dense((2, G * K), name="c_kv", kernel_init=_named(init, "embed", "qkv", "kv_heads"),
-                            bias_init=_named(nn.initializers.zeros, "qkv", "kv_heads"))(x_BxTxD)
-        k, v = (kv_BxTx2xGK[:, :, i].reshape(B, T, G, K) for i in range(2))
-        return q, k, v
+        k, v = (projected[1][:, :, i].reshape(B, T, G, K) for i in range(2))
+        return projected[0].reshape(B, T, H, K), k, v
 
     def _cached_attention(self, q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, start, slopes_H=None):
         """Decoding: write these S positions' keys and values (G = model.n_kv_head heads) into the `cache`
@@ -165,23 +218,85 @@ class MLP(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype
 
-    @nn.compact
-    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        D, F = x_BxTxD.shape[-1], self.cfg.mlp_width
-        dense = functools.partial(nn.Dense, F, dtype=self.dtype, use_bias=self.cfg.bias,
-                                  kernel_init=_named(nn.initializers.normal(0.02), "embed", "mlp"),
-                                  bias_init=_named(nn.initializers.zeros, "mlp"))
-        h = dense(name="c_fc")(x_BxTxD)
+    def setup(self):
+        cfg, D, F = self.cfg, self.cfg.d_model, self.cfg.mlp_width
+        up = functools.partial(Linear, D, (F,), ("embed", "mlp"), nn.initializers.normal(0.02), cfg.bias)
+        self.c_fc = up()
+        if cfg.mlp == "swiglu":
+            self.c_gate = up()
+        self.c_proj = Linear(F, (D,), ("mlp", "embed"), _proj_init(cfg), cfg.bias)
+
+    def in_weights(self) -> list[Weights]:
+        """The input projections': c_fc's, and SwiGLU's c_gate's."""
+        return [self.c_fc(), self.c_gate()] if self.cfg.mlp == "swiglu" else [self.c_fc()]
+
+    def out_weights(self) -> Weights:
+        return self.c_proj()
+
+    def __call__(self, x_BxTxD: jax.Array, projected: list[jax.Array] | None = None) -> jax.Array:
+        """The hidden units (B, T, F), which the block projects with `out_weights`; `projected` as Attention's."""
+        h, *gate = projected if projected is not None else [linear(x_BxTxD, w, self.dtype) for w in self.in_weights()]
         if self.cfg.mlp == "swiglu":  # Llama's: silu of the gate times the up projection (c_fc)
-            h = nn.silu(dense(name="c_gate")(x_BxTxD)) * h
+            h = nn.silu(gate[0]) * h
         else:
             h = nn.gelu(h, approximate=self.cfg.activation == "gelu_tanh")  # GPT-2's "gelu_new", or the exact one
-        proj_init = nn.initializers.normal(0.02 / math.sqrt(2 * self.cfg.n_layer))
-        return nn.Dense(D, dtype=self.dtype, kernel_init=_named(proj_init, "mlp", "embed"), use_bias=self.cfg.bias,
-                        bias_init=_named(nn.initializers.zeros, "embed"), name="c_proj")(h)
+        return h
+
+
+def tp_groups(cfg: ModelConfig) -> int:
+    """How many equal groups of columns every tensor-parallel split of a block keeps whole: gcd(n_head, n_kv_head,
+    MLP width), which any tp the model allows divides (it splits whole query and key/value heads and the MLP's
+    units: zerolm.config.model.tp_split_problem)."""
+    return math.gcd(cfg.n_head, cfg.kv_heads, cfg.mlp_width)
+
+
+def fused_in(x_BxTxD: jax.Array, weights: list[Weights], groups: int, dtype: jnp.dtype) -> list[jax.Array]:
+    """`[linear(x, w, dtype) for w in weights]` as one matmul: so that the backward pass's gradient of x, a sum over
+    every output column, is one matmul's (with tensor parallelism, one all-reduce of it where two matmuls need
+    two). Each kernel (d, *lead, n) splits its last axis (the one tensor parallelism splits) into `groups`, which
+    the fused kernel (d, groups, ·) keeps apart, so that a tp device's columns stay on it."""
+    B, T, _ = x_BxTxD.shape
+    kernels = []
+    for w in weights:
+        d, *lead, n = w.kernel.shape
+        kernels.append(jnp.moveaxis(w.kernel.reshape(d, *lead, groups, n // groups), -2, 1).reshape(d, groups, -1))
+    x, kernel = nn.dtypes.promote_dtype(x_BxTxD, jnp.concatenate(kernels, axis=-1), dtype=dtype)
+    out_BxTxGxC = jnp.einsum("btd,dgc->btgc", x, kernel)
+    outs, at = [], 0
+    for w, k in zip(weights, kernels, strict=True):
+        _, *lead, n = w.kernel.shape
+        part = out_BxTxGxC[..., at:at + k.shape[-1]].reshape(B, T, groups, *lead, n // groups)
+        part = jnp.moveaxis(part, 2, -2).reshape(B, T, *lead, n)
+        outs.append(part if w.bias is None else part + w.bias.astype(dtype))
+        at += k.shape[-1]
+    return outs
+
+
+def fused_out(parts: list[tuple[jax.Array, Weights]], groups: int, dtype: jnp.dtype) -> jax.Array:
+    """The sum of `linear(y, w, dtype)` over the (y, w) parts as one matmul, so that the sum is made before tensor
+    parallelism's reduction (one all-reduce where two matmuls need two): each y (B, T, n) and kernel (n, D) in
+    `groups` groups of n (whole heads, whole blocks of the MLP's units), the groups concatenated."""
+    ys, kernels = [], []
+    for y, w in parts:
+        B, T, n = y.shape
+        ys.append(y.reshape(B, T, groups, n // groups))
+        kernels.append(w.kernel.reshape(groups, n // groups, -1))
+    y_BxTxGxC, kernel = nn.dtypes.promote_dtype(jnp.concatenate(ys, axis=-1), jnp.concatenate(kernels, axis=1),
+                                                 dtype=dtype)
+    out_BxTxD = jnp.einsum("btgc,gcd->btd", y_BxTxGxC, kernel)
+    for _, w in parts:
+        out_BxTxD = out_BxTxD if w.bias is None else out_BxTxD + w.bias.astype(dtype)
+    return out_BxTxD
 
 
 class Block(nn.Module):
+    """Pre-norm attention and MLP: one after the other, each adding to the residual (GPT-2), or with
+    `model.parallel_residual` both reading the block's input and adding together (GPT-NeoX: a norm each; with
+    `model.shared_norm`, GPT-J: one, `ln_1`). The parallel block sums the two branches' output projections in one
+    matmul (`fused_out`), and with one norm also makes their input projections in one (`fused_in`), so that tensor
+    parallelism reduces once where the sequential block reduces twice, in each direction; with residual dropout
+    in training each branch's output is dropped with its own mask, so the two are projected apart."""
+
     cfg: ModelConfig
     dtype: jnp.dtype
     implementation: str
@@ -196,12 +311,54 @@ class Block(nn.Module):
         attention_dropout = None
         if keys_B is not None and cfg.attention_dropout:
             attention_dropout = Dropout(keys_B, layer, cfg.attention_dropout)
-        y = Attention(cfg, self.dtype, self.implementation, name="attn")(ln("ln_1")(x_BxTxD), start, segment_ids_BxT,
-                                                                         attention_dropout, rope)
-        x_BxTxD = x_BxTxD + dropout_lib.drop(y, keys_B, cfg.residual_dropout, layer, dropout_lib.ATTENTION_OUT)
-        y = MLP(cfg, self.dtype, name="mlp")(ln("ln_2")(x_BxTxD))
-        x_BxTxD = x_BxTxD + dropout_lib.drop(y, keys_B, cfg.residual_dropout, layer, dropout_lib.MLP_OUT)
+        attn = Attention(cfg, self.dtype, self.implementation, name="attn")
+        mlp = MLP(cfg, self.dtype, name="mlp")
+
+        def out(y, branch, site):  # a branch's output projection, with its residual dropout
+            return dropout_lib.drop(linear(y, branch.out_weights(), self.dtype), keys_B, cfg.residual_dropout, layer,
+                                    site)
+
+        if not cfg.parallel_residual:
+            y = attn(ln("ln_1")(x_BxTxD), start, segment_ids_BxT, attention_dropout, rope)
+            x_BxTxD = x_BxTxD + out(y, attn, dropout_lib.ATTENTION_OUT)
+            x_BxTxD = x_BxTxD + out(mlp(ln("ln_2")(x_BxTxD)), mlp, dropout_lib.MLP_OUT)
+            return (x_BxTxD if keys_B is None else (x_BxTxD, layer + 1)), None
+        groups, h_BxTxD = tp_groups(cfg), ln("ln_1")(x_BxTxD)
+        a_in = m_in = None
+        if cfg.shared_norm:
+            a_w, m_w = attn.in_weights(), mlp.in_weights()
+            projected = fused_in(h_BxTxD, a_w + m_w, groups, self.dtype)
+            a_in, m_in = projected[:len(a_w)], projected[len(a_w):]
+        y = attn(h_BxTxD, start, segment_ids_BxT, attention_dropout, rope, a_in)
+        z = mlp(h_BxTxD if cfg.shared_norm else ln("ln_2")(x_BxTxD), m_in)
+        if keys_B is not None and cfg.residual_dropout:  # each branch its own mask, after its own projection
+            x_BxTxD = x_BxTxD + (out(y, attn, dropout_lib.ATTENTION_OUT) + out(z, mlp, dropout_lib.MLP_OUT))
+        else:
+            x_BxTxD = x_BxTxD + fused_out([(y, attn.out_weights()), (z, mlp.out_weights())], groups, self.dtype)
         return (x_BxTxD if keys_B is None else (x_BxTxD, layer + 1)), None
+
+
+class TPReductions(NamedTuple):
+    """The activations (B, T, d_model) that tensor parallelism all-reduces per block and micro-step in training."""
+
+    forward: int
+    rerun: int  # of the forward pass's, those full remat runs again: the ones whose result the backward pass reads
+    backward: int
+
+    def per_layer(self, full_remat: bool) -> int:
+        return self.forward + (self.rerun if full_remat else 0) + self.backward
+
+
+def tp_all_reduces(parallel_residual: bool, shared_norm: bool, residual_dropout: bool) -> TPReductions:
+    """The sequential block's: its two row-parallel outputs forward, of which full remat reruns the attention's (the
+    MLP reads it; the MLP's output only joins the residual), and its two norms' input gradients backward
+    (Megatron's 2 + 2). The parallel residual's: one forward (the branches summed before the reduction; two with
+    residual dropout, each branch's output dropped with its own mask after its own reduction), none rerun (its
+    output only joins the residual), and backward one with a shared norm (one input projection), two with a norm
+    each (each norm's input gradient)."""
+    if not parallel_residual:
+        return TPReductions(2, 1, 2)
+    return TPReductions(2 if residual_dropout else 1, 0, 1 if shared_norm else 2)
 
 
 class GPT(nn.Module):
