@@ -30,7 +30,9 @@ def rows(r, program, op, axes=None):
 
 @requires_devices(8)
 @pytest.mark.parametrize("grad_reduce,op", [("reduce_scatter", "reduce-scatter"), ("all_reduce", "all-reduce")])
-@pytest.mark.parametrize("mesh", [("mesh.dp=8", "mesh.tp=1"), ("mesh.dp=4", "mesh.tp=2")], ids=["dp8", "dp4tp2"])
+@pytest.mark.parametrize("mesh", [("mesh.dp=8", "mesh.tp=1"), ("mesh.dp=4", "mesh.tp=2"),
+                                  ("mesh.dp=4", "mesh.tp=2", "model.parallel_residual=true", "model.shared_norm=true")],
+                         ids=["dp8", "dp4tp2", "dp4tp2-parallel-residual"])
 def test_planned_gradient_reduction_bytes_are_what_the_compiled_step_does(grad_reduce, op, mesh):
     r = report(f"zero.grad_reduce={grad_reduce}", *mesh)
     assert r["accum_steps"] > 1
@@ -40,12 +42,13 @@ def test_planned_gradient_reduction_bytes_are_what_the_compiled_step_does(grad_r
     assert not found[0]["in_loop"]  # once per step, after the accumulation loop
     assert found[0]["bytes"] == found[0]["bytes_per_run"] == predicted[0]["bytes"]
     # Every prediction is met: the update's all-gather (summed over the axes the partitioner picked) and,
-    # with tp, Megatron's activation all-reduces, 4 per layer, every micro-step.
+    # with tp, Megatron's activation all-reduces, 4 per layer (2 in GPT-J's parallel block), every micro-step.
     for p in r["predicted"]:
         assert (p["found_bytes"], p["found_bytes_per_step"]) == (p["bytes"], p["bytes_per_step"]), p
     if "mesh.tp=2" in mesh:
         tp = rows(r, "grad", "all-reduce", ["tp"])
         assert tp[0]["in_loop"] and tp[0]["bytes_per_run"] == tp[0]["bytes"] * r["accum_steps"] * 4  # × layers
+        assert tp[0]["count"] == (2 if "model.parallel_residual=true" in mesh else 4)  # per layer (the scan's body)
 
 
 @pytest.mark.slow

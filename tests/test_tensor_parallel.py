@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import REPO, TINY, requires_devices, small_config
+from conftest import REPO, TINY, requires_devices, small_config, small_step
 from helpers import to_accum_layout
 from zerolm.compile import hlo
 from zerolm.config.tree import ConfigError, load_config
@@ -85,6 +85,37 @@ def test_one_dp_reduction_after_the_loop_and_tp_collectives_inside_it(dp, tp):
     assert {c.op for c in tp_after} <= {"all-gather"}
     assert sum(c.elements for c in tp_after) == sum(lay.size for lay in blockified)
     assert bool(blockified) == (dp == 4)  # the case is covered, and (2, 4) has none
+
+
+@pytest.mark.parametrize("sets, per_layer", [
+    # (the sequential block's 2 forward and 2 backward, Megatron's: test_comms)
+    (("model.remat=full",), 5),  # the sequential block's 4; full remat reruns the attention's forward one
+    (("model.parallel_residual=true",), 3),  # GPT-NeoX's: 1 forward, each norm's input gradient backward
+    (("model.parallel_residual=true", "model.residual_dropout=0.1"), 4),  # each branch's own mask: 2 forward
+    (("model.parallel_residual=true", "model.shared_norm=true", "model.scan_layers=false"), 2),  # GPT-J's: 1 + 1
+    (("model.parallel_residual=true", "model.shared_norm=true", "model.remat=full", "model.n_kv_head=2",
+      "model.mlp=swiglu", "model.mlp_hidden=64"), 2)],
+    ids=["sequential-remat", "parallel", "parallel-dropout", "parallel-shared-unrolled",
+         "parallel-shared-remat-gqa-swiglu"])
+def test_the_parallel_residual_all_reduces_one_activation_per_layer_where_the_sequential_block_two(sets, per_layer):
+    """dp 4 × tp 2: the tp all-reduces inside the accumulation loop, in activations (micro-batch × seq_len ×
+    d_model) per layer and micro-step, from the compiled step, and no other collective in the loop; each all-reduce
+    of GPT-J's block one activation (its two branches summed before the reduction, both ways); the planner's bytes
+    (zerolm comms') are the compiler's."""
+    from zerolm.plan.traffic import step_predictions
+
+    cfg, model, zero, init_fn = small_step("train.global_batch_size=16", "train.micro_batch_size=1", *sets, dp=4, tp=2)
+    state = zero.init(init_fn, jax.random.key(0))
+    batch = jax.device_put(to_accum_layout(np.zeros((16, 17), np.int32), 4, 4, 1), zero.table.batch_sharding)
+    ops = hlo.collectives(hlo.compiled_text(zero.programs.grad, state.params, batch))
+    reduced = [c for c in ops if c.in_loop and c.op == "all-reduce" and hlo.axis_of(c, dict(zero.mesh.shape)) == ("tp",)]
+    assert reduced == [c for c in ops if c.in_loop]  # nothing else moves in the loop (the fused kernels stay split)
+    activation = cfg.train.micro_batch_size * cfg.model.seq_len * cfg.model.d_model
+    assert sum(c.elements * c.runs for c in reduced) == per_layer * activation * cfg.accum_steps * cfg.model.n_layer
+    if "model.shared_norm=true" in sets:
+        assert {c.elements for c in reduced} == {activation}
+    predicted = [p for p in step_predictions(cfg, model, zero) if p.span == ["tp"]]
+    assert [p.bytes_per_step for p in predicted] == [sum(c.bytes * c.runs for c in reduced)]
 
 
 def test_two_stage_reduce_scatter_over_dp_with_tp():

@@ -89,5 +89,7 @@ def from_config(cfg, dp: int, tp: int) -> tuple[Model, Any]:
                   attention_block=cfg.model.attention_block, document_mask=cfg.model.document_mask,
                   scan_layers=scan_layers_at_stage(cfg.model.scan_layers, cfg.zero.stage),
                   kv_heads=cfg.model.kv_heads, mlp_width=cfg.model.mlp_width, gated_mlp=cfg.model.mlp == "swiglu",
+                  parallel_residual=cfg.model.parallel_residual, shared_norm=cfg.model.shared_norm,
+                  residual_dropout=bool(cfg.model.residual_dropout),
                   matmul_params=gpt_model.count_params(abstract, matmul_only=True))
     return model, states

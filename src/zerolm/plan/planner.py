@@ -149,10 +149,13 @@ class Planner:
         model_flops_token = flops_per_token(m.flops_params, m.n_layer, m.d_model, m.seq_len)
         tokens_device = lay.global_batch * m.seq_len / lay.devices
         compute = model_flops_token * (4 / 3 if remat else 1) * tokens_device / (d.flops * self.efficiency)
-        # Megatron's tensor parallelism: 2 all-reduces of the activations forward and 2 backward per layer
-        # (one more forward with full remat), every micro-step.
+        # Megatron's tensor parallelism: all-reduces of the activations, 2 forward and 2 backward per layer (one
+        # forward again with full remat; the parallel residual's fewer), every micro-step.
+        from zerolm.model.decoder import tp_all_reduces
+
+        per_layer = tp_all_reduces(m.parallel_residual, m.shared_norm, m.residual_dropout).per_layer(remat)
         act = micro * m.seq_len * m.d_model * m.act_bytes
-        tp_comm = accum * m.n_layer * (6 if remat else 4) * ring_time(d, "all-reduce", act, lay.tp)
+        tp_comm = accum * m.n_layer * per_layer * ring_time(d, "all-reduce", act, lay.tp)
         full = self.states(0, p)  # whole over dp: what a rank reduces and gathers
         grads, params = full.grads, full.params
         if stage == 0:

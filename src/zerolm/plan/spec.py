@@ -54,6 +54,11 @@ class Model:
     kv_heads: int = 0  # model.n_kv_head; 0: n_head
     mlp_width: int = 0  # the MLP's hidden units; 0: 4·d_model
     gated_mlp: bool = False  # model.mlp: swiglu (a gate beside the up projection)
+    # model.parallel_residual, model.shared_norm, and whether model.residual_dropout is on: how many all-reduces
+    # tensor parallelism makes per layer (zerolm.model.decoder.tp_all_reduces)
+    parallel_residual: bool = False
+    shared_norm: bool = False
+    residual_dropout: bool = False
     # zerolm.model.flops's N (zerolm.model.decoder.count_params(matmul_only)); 0: params less a position table
     matmul_params: int = 0
 

@@ -45,7 +45,9 @@ class CountedStep:
     accum: int  # accumulation steps (micro-batches per device and step)
     activation: int = 0  # bytes of one micro-batch's activations (B × T × d_model): what tp all-reduces
     n_layer: int = 0
-    remat: bool = False  # full remat: a third forward all-reduce per layer
+    # Activations a layer all-reduces over tp per micro-step (zerolm.model.decoder.tp_all_reduces): the sequential
+    # block's 2 forward and 2 backward (Megatron's), 5 with full remat; fewer for the parallel residual's.
+    tp_per_layer: int = 4
     param_bytes: int = 4  # the parameters' dtype: 4, or 2 in mixed precision
     scatter: str = "collective"  # how a reduce-scatter runs: collective | two_stage | ring (zerolm.parallel.scatter)
     inner: int | None = None  # two_stage's inner group
@@ -62,7 +64,8 @@ def predicted_collectives(table, step: CountedStep) -> list[Prediction]:
     `inner` such blocks, then one over `inner` (`dp(inner/dp)`; one row when the two are of a size);
     with "ring", dp − 1 collective-permutes of such a block; or an all-reduce of the whole block;
     and the loss's 4-byte all-reduce; with tp, Megatron's all-reduces of the `activation` bytes of a
-    micro-batch, 2 forward and 2 backward per layer (3 forward with full remat), every micro-step.
+    micro-batch, `step.tp_per_layer` per layer (the sequential block's 2 forward and 2 backward, and with full
+    remat the attention's forward one again; the parallel residual's 1 + 1 with a shared norm), every micro-step.
     update: the all-gather of the new parameters out of the optimizer layout. On one device, none of these.
 
     At ZeRO stage 2 (`table.stage`) it reduce-scatters `table.in_loop` (the stacked layers' leaves its layout
@@ -83,7 +86,7 @@ def predicted_collectives(table, step: CountedStep) -> list[Prediction]:
     if t.top:
         rows.append(Prediction("grad", "all-gather", over, False, t.top, t.top))
     if tp > 1 and activation:
-        per_layer = 6 if step.remat else 4
+        per_layer = step.tp_per_layer
         rows.append(Prediction("grad", "all-reduce", [TP], True, per_layer * activation,
                                per_layer * activation * accum * step.n_layer))
     if dp * tp > 1 and t.gathered:
@@ -161,9 +164,13 @@ def step_predictions(cfg, model, zero) -> list[Prediction]:
     resolved for the mesh's devices)."""
     import jax.numpy as jnp
 
-    activation = (cfg.train.micro_batch_size * cfg.model.seq_len * cfg.model.d_model
-                  * jnp.dtype(model.cfg.dtype).itemsize)
-    counted = CountedStep(cfg.zero.grad_reduce, cfg.accum_steps, activation, cfg.model.n_layer, cfg.model.remat == "full",
+    from zerolm.model.decoder import tp_all_reduces
+
+    m = cfg.model
+    activation = cfg.train.micro_batch_size * m.seq_len * m.d_model * jnp.dtype(model.cfg.dtype).itemsize
+    tp_per_layer = tp_all_reduces(m.parallel_residual, m.shared_norm, bool(m.residual_dropout)).per_layer(
+        m.remat == "full")
+    counted = CountedStep(cfg.zero.grad_reduce, cfg.accum_steps, activation, m.n_layer, tp_per_layer,
                           param_bytes=zero.param_dtype.itemsize, scatter=zero.scatter, inner=zero.scatter_inner)
     return predicted_collectives(zero.table, counted)
 
