@@ -62,11 +62,14 @@ def test_alibi_has_no_position_table_and_no_bias_has_no_biases():
 
 def test_the_parallel_residual_changes_the_function_and_a_shared_norm_has_no_ln_2():
     """The same weights: the parallel block's logits differ from the sequential block's; GPT-NeoX's (a norm each)
-    reads ln_2, GPT-J's (one norm) has none, and computes NeoX's with ln_2 set to ln_1."""
+    reads ln_2, GPT-J's (one norm) has none, and computes NeoX's with ln_2 set to ln_1, gradients too (GPT-J's
+    input projections make their input's gradient in one matmul of their own: decoder.projections)."""
     tokens = np.random.default_rng(0).integers(0, 100, (2, 16))
 
-    def logits(params, *sets):
+    def logits(params, *sets, grad=False):
         model = gpt_model.GPT(for_device(small_config(*sets).model))
+        if grad:
+            return jax.jit(jax.grad(lambda p: (model.apply({"params": p}, tokens) ** 2).mean()))(params)
         return np.asarray(jax.jit(model.apply)({"params": params}, tokens))
 
     sequential = gpt_model.GPT(for_device(small_config().model))
@@ -79,8 +82,14 @@ def test_the_parallel_residual_changes_the_function_and_a_shared_norm_has_no_ln_
     one_norm = {**params, "h": {k: v for k, v in params["h"].items() if k != "ln_2"}}
     gptj = logits(one_norm, *SHARED)
     assert not np.allclose(neox, gptj, atol=1e-3)
-    np.testing.assert_allclose(logits({**params, "h": {**params["h"], "ln_2": params["h"]["ln_1"]}}, *PARALLEL), gptj,
-                               rtol=1e-5, atol=1e-5)
+    tied = {**params, "h": {**params["h"], "ln_2": params["h"]["ln_1"]}}
+    np.testing.assert_allclose(logits(tied, *PARALLEL), gptj, rtol=1e-5, atol=1e-5)
+    neox_grads, gptj_grads = logits(tied, *PARALLEL, grad=True), logits(one_norm, *SHARED, grad=True)
+    ln_1 = jax.tree.map(lambda a, b: a + b, neox_grads["h"]["ln_1"], neox_grads["h"]["ln_2"])  # the one norm's
+    want = {**neox_grads, "h": {**{k: v for k, v in neox_grads["h"].items() if k != "ln_2"}, "ln_1": ln_1}}
+    for (path, got), expected in zip(jax.tree_util.tree_leaves_with_path(gptj_grads), jax.tree.leaves(want),
+                                     strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-7, err_msg=jax.tree_util.keystr(path))
     model = gpt_model.GPT(for_device(small_config(*SHARED).model))
     shapes = jax.eval_shape(lambda: gpt_model.init_params(model, jax.random.key(0)))
     assert jax.tree.structure(shapes) == jax.tree.structure(one_norm)

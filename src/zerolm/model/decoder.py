@@ -6,11 +6,12 @@ zerolm.config.model), never a second model file.
   forward pass (`token_positions`, `rope_angles`), with a document mask (`model.document_mask`) per
   document.
 - The block: pre-norm attention and MLP, one after the other (GPT-2) or side by side (`model.parallel_residual`:
-  GPT-NeoX's, with `model.shared_norm` GPT-J's, whose two branches' projections are made in one matmul each way,
-  so that tensor parallelism reduces once); `model.norm` LayerNorm or RMSNorm, `model.bias`, `model.mlp` a
-  GELU MLP (`model.activation`: tanh or exact) or SwiGLU (`model.mlp_hidden`), `model.n_kv_head` for
-  grouped-query attention; the attention by implementation (zerolm.model.attention); dropout on the
-  embedding, the residual branches and the attention probabilities (zerolm.model.dropout).
+  GPT-NeoX's, with `model.shared_norm` GPT-J's, whose two branches' output projections are one matmul, and with
+  one norm their input's gradient too, so that tensor parallelism reduces once); `model.norm` LayerNorm or
+  RMSNorm, `model.bias`, `model.mlp` a GELU MLP (`model.activation`: tanh or exact) or SwiGLU
+  (`model.mlp_hidden`), `model.n_kv_head` for grouped-query attention; the attention by implementation
+  (zerolm.model.attention); dropout on the embedding, the residual branches and the attention probabilities
+  (zerolm.model.dropout).
 - The output layer tied to the token embedding, or its own (`model.tie_embeddings: false`: `lm_head`).
 - The layers stacked along a leading `layers` axis, in a scan (compile time flat in depth) or unrolled
   (`model.scan_layers`), with a remat policy (`model.remat`, REMAT_POLICIES).
@@ -33,6 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from zerolm.config.tree import ModelConfig
 from zerolm.model import dropout as dropout_lib
@@ -56,14 +58,25 @@ def _attention_saved(prim, *_, **params) -> bool:
     return prim.name == "dot_product_attention_fwd_wrapper"
 
 
+# The parallel block's input projections (`projections`: a custom VJP, whose matmuls a policy that looks for dots
+# does not see) are weight matmuls' outputs by name.
+PROJECTIONS = "projections"
+
+
+def _projections_saved(prim, *_, **params) -> bool:
+    return prim.name == "name" and params["name"] == PROJECTIONS
+
+
 _cp = jax.checkpoint_policies
+_weight_dots = _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable, _projections_saved)
 REMAT_POLICIES = {
     # Every matmul's output (XLA's attention is batched dots: its scores and output) and the attention's.
-    "none": _cp.save_from_both_policies(_cp.dots_saveable, _attention_saved),
+    "none": _cp.save_from_both_policies(_cp.save_from_both_policies(_cp.dots_saveable, _projections_saved),
+                                        _attention_saved),
     "full": _cp.nothing_saveable,
-    "dots": _cp.dots_with_no_batch_dims_saveable,
+    "dots": _weight_dots,
     "attention": _attention_saved,
-    "dots_attention": _cp.save_from_both_policies(_cp.dots_with_no_batch_dims_saveable, _attention_saved),
+    "dots_attention": _cp.save_from_both_policies(_weight_dots, _attention_saved),
 }
 
 
@@ -82,7 +95,7 @@ class Weights(NamedTuple):
 class Linear(nn.Module):
     """A linear layer's parameters, declared as flax's DenseGeneral declares them (the same names, logical axes and
     initial values) and returned, not applied (`linear` applies them): so that the parallel residual block can put
-    two branches' projections into one matmul (`fused_in`, `fused_out`)."""
+    two branches' projections into one matmul (`fused_out`; `fused_in`, backward)."""
 
     d_in: int
     features: tuple[int, ...]
@@ -250,26 +263,43 @@ def tp_groups(cfg: ModelConfig) -> int:
     return math.gcd(cfg.n_head, cfg.kv_heads, cfg.mlp_width)
 
 
+def _grouped(x: jax.Array, groups: int, axis: int) -> jax.Array:
+    """x's last axis (a kernel's output columns, which tensor parallelism splits) in `groups`, the groups moved to
+    `axis` and each group's columns (of every axis between) flattened after it: a kernel (d, *lead, n) as
+    (d, groups, ·) with axis 1, a projection's output (B, T, *lead, n) as (B, T, groups, ·) with axis 2."""
+    *rest, n = x.shape
+    return jnp.moveaxis(x.reshape(*rest, groups, n // groups), -2, axis).reshape(*rest[:axis], groups, -1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def projections(x_BxTxD: jax.Array, kernels: tuple[jax.Array, ...], groups: int) -> tuple[jax.Array, ...]:
+    """x times each kernel (d, *lead, n), each its own matmul (as `linear`'s), whose backward pass makes x's gradient
+    one matmul over every kernel's columns: one sum, so that tensor parallelism reduces it once where a matmul each
+    reduces it once each. The columns go in `groups` (`_grouped`), which keep a tp device's columns on it."""
+    return tuple(lax.dot_general(x_BxTxD, k, (((x_BxTxD.ndim - 1,), (0,)), ((), ()))) for k in kernels)
+
+
+def _projections_fwd(x_BxTxD, kernels, groups):
+    return projections(x_BxTxD, kernels, groups), (x_BxTxD, kernels)
+
+
+def _projections_bwd(groups, residuals, grads):
+    x_BxTxD, kernels = residuals
+    g_BxTxGxC = jnp.concatenate([_grouped(g, groups, 2) for g in grads], axis=-1)
+    kernel_DxGxC = jnp.concatenate([_grouped(k, groups, 1) for k in kernels], axis=-1)
+    dx = jnp.einsum("btgc,dgc->btd", g_BxTxGxC, kernel_DxGxC)
+    return dx, tuple(jnp.tensordot(x_BxTxD, g, axes=((0, 1), (0, 1))) for g in grads)
+
+
+projections.defvjp(_projections_fwd, _projections_bwd)
+
+
 def fused_in(x_BxTxD: jax.Array, weights: list[Weights], groups: int, dtype: jnp.dtype) -> list[jax.Array]:
-    """`[linear(x, w, dtype) for w in weights]` as one matmul: so that the backward pass's gradient of x, a sum over
-    every output column, is one matmul's (with tensor parallelism, one all-reduce of it where two matmuls need
-    two). Each kernel (d, *lead, n) splits its last axis (the one tensor parallelism splits) into `groups`, which
-    the fused kernel (d, groups, ·) keeps apart, so that a tp device's columns stay on it."""
-    B, T, _ = x_BxTxD.shape
-    kernels = []
-    for w in weights:
-        d, *lead, n = w.kernel.shape
-        kernels.append(jnp.moveaxis(w.kernel.reshape(d, *lead, groups, n // groups), -2, 1).reshape(d, groups, -1))
-    x, kernel = nn.dtypes.promote_dtype(x_BxTxD, jnp.concatenate(kernels, axis=-1), dtype=dtype)
-    out_BxTxGxC = jnp.einsum("btd,dgc->btgc", x, kernel)
-    outs, at = [], 0
-    for w, k in zip(weights, kernels, strict=True):
-        _, *lead, n = w.kernel.shape
-        part = out_BxTxGxC[..., at:at + k.shape[-1]].reshape(B, T, groups, *lead, n // groups)
-        part = jnp.moveaxis(part, 2, -2).reshape(B, T, *lead, n)
-        outs.append(part if w.bias is None else part + w.bias.astype(dtype))
-        at += k.shape[-1]
-    return outs
+    """`[linear(x, w, dtype) for w in weights]`, x's gradient made in one matmul (`projections`), the outputs named
+    for the remat policies that keep weight matmuls' (PROJECTIONS)."""
+    x, *kernels = nn.dtypes.promote_dtype(x_BxTxD, *[w.kernel for w in weights], dtype=dtype)
+    outs = [checkpoint_name(y, PROJECTIONS) for y in projections(x, tuple(kernels), groups)]
+    return [y if w.bias is None else y + w.bias.astype(dtype) for y, w in zip(outs, weights, strict=True)]
 
 
 def fused_out(parts: list[tuple[jax.Array, Weights]], groups: int, dtype: jnp.dtype) -> jax.Array:
@@ -293,9 +323,9 @@ class Block(nn.Module):
     """Pre-norm attention and MLP: one after the other, each adding to the residual (GPT-2), or with
     `model.parallel_residual` both reading the block's input and adding together (GPT-NeoX: a norm each; with
     `model.shared_norm`, GPT-J: one, `ln_1`). The parallel block sums the two branches' output projections in one
-    matmul (`fused_out`), and with one norm also makes their input projections in one (`fused_in`), so that tensor
-    parallelism reduces once where the sequential block reduces twice, in each direction; with residual dropout
-    in training each branch's output is dropped with its own mask, so the two are projected apart."""
+    matmul (`fused_out`), and with one norm makes the gradient of their common input in one (`fused_in`), so that
+    tensor parallelism reduces once where the sequential block reduces twice, in each direction; with residual
+    dropout in training each branch's output is dropped with its own mask, so the two are projected apart."""
 
     cfg: ModelConfig
     dtype: jnp.dtype
