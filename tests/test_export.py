@@ -69,20 +69,27 @@ def sharp(model_run, scale=5, **settings):
 
 def assert_table_reads_back(model_run, layout, out):
     """Each tensor of the export, read back through its table entry's inverse, is zerolm's parameter (the
-    vocabulary's padding rows, which the export drops, aside); a bias the model lacks was written as zeros."""
+    vocabulary's padding rows, which the export drops, aside); a bias the model lacks was written as zeros, and a
+    tensor the layout fixes (GPT-J's output bias) as its value; nothing else was written."""
     from safetensors.numpy import load_file
 
     tensors, cfg = load_file(out / "model.safetensors"), model_run.model.cfg
     params = hf_layouts.flatten(model_run.params)
     entries = [(t, [t.hf], False) for t in layout.globals] + \
         [(t, [t.hf.format(i=i) for i in range(cfg.n_layer)], True) for t in layout.layers]
-    assert sorted(tensors) == sorted(name for _, names, _ in entries for name in names)
+    entries = [e for e in entries if e[0].zerolm in params or e[1][0] in tensors]  # a tied model has no lm_head
+    fixed = layout.fixed(cfg)
+    assert sorted(tensors) == sorted([name for _, names, _ in entries for name in names] + list(fixed))
+    for name, value in fixed.items():
+        np.testing.assert_array_equal(tensors[name], value)
     for t, names, layered in entries:
         if t.zerolm not in params:
             assert not cfg.bias and t.zerolm.endswith(".bias") and not any(tensors[n].any() for n in names)
             continue
         stacked = np.asarray(params[t.zerolm]) if layered else np.asarray(params[t.zerolm])[None]
-        read = np.stack([t.op.from_hf(tensors[n], stacked.shape[1:]) for n in names])
+        if t.op.part is not None:  # the tensor is one part of zerolm's axis 1 (q, k or v of c_attn)
+            stacked = stacked[:, :, t.op.part]
+        read = np.stack([t.op.from_hf(tensors[n], stacked.shape[1:], cfg) for n in names])
         rows = slice(None, cfg.vocab_size) if t.op is hf_layouts.VOCAB else slice(None)
         np.testing.assert_array_equal(read[:, rows], stacked[:, rows], err_msg=t.zerolm)
 
@@ -142,9 +149,49 @@ def test_a_bias_free_learned_position_model_exports_to_gpt2_with_zero_biases(mod
     assert_table_reads_back(model, hf_layouts.GPT2, tmp_path / "hf")
 
 
+# GPT-NeoX's layout: rotary positions, a LayerNorm before each branch of the parallel block, biases, the exact GELU,
+# an MLP of its own width, the output layer its own; and GPT-J's: one norm, no biases in the attention.
+NEOX = {"position": "rope", "rope_theta": 500.0, "parallel_residual": True, "activation": "gelu", "mlp_hidden": 48,
+        "tie_embeddings": False}
+GPTJ = {"position": "rope", "parallel_residual": True, "shared_norm": True, "bias": False, "mlp_hidden": 48,
+        "tie_embeddings": False}
+
+
+@pytest.mark.parametrize("settings, architecture", [
+    (NEOX, "GPTNeoXForCausalLM"),
+    ({**NEOX, "parallel_residual": False, "activation": "gelu_tanh", "tie_embeddings": True}, "GPTNeoXForCausalLM"),
+    (GPTJ, "GPTJForCausalLM"), ({**GPTJ, "activation": "gelu", "tie_embeddings": True}, "GPTJForCausalLM")],
+    ids=["neox-parallel", "neox-sequential-tanh-tied", "gptj", "gptj-exact-tied"])
+def test_a_rotary_layernorm_model_exports_to_gpt_neox_or_with_one_norm_to_gpt_j(model_run, tmp_path, settings,
+                                                                                 architecture):
+    """The parallel residual block (and GPT-NeoX's sequential one) in transformers' classes that compute it: the
+    same logits and greedy text, each tensor read back through its table."""
+    tokenizer = model_run.tokenizer()
+    model = sharp(model_run, **settings)
+    export.export(model, tokenizer, tmp_path / "hf")
+    hf = assert_same_model(model, tmp_path / "hf", tokenizer, architecture)
+    assert hf.config.tie_word_embeddings == settings["tie_embeddings"]
+    assert len(set(assert_same_greedy(model, hf, tokenizer, 20).tolist())) > 3
+    assert_table_reads_back(model, hf_layouts.layout_for(model.model.cfg), tmp_path / "hf")
+
+
 @pytest.mark.parametrize(("settings", "message"), [
     ({"activation": "gelu"}, "model.activation: gelu: a model with model.position: learned exports to transformers' "
      "GPT2LMHeadModel, whose MLP is the tanh GELU (gelu_new); train with model.activation: gelu_tanh"),
+    ({"parallel_residual": True}, "model.parallel_residual: true: a model with model.position: learned exports to "
+     "transformers' GPT2LMHeadModel, which has a sequential block (the MLP reads the attention's output); train with "
+     "model.parallel_residual: false"),
+    ({**GPTJ, "bias": True}, "model.bias: true: a model with model.position: rope and model.shared_norm: true exports "
+     "to transformers' GPTJForCausalLM, which has no biases in its attention; train with model.bias: false"),
+    ({**GPTJ, "rope_theta": 500.0}, "model.rope_theta: 500.0: a model with model.position: rope and model.shared_norm: "
+     "true exports to transformers' GPTJForCausalLM, which has rotary embeddings of base 10000; train with "
+     "model.rope_theta: 10000.0"),
+    ({**NEOX, "n_kv_head": 2}, "model.n_kv_head: 2: a model with model.position: rope, LayerNorms and a GELU MLP "
+     "exports to transformers' GPTNeoXForCausalLM, which has as many key/value heads as query heads; train with "
+     "model.n_kv_head: auto"),
+    ({**NEOX, "norm": "rmsnorm", "mlp": "swiglu", "bias": False}, "model.parallel_residual: true: a model with model.position: rope "
+     "and model.norm: rmsnorm exports to transformers' LlamaForCausalLM, which has a sequential block (the MLP reads "
+     "the attention's output); train with model.parallel_residual: false"),
     ({"position": "alibi", "bias": False}, "model.activation: gelu_tanh: a model with model.position: alibi exports "
      "to transformers' MptForCausalLM, whose MLP is the exact GELU; train with model.activation: gelu"),
     ({"position": "alibi", "activation": "gelu"}, "model.bias: true: a model with model.position: alibi exports to "

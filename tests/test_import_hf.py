@@ -1,4 +1,4 @@
-"""Hugging Face in both directions for the Llama layout, and `zerolm import-hf` for GPT-2, MPT and Llama: models
+"""Hugging Face in both directions for the Llama layout, and `zerolm import-hf` for GPT-2, MPT, Llama and GPT-NeoX: models
 transformers makes from random weights (nothing is downloaded) import with logits and losses equal to transformers'
 own forward pass; a Llama-layout zerolm model exports as LlamaForCausalLM with equal logits and greedy text; a run
 continued from an imported checkpoint resumes bit-identical after kill -9; every config.json key transformers' forward
@@ -54,8 +54,8 @@ def test_a_llama_layout_model_exports_to_llama(model_run, tmp_path):
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({**LLAMA, "norm": "layernorm"}, "model.norm: layernorm: a model with model.position: rope exports to "
-     "transformers' LlamaForCausalLM, which has RMSNorms; train with model.norm: rmsnorm"),
+    ({**LLAMA, "norm": "layernorm"}, "model.norm: layernorm: a model with model.position: rope and model.mlp: swiglu "
+     "exports to transformers' LlamaForCausalLM, which has RMSNorms; train with model.norm: rmsnorm"),
     ({"n_kv_head": 2}, "model.n_kv_head: 2: a model with model.position: learned exports to transformers' "
      "GPT2LMHeadModel, which has as many key/value heads as query heads; train with model.n_kv_head: auto"),
 ])
@@ -75,6 +75,11 @@ def hf_model(kind: str, vocab: int):
     if kind == "gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4,
                                                                     n_positions=32))
+    if kind == "gpt_neox":  # the parallel residual block, whole heads rotated, the exact GELU, untied
+        return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+            vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=32, rope_parameters={"rope_type": "default", "rope_theta": 500.0,
+                                                         "partial_rotary_factor": 1.0}))
     config = transformers.MptConfig(vocab_size=vocab, d_model=32, n_layers=2, n_heads=4, max_seq_len=32)
     return transformers.MptForCausalLM(config)
 
@@ -94,7 +99,7 @@ def made(kind, model_run, directory):
     return hf
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "mpt"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "mpt", "gpt_neox"])
 def test_import_hf_gives_transformers_logits_and_loss(model_run, tmp_path, kind):
     hf = made(kind, model_run, tmp_path / "hf")
     proc = zerolm("import-hf", tmp_path / "hf", "--out", tmp_path / "ckpt", devices=1)
@@ -147,6 +152,11 @@ def tiny_config(kind: str, **settings):
     if kind == "mpt":
         attn = {"attn_config": {**settings.pop("attn_config")}} if "attn_config" in settings else {}
         return transformers.MptConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=32, **attn, **settings)
+    if kind == "gpt_neox":
+        return transformers.GPTNeoXConfig(**{
+            "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "max_position_embeddings": 32,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}, **settings})
     return transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                     num_attention_heads=4, max_position_embeddings=32, **settings)
 
@@ -190,6 +200,13 @@ def refused(directory, out, capsys) -> str:
     ("llama", {"mlp_bias": True}, "mlp_bias: True: zerolm's llama layout computes an MLP without biases"),
     ("llama", {"head_dim": 16}, "head_dim: 16: zerolm's llama layout computes heads of hidden_size / "
      "num_attention_heads"),
+    ("gpt_neox", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}},
+     "rope_parameters: {'partial_rotary_factor': 0.25, 'rope_theta': 10000.0, 'rope_type': 'default'}: zerolm's "
+     "gpt_neox layout computes rotary positions over each whole head (rotary_pct 1; transformers' default 0.25)"),
+    ("gpt_neox", {"attention_bias": False}, "attention_bias: False: zerolm's gpt_neox layout computes attention with "
+     "biases"),
+    ("gpt_neox", {"hidden_act": "relu"}, "hidden_act: 'relu': zerolm's gpt_neox layout computes the exact or the tanh "
+     "GELU"),
 ])
 def test_a_setting_transformers_computes_otherwise_with_is_refused_naming_it(tmp_path, capsys, kind, settings, line):
     config = saved(tiny_config(kind, **settings), tmp_path / "hf")
@@ -264,6 +281,37 @@ def test_transformers_own_config_and_a_published_one_are_accepted(tmp_path, kind
     assert (layout.architecture, settings["vocab_size"]) == (
         {"gpt2": "GPT2LMHeadModel", "mpt": "MptForCausalLM", "llama": "LlamaForCausalLM"}[kind],
         PUBLISHED[kind]["vocab_size"])
+
+
+# Pythia-160m's config.json (EleutherAI, transformers 4.24): GPT-NeoX rotating a quarter of each head.
+PYTHIA = {"architectures": ["GPTNeoXForCausalLM"], "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "gelu",
+          "hidden_size": 768, "initializer_range": 0.02, "intermediate_size": 3072, "layer_norm_eps": 1e-05,
+          "max_position_embeddings": 2048, "model_type": "gpt_neox", "num_attention_heads": 12, "num_hidden_layers": 12,
+          "rotary_emb_base": 10000, "rotary_pct": 0.25, "tie_word_embeddings": False, "torch_dtype": "float16",
+          "transformers_version": "4.24.0", "use_cache": True, "use_parallel_residual": True, "vocab_size": 50304}
+
+
+def test_gpt_neox_imports_with_whole_heads_rotated_and_a_partial_rotary_is_refused_naming_its_key(tmp_path):
+    """transformers' own GPT-NeoX config (every key, defaults too) and Pythia's with rotary_pct 1 read as zerolm's
+    GPT-NeoX layout; Pythia's as published (a quarter of each head rotated) and a file that leaves the factor out
+    (transformers' default, a quarter) are refused in one line naming the key."""
+    from zerolm.hf.importer import HFImportError, model_settings
+
+    own = json.loads(saved(tiny_config("gpt_neox", use_parallel_residual=False), tmp_path / "hf").read_text())
+    layout, settings = model_settings(own, "config.json")
+    assert (layout.architecture, settings["parallel_residual"], settings["tie_embeddings"], settings["mlp_hidden"]) == \
+        ("GPTNeoXForCausalLM", False, False, 48)
+    every_key = json.loads(tiny_config("gpt_neox").to_json_string(use_diff=False))
+    assert model_settings(every_key, "config.json")[1]["parallel_residual"] is True
+    whole = model_settings({**PYTHIA, "rotary_pct": 1.0}, "config.json")[1]
+    assert (whole["rope_theta"], whole["activation"], whole["n_head"]) == (10000.0, "gelu", 12)
+    quarter = "zerolm's gpt_neox layout computes rotary positions over each whole head (rotary_pct 1; transformers' " \
+              "default 0.25)"
+    for hf, key in ((PYTHIA, "rotary_pct: 0.25"), ({k: v for k, v in PYTHIA.items() if k != "rotary_pct"},
+                                                    "rotary_pct: 0.25")):
+        with pytest.raises(HFImportError) as refusal:
+            model_settings(hf, "config.json")
+        assert str(refusal.value) == f"config.json: {key}: {quarter}"
 
 
 def test_import_hf_outside_the_repository_takes_the_packaged_defaults(tmp_path, monkeypatch, capsys):

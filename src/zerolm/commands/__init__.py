@@ -41,9 +41,10 @@ COMMANDS = {
     "plot": ("plot", "loss, throughput, MFU and lr of runs, as a PNG"),
     "report": ("report", "a run's training log (model, data, hardware, speed, curves, tasks, where the time "
                          "went) as markdown and PNGs in RUN_DIR/report"),
-    "export-hf": ("export_hf", "a checkpoint as a Hugging Face model directory (GPT-2, MPT or Llama by its layout)"),
-    "import-hf": ("import_hf", "a local Hugging Face GPT-2, MPT or Llama model directory as a checkpoint train.init_from "
-                               "starts from"),
+    "export-hf": ("export_hf", "a checkpoint as a Hugging Face model directory (GPT-2, MPT, Llama, GPT-NeoX or GPT-J "
+                               "by its layout)"),
+    "import-hf": ("import_hf", "a local Hugging Face GPT-2, MPT, Llama or GPT-NeoX model directory as a checkpoint "
+                               "train.init_from starts from"),
     "grow": ("grow", "a deeper model from a trained one (layers repeated), as a checkpoint train.init_from starts from"),
     "average": ("average", "the mean of a run's last checkpoints (or its train.ema), as a checkpoint eval, sample, "
                            "export-hf and train.init_from read"),

@@ -1,5 +1,5 @@
-"""`zerolm import-hf DIR --out CHECKPOINT`: a local transformers model directory (GPT-2, MPT, Llama layout;
-safetensors) as a zerolm checkpoint that `zerolm train --set train.init_from=CHECKPOINT` continues from
+"""`zerolm import-hf DIR --out CHECKPOINT`: a local transformers model directory (GPT-2, MPT, Llama layout,
+GPT-NeoX; safetensors) as a zerolm checkpoint that `zerolm train --set train.init_from=CHECKPOINT` continues from
 (zerolm.hf.importer)."""
 
 from __future__ import annotations

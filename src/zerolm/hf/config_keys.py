@@ -1,6 +1,6 @@
 """The keys of a transformers `config.json` that `zerolm import-hf` accepts, per layout: an allow-list, listed
-from what transformers' `GPT2LMHeadModel`, `MptForCausalLM` and `LlamaForCausalLM` read (transformers 5's
-modeling and configuration files) and from the keys older versions wrote. Each key is
+from what transformers' `GPT2LMHeadModel`, `MptForCausalLM`, `LlamaForCausalLM` and `GPTNeoXForCausalLM` read
+(transformers 5's modeling and configuration files) and from the keys older versions wrote. Each key is
 
 - *read*: it becomes a zerolm model setting (the shape, the norm's epsilon, rotary's base);
 - *needed* at a value: it changes what transformers' forward pass computes, and zerolm's model computes the same
@@ -36,6 +36,9 @@ class Keys:
     inert: frozenset[str] = frozenset()
     need: dict[str, Need] = field(default_factory=dict)
     nested: dict[str, Keys] = field(default_factory=dict)  # a key holding a config of its own
+    # What several keys decide together, or a key left out (transformers' default): (the config) -> (the key to
+    # name, its value, what zerolm computes) where zerolm would not compute the same, else None.
+    whole: tuple[Callable[[dict], tuple[str, Any, str] | None], ...] = ()
 
 
 # Every config's: what the file is and how transformers loads it, token ids and sampling defaults (generate's,
@@ -61,8 +64,9 @@ COMMON_NEED = {
 }
 
 
-def _table(read: set[str], inert: set[str], need: dict[str, Need], nested: dict[str, Keys] | None = None) -> Keys:
-    return Keys(frozenset(read), COMMON | inert, {**COMMON_NEED, **need}, nested or {})
+def _table(read: set[str], inert: set[str], need: dict[str, Need], nested: dict[str, Keys] | None = None,
+           whole: tuple = ()) -> Keys:
+    return Keys(frozenset(read), COMMON | inert, {**COMMON_NEED, **need}, nested or {}, whole)
 
 
 TIED = Need(one_of(True), "its output layer tied to the token embedding")
@@ -113,17 +117,18 @@ MPT = _table(
 ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 
 
-def _unscaled_rope(value: Any, hf: dict) -> bool:
+def _unscaled_rope(value: Any, hf: dict, whole_head: bool = True) -> bool:
     """Rotary positions as zerolm computes them: no scaling (transformers' `rope_type: default`, or the older
-    `type`), the whole head rotated."""
+    `type`), the whole head rotated (unless another check sees to that: GPT-NeoX's `_whole_heads`)."""
     if value is None:
         return True
     return (isinstance(value, dict) and set(value) <= ROPE_KEYS
             and value.get("rope_type", value.get("type", "default")) == "default"
-            and value.get("partial_rotary_factor") in (None, 1, 1.0))
+            and (not whole_head or value.get("partial_rotary_factor") in (None, 1, 1.0)))
 
 
 UNSCALED = Need(_unscaled_rope, "rotary positions without scaling (rope_type default)")
+UNSCALED_ANY_PART = Need(lambda value, hf: _unscaled_rope(value, hf, whole_head=False), UNSCALED.what)
 
 LLAMA = _table(
     read={"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -138,7 +143,37 @@ LLAMA = _table(
           # transformers 5 reads `rope_scaling` (older files' key) first, then `rope_parameters`
           "rope_scaling": UNSCALED, "rope_parameters": UNSCALED})
 
-TABLES = {"gpt2": GPT2, "mpt": MPT, "llama": LLAMA}
+
+
+def rope_of(hf: dict) -> dict:
+    """The rotary settings transformers 5 reads: `rope_scaling` (older files' key) over `rope_parameters`."""
+    return hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+
+
+def _whole_heads(hf: dict) -> tuple[str, Any, str] | None:
+    """GPT-NeoX rotates the first rotary_pct of each head (transformers 5: rope_parameters' partial_rotary_factor, or
+    the older rotary_pct, else 0.25); zerolm rotates the whole head."""
+    rope = rope_of(hf)
+    key = next((k for k in ("rope_scaling", "rope_parameters") if "partial_rotary_factor" in (hf.get(k) or {})),
+               "rotary_pct")
+    factor = rope.get("partial_rotary_factor", hf.get("rotary_pct", 0.25))
+    if factor in (1, 1.0):
+        return None
+    return key, hf.get(key, factor), "rotary positions over each whole head (rotary_pct 1; transformers' default 0.25)"
+
+
+GPT_NEOX = _table(
+    read={"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+          "max_position_embeddings", "layer_norm_eps", "use_parallel_residual", "tie_word_embeddings",
+          "rotary_emb_base", "rotary_pct"},  # (rotary_pct: `_whole_heads`)
+    inert={"hidden_dropout", "attention_dropout", "classifier_dropout", "attention_probs_dropout_prob",
+           "hidden_dropout_prob"},  # dropout, and the classification head's
+    need={"hidden_act": Need(one_of("gelu", "gelu_new", "gelu_pytorch_tanh"), "the exact or the tanh GELU"),
+          "attention_bias": Need(one_of(True, None), "attention with biases"),
+          "rope_scaling": UNSCALED_ANY_PART, "rope_parameters": UNSCALED_ANY_PART},
+    whole=(_whole_heads,))
+
+TABLES = {"gpt2": GPT2, "mpt": MPT, "llama": LLAMA, "gpt_neox": GPT_NEOX}
 
 
 def first_refused(hf: dict, keys: Keys, prefix: str = "") -> tuple[str, Any, str | None] | None:
@@ -153,4 +188,4 @@ def first_refused(hf: dict, keys: Keys, prefix: str = "") -> tuple[str, Any, str
                 return refused
         elif key not in keys.need and key not in keys.read | keys.inert:
             return name, value, None
-    return None
+    return next((refused for check in keys.whole if (refused := check(hf))), None)

@@ -2,10 +2,11 @@
 
 The model's settings pick transformers' architecture (zerolm.hf.layouts, one name table per layout):
 learned positions export to `GPT2LMHeadModel` (a bias-free model with zero biases), ALiBi ones to
-`MptForCausalLM`, rotary ones to `LlamaForCausalLM`. OUT holds `config.json` (that architecture's: the
-model's norms, embeddings and vocabulary, and its context: the trained one, or for ALiBi a longer one,
-`exported_context`), `model.safetensors` (float32, transformers' names; the
-output layer is the tied `wte`, so `lm_head.weight` is not stored) and the tokenizer as
+`MptForCausalLM`, rotary ones to `LlamaForCausalLM` (RMSNorms, SwiGLU), `GPTNeoXForCausalLM` (LayerNorms, a GELU
+MLP; parallel residual or not) or `GPTJForCausalLM` (the parallel block with a shared norm). OUT holds `config.json`
+(that architecture's: the model's norms, embeddings and vocabulary, and its context: the trained one, or for ALiBi a
+longer one, `exported_context`), `model.safetensors` (float32, transformers' names; a tied output layer is
+`wte`, so `lm_head.weight` is not stored) and the tokenizer as
 `tokenizer.json` with `tokenizer_config.json`, so that
 
     AutoModelForCausalLM.from_pretrained(OUT), AutoTokenizer.from_pretrained(OUT)

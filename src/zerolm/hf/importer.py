@@ -1,10 +1,11 @@
-"""`zerolm import-hf DIR --out CHECKPOINT`: a local transformers model directory (GPT-2, MPT or the Llama
-layout; safetensors) as a zerolm checkpoint that `zerolm train --set train.init_from=CHECKPOINT` continues
+"""`zerolm import-hf DIR --out CHECKPOINT`: a local transformers model directory (GPT-2, MPT, the Llama layout or
+GPT-NeoX's; safetensors) as a zerolm checkpoint that `zerolm train --set train.init_from=CHECKPOINT` continues
 from (zerolm.checkpoint.warm_start), and that `zerolm eval`, `sample` and `export-hf` read like any checkpoint.
 
 DIR's `config.json` says the architecture (`model_type`) and the shape: `model_settings` turns it into zerolm's
-model settings (GPT-2's layout, MPT's with ALiBi, or Llama's with rotary positions, RMSNorm, SwiGLU and
-grouped-query attention). Every key of the file is checked against its layout's allow-list (zerolm.hf.config_keys):
+model settings (GPT-2's layout, MPT's with ALiBi, Llama's with rotary positions, RMSNorm, SwiGLU and
+grouped-query attention, or GPT-NeoX's with rotary positions over whole heads and the parallel residual block or
+not). Every key of the file is checked against its layout's allow-list (zerolm.hf.config_keys):
 one zerolm's model would not compute the same with (another activation, rotary scaling, biases where zerolm
 has none, GPT-2's per-layer score scale, MPT's clipped queries), and one the list does not know, are refused in
 one line naming the key. The weights (`model.safetensors`, or
@@ -31,7 +32,7 @@ from zerolm.core import storage
 from zerolm.core.errors import ZerolmError
 from zerolm.data.tokenizer import Tokenizer, TokenizerError, from_file
 from zerolm.hf import config_keys as hf_keys
-from zerolm.hf.layouts import GPT2, LLAMA, MPT, Layout, zerolm_params
+from zerolm.hf.layouts import GPT2, LLAMA, MPT, NEOX, Layout, zerolm_params
 
 TOKENIZER = TOKENIZER_BESIDE  # the imported tokenizer, in the checkpoint's directory
 
@@ -53,7 +54,7 @@ def model_settings(hf: dict, where: str) -> tuple[Layout, dict[str, Any]]:
     key zerolm's model would not compute the same with, or one it does not know (zerolm.hf.config_keys)."""
     kind = hf.get("model_type")
     if kind not in hf_keys.TABLES:
-        raise HFImportError(f"{where}: model_type: {kind!r}: zerolm imports gpt2, llama and mpt")
+        raise HFImportError(f"{where}: model_type: {kind!r}: zerolm imports gpt2, gpt_neox, llama and mpt")
     if refused := hf_keys.first_refused(hf, hf_keys.TABLES[kind]):
         key, value, what = refused
         shown = repr(value) if len(repr(value)) <= 120 else repr(value)[:117] + "..."
@@ -66,34 +67,51 @@ def model_settings(hf: dict, where: str) -> tuple[Layout, dict[str, Any]]:
         raise HFImportError(f"{where}: no {e.args[0]} (zerolm takes the model's shape from config.json)") from None
 
 
+SEQUENTIAL = {"parallel_residual": False, "shared_norm": False}  # GPT-2's, MPT's and Llama's block
+
+
 def _gpt2(hf: dict) -> tuple[Layout, dict[str, Any]]:
     return GPT2, {"vocab_size": hf["vocab_size"], "n_layer": hf["n_layer"], "d_model": hf["n_embd"],
                   "n_head": hf["n_head"], "seq_len": hf["n_positions"], "position": "learned", "bias": True,
                   "norm": "layernorm", "norm_eps": hf.get("layer_norm_epsilon", 1e-5), "mlp": "gelu",
-                  "activation": "gelu_tanh", "n_kv_head": "auto", "tie_embeddings": True}
+                  "activation": "gelu_tanh", "n_kv_head": "auto", "tie_embeddings": True, **SEQUENTIAL}
 
 
 def _mpt(hf: dict) -> tuple[Layout, dict[str, Any]]:
     return MPT, {"vocab_size": hf["vocab_size"], "n_layer": hf["n_layers"], "d_model": hf["d_model"],
                  "n_head": hf["n_heads"], "seq_len": hf["max_seq_len"], "position": "alibi", "bias": False,
                  "norm": "layernorm", "norm_eps": hf.get("layer_norm_epsilon", 1e-5), "mlp": "gelu",
-                 "activation": "gelu", "n_kv_head": "auto", "tie_embeddings": True}
+                 "activation": "gelu", "n_kv_head": "auto", "tie_embeddings": True, **SEQUENTIAL}
 
 
 def _llama(hf: dict) -> tuple[Layout, dict[str, Any]]:
     heads = hf["num_attention_heads"]
     # transformers takes `rope_scaling` (older files' key) over `rope_parameters`, and its own rope_theta over
     # the top-level one
-    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    rope = hf_keys.rope_of(hf)
     return LLAMA, {"vocab_size": hf["vocab_size"], "n_layer": hf["num_hidden_layers"], "d_model": hf["hidden_size"],
                    "n_head": heads, "seq_len": hf["max_position_embeddings"], "position": "rope",
                    "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), "bias": False,
                    "norm": "rmsnorm", "norm_eps": hf.get("rms_norm_eps", 1e-6), "mlp": "swiglu",
                    "mlp_hidden": hf["intermediate_size"], "n_kv_head": hf.get("num_key_value_heads") or heads,
-                   "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
+                   "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), **SEQUENTIAL}
 
 
-_SETTINGS = {"gpt2": _gpt2, "mpt": _mpt, "llama": _llama}
+def _gpt_neox(hf: dict) -> tuple[Layout, dict[str, Any]]:
+    # GPT-NeoX's LayerNorms and linears all have biases (attention_bias: true, config_keys), the norms one each
+    theta = hf_keys.rope_of(hf).get("rope_theta", hf.get("rotary_emb_base", 10000.0))
+    return NEOX, {"vocab_size": hf["vocab_size"], "n_layer": hf["num_hidden_layers"], "d_model": hf["hidden_size"],
+                  "n_head": hf["num_attention_heads"], "seq_len": hf["max_position_embeddings"], "position": "rope",
+                  "rope_theta": float(theta), "bias": True, "norm": "layernorm", "norm_eps": hf.get("layer_norm_eps", 1e-5),
+                  "mlp": "gelu", "mlp_hidden": hf["intermediate_size"],
+                  "activation": "gelu" if hf.get("hidden_act", "gelu") == "gelu" else "gelu_tanh", "n_kv_head": "auto",
+                  "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+                  "parallel_residual": bool(hf.get("use_parallel_residual", True)), "shared_norm": False}
+
+
+_SETTINGS = {"gpt2": _gpt2, "mpt": _mpt, "llama": _llama, "gpt_neox": _gpt_neox}
+# Tensor names older transformers versions saved, as transformers 5 reads them (its conversion mapping).
+_RENAMED = {"gpt_neox": {"embed_out.weight": "lm_head.weight"}}
 
 
 def read_tensors(directory: Path) -> dict[str, np.ndarray]:
@@ -163,7 +181,8 @@ def import_hf(directory: Path, cfg: Config, out: str, overwrite: bool = False, s
                            f"vocab_size {settings['vocab_size']}")
     model = {**cfg.model.model_dump(), **settings, "mlp_hidden": settings.get("mlp_hidden", "auto")}
     cfg = cfg.resolve(model=model, checkpoint__dir=out)
-    params = zerolm_params(read_tensors(directory), cfg.model, layout)
+    tensors = {_RENAMED.get(hf["model_type"], {}).get(k, k): v for k, v in read_tensors(directory).items()}
+    params = zerolm_params(tensors, cfg.model, layout)
     origin = Origin({"tokenizer_sha256": tokenizer.sha256, "tokenizer": tokenizer.identity,
                      "imported_from": str(directory.absolute())}, None, tokenizer=tokenizer.file_bytes)
     where = save_start(cfg, params, target, origin, say)
