@@ -13,11 +13,12 @@ import pytest
 
 from runs import snapshot, train, zerolm
 from zerolm.checkpoint import trained_model as restored
+from zerolm.config.sampling import Sampling
 from zerolm.data.tokenizer import EOT, from_file, train_bpe
 from zerolm.hf import export
 from zerolm.hf import layouts as hf_layouts
 from zerolm.model import decoder as gpt_model
-from zerolm.model.generate import Sampling, generate
+from zerolm.model.generate import generate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -96,8 +96,9 @@ def test_the_same_numbers_at_dp_8_tp_2_and_stage_3_as_on_one_device(trained_run)
 def test_generate_until_is_the_greedy_sample_cut_at_the_stop_sequence(trained_run):
     from lm_eval.api.instance import Instance
 
+    from zerolm.config.sampling import Sampling
     from zerolm.eval.harness import ZerolmLM
-    from zerolm.model.generate import Sampling, generate
+    from zerolm.model.generate import generate
 
     lm = ZerolmLM(checkpoint=str(trained_run / "ckpt"))
     tok, model = lm.zerolm_tokenizer, lm.loaded

@@ -12,11 +12,12 @@ import pytest
 
 from conftest import small_config
 from test_model_options import LLAMA
+from zerolm.config.sampling import Sampling
 from zerolm.config.tree import ConfigError
 from zerolm.model import decoder as gpt_model
 from zerolm.model.attention import Bias, alibi_slopes, causal_attention
 from zerolm.model.device_policy import for_device
-from zerolm.model.generate import Sampling, generate
+from zerolm.model.generate import generate
 
 
 def test_rotary_turns_each_pair_by_its_position_times_its_frequency():

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 from conftest import small_config
+from zerolm.config.sampling import Sampling, checked
 from zerolm.core.errors import UsageError
 from zerolm.model import decoder as gpt_model
 from zerolm.model import generate as sample
 from zerolm.model.device_policy import for_device
-from zerolm.model.generate import Sampling, generate
+from zerolm.model.generate import generate
 
 
 @pytest.fixture(scope="module")
@@ -48,58 +49,158 @@ def test_greedy_with_the_kv_cache_equals_recomputing_the_sequence(model_and_para
 
 def test_compiled_once_per_prompt_bucket(model_and_params):
     model, params = model_and_params
-    sample._generate.clear_cache()
-    for n, new, settings in [(3, 5, Sampling(0)), (9, 20, Sampling(0.7, top_k=5, seed=1)),
-                             (16, 2, Sampling(1.0, top_p=0.5))]:
+    sample.prefill.clear_cache()
+    sample.insert.clear_cache()
+    sample.step.clear_cache()
+    for n, new, settings in [(3, 5, Sampling(temperature=0)), (9, 20, Sampling(temperature=0.7, top_k=5, seed=1)),
+                             (16, 2, Sampling(temperature=1.0, top_p=0.5, typical_p=0.9, repetition_penalty=1.3))]:
         generate(model, params, np.arange(n), new, settings)
-    assert sample._generate._cache_size() == 1  # prompts of 3, 9 and 16 tokens share the 16 bucket
-    generate(model, params, np.arange(17), 3, Sampling(0))
-    assert sample._generate._cache_size() == 2
+    assert sample.prefill._cache_size() == 1  # prompts of 3, 9 and 16 tokens share the 16 bucket
+    assert sample.step._cache_size() == sample.insert._cache_size() == 1
+    generate(model, params, np.arange(17), 3, Sampling(temperature=0))
+    assert sample.prefill._cache_size() == 2
+    assert sample.step._cache_size() == sample.insert._cache_size() == 1
 
 
 def test_top_k_1_and_a_tiny_top_p_are_greedy_and_sampling_follows_the_seed(model_and_params):
     model, params = model_and_params
     prompt = np.array([4, 8, 15, 16, 23, 42])
-    greedy = generate(model, params, prompt, 20, Sampling(0))
-    assert generate(model, params, prompt, 20, Sampling(1.5, top_k=1, seed=7)).tolist() == greedy.tolist()
-    assert generate(model, params, prompt, 20, Sampling(1.5, top_p=1e-6, seed=7)).tolist() == greedy.tolist()
-    a, b = (generate(model, params, prompt, 20, Sampling(1.5, seed=s)) for s in (1, 2))
-    assert a.tolist() == generate(model, params, prompt, 20, Sampling(1.5, seed=1)).tolist()
+    greedy = generate(model, params, prompt, 20, Sampling(temperature=0))
+    assert generate(model, params, prompt, 20, Sampling(temperature=1.5, top_k=1, seed=7)).tolist() == greedy.tolist()
+    assert generate(model, params, prompt, 20, Sampling(temperature=1.5, top_p=1e-6, seed=7)).tolist() == greedy.tolist()
+    a, b = (generate(model, params, prompt, 20, Sampling(temperature=1.5, seed=s)) for s in (1, 2))
+    assert a.tolist() == generate(model, params, prompt, 20, Sampling(temperature=1.5, seed=1)).tolist()
     assert a.tolist() != b.tolist()
+
+
+def test_rows_decode_as_they_would_alone_joining_leaving_and_regrouped(model_and_params):
+    """Continuous batching: rows admitted at different steps, with their own settings and seeds, moved into
+    a batch of another size midway, draw the tokens each draws alone."""
+    model, params = model_and_params
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 100, n) for n in (3, 20, 7)]
+    settings = [Sampling(temperature=0), Sampling(temperature=1.2, top_k=30, seed=5),
+                Sampling(temperature=0.9, top_p=0.8, repetition_penalty=1.2, seed=9)]
+    alone = [generate(model, params, p, 12, s)[p.size:].tolist() for p, s in zip(prompts, settings, strict=True)]
+    batch, got = sample.empty(model, 4), [[], [], []]
+    joins = {0: [(0, 2)], 3: [(1, 0)], 5: [(2, 3)]}  # step: (prompt, row)
+    where = {}
+    for t in range(20):
+        for i, row in joins.get(t, []):
+            arrival = sample.Arrival(prompts[i], settings[i], jax.random.key(settings[i].seed or 0))
+            batch, _ = sample.admit(model, params, batch, row, arrival)
+            where[i] = row
+        if t == 8:  # the three rows held move into a batch of 8, in another order
+            order = [where[2], where[0], where[1]]
+            batch = sample.regroup(batch, jnp.array(order + [0] * 5))
+            where = {2: 0, 0: 1, 1: 2}
+        batch, drawn = sample.step(model, params, batch)
+        for i, row in where.items():
+            if len(got[i]) < 12:
+                got[i].append(int(drawn.token_R[row]))
+    assert got == alone
+
+
+def test_a_prefill_scores_the_prompt_as_the_full_forward_does(model_and_params):
+    model, params = model_and_params
+    prompt = np.random.default_rng(1).integers(0, 100, 11)
+    scores = sample.prefill(model, params, sample.padded(prompt, model.cfg.seq_len), np.int32(11), echo=True).scores
+    logp_TxV = jax.nn.log_softmax(model.apply({"params": params}, prompt[None])[0].astype(jnp.float32))
+    want = [0.0] + [float(logp_TxV[p - 1, prompt[p]]) for p in range(1, 11)]
+    np.testing.assert_allclose(np.asarray(scores.logprob_P[:11]), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(scores.top_ids_PxN[1:11, 0]), np.argmax(logp_TxV[:10], -1))
+    np.testing.assert_allclose(np.asarray(scores.top_logprobs_PxN[1:11, 0]), np.max(logp_TxV[:10], -1), rtol=1e-5)
+
+
+def rule(**kw):
+    return sample.Rule.of(Sampling(temperature=kw.pop("temperature", 1.0), **kw))
 
 
 def test_pick_keeps_only_the_top_k_and_the_top_p_nucleus():
     logits = jnp.log(jnp.array([0.5, 0.3, 0.15, 0.05]))
     keys = jax.random.split(jax.random.key(0), 2000)
-    draws = lambda **kw: np.asarray(jax.vmap(lambda k: sample.pick(logits, k, 1.0, kw.get("k", 0),  # noqa: E731
-                                                                  kw.get("p", 1.0)))(keys))
-    assert set(draws(k=2)) == {0, 1}
-    assert set(draws(p=0.7)) == {0, 1}  # 0.5 < 0.7: the second token crosses 0.7 and is kept
-    assert set(draws(p=0.5)) == {0}
-    assert set(draws()) == {0, 1, 2, 3}
+    seen = jnp.zeros((2000, 4), bool)
+
+    def draws(**kw):
+        r = jax.tree.map(lambda x: jnp.full(2000, x), rule(**kw))
+        return set(np.asarray(sample.pick(jnp.broadcast_to(logits, (2000, 4)), seen, keys, r)).tolist())
+    assert draws(top_k=2) == {0, 1}
+    assert draws(top_p=0.7) == {0, 1}  # 0.5 < 0.7: the second token crosses 0.7 and is kept
+    assert draws(top_p=0.5) == {0}
+    assert draws() == {0, 1, 2, 3}
+    # The entropy is 1.14 nats: the tokens' information -log p is 0.69, 1.20, 1.90, 3.00, so the most typical
+    # is the second (0.06 from the entropy), then the first (0.45), then the third (0.76).
+    assert draws(typical_p=0.3) == {1}
+    assert draws(typical_p=0.7) == {0, 1}
+    assert draws(typical_p=0.9) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0.7, top_k=20), dict(temperature=1.3, top_p=0.6),
+                                      dict(temperature=1.0, typical_p=0.5), dict(temperature=0.8, repetition_penalty=1.5),
+                                      dict(temperature=0.9, top_k=40, top_p=0.9, typical_p=0.8, repetition_penalty=1.2)])
+def test_the_sampler_cuts_the_distribution_as_hugging_face_generate_does(settings):
+    torch = pytest.importorskip("torch")
+    from transformers.generation import logits_process as hf
+
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((4, 500)) * 3).astype(np.float32)
+    seen = rng.random((4, 500)) < 0.05
+    r = rule(**settings)
+    ours = jax.vmap(sample.filtered, (0, None))(jax.vmap(sample.penalized, (0, 0, None))(logits, seen, r.penalty), r)
+    processors = [hf.RepetitionPenaltyLogitsProcessor(settings.get("repetition_penalty", 1.0)),
+                  hf.TemperatureLogitsWarper(settings["temperature"])]
+    if settings.get("top_k"):
+        processors.append(hf.TopKLogitsWarper(settings["top_k"]))
+    if settings.get("top_p"):
+        processors.append(hf.TopPLogitsWarper(settings["top_p"]))
+    if settings.get("typical_p"):
+        processors.append(hf.TypicalLogitsWarper(settings["typical_p"]))
+    # HF's penalty reads the ids the text holds; one of each seen token gives the same set.
+    ids = torch.tensor([np.flatnonzero(row).tolist() + [np.flatnonzero(row)[0]] * (seen.sum(1).max() - row.sum())
+                        for row in seen])
+    theirs = torch.tensor(logits)
+    for processor in processors:
+        theirs = processor(ids, theirs)
+    theirs = theirs.numpy()
+    np.testing.assert_array_equal(np.isinf(np.asarray(ours)), np.isinf(theirs))
+    kept = ~np.isinf(theirs)
+    np.testing.assert_allclose(np.asarray(ours)[kept], theirs[kept], rtol=1e-5)
+    cuts = {"top_k", "top_p", "typical_p"} & set(settings)
+    assert (kept.sum() < kept.size) == bool(cuts)
+
+
+def test_the_repetition_penalty_steers_greedy_decoding_off_repeats(model_and_params):
+    model, params = model_and_params
+    prompt = np.array([4, 8, 15, 16, 23, 42])
+    plain = generate(model, params, prompt, 40, Sampling(temperature=0))[6:]
+    penalized = generate(model, params, prompt, 40, Sampling(temperature=0, repetition_penalty=50.0))[6:]
+    assert len(set(plain.tolist())) < 40  # greedy repeats itself
+    assert len(set(penalized.tolist())) > len(set(plain.tolist()))
 
 
 def test_generation_stops_at_end_of_text_and_at_the_context(model_and_params):
     model, params = model_and_params
     prompt = np.array([4, 8, 15])
-    greedy = generate(model, params, prompt, 30, Sampling(0))
+    greedy = generate(model, params, prompt, 30, Sampling(temperature=0))
     eot = int(greedy[6])
-    stopped = generate(model, params, prompt, 30, Sampling(0), eot_id=eot)
+    stopped = generate(model, params, prompt, 30, Sampling(temperature=0), eot_id=eot)
     first = 3 + next(i for i, t in enumerate(greedy[3:]) if t == eot)
     assert stopped.tolist() == greedy[:first + 1].tolist()
-    assert len(generate(model, params, np.arange(40), 100, Sampling(0))) == 48
+    assert len(generate(model, params, np.arange(40), 100, Sampling(temperature=0))) == 48
     with pytest.raises(UsageError, match=r"the prompt has 48 tokens; the model's context is 48"):
         generate(model, params, np.arange(48), 1)
 
 
 @pytest.mark.parametrize("kw, message", [({"top_p": 0.0}, "--top-p: 0.0 must be in (0, 1]"),
                                          ({"top_p": 1.5}, "--top-p: 1.5 must be in (0, 1]"),
+                                         ({"typical_p": 0}, "--typical-p: 0.0 must be in (0, 1]"),
+                                         ({"repetition_penalty": 0}, "--repetition-penalty: 0.0 must be > 0"),
                                          ({"top_k": -1}, "--top-k: -1 must be >= 0"),
                                          ({"temperature": -0.1}, "--temperature: -0.1 must be >= 0")])
 def test_bad_sampling_settings_are_named(kw, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
                        .replace("]", r"\]")):
-        Sampling(**kw)
+        checked(kw, lambda field: "--" + field.replace("_", "-"))
 
 
 def test_the_cli_continues_a_prompt_with_a_checkpoint(trained_run):

@@ -19,6 +19,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
                         help="sample among the fewest tokens whose probability reaches P, in (0, 1]; 1: all "
                              "(default: %(default)s)")
+    parser.add_argument("--typical-p", type=float, default=1.0, metavar="P",
+                        help="sample among the most typical tokens (information nearest the entropy) whose "
+                             "probability reaches P, in (0, 1]; 1: all (default: %(default)s)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                        help="> 1: a token already in the text is less likely; 1: none (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     parser.add_argument("--tokenizer", default=None, metavar="FILE",
                         help="the run's tokenizer file, if its dataset is not where the checkpoint says")
@@ -29,13 +34,14 @@ def run(args: argparse.Namespace, out=None) -> int:
     import jax
 
     from zerolm.checkpoint import trained_model as restored
+    from zerolm.config.sampling import Sampling, checked
     from zerolm.core.storage import check
-    from zerolm.model.generate import Sampling, generate
+    from zerolm.model.generate import generate
 
     out = out or sys.stdout
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens: {args.max_new_tokens} must be >= 0")
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling = checked({k: getattr(args, k) for k in Sampling.model_fields}, lambda field: "--" + field.replace("_", "-"))
     check(args.checkpoint, "--checkpoint")
     model_run = restored.load(args.checkpoint, jax.local_devices()[:1])
     tokenizer = model_run.tokenizer(args.tokenizer)

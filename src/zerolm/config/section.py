@@ -7,7 +7,7 @@ from __future__ import annotations
 import typing
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 
 class Section(BaseModel):
@@ -35,3 +35,9 @@ class _KeyError(ValueError):
     def __init__(self, key: str, message: str, related: tuple[str, ...] = ()):
         super().__init__(f"{key}: {message}")
         self.key, self.related = key, related
+
+
+def problem(error: ValidationError) -> tuple[str, str]:
+    """The first problem of a section's validation: its dotted key and pydantic's message without the prefix."""
+    first = error.errors()[0]
+    return ".".join(str(p) for p in first["loc"]), first["msg"].removeprefix("Value error, ")

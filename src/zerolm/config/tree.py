@@ -21,6 +21,7 @@ import yaml
 from pydantic import Field, ModelWrapValidatorHandler, ValidationError, ValidationInfo, field_validator, model_validator
 
 from zerolm.config.model import ModelConfig, tp_split_problem
+from zerolm.config.sampling import Sampling
 from zerolm.config.section import PositiveInt, _KeyError
 from zerolm.config.section import Section as _Section
 from zerolm.core.errors import ZerolmError
@@ -233,12 +234,11 @@ class LoggingConfig(_Section):
         return value
 
 
-class SampleConfig(_Section):
+class SampleConfig(Sampling):
+    """Training's samples: the prompt, how many tokens, how often; drawn as `Sampling` says (seed None: train.seed)."""
+
     prompt: str
     tokens: int = Field(ge=0)
-    temperature: float = Field(ge=0)
-    top_k: int = Field(ge=0)
-    top_p: float = Field(gt=0, le=1)
     every: int | None = PositiveInt
 
 

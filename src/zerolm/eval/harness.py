@@ -39,10 +39,11 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from zerolm.config.sampling import Sampling
 from zerolm.core.errors import UsageError
 from zerolm.data.tokenizer import Tokenizer
 from zerolm.model.decoder import GPT
-from zerolm.model.generate import Sampling, generate
+from zerolm.model.generate import generate
 from zerolm.parallel.mesh import DP
 from zerolm.parallel.sharding import rows as row_sharding
 

@@ -126,6 +126,13 @@ def _proj_init(cfg: ModelConfig):
     return nn.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layer))
 
 
+class Decoding(NamedTuple):
+    """A forward pass over a KV cache: row b's tokens sit at positions start_B[b] onwards (each row its own
+    sequence, at its own length: prompts of any lengths decode together)."""
+
+    start_B: jax.Array  # (B,) int32
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype
@@ -152,7 +159,7 @@ class Attention(nn.Module):
         return self.c_proj()
 
     @nn.compact
-    def __call__(self, x_BxTxD: jax.Array, start: jax.Array | None = None,
+    def __call__(self, x_BxTxD: jax.Array, decoding: Decoding | None = None,
                  segment_ids_BxT: jax.Array | None = None, dropout: Dropout | None = None,
                  rope: Rope | None = None, projected: list[jax.Array] | None = None) -> jax.Array:
         """The heads' outputs (B, T, D), which the block projects with `out_weights` (alone, or with the MLP's in
@@ -166,11 +173,11 @@ class Attention(nn.Module):
         if rope is not None:
             q_BxTxHxK, k_BxTxGxK = rotate(q_BxTxHxK, rope), rotate(k_BxTxGxK, rope)
         slopes_H = jnp.asarray(alibi_slopes(self.cfg.n_head)) if self.cfg.position == "alibi" else None
-        if start is None:
+        if decoding is None:
             y = causal_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, self.implementation, self.cfg.attention_block,
                                  Bias(segment_ids_BxT, slopes_H, dropout))
         else:
-            y = self._cached_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, start, slopes_H)
+            y = self._cached_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, decoding, slopes_H)
         return y.reshape(B, T, D)
 
     def _heads(self, projected: list[jax.Array], B: int, T: int):
@@ -183,20 +190,25 @@ class Attention(nn.Module):
         k, v = (projected[1][:, :, i].reshape(B, T, G, K) for i in range(2))
         return projected[0].reshape(B, T, H, K), k, v
 
-    def _cached_attention(self, q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, start, slopes_H=None):
-        """Decoding: write these S positions' keys and values (G = model.n_kv_head heads) into the `cache`
-        collection at `start`, then attend over every cached position up to each query's own (with ALiBi's
-        bias, given slopes)."""
+    def _cached_attention(self, q_BxSxHxK, k_BxSxGxK, v_BxSxGxK, decoding: Decoding, slopes_H=None):
+        """Decoding: write each row's S positions' keys and values (G = model.n_kv_head heads) into the `cache`
+        collection at the row's start, then attend over the row's cached positions up to each query's own
+        (with ALiBi's bias, given slopes). A cached position past a query's is never read, so what a row
+        left there (a longer prompt's padding, an earlier request's tokens) does not matter."""
         B, S, G, K = k_BxSxGxK.shape
         T = self.cfg.seq_len
         cached = [self.variable("cache", name, jnp.zeros, (B, T, G, K), k_BxSxGxK.dtype) for name in ("k", "v")]
+        write = jax.vmap(lambda row_TxGxK, new_SxGxK, start: lax.dynamic_update_slice(row_TxGxK, new_SxGxK, (start, 0, 0)))
         for var, new in zip(cached, (k_BxSxGxK, v_BxSxGxK), strict=True):
-            var.value = lax.dynamic_update_slice(var.value, new.astype(var.value.dtype), (0, start, 0, 0))
-        queries_S = start + jnp.arange(S)
-        visible_SxT = jnp.arange(T)[None, :] <= queries_S[:, None]
-        bias = None if slopes_H is None else alibi_bias(slopes_H, queries_S, jnp.arange(T)).astype(q_BxSxHxK.dtype)
+            var.value = write(var.value, new.astype(var.value.dtype), decoding.start_B)
+        queries_BxS = decoding.start_B[:, None] + jnp.arange(S)
+        visible_BxSxT = jnp.arange(T)[None, None, :] <= queries_BxS[:, :, None]
+        bias = None
+        if slopes_H is not None:
+            bias = jax.vmap(alibi_bias, (None, 0, None))(slopes_H, queries_BxS, jnp.arange(T))[:, 0]
+            bias = bias.astype(q_BxSxHxK.dtype)
         return jax.nn.dot_product_attention(q_BxSxHxK, cached[0].value, cached[1].value, bias=bias,
-                                            mask=visible_SxT[None, None], implementation="xla")
+                                            mask=visible_BxSxT[:, None], implementation="xla")
 
 
 class Rope(NamedTuple):
@@ -332,7 +344,7 @@ class Block(nn.Module):
     implementation: str
 
     @nn.compact
-    def __call__(self, carry, start: jax.Array | None, segment_ids_BxT: jax.Array | None,
+    def __call__(self, carry, decoding: Decoding | None, segment_ids_BxT: jax.Array | None,
                  keys_B: jax.Array | None, rope: Rope | None = None) -> tuple[Any, None]:
         """`carry`: the hidden states, or in training with dropout (`keys_B`, each sample's key) the pair
         (hidden states, this layer's index), which each mask is drawn with (zerolm.model.dropout)."""
@@ -349,7 +361,7 @@ class Block(nn.Module):
                                     site)
 
         if not cfg.parallel_residual:
-            y = attn(ln("ln_1")(x_BxTxD), start, segment_ids_BxT, attention_dropout, rope)
+            y = attn(ln("ln_1")(x_BxTxD), decoding, segment_ids_BxT, attention_dropout, rope)
             x_BxTxD = x_BxTxD + out(y, attn, dropout_lib.ATTENTION_OUT)
             x_BxTxD = x_BxTxD + out(mlp(ln("ln_2")(x_BxTxD)), mlp, dropout_lib.MLP_OUT)
             return (x_BxTxD if keys_B is None else (x_BxTxD, layer + 1)), None
@@ -359,7 +371,7 @@ class Block(nn.Module):
             a_w, m_w = attn.in_weights(), mlp.in_weights()
             projected = fused_in(h_BxTxD, a_w + m_w, groups, self.dtype)
             a_in, m_in = projected[:len(a_w)], projected[len(a_w):]
-        y = attn(h_BxTxD, start, segment_ids_BxT, attention_dropout, rope, a_in)
+        y = attn(h_BxTxD, decoding, segment_ids_BxT, attention_dropout, rope, a_in)
         z = mlp(h_BxTxD if cfg.shared_norm else ln("ln_2")(x_BxTxD), m_in)
         if keys_B is not None and cfg.residual_dropout:  # each branch its own mask, after its own projection
             x_BxTxD = x_BxTxD + (out(y, attn, dropout_lib.ATTENTION_OUT) + out(z, mlp, dropout_lib.MLP_OUT))
@@ -409,20 +421,20 @@ class GPT(nn.Module):
 
     @nn.compact
     def __call__(self, tokens_BxT: jax.Array, *, hidden_only: bool = False,
-                 start: jax.Array | None = None, dropout_keys: jax.Array | None = None) -> jax.Array:
+                 decoding: Decoding | None = None, dropout_keys: jax.Array | None = None) -> jax.Array:
         """Float32 logits over the padded vocabulary; padded entries are -inf-like, so they get no mass.
 
         `hidden_only`: the final LayerNorm's output instead, for a loss that applies the (tied)
         output layer itself, chunk by chunk (or a sampler, at one position).
-        `start`: decode with a KV cache (the mutable `cache` collection, see `init_cache`): the tokens
-        sit at positions start .. start+T-1 and attend to the cached positions before them.
+        `decoding`: decode with a KV cache (the mutable `cache` collection, see `init_cache`): row b's tokens
+        sit at positions start_B[b] .. start_B[b]+T-1 and attend to the row's cached positions before them.
         `dropout_keys`: in training, each sample's key (zerolm.model.dropout.row_keys): the model.*_dropout
         rates apply, each mask drawn from the sample's key, the layer and the site; None: no dropout."""
         cfg = self.cfg
         V, D = cfg.padded_vocab_size, cfg.d_model
         wte_VxD = self.param("wte", _named(nn.initializers.normal(0.02), "vocab", "embed"), (V, D), jnp.float32)
-        segment_ids_BxT, positions_BxT = token_positions(cfg, tokens_BxT, start)
-        x_BxTxD = self._embed(wte_VxD, tokens_BxT, positions_BxT, start, dropout_keys)
+        segment_ids_BxT, positions_BxT = token_positions(cfg, tokens_BxT, decoding)
+        x_BxTxD = self._embed(wte_VxD, tokens_BxT, positions_BxT, dropout_keys)
         # Positions, once per forward pass: learned ones are added above; rotary angles go to every layer;
         # ALiBi's bias comes from the positions' distance inside each attention (zerolm.model.attention.alibi_bias),
         # which is the same counted from a document's start or the sample's.
@@ -432,7 +444,7 @@ class GPT(nn.Module):
             rope = rope_angles(positions_BxT if positions_BxT is not None else jnp.broadcast_to(
                 jnp.arange(T), tokens_BxT.shape), cfg.head_dim, cfg.rope_theta)
         carry = x_BxTxD if dropout_keys is None else (x_BxTxD, jnp.int32(0))
-        carry, _ = self._blocks()(cfg, jnp.dtype(cfg.dtype), cfg.attention, name="h")(carry, start, segment_ids_BxT,
+        carry, _ = self._blocks()(cfg, jnp.dtype(cfg.dtype), cfg.attention, name="h")(carry, decoding, segment_ids_BxT,
                                                                                      dropout_keys, rope)
         x_BxTxD = norm(cfg, jnp.dtype(cfg.dtype), "ln_f")(carry if dropout_keys is None else carry[0])
         out_VxD = wte_VxD
@@ -442,16 +454,14 @@ class GPT(nn.Module):
             return x_BxTxD
         return output_logits(x_BxTxD, out_VxD, cfg.vocab)
 
-    def _embed(self, wte_VxD, tokens_BxT, positions_BxT, start, dropout_keys) -> jax.Array:
+    def _embed(self, wte_VxD, tokens_BxT, positions_BxT, dropout_keys) -> jax.Array:
         """The tokens' embeddings, plus their learned positions' (model.position learned), after dropout."""
         cfg, T = self.cfg, tokens_BxT.shape[1]
         x_BxTxD = jnp.take(wte_VxD, tokens_BxT, axis=0)
         if cfg.position == "learned":
             wpe_TxD = self.param("wpe", _named(nn.initializers.normal(0.01), "position", "embed"),
                                  (cfg.seq_len, cfg.d_model), jnp.float32)
-            if start is not None:  # decoding: one document, from the cached positions on
-                positions = lax.dynamic_slice_in_dim(wpe_TxD, start, T)
-            elif positions_BxT is not None:
+            if positions_BxT is not None:
                 positions = jnp.take(wpe_TxD, positions_BxT, axis=0)
             else:
                 positions = wpe_TxD[:T]
@@ -478,14 +488,15 @@ class GPT(nn.Module):
                        metadata_params={nn.PARTITION_NAME: "layers"})
 
 
-def token_positions(cfg: ModelConfig, tokens_BxT: jax.Array, start: jax.Array | None
+def token_positions(cfg: ModelConfig, tokens_BxT: jax.Array, decoding: Decoding | None
                     ) -> tuple[jax.Array | None, jax.Array | None]:
-    """(segment ids, positions) of a forward pass's tokens: decoding sits at start .. start+T-1; a document-masked
+    """(segment ids, positions) of a forward pass's tokens: decoding's row b sits at start_B[b] .. start_B[b]+T-1
+    (one document from the row's start: a prompt is not document-masked); a document-masked
     sample has each token's document (`documents`), its positions counted from the sample's start or its
     document's; otherwise (None, None): one sequence at 0 .. T-1."""
     B, T = tokens_BxT.shape
-    if start is not None:
-        return None, jnp.broadcast_to(start + jnp.arange(T), (B, T))
+    if decoding is not None:
+        return None, decoding.start_B[:, None] + jnp.arange(T)
     if cfg.document_mask:
         return documents(tokens_BxT, cfg.eot, cfg.document_positions == "restart")
     return None, None
@@ -538,10 +549,11 @@ def _init_boxed(model: GPT, rng: jax.Array):
 
 
 def init_cache(model: GPT, batch: int):
-    """An empty KV cache for `batch` sequences: the `cache` collection `GPT(..., start=...)` updates,
+    """An empty KV cache for `batch` sequences: the `cache` collection `GPT(..., decoding=...)` updates,
     (layers, batch, seq_len, heads, head_dim) keys and values in the compute dtype."""
     def shapes():
-        return model.init(jax.random.key(0), jnp.zeros((batch, 1), jnp.int32), start=jnp.int32(0))["cache"]
+        return model.init(jax.random.key(0), jnp.zeros((batch, 1), jnp.int32),
+                          decoding=Decoding(jnp.zeros(batch, jnp.int32)))["cache"]
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(shapes))
 
 

@@ -1,109 +1,229 @@
-"""Text generation with a KV cache: a prompt's positions run once (prefill), then each new token costs
-one position's compute. Jitted and compiled once per prompt-length bucket (powers of two), whatever
-the number of new tokens or the sampling settings, which are traced values.
+"""Generation with a KV cache, for `zerolm sample`, training's samples, the harness and `zerolm serve`.
 
-Sampling: temperature 0 is greedy (argmax); otherwise the logits are divided by the temperature,
-cut to the `top_k` most likely tokens (0: no cut) and to the smallest set whose probability reaches
-`top_p` (1: no cut), and a token is drawn. Generation stops after `max_new_tokens`, at the end of
-the context, or after an end-of-text token (which is kept).
+A `Batch` is R rows that decode together, each its own sequence at its own position: a prompt is admitted
+into a free row (`admit`: `prefill` runs its positions once on a row of its own, `insert` puts it in the
+batch), then every `step` draws each row's next token and runs the model one position further on all rows
+at once, so a row can join or leave between any two steps (continuous batching), and `regroup` moves the
+rows held into a batch of another size. `prefill` is compiled once per prompt-length bucket (powers of
+two), the others once per row count, whatever the prompts, the number of new tokens or the sampling
+settings, which are traced values. A prefill can also score the prompt's own tokens (`Scores`: echo).
+
+One sampler (`pick`) for every caller, with its settings in one record (zerolm.config.sampling.Sampling):
+the repetition penalty on the tokens the row holds, greedy at temperature 0, else temperature, top-k,
+top-p and typical sampling, in Hugging Face's order. Each row draws with its own key, folded with the
+number of tokens it has drawn: a row's tokens do not depend on which rows decode beside it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from zerolm.config.sampling import Sampling
 from zerolm.core.errors import UsageError
-from zerolm.model.decoder import GPT, init_cache, output_embedding, output_logits
+from zerolm.model.decoder import GPT, Decoding, init_cache, output_embedding, output_logits
 
 MIN_BUCKET = 16
+TOP_LOGPROBS = 5  # the most likely tokens' log-probabilities each step reports (OpenAI's logprobs: at most 5)
 
 
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.8
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
+class Rule(NamedTuple):
+    """Each row's sampling settings, (R,) arrays: a new value compiles nothing."""
 
-    def __post_init__(self):
-        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
-            raise UsageError(f"--temperature: {self.temperature} must be >= 0 (0: greedy)")
-        if self.top_k < 0:
-            raise UsageError(f"--top-k: {self.top_k} must be >= 0 (0: no cut)")
-        if not 0 < self.top_p <= 1:
-            raise UsageError(f"--top-p: {self.top_p} must be in (0, 1] (1: no cut)")
-
-
-def pick(logits_V: jax.Array, key: jax.Array, temperature, top_k, top_p) -> jax.Array:
-    """One token from float32 logits: greedy at temperature 0, else top-k / top-p sampling."""
-    V = logits_V.shape[-1]
-    scaled_V = logits_V / jnp.maximum(temperature, 1e-6)
-    sorted_V = jnp.sort(scaled_V)[::-1]
-    kth = sorted_V[jnp.clip(top_k - 1, 0, V - 1)]
-    scaled_V = jnp.where((top_k > 0) & (scaled_V < kth), -jnp.inf, scaled_V)
-    # top-p: keep the most likely tokens until their probability reaches top_p (the one that crosses it too).
-    probs_V = jax.nn.softmax(jnp.where((top_k > 0) & (sorted_V < kth), -jnp.inf, sorted_V))
-    before_V = jnp.cumsum(probs_V) - probs_V
-    threshold = jnp.min(jnp.where(before_V < top_p, sorted_V, jnp.inf))
-    scaled_V = jnp.where(scaled_V < threshold, -jnp.inf, scaled_V)
-    sampled = jax.random.categorical(key, scaled_V)
-    return jnp.where(temperature > 0, sampled, jnp.argmax(logits_V)).astype(jnp.int32)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class _Decode:
-    """One generation's settings, as traced values (int32 scalars, float32 for the sampling's floats): a new
-    value compiles nothing."""
-
-    prompt_len: jax.Array  # the prompt's tokens, before its padding to the bucket
-    n_new: jax.Array  # at most this many new tokens
-    eot_id: jax.Array  # stop after this token (-1: none)
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
-    rng: jax.Array  # a typed key
+    typical_p: jax.Array
+    penalty: jax.Array
+
+    @staticmethod
+    def of(sampling: Sampling) -> Rule:
+        def f32(x):
+            return jnp.asarray(x, jnp.float32)
+        return Rule(f32(sampling.temperature), jnp.asarray(sampling.top_k, jnp.int32), f32(sampling.top_p),
+                    f32(sampling.typical_p), f32(sampling.repetition_penalty))
 
 
-@functools.partial(jax.jit, static_argnames=("model",))
-def _generate(model: GPT, params, prompt_P: jax.Array, decode: _Decode):
-    """The prompt (padded to a bucket of P) then up to `decode.n_new` tokens, in a seq_len buffer; and how
-    many tokens the buffer holds."""
-    prompt_len, n_new, eot_id = decode.prompt_len, decode.n_new, decode.eot_id
+def penalized(logits_V: jax.Array, seen_V: jax.Array, penalty: jax.Array) -> jax.Array:
+    """The repetition penalty: a seen token's logit divided by the penalty when positive, multiplied when not."""
+    return jnp.where(seen_V, jnp.where(logits_V > 0, logits_V / penalty, logits_V * penalty), logits_V)
+
+
+def filtered(logits_V: jax.Array, rule: Rule) -> jax.Array:
+    """A row's logits divided by the temperature, with -inf where top-k, top-p or typical sampling cuts (each
+    keeps at least the most likely token; ties at a cut are kept, as Hugging Face's warpers keep them)."""
+    V = logits_V.shape[-1]
+    scaled_V = logits_V / jnp.maximum(rule.temperature, 1e-6)
+    kth = jnp.sort(scaled_V)[::-1][jnp.clip(rule.top_k - 1, 0, V - 1)]
+    scaled_V = jnp.where((rule.top_k > 0) & (scaled_V < kth), -jnp.inf, scaled_V)
+    # top-p: the most likely tokens until their probability reaches top_p (the one that crosses it too).
+    sorted_V = jnp.sort(scaled_V)[::-1]
+    probs_V = jax.nn.softmax(sorted_V)
+    before_V = jnp.cumsum(probs_V) - probs_V
+    threshold = jnp.min(jnp.where(before_V < rule.top_p, sorted_V, jnp.inf))
+    scaled_V = jnp.where((rule.top_p < 1) & (scaled_V < threshold), -jnp.inf, scaled_V)
+    # typical: the tokens whose information (-log p) is nearest the entropy, until their probability
+    # reaches typical_p (the one that crosses it too).
+    logp_V = jax.nn.log_softmax(scaled_V)
+    p_V = jnp.exp(logp_V)
+    entropy = -jnp.sum(jnp.where(p_V > 0, p_V * logp_V, 0.0))
+    distance_V = jnp.abs(-logp_V - entropy)
+    order_V = jnp.argsort(distance_V)
+    reach_V = jnp.cumsum(p_V[order_V])
+    last = jnp.minimum(jnp.sum(reach_V < rule.typical_p), V - 1)
+    keep_V = distance_V <= distance_V[order_V[last]]
+    return jnp.where(keep_V | (rule.typical_p >= 1), scaled_V, -jnp.inf)
+
+
+def pick(logits_RxV: jax.Array, seen_RxV: jax.Array, keys_R: jax.Array, rule: Rule) -> jax.Array:
+    """Each row's next token: greedy at temperature 0, else drawn from the filtered distribution. The sorts
+    the cuts need run only when a row asks for a cut."""
+    logits_RxV = jax.vmap(penalized)(logits_RxV, seen_RxV, rule.penalty)
+    cuts = jnp.any((rule.top_k > 0) | (rule.top_p < 1) | (rule.typical_p < 1))
+    scaled_RxV = lax.cond(cuts, jax.vmap(filtered), lambda x, r: x / jnp.maximum(r.temperature, 1e-6)[:, None],
+                          logits_RxV, rule)
+    drawn_R = jax.vmap(jax.random.categorical)(keys_R, scaled_RxV)
+    return jnp.where(rule.temperature > 0, drawn_R, jnp.argmax(logits_RxV, axis=-1)).astype(jnp.int32)
+
+
+class Batch(NamedTuple):
+    """R rows' decoding state on the device: the KV cache, each row's next-token logits and position (where the
+    next token goes), the tokens it holds (for the repetition penalty), its settings, its key and draws."""
+
+    cache: Any
+    logits_RxV: jax.Array
+    position_R: jax.Array
+    seen_RxV: jax.Array
+    rule: Rule
+    key_R: jax.Array
+    drawn_R: jax.Array
+
+
+class Drawn(NamedTuple):
+    """One step's tokens, their log-probabilities under the model (before any sampling setting), and each row's
+    TOP_LOGPROBS most likely tokens with theirs."""
+
+    token_R: jax.Array
+    logprob_R: jax.Array
+    top_ids_RxN: jax.Array
+    top_logprobs_RxN: jax.Array
+
+
+def empty(model: GPT, rows: int) -> Batch:
+    """R free rows."""
+    V = model.cfg.padded_vocab_size
+
+    def full(value, dtype=jnp.float32):  # each its own buffer: a step donates them all
+        return jnp.full(rows, value, dtype)
+    return Batch(init_cache(model, rows), jnp.zeros((rows, V), jnp.float32), full(0, jnp.int32),
+                 jnp.zeros((rows, V), bool), Rule(full(0), full(0, jnp.int32), full(1), full(1), full(1)),
+                 jax.random.split(jax.random.key(0), rows), full(0, jnp.int32))
+
+
+def _forward(model: GPT, params, cache, tokens_RxS, start_R):
+    x_RxSxD, variables = model.apply({"params": params, "cache": cache}, tokens_RxS, decoding=Decoding(start_R),
+                                     hidden_only=True, mutable=["cache"])
+    return x_RxSxD, variables["cache"]
+
+
+class Scores(NamedTuple):
+    """A prompt's own tokens scored (echo): each position's log-probability of the token there given those
+    before it (position 0: 0, nothing before it), and the TOP_LOGPROBS most likely tokens there with theirs."""
+
+    logprob_P: jax.Array
+    top_ids_PxN: jax.Array
+    top_logprobs_PxN: jax.Array
+
+
+class Prefilled(NamedTuple):
+    """A prompt run through the model on a row of its own: its cache, the next token's logits, the tokens it
+    holds, and (echo) its scores."""
+
+    cache: Any
+    logits_V: jax.Array
+    seen_V: jax.Array
+    scores: Scores | None
+
+
+@functools.partial(jax.jit, static_argnames=("model", "echo"))
+def prefill(model: GPT, params, prompt_P: jax.Array, length: jax.Array, echo: bool = False) -> Prefilled:
+    """A prompt padded to a bucket (its first `length` tokens count) run once: compiled per bucket, whatever
+    the batch it joins."""
+    V = model.cfg.padded_vocab_size
+    x_1xPxD, cache = _forward(model, params, init_cache(model, 1), prompt_P[None], jnp.zeros(1, jnp.int32))
+    embedding = output_embedding(params)
+    logits_V = output_logits(x_1xPxD[0, length - 1], embedding, model.cfg.vocab)
+    seen_V = jnp.zeros(V, bool).at[prompt_P].max(jnp.arange(prompt_P.shape[0]) < length)
+    scores = None
+    if echo:
+        logp_PxV = jax.nn.log_softmax(output_logits(x_1xPxD[0], embedding, model.cfg.vocab))
+        top_logprobs, top_ids = lax.top_k(logp_PxV, TOP_LOGPROBS)
+        # position p's token given those before it: row p - 1's distribution
+        logprob_P = jnp.take_along_axis(logp_PxV[:-1], prompt_P[1:, None], axis=1)[:, 0]
+        scores = Scores(jnp.concatenate([jnp.zeros(1), logprob_P]),
+                        jnp.concatenate([top_ids[:1], top_ids[:-1]]),
+                        jnp.concatenate([top_logprobs[:1], top_logprobs[:-1]]))
+    return Prefilled(cache, logits_V, seen_V, scores)
+
+
+@functools.partial(jax.jit, donate_argnames=("batch",))
+def insert(batch: Batch, row: jax.Array, length: jax.Array, prefilled: Prefilled, rule: Rule, key: jax.Array) -> Batch:
+    """A prefilled prompt of `length` tokens put in a free row: the row's next step draws the token after it."""
+    def put(full, one):
+        return lax.dynamic_update_index_in_dim(full, one, row, axis=0)
+    return Batch(jax.tree.map(lambda full, one: lax.dynamic_update_slice_in_dim(full, one, row, axis=1),
+                              batch.cache, prefilled.cache),
+                 put(batch.logits_RxV, prefilled.logits_V), put(batch.position_R, length),
+                 put(batch.seen_RxV, prefilled.seen_V),
+                 jax.tree.map(put, batch.rule, rule), put(batch.key_R, key), put(batch.drawn_R, jnp.int32(0)))
+
+
+class Arrival(NamedTuple):
+    """A prompt for a free row: its tokens (at most seq_len - 1), how its tokens are drawn and with which key,
+    and whether its own tokens are scored (echo)."""
+
+    prompt: np.ndarray
+    sampling: Sampling
+    key: jax.Array
+    echo: bool = False
+
+
+def admit(model: GPT, params, batch: Batch, row: int, arrival: Arrival) -> tuple[Batch, Prefilled]:
+    """A prompt prefilled into free row `row` of `batch`; the prefill (its scores with echo) beside."""
+    length = np.int32(arrival.prompt.size)
+    prefilled = prefill(model, params, padded(arrival.prompt, model.cfg.seq_len), length, arrival.echo)
+    rule = Rule.of(arrival.sampling)
+    return insert(batch, np.int32(row), length, prefilled._replace(scores=None), rule, arrival.key), prefilled
+
+
+@jax.jit
+def regroup(batch: Batch, rows_N: jax.Array) -> Batch:
+    """A batch of N rows: row i is `batch`'s row rows_N[i] (a row no one holds may be any)."""
+    def rows(axis):
+        return lambda a: jnp.take(a, rows_N, axis=axis)
+    rest = {field: jax.tree.map(rows(0), getattr(batch, field)) for field in Batch._fields if field != "cache"}
+    return Batch(cache=jax.tree.map(rows(1), batch.cache), **rest)  # the cache's rows are its axis 1
+
+
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("batch",))
+def step(model: GPT, params, batch: Batch) -> tuple[Batch, Drawn]:
+    """Every row's next token drawn, then the model run one position further on all of them."""
+    keys_R = jax.vmap(jax.random.fold_in)(batch.key_R, batch.drawn_R)
+    token_R = pick(batch.logits_RxV, batch.seen_RxV, keys_R, batch.rule)
+    logp_RxV = jax.nn.log_softmax(batch.logits_RxV)
+    top_logprobs, top_ids = lax.top_k(logp_RxV, TOP_LOGPROBS)
+    drawn = Drawn(token_R, jnp.take_along_axis(logp_RxV, token_R[:, None], axis=1)[:, 0], top_ids, top_logprobs)
     T = model.cfg.seq_len
-    vocab = model.cfg.vocab
-
-    def logits_at(cache, tokens_1xS, start, last):
-        x_1xSxD, variables = model.apply({"params": params, "cache": cache}, tokens_1xS, start=start,
-                                         hidden_only=True, mutable=["cache"])
-        return output_logits(x_1xSxD[0, last], output_embedding(params), vocab), variables["cache"]
-
-    # Prefill: the padding after the prompt is written into the cache too, but no query sees it before
-    # a generated token overwrites it (each query sees only positions up to its own).
-    logits_V, cache = logits_at(init_cache(model, 1), prompt_P[None], jnp.int32(0), prompt_len - 1)
-    buf_T = jnp.zeros(T, jnp.int32).at[:prompt_P.shape[0]].set(prompt_P)
-
-    def not_done(carry):
-        i, _, _, _, done, _ = carry
-        return (i < n_new) & ~done
-
-    def step(carry):
-        i, cache, buf_T, logits_V, _, rng = carry
-        rng, key = jax.random.split(rng)
-        token = pick(logits_V, key, decode.temperature, decode.top_k, decode.top_p)
-        pos = prompt_len + i
-        buf_T = buf_T.at[pos].set(token)
-        logits_V, cache = logits_at(cache, token.reshape(1, 1), pos, 0)
-        return i + 1, cache, buf_T, logits_V, token == eot_id, rng
-
-    n, _, buf_T, _, _, _ = lax.while_loop(not_done, step, (jnp.int32(0), cache, buf_T, logits_V, False, decode.rng))
-    return buf_T, prompt_len + n
+    x_Rx1xD, cache = _forward(model, params, batch.cache, token_R[:, None], jnp.minimum(batch.position_R, T - 1))
+    logits_RxV = output_logits(x_Rx1xD[:, 0], output_embedding(params), model.cfg.vocab)
+    seen_RxV = batch.seen_RxV.at[jnp.arange(token_R.shape[0]), token_R].set(True)
+    return batch._replace(cache=cache, logits_RxV=logits_RxV, position_R=batch.position_R + 1, seen_RxV=seen_RxV,
+                          drawn_R=batch.drawn_R + 1), drawn
 
 
 def bucket(n: int, seq_len: int) -> int:
@@ -111,10 +231,17 @@ def bucket(n: int, seq_len: int) -> int:
     return min(seq_len, max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length()))
 
 
-def generate(model: GPT, params, prompt_ids, max_new_tokens: int, sampling: Sampling = Sampling(),
+def padded(prompt: np.ndarray, seq_len: int) -> np.ndarray:
+    out = np.zeros(bucket(prompt.size, seq_len), np.int32)
+    out[:prompt.size] = prompt
+    return out
+
+
+def generate(model: GPT, params, prompt_ids, max_new_tokens: int, sampling: Sampling | None = None,
              eot_id: int = -1) -> np.ndarray:
-    """The prompt followed by up to `max_new_tokens` new tokens (fewer at the end of the context or
-    after `eot_id`). The prompt must leave room for one token; an empty prompt starts at `eot_id`."""
+    """The prompt followed by up to `max_new_tokens` new tokens (fewer at the end of the context or after
+    `eot_id`, which is kept), drawn with `sampling` (its seed None: 0). The prompt must leave room for one
+    token; an empty prompt starts at `eot_id`."""
     T = model.cfg.seq_len
     prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
     if prompt.size == 0:
@@ -122,10 +249,12 @@ def generate(model: GPT, params, prompt_ids, max_new_tokens: int, sampling: Samp
     if prompt.size >= T:
         raise UsageError(f"the prompt has {prompt.size} tokens; the model's context is {T} (model.seq_len), "
                          f"so at most {T - 1} leave room to generate")
-    n_new = max(0, min(max_new_tokens, T - prompt.size))
-    padded = np.zeros(bucket(prompt.size, T), np.int32)
-    padded[:prompt.size] = prompt
-    decode = _Decode(jnp.int32(prompt.size), jnp.int32(n_new), jnp.int32(eot_id), jnp.float32(sampling.temperature),
-                     jnp.int32(sampling.top_k), jnp.float32(sampling.top_p), jax.random.key(sampling.seed))
-    buf, length = _generate(model, params, jnp.asarray(padded), decode)
-    return np.asarray(buf)[: int(length)]
+    sampling = sampling or Sampling()
+    batch, _ = admit(model, params, empty(model, 1), 0, Arrival(prompt, sampling, jax.random.key(sampling.seed or 0)))
+    tokens = [int(t) for t in prompt]
+    for _ in range(max(0, min(max_new_tokens, T - prompt.size))):
+        batch, drawn = step(model, params, batch)
+        tokens.append(int(drawn.token_R[0]))
+        if tokens[-1] == eot_id:
+            break
+    return np.asarray(tokens, np.int32)

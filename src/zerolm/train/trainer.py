@@ -29,6 +29,7 @@ from zerolm.checkpoint.meta import CheckpointMeta
 from zerolm.checkpoint.resume import Resume, Start, check_before_compiling, start_state
 from zerolm.checkpoint.run_lock import LockHeld, RunLock
 from zerolm.checkpoint.store import remove_unfinished
+from zerolm.config.sampling import Sampling
 from zerolm.config.tree import Config
 from zerolm.core import storage
 from zerolm.core.errors import first_line
@@ -41,7 +42,7 @@ from zerolm.eval import downstream
 from zerolm.eval.heldout import make_evaluator
 from zerolm.model import losses
 from zerolm.model.decoder import GPT
-from zerolm.model.generate import Sampling, generate
+from zerolm.model.generate import generate
 from zerolm.observe import launches, library_log
 from zerolm.observe.metrics import MetricsWriter, StepMetrics, StepTokens, WandbRun, perplexity
 from zerolm.observe.mfu import Accounting
@@ -222,7 +223,8 @@ def _sampler(cfg: Config, model: GPT, data: RunData) -> Callable[[Any], str] | N
     tokenizer = data.tokenizer
     if tokenizer is None or not cfg.sample.tokens:  # (eval.tasks loads the tokenizer too)
         return None
-    sampling = Sampling(cfg.sample.temperature, cfg.sample.top_k, cfg.sample.top_p, seed=cfg.train.seed)
+    sampling = Sampling(**cfg.sample.model_dump(include=set(Sampling.model_fields)))
+    sampling = sampling.model_copy(update={"seed": cfg.train.seed if sampling.seed is None else sampling.seed})
     prompt = tokenizer.encode(cfg.sample.prompt)[-(cfg.model.seq_len - 1):]
     return lambda params: tokenizer.decode(generate(model, params, prompt, cfg.sample.tokens, sampling,
                                                     tokenizer.eot_id))
