@@ -18,11 +18,14 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install -q -r requirements.txt -e .
 	touch $@
 
-# The test extra: pytest, shellcheck, ruff, mypy, and PyTorch (CPU) + transformers to check the Hugging Face export.
+# The test extra: pytest, shellcheck, ruff, mypy, PyTorch (CPU) + transformers to check the Hugging Face export, the
+# openai client and Playwright for `zerolm serve`; and a browser for its page: Debian's chromium, where none is installed.
 install-test: $(VENV)/.installed-test
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[test]'
+	command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+		{ $$(command -v sudo) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$(command -v sudo) apt-get install -y -qq chromium; }
 	touch $@
 
 # Trains, then draws the run's curves (loss, tokens/s, MFU, lr) and prints the PNG's path.

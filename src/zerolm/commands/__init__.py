@@ -12,7 +12,7 @@ Each command module is imported only when its command runs (`zerolm --help` impo
 imports the library in its `run`, not at its top: `zerolm <command> --help` imports no JAX either
 (tests/test_commands.py checks both).
 
-May import: core, config, model, parallel, data, checkpoint, plan, compile, observe, eval, hf, train.
+May import: core, config, model, parallel, data, checkpoint, plan, compile, observe, eval, hf, train, serve.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ COMMANDS = {
     "checkpoints": ("checkpoints", "list a run's checkpoints and the one --resume auto would take"),
     "eval": ("eval", "the held-out loss and perplexity of a checkpoint"),
     "sample": ("sample", "continue a prompt with a checkpoint's model (KV cache)"),
+    "serve": ("serve", "a checkpoint's model over HTTP: a page to try it and OpenAI's completions API"),
     "plot": ("plot", "loss, throughput, MFU and lr of runs, as a PNG"),
     "report": ("report", "a run's training log (model, data, hardware, speed, curves, tasks, where the time "
                          "went) as markdown and PNGs in RUN_DIR/report"),

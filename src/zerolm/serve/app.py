@@ -1,0 +1,299 @@
+"""The HTTP face of `zerolm serve`: a Starlette app over the engine, run by uvicorn.
+
+- `GET /`: the page (a prompt, the sampling settings, the text streamed as it is drawn);
+- `POST /v1/completions`: OpenAI's completions (zerolm.serve.completions), whole or streamed as server-sent
+  events; `GET /v1/models`: the one model served;
+- `GET /health`: 200 once the model is loaded and its first programs compiled;
+- `GET /tokenizer_info`, `POST /tokenize`, `POST /detokenize`: the model's tokenizer, as vLLM serves it (what
+  lm-evaluation-harness's `local-completions` reads with `tokenizer_backend=remote`).
+
+A mistake in a request is a 4xx JSON error naming its field (OpenAI's shape); a full queue is 429. A client
+that goes away frees its rows at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import signal
+import socket
+from collections.abc import AsyncIterator, Callable
+from importlib import resources
+from typing import Any
+
+import jax
+import numpy as np
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from zerolm.serve import completions as api
+from zerolm.serve.engine import Busy, Engine, Failure, Job, Piece
+
+GRACE_SECONDS = 30  # how long a stopping server lets the answers in flight finish
+POLL_SECONDS = 0.5  # how often a whole (not streamed) answer's wait looks whether its client is still there
+
+
+class Served:
+    """What the app serves: the engine, the model's name, its context."""
+
+    def __init__(self, engine: Engine, name: str):
+        self.engine, self.name = engine, name
+        self.context = engine.model.cfg.seq_len
+        self.tokenizer = engine.tokenizer
+
+    def jobs(self, request: api.Completion, sink: Callable[[Piece | Failure], None]) -> tuple[list[Job], int]:
+        """One job per prompt and choice; the prompts' tokens counted (usage)."""
+        seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(31)
+        base, jobs, counted = jax.random.key(seed), [], 0
+        for p, prompt in enumerate(request.prompts):
+            ids, text = self._prompt(prompt)
+            counted += ids.size
+            room = self.context - ids.size
+            max_tokens = room if request.max_tokens is None else min(request.max_tokens, room)
+            for c in range(request.n):
+                index = p * request.n + c
+                key = base if index == 0 else jax.random.fold_in(base, index)
+                jobs.append(Job(index, ids, text, request.sampling, key, max_tokens, request.stop, request.echo,
+                                request.logprobs, sink))
+        return jobs, counted
+
+    def _prompt(self, prompt: str | list[int]) -> tuple[np.ndarray, str]:
+        if isinstance(prompt, str):
+            ids, text = self.tokenizer.encode(prompt), prompt
+        else:
+            ids = np.asarray(prompt, np.int64)
+            if ids.size and (ids.min() < 0 or ids.max() >= self.tokenizer.vocab_size):
+                raise api.RequestError(f"prompt: token ids must be in [0, {self.tokenizer.vocab_size}) "
+                                       f"(the tokenizer's vocabulary)", "prompt")
+            text = self.tokenizer.decode(ids)
+        if ids.size == 0:  # a new document
+            ids = np.asarray([self.tokenizer.eot_id])
+        if ids.size >= self.context:
+            raise api.RequestError(f"prompt: {ids.size} tokens, but the model's context is {self.context} tokens, "
+                                   f"so a prompt may have at most {self.context - 1}", "prompt")
+        return ids.astype(np.int32), text
+
+
+def _error(error: api.RequestError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if error.status == 429 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+async def _body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise api.RequestError(f"the request body is not JSON: {e}") from None
+
+
+class Answer:
+    """One request's choices, assembled from the engine's pieces."""
+
+    def __init__(self, served: Served, request: api.Completion):
+        self.served, self.request = served, request
+        self.queue: asyncio.Queue[Piece | Failure] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def sink(event: Piece | Failure) -> None:  # from the engine's thread
+            with contextlib.suppress(RuntimeError):  # the request's loop is gone
+                loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        self.jobs, self.prompt_tokens = served.jobs(request, sink)
+        self.open = len(self.jobs)
+        self.tokens = [0] * len(self.jobs)
+
+    def start(self) -> None:
+        try:
+            self.served.engine.submit(self.jobs)
+        except Busy as e:
+            raise api.RequestError(str(e), None, 429, "rate_limit_exceeded") from None
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.cancelled.set()
+
+    async def next(self) -> Piece:
+        event = await self.queue.get()
+        if isinstance(event, Failure):
+            raise api.RequestError(event.message, None, 500, "server_error")
+        self.tokens[event.choice] = event.drawn
+        self.open -= event.finish_reason is not None
+        return event
+
+    def usage(self) -> dict:
+        return api.usage(self.prompt_tokens, sum(self.tokens))
+
+    def choice(self, piece: Piece) -> dict:
+        logprobs = piece.logprobs.model_dump() if piece.logprobs is not None else None
+        if logprobs is None and self.request.logprobs is not None:
+            logprobs = api.Logprobs().model_dump()
+        return {"index": piece.choice, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+
+
+async def _whole(request: Request, answer: Answer) -> Response:
+    texts = [""] * len(answer.jobs)
+    logprobs = [api.Logprobs() for _ in answer.jobs]
+    finish: list[Any] = [None] * len(answer.jobs)
+    while answer.open:
+        try:
+            piece = await asyncio.wait_for(answer.next(), POLL_SECONDS)
+        except TimeoutError:
+            if await request.is_disconnected():
+                answer.cancel()
+                return Response(status_code=499)
+            continue
+        if piece.logprobs is not None:
+            logprobs[piece.choice].extend(piece.logprobs, 0)
+        texts[piece.choice] += piece.text
+        finish[piece.choice] = piece.finish_reason or finish[piece.choice]
+    choices = [{"index": i, "text": texts[i], "finish_reason": finish[i],
+                "logprobs": logprobs[i].model_dump() if answer.request.logprobs is not None else None}
+               for i in range(len(texts))]
+    return JSONResponse(api.envelope(api.completion_id(), answer.served.name, choices, answer.usage()))
+
+
+def _streamed(answer: Answer) -> StreamingResponse:
+    cid, name = api.completion_id(), answer.served.name
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            while answer.open:
+                try:
+                    piece = await answer.next()
+                except api.RequestError as e:
+                    yield f"data: {json.dumps(e.body())}\n\n"
+                    return
+                if piece.text or piece.finish_reason or piece.logprobs is not None:
+                    yield f"data: {json.dumps(api.envelope(cid, name, [answer.choice(piece)]))}\n\n"
+            if answer.request.usage_in_stream:
+                yield f"data: {json.dumps(api.envelope(cid, name, [], answer.usage()))}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # done, or the client went away: its rows are freed at the next step
+            answer.cancel()
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _served(request: Request) -> Served:
+    return request.app.state.served
+
+
+async def _completions(request: Request) -> Response:
+    served = _served(request)
+    try:
+        parsed = api.parse(await _body(request), served.engine.max_rows)
+        if parsed.model not in (None, served.name):
+            raise api.RequestError(f"model: {parsed.model!r} is not served here (this server serves "
+                                   f"{served.name!r})", "model", 404, "model_not_found")
+        answer = Answer(served, parsed)
+        answer.start()
+    except api.RequestError as e:
+        return _error(e)
+    if parsed.stream:
+        return _streamed(answer)
+    try:
+        return await _whole(request, answer)
+    except api.RequestError as e:
+        return _error(e)
+    finally:
+        answer.cancel()
+
+
+async def _models(request: Request) -> Response:
+    served = _served(request)
+    return JSONResponse({"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
+                                                     "owned_by": "zerolm", "max_model_len": served.context}]})
+
+
+async def _health(request: Request) -> Response:
+    """200 once the engine is ready, with its rows in use, its queue, its steps and the most rows a step ran."""
+    engine = _served(request).engine
+    ready = engine.ready.is_set() and engine.thread.is_alive()
+    return JSONResponse({"status": "ok" if ready else "starting", "rows": sum(j is not None for j in engine.rows),
+                         "waiting": len(engine.waiting), "steps": engine.steps, "peak_rows": engine.peak_rows},
+                        status_code=200 if ready else 503)
+
+
+async def _page(request: Request) -> Response:
+    served = _served(request)
+    return HTMLResponse(resources.files("zerolm.serve").joinpath("page.html").read_text()
+                        .replace("{{model}}", served.name).replace("{{context}}", str(served.context)))
+
+
+async def _tokenizer_info(request: Request) -> Response:
+    served = _served(request)
+    tok = served.tokenizer
+    return JSONResponse({"eos_token": tok.eot, "bos_token": None, "pad_token": None,
+                         "model_max_length": served.context, "vocab_size": tok.vocab_size})
+
+
+async def _tokenize(request: Request) -> Response:
+    try:
+        body = await _body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
+            raise api.RequestError("prompt: a string to tokenize", "prompt")
+    except api.RequestError as e:
+        return _error(e)
+    served = _served(request)
+    tokens = served.tokenizer.encode(body["prompt"]).tolist()
+    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": served.context})
+
+
+async def _detokenize(request: Request) -> Response:
+    tokenizer = _served(request).tokenizer
+    try:
+        body = await _body(request)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < tokenizer.vocab_size
+                                                    for t in tokens):
+            raise api.RequestError("tokens: a list of token ids of the tokenizer's vocabulary", "tokens")
+    except api.RequestError as e:
+        return _error(e)
+    return JSONResponse({"prompt": tokenizer.decode(tokens)})
+
+
+async def _http_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return _error(api.RequestError(exc.detail, None, exc.status_code, "not_found_error"))
+
+
+ROUTES = [Route("/", _page), Route("/health", _health), Route("/v1/models", _models),
+          Route("/v1/completions", _completions, methods=["POST"]), Route("/tokenizer_info", _tokenizer_info),
+          Route("/tokenize", _tokenize, methods=["POST"]), Route("/detokenize", _detokenize, methods=["POST"])]
+
+
+def create_app(served: Served) -> Starlette:
+    app = Starlette(routes=ROUTES, exception_handlers={HTTPException: _http_error})
+    app.state.served = served
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, saying when it listens."""
+
+    def __init__(self, config: uvicorn.Config, on_listening: Callable[[], None]):
+        super().__init__(config)
+        self.on_listening = on_listening
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.on_listening()
+
+
+def run(served: Served, sock: socket.socket, on_listening: Callable[[], None]) -> None:
+    """Serves on `sock` until SIGTERM or Ctrl-C: then it stops taking connections, lets the answers in flight
+    finish (GRACE_SECONDS at most) and stops the engine."""
+    config = uvicorn.Config(create_app(served), log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=GRACE_SECONDS)
+    # uvicorn raises the signal that stopped it again once it has stopped: a stop asked for is a clean exit.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        _Server(config, on_listening).run(sockets=[sock])
+    finally:
+        served.engine.stop()

@@ -1,0 +1,259 @@
+"""The engine: one thread that owns the device and decodes every request's choices together (continuous
+batching, zerolm.model.generate).
+
+A request is one `Job` per choice (its prompt, settings, key, stops). The engine admits waiting jobs into
+free rows between any two steps and drops a row the step its job ends (its stop sequence, the end-of-text
+token, `max_tokens` or the end of the context, or its client gone), so a short answer never waits for a
+long one. The batch runs at the fewest rows among `buckets` (1, 8 and 32 by default) that hold the jobs
+in it, moved between sizes by `regroup`: one client decodes one row, as `zerolm sample` does. Each job's
+text goes to its `sink` as it grows (`Piece`s), from the engine's thread: what a stop sequence could still
+begin is held back until the next token decides it, and so is a character whose bytes are not all drawn.
+
+A job draws with its own key, folded by its count of draws: its tokens do not depend on its neighbours.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from zerolm.config.sampling import Sampling
+from zerolm.core.errors import UsageError
+from zerolm.data.tokenizer import Tokenizer
+from zerolm.model.decoder import GPT
+from zerolm.model.generate import Arrival, Batch, Scores, admit, empty, padded, prefill, regroup, step
+from zerolm.serve.completions import FinishReason, Logprobs
+
+BUCKETS = (1, 8, 32)
+
+
+class Busy(UsageError):
+    """More jobs waiting than the engine queues (HTTP 429)."""
+
+
+class Piece(NamedTuple):
+    """A job's next text (and its tokens' log-probabilities, if asked), and why it ended, on its last."""
+
+    choice: int  # the job's index among its request's choices
+    text: str
+    logprobs: Logprobs | None
+    finish_reason: FinishReason = None
+    drawn: int = 0  # the job's tokens drawn so far (usage)
+
+
+class Failure(NamedTuple):
+    """The engine could not finish a job (a bug of zerolm's, or the server stopping)."""
+
+    message: str
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One choice: its prompt's tokens (and its text, for echo), how its tokens are drawn, its end."""
+
+    index: int
+    prompt: np.ndarray
+    prompt_text: str
+    sampling: Sampling
+    key: jax.Array
+    max_tokens: int  # at most the context's end
+    stop: list[str]
+    echo: bool
+    logprobs: int | None
+    sink: Callable[[Piece | Failure], None]
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    sent: int = 0  # characters of its text sent
+    offset: int = 0  # characters of its tokens' text counted (logprobs' text_offset)
+
+
+class Engine:
+    def __init__(self, model: GPT, params: Any, tokenizer: Tokenizer, buckets: tuple[int, ...] = BUCKETS,
+                 max_waiting: int = 256):
+        self.model, self.params, self.tokenizer = model, params, tokenizer
+        self.buckets, self.max_waiting = tuple(sorted(buckets)), max_waiting
+        self.batch: Batch = empty(model, self.buckets[0])
+        self.rows: list[Job | None] = [None] * self.buckets[0]
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.wake = threading.Condition()
+        self.ready = threading.Event()
+        self.stopping = False
+        self.steps = 0  # steps run, and the most rows any ran with: for tests and the benchmark
+        self.peak_rows = 0
+        self.thread = threading.Thread(target=self._run, name="zerolm-engine", daemon=True)
+
+    @property
+    def max_rows(self) -> int:
+        return self.buckets[-1]
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        with self.wake:
+            self.stopping = True
+            self.wake.notify()
+        self.thread.join()
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Jobs queued for rows; Busy if the queue is full."""
+        with self.wake:
+            if len(self.waiting) + len(jobs) > self.max_waiting:
+                raise Busy(f"{len(self.waiting)} choices are waiting for a row (at most {self.max_waiting}); "
+                           "try again shortly")
+            self.waiting.extend(jobs)
+            self.wake.notify()
+
+    def warm(self) -> None:
+        """The programs one client's short prompt runs, compiled before the server says it is ready."""
+        arrival = Arrival(np.zeros(1, np.int32), Sampling(temperature=0), jax.random.key(0))
+        batch, _ = admit(self.model, self.params, empty(self.model, self.buckets[0]), 0, arrival)
+        jax.block_until_ready(step(self.model, self.params, batch))
+
+    def _run(self) -> None:
+        self.warm()
+        self.ready.set()
+        while True:
+            with self.wake:
+                while not self.stopping and not self.waiting and not any(self.rows):
+                    self.wake.wait()
+                if self.stopping:
+                    break
+                arrivals = self._arrivals()
+            try:
+                self._turn(arrivals)
+            except Exception:  # a bug of zerolm's: every job in flight fails, the engine goes on
+                traceback.print_exc(file=sys.stderr)
+                for failed in arrivals + [j for j in self.rows if j is not None]:
+                    failed.sink(Failure("the server failed decoding this request (see its log)"))
+                self.batch, self.rows = empty(self.model, self.buckets[0]), [None] * self.buckets[0]
+        for job in list(self.waiting) + [j for j in self.rows if j is not None]:
+            job.sink(Failure("the server stopped"))
+
+    def _arrivals(self) -> list[Job]:
+        """The waiting jobs that rows can take now (under the lock)."""
+        free = self.max_rows - sum(job is not None for job in self.rows)
+        taken = []
+        while self.waiting and (free > 0 or self.waiting[0].max_tokens == 0):
+            job = self.waiting.popleft()
+            free -= job.max_tokens > 0
+            taken.append(job)
+        return taken
+
+    def _turn(self, arrivals: list[Job]) -> None:
+        for job in arrivals:
+            if not job.cancelled.is_set():
+                self._admit(job)
+        if any(self.rows):
+            self.batch, drawn = step(self.model, self.params, self.batch)
+            self.steps += 1
+            self.peak_rows = max(self.peak_rows, sum(job is not None for job in self.rows))
+            drawn = jax.device_get(drawn)
+            for row, held in enumerate(self.rows):
+                if held is not None and self._advance(held, drawn, row):
+                    self.rows[row] = None
+        self._fit()
+
+    def _admit(self, job: Job) -> None:
+        arrival = Arrival(job.prompt, job.sampling, job.key, job.echo)
+        if job.max_tokens == 0:  # scores only (echo), or nothing
+            scores = None
+            if job.echo:
+                length = np.int32(job.prompt.size)
+                scores = prefill(self.model, self.params, padded(job.prompt, self.model.cfg.seq_len), length,
+                                 True).scores
+            self._echo(job, scores)
+            job.sink(Piece(job.index, "", None, "length", 0))
+            return
+        if None not in self.rows:
+            self._resize(next(b for b in self.buckets if b > len(self.rows)))
+        row = self.rows.index(None)
+        self.batch, prefilled = admit(self.model, self.params, self.batch, row, arrival)
+        self.rows[row] = job
+        if job.echo:
+            self._echo(job, prefilled.scores)
+
+    def _echo(self, job: Job, scores: Scores | None) -> None:
+        """The prompt's text first, with its tokens' scores (the first has none: nothing before it)."""
+        logprobs = None
+        if job.logprobs is not None and scores is not None:
+            s = jax.device_get(scores)
+            logprobs = self._logprobs(job, job.prompt, s.logprob_P, s.top_ids_PxN, s.top_logprobs_PxN)
+            logprobs.token_logprobs[0] = logprobs.top_logprobs[0] = None
+        job.sink(Piece(job.index, job.prompt_text, logprobs))
+        job.sent, job.offset = 0, len(job.prompt_text)
+
+    def _logprobs(self, job: Job, ids, logprob, top_ids, top_logprobs) -> Logprobs:
+        decode = self.tokenizer.decode
+        out = Logprobs()
+        for i, token in enumerate(ids):
+            text = decode([int(token)])
+            out.tokens.append(text)
+            out.token_logprobs.append(float(logprob[i]))
+            out.top_logprobs.append({decode([int(t)]): float(lp) for t, lp in
+                                     zip(top_ids[i][:max(job.logprobs or 0, 1)], top_logprobs[i], strict=False)})
+            out.text_offset.append(job.offset)
+            job.offset += len(text)
+        return out
+
+    def _advance(self, job: Job, drawn, row: int) -> bool:
+        """The job's token from this step; whether the job ended (its row is free)."""
+        if job.cancelled.is_set():
+            return True
+        token = int(drawn.token_R[row])
+        if token == self.tokenizer.eot_id:
+            job.sink(Piece(job.index, self._text(job, final=True)[0], None, "stop", len(job.tokens) + 1))
+            return True
+        job.tokens.append(token)
+        logprobs = None
+        if job.logprobs is not None:
+            logprobs = self._logprobs(job, [token], drawn.logprob_R[row:row + 1], drawn.top_ids_RxN[row:row + 1],
+                                      drawn.top_logprobs_RxN[row:row + 1])
+        text, stopped = self._text(job, final=len(job.tokens) >= job.max_tokens)
+        finish: FinishReason = "stop" if stopped else ("length" if len(job.tokens) >= job.max_tokens else None)
+        job.sink(Piece(job.index, text, logprobs, finish, len(job.tokens)))
+        return finish is not None
+
+    def _text(self, job: Job, final: bool) -> tuple[str, bool]:
+        """The job's text not yet sent that no stop sequence could still claim; whether a stop sequence ended it."""
+        text = self.tokenizer.decode(job.tokens)
+        longest = max((len(s) for s in job.stop), default=0)
+        hits = [i for i in (text.find(s, max(0, job.sent - longest)) for s in job.stop) if i >= 0]
+        if hits:
+            end, stopped = min(hits), True
+        elif final:
+            end, stopped = len(text), False
+        else:
+            end, stopped = len(text), False
+            while end > job.sent and text[end - 1] == "\ufffd":  # a character whose bytes are not all drawn
+                end -= 1
+            held = max((k for s in job.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            end = max(job.sent, min(end, len(text) - held))
+        out = text[job.sent:end]
+        job.sent = max(job.sent, end)
+        return out, stopped
+
+    def _resize(self, rows: int) -> None:
+        """The jobs held moved into a batch of `rows` rows (in their order)."""
+        held = [(row, job) for row, job in enumerate(self.rows) if job is not None]
+        index = np.zeros(rows, np.int32)
+        index[:len(held)] = [row for row, _ in held]
+        self.batch = regroup(self.batch, index)
+        self.rows = [job for _, job in held] + [None] * (rows - len(held))
+
+    def _fit(self) -> None:
+        """The fewest rows that hold the jobs, once nothing waits."""
+        held = sum(job is not None for job in self.rows)
+        if self.waiting or held == 0 and len(self.rows) == self.buckets[0]:
+            return
+        fits = next(b for b in self.buckets if b >= held)
+        if fits < len(self.rows):
+            self._resize(fits)

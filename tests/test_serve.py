@@ -1,0 +1,316 @@
+"""`zerolm serve` (zerolm.serve): OpenAI's completions through the openai client, whole and streamed, equal to
+`zerolm sample`; 32 clients at once get what each gets alone, decoded together; lm-evaluation-harness's
+`local-completions` against the server gives `zerolm eval --tasks`'s numbers; the page in a real browser
+streams what `zerolm sample` prints and says so when the server dies; stop sequences, the end of the
+context, bad requests (4xx naming the field), a full queue (429), SIGTERM (answers in flight finish, exit 0)."""
+
+import concurrent.futures
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from runs import REPO, env, train, zerolm
+
+pytestmark = pytest.mark.slow  # a trained run and servers
+CONTEXT = 256  # served past the trained 32 tokens: the model's positions are ALiBi's
+
+
+@pytest.fixture(scope="module")
+def alibi_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("served")
+    train(run_dir, "model.position=alibi", "checkpoint.keep=1")
+    return run_dir
+
+
+class Server:
+    """`zerolm serve` in a subprocess, on a free port."""
+
+    def __init__(self, checkpoint, *flags):
+        self.proc = subprocess.Popen([sys.executable, "-m", "zerolm.cli", "serve", "--checkpoint", str(checkpoint),
+                                      "--port", "0", *flags], env=env(1), cwd=REPO, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        line = self.proc.stdout.readline()
+        match = re.match(r"serving (\S+) at (http://\S+)/ \(OpenAI API: (\S+);", line)
+        assert match, (line, self.proc.stderr.read() if self.proc.poll() is not None else "")
+        self.name, self.url, self.api = match.groups()
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.api, api_key="none", max_retries=0, timeout=60)
+
+    def stop(self, sig=signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(alibi_run):
+    s = Server(alibi_run / "ckpt", "--context", str(CONTEXT))
+    yield s
+    assert s.stop() == 0
+
+
+def sample(run_dir, prompt, *flags):
+    """What `zerolm sample` prints after the prompt."""
+    out = zerolm("sample", "--checkpoint", run_dir / "ckpt", "--prompt", prompt, *flags, devices=1).stdout
+    assert out.startswith(prompt)
+    return out[len(prompt):].removesuffix("\n")
+
+
+def test_the_openai_client_gets_what_zerolm_sample_prints_whole_and_streamed(alibi_run, server):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == [server.name]
+    for flags, settings in [(["--temperature", "0"], dict(temperature=0)),
+                            (["--temperature", "0.9", "--top-k", "40", "--seed", "3"],
+                             dict(temperature=0.9, seed=3, extra_body={"top_k": 40})),
+                            (["--temperature", "1.1", "--top-p", "0.9", "--typical-p", "0.95",
+                              "--repetition-penalty", "1.3", "--seed", "5"],
+                             dict(temperature=1.1, top_p=0.9, seed=5,
+                                  extra_body={"typical_p": 0.95, "repetition_penalty": 1.3}))]:
+        want = sample(alibi_run, "And God said", *flags, "--max-new-tokens", "40")
+        whole = client.completions.create(model=server.name, prompt="And God said", max_tokens=40, **settings)
+        assert whole.choices[0].text == want
+        assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 40
+        streamed = client.completions.create(model=server.name, prompt="And God said", max_tokens=40, stream=True,
+                                             **settings)
+        assert "".join(chunk.choices[0].text for chunk in streamed) == want
+
+
+def test_a_stop_sequence_ends_the_text_before_it_whole_and_streamed(server):
+    client = server.client()
+    ask = dict(model=server.name, prompt="In the beginning", max_tokens=40, temperature=1.0, seed=2)
+    text = client.completions.create(**ask).choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert len(stop) == 3 and text.index(stop) > 0
+    cut = text[:text.index(stop)]
+    whole = client.completions.create(**ask, stop=[stop, "never in the text"])
+    assert (whole.choices[0].text, whole.choices[0].finish_reason) == (cut, "stop")
+    chunks = list(client.completions.create(**ask, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == cut and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_32_clients_at_once_get_what_each_gets_alone_decoded_together(server):
+    import httpx
+
+    client = server.client()
+    prompts = [f"{word} of the" for word in ("And", "The", "For", "In", "But", "Then", "Now", "So")] * 4
+    settings = [dict(temperature=0) if i % 2 else dict(temperature=1.0, seed=i) for i in range(32)]
+
+    def ask(i):
+        return client.completions.create(model=server.name, prompt=prompts[i], max_tokens=24 + i,
+                                         **settings[i]).choices[0].text
+    alone = [ask(i) for i in range(32)]
+    steps_before = httpx.get(f"{server.url}/health").json()["steps"]
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(ask, range(32)))
+    assert together == alone
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["peak_rows"] > 8  # decoded together, in the 32-row batch
+    assert health["steps"] - steps_before < sum(24 + i for i in range(32)) / 4
+
+
+def test_several_prompts_and_choices_in_one_request(server):
+    client = server.client()
+    out = client.completions.create(model=server.name, prompt=["And God", "The earth"], n=2, max_tokens=6,
+                                    temperature=1.0, seed=11)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    again = client.completions.create(model=server.name, prompt=["And God", "The earth"], n=2, max_tokens=6,
+                                      temperature=1.0, seed=11)
+    assert [c.text for c in out.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in out.choices}) > 1
+    assert out.usage.completion_tokens == 24
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(alibi_run, server):
+    import httpx
+    import jax
+
+    from zerolm.checkpoint.trained_model import load
+
+    model_run = load(str(alibi_run / "ckpt"), jax.local_devices()[:1])
+    ids = model_run.tokenizer().encode("And God said, Let there be light").tolist()
+    body = httpx.post(f"{server.url}/v1/completions", json={"prompt": ids, "max_tokens": 0, "echo": True,
+                                                            "logprobs": 5, "temperature": 0}).json()
+    logprobs = body["choices"][0]["logprobs"]
+    logp = jax.nn.log_softmax(model_run.model.apply({"params": model_run.params}, np.asarray([ids]))[0])
+    want = [float(logp[i - 1, ids[i]]) for i in range(1, len(ids))]
+    assert logprobs["token_logprobs"][0] is None and len(logprobs["tokens"]) == len(ids)
+    np.testing.assert_allclose(logprobs["token_logprobs"][1:], want, rtol=1e-4)
+    assert all(len(top) <= 5 and max(top.values()) >= lp for top, lp in
+               zip(logprobs["top_logprobs"][1:], logprobs["token_logprobs"][1:], strict=True))
+    assert body["choices"][0]["text"] == model_run.tokenizer().decode(ids)
+
+
+def test_lm_eval_local_completions_against_the_server_gives_eval_tasks_numbers(alibi_run, server, monkeypatch):
+    import lm_eval
+
+    from test_harness import LIMIT, TASKS, task_numbers
+    from zerolm.eval import downstream
+    from zerolm.eval.harness import ZerolmLM
+
+    for variable in (*downstream.OFFLINE, "DISABLE_MULTIPROC"):
+        monkeypatch.setenv(variable, "1")
+    want = task_numbers(ZerolmLM(checkpoint=str(alibi_run / "ckpt")))
+    args = (f"base_url={server.api}/completions,model={server.name},tokenizer_backend=remote,max_length=32,"
+            "tokenized_requests=True,num_concurrent=4,max_retries=1")
+    with downstream.no_git():
+        results = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=TASKS, limit=LIMIT,
+                                          task_manager=downstream.task_manager(TASKS), bootstrap_iters=0)
+    assert downstream.metrics(results) == pytest.approx(want, rel=1e-4)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "top_k": -2}, 400, "top_k"),
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "logprobs": 6}, 400, "logprobs"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    ({"prompt": 3}, 400, "prompt"),
+    ({"prompt": [5, 10 ** 6]}, 400, "prompt"),
+    ({"prompt": "word " * 300}, 400, "prompt"),
+    ({}, 400, "prompt"),
+    ({"prompt": "x", "model": "not-this-one"}, 404, "model"),
+])
+def test_a_bad_request_is_a_4xx_naming_its_field_and_the_server_goes_on(server, body, status, param):
+    import httpx
+
+    response = httpx.post(f"{server.url}/v1/completions", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param), error
+    assert httpx.post(f"{server.url}/v1/completions", content=b"{nope").status_code == 400
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+
+
+def test_the_end_of_the_context_ends_a_completion(server):
+    import httpx
+
+    ids = list(range(10, 10 + CONTEXT - 5))
+    body = httpx.post(f"{server.url}/v1/completions", json={"prompt": ids, "max_tokens": 50, "temperature": 0,
+                                                            "stop": "\u2603"}, timeout=60).json()
+    assert body["choices"][0]["finish_reason"] in ("length", "stop")
+    assert body["usage"]["completion_tokens"] <= 5
+
+
+def test_the_page_streams_what_zerolm_sample_prints_and_says_when_the_server_dies(alibi_run, server):
+    playwright = pytest.importorskip("playwright.sync_api")
+    want = sample(alibi_run, "And God said", "--temperature", "0", "--max-new-tokens", "30")
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(server.url + "/")
+            assert server.name in page.inner_text("h1")
+            page.fill("#prompt", "And God said")
+            page.fill("#max_tokens", "30")
+            page.check("#greedy")
+            page.click("#generate")
+            page.wait_for_function("document.getElementById('status').textContent.startsWith('length')")
+            assert page.inner_text("#completion") == want
+            page.uncheck("#greedy")
+            page.fill("#temperature", "-3")
+            page.click("#generate")
+            page.wait_for_function("document.getElementById('status').className === 'error'")
+            assert "temperature: -3.0 must be >= 0" in page.inner_text("#status")
+
+            dying = Server(alibi_run / "ckpt", "--context", "4096")
+            page.goto(dying.url + "/")
+            page.fill("#prompt", "And")
+            page.fill("#max_tokens", "4000")
+            page.click("#generate")
+            page.wait_for_function("document.getElementById('completion').textContent.length > 20")
+            dying.stop(signal.SIGKILL)
+            page.wait_for_function("document.getElementById('status').className === 'error'", timeout=20_000)
+            assert "connection was lost" in page.inner_text("#status")
+            assert page.is_enabled("#generate")
+        finally:
+            browser.close()
+
+
+def chromium() -> str:
+    for path in ("/usr/bin/chromium", "/usr/bin/chromium-browser"):
+        if os.path.exists(path):
+            return path
+    pytest.fail("no chromium: `make install-test` installs Debian's (apt-get install chromium)")
+
+
+def test_sigterm_lets_the_answers_in_flight_finish_then_exits_0(alibi_run):
+    import httpx
+
+    s = Server(alibi_run / "ckpt", "--context", "4096")
+    texts: list[str] = []
+
+    def stream():
+        with httpx.stream("POST", f"{s.api}/completions", json={"prompt": "And", "max_tokens": 600, "stream": True,
+                                                                "temperature": 0}, timeout=60) as response:
+            texts.extend(response.iter_lines())
+    reader = threading.Thread(target=stream)
+    reader.start()
+    time.sleep(1.0)
+    assert s.stop(signal.SIGTERM) == 0
+    reader.join()
+    assert texts[-2:] == ["data: [DONE]", ""] or texts[-1] == "data: [DONE]"
+    assert '"finish_reason": "length"' in "".join(texts)
+    assert "stopped" in s.proc.stderr.read()
+
+
+def test_the_client_of_a_server_killed_mid_stream_gets_an_error_not_a_hang(alibi_run):
+    import openai
+
+    s = Server(alibi_run / "ckpt", "--context", "4096")
+    stream = s.client().completions.create(model=s.name, prompt="And", max_tokens=4000, stream=True)
+    next(iter(stream))
+    s.stop(signal.SIGKILL)
+    with pytest.raises(openai.APIConnectionError):
+        for _ in stream:
+            pass
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "70000"], "error: --port: 70000 is out of range"),
+    (["--context", "4096"], "--context: 4096 tokens is past the model's trained context of 32"),
+    (["--host", "no.such.host.invalid"], "error: --host no.such.host.invalid --port 8000: cannot listen there"),
+])
+def test_bad_flags_are_one_line_and_exit_2(trained_run, flags, message):
+    proc = zerolm("serve", "--checkpoint", trained_run / "ckpt", *flags, expect=2, devices=1)
+    assert message in proc.stderr.splitlines()[0] and "Traceback" not in proc.stderr
+
+
+def test_a_port_in_use_is_one_line_and_exit_2(server, alibi_run):
+    port = server.url.rsplit(":", 1)[1]
+    proc = zerolm("serve", "--checkpoint", alibi_run / "ckpt", "--port", port, expect=2, devices=1)
+    assert proc.stderr.splitlines()[0].startswith(f"error: --host 127.0.0.1 --port {port}: cannot listen there")
+
+
+def test_a_full_queue_is_429_before_anything_runs(trained_run):
+    import jax
+    from starlette.testclient import TestClient
+
+    from zerolm.checkpoint.trained_model import load
+    from zerolm.serve.app import Served, create_app
+    from zerolm.serve.engine import Engine
+
+    model_run = load(str(trained_run / "ckpt"), jax.local_devices()[:1])
+    engine = Engine(model_run.model, model_run.params, model_run.tokenizer(), (1, 2), max_waiting=2)  # not started
+    client = TestClient(create_app(Served(engine, "tiny")))
+    assert client.get("/health").status_code == 503  # not ready: its engine has not started
+    engine.waiting.extend([None, None])  # two choices wait for a row
+    response = client.post("/v1/completions", json={"prompt": "And", "max_tokens": 3})
+    assert response.status_code == 429 and response.headers["retry-after"] == "1"
+    assert response.json()["error"]["type"] == "rate_limit_exceeded"
+    response = client.post("/v1/completions", json={"prompt": "And", "n": 3})
+    assert response.status_code == 400 and response.json()["error"]["message"] == "n: 3 must be in [1, 2]"
