@@ -131,6 +131,7 @@ class Decoding(NamedTuple):
     sequence, at its own length: prompts of any lengths decode together)."""
 
     start_B: jax.Array  # (B,) int32
+    layer: Any = 0  # the layer whose cache an attention reads and writes (the layers' loop sets it)
 
 
 class Attention(nn.Module):
@@ -196,18 +197,22 @@ class Attention(nn.Module):
         (with ALiBi's bias, given slopes). A cached position past a query's is never read, so what a row
         left there (a longer prompt's padding, an earlier request's tokens) does not matter."""
         B, S, G, K = k_BxSxGxK.shape
-        T = self.cfg.seq_len
-        cached = [self.variable("cache", name, jnp.zeros, (B, T, G, K), k_BxSxGxK.dtype) for name in ("k", "v")]
-        write = jax.vmap(lambda row_TxGxK, new_SxGxK, start: lax.dynamic_update_slice(row_TxGxK, new_SxGxK, (start, 0, 0)))
+        T, L = self.cfg.seq_len, self.cfg.n_layer
+        # Every layer's cache, carried whole through the layers' loop (not sliced and stacked again by it): the
+        # new positions are written where they go, in place, and the attention reads its layer's.
+        cached = [self.variable("cache", name, jnp.zeros, (L, B, T, G, K), k_BxSxGxK.dtype) for name in ("k", "v")]
+        rows_Bx1, columns_BxS = jnp.arange(B)[:, None], decoding.start_B[:, None] + jnp.arange(S)
         for var, new in zip(cached, (k_BxSxGxK, v_BxSxGxK), strict=True):
-            var.value = write(var.value, new.astype(var.value.dtype), decoding.start_B)
+            var.value = var.value.at[decoding.layer, rows_Bx1, columns_BxS].set(new.astype(var.value.dtype),
+                                                                                 mode="drop")
+        keys_BxTxGxK, values_BxTxGxK = (var.value[decoding.layer] for var in cached)
         queries_BxS = decoding.start_B[:, None] + jnp.arange(S)
         visible_BxSxT = jnp.arange(T)[None, None, :] <= queries_BxS[:, :, None]
         bias = None
         if slopes_H is not None:
             bias = jax.vmap(alibi_bias, (None, 0, None))(slopes_H, queries_BxS, jnp.arange(T))[:, 0]
             bias = bias.astype(q_BxSxHxK.dtype)
-        return jax.nn.dot_product_attention(q_BxSxHxK, cached[0].value, cached[1].value, bias=bias,
+        return jax.nn.dot_product_attention(q_BxSxHxK, keys_BxTxGxK, values_BxTxGxK, bias=bias,
                                             mask=visible_BxSxT[:, None], implementation="xla")
 
 
@@ -349,7 +354,10 @@ class Block(nn.Module):
         """`carry`: the hidden states, or in training with dropout (`keys_B`, each sample's key) the pair
         (hidden states, this layer's index), which each mask is drawn with (zerolm.model.dropout)."""
         cfg, ln = self.cfg, functools.partial(norm, self.cfg, self.dtype)
-        x_BxTxD, layer = carry if keys_B is not None else (carry, jnp.int32(0))
+        counted = keys_B is not None or decoding is not None  # the carry counts the layers
+        x_BxTxD, layer = carry if counted else (carry, jnp.int32(0))
+        if decoding is not None:
+            decoding = decoding._replace(layer=layer)
         attention_dropout = None
         if keys_B is not None and cfg.attention_dropout:
             attention_dropout = Dropout(keys_B, layer, cfg.attention_dropout)
@@ -364,7 +372,7 @@ class Block(nn.Module):
             y = attn(ln("ln_1")(x_BxTxD), decoding, segment_ids_BxT, attention_dropout, rope)
             x_BxTxD = x_BxTxD + out(y, attn, dropout_lib.ATTENTION_OUT)
             x_BxTxD = x_BxTxD + out(mlp(ln("ln_2")(x_BxTxD)), mlp, dropout_lib.MLP_OUT)
-            return (x_BxTxD if keys_B is None else (x_BxTxD, layer + 1)), None
+            return ((x_BxTxD, layer + 1) if counted else x_BxTxD), None
         groups, h_BxTxD = tp_groups(cfg), ln("ln_1")(x_BxTxD)
         a_in = m_in = None
         if cfg.shared_norm:
@@ -377,7 +385,7 @@ class Block(nn.Module):
             x_BxTxD = x_BxTxD + (out(y, attn, dropout_lib.ATTENTION_OUT) + out(z, mlp, dropout_lib.MLP_OUT))
         else:
             x_BxTxD = x_BxTxD + fused_out([(y, attn.out_weights()), (z, mlp.out_weights())], groups, self.dtype)
-        return (x_BxTxD if keys_B is None else (x_BxTxD, layer + 1)), None
+        return ((x_BxTxD, layer + 1) if counted else x_BxTxD), None
 
 
 class TPReductions(NamedTuple):
@@ -443,10 +451,11 @@ class GPT(nn.Module):
             T = tokens_BxT.shape[1]
             rope = rope_angles(positions_BxT if positions_BxT is not None else jnp.broadcast_to(
                 jnp.arange(T), tokens_BxT.shape), cfg.head_dim, cfg.rope_theta)
-        carry = x_BxTxD if dropout_keys is None else (x_BxTxD, jnp.int32(0))
+        carry = x_BxTxD if dropout_keys is None and decoding is None else (x_BxTxD, jnp.int32(0))
         carry, _ = self._blocks()(cfg, jnp.dtype(cfg.dtype), cfg.attention, name="h")(carry, decoding, segment_ids_BxT,
                                                                                      dropout_keys, rope)
-        x_BxTxD = norm(cfg, jnp.dtype(cfg.dtype), "ln_f")(carry if dropout_keys is None else carry[0])
+        x_BxTxD = norm(cfg, jnp.dtype(cfg.dtype), "ln_f")(carry if dropout_keys is None and decoding is None
+                                                          else carry[0])
         out_VxD = wte_VxD
         if not cfg.tie_embeddings:  # the output layer's own matrix, (vocab, embed) as wte
             out_VxD = self.param("lm_head", _named(nn.initializers.normal(0.02), "vocab", "embed"), (V, D), jnp.float32)
@@ -483,7 +492,7 @@ class GPT(nn.Module):
             block = nn.map_variables(Block, "params", trans_in_fn=lambda v: {"params": layer_params(v["params"])},
                                      mutable=False)
         block = nn.remat(block, prevent_cse=not scanned, policy=REMAT_POLICIES["none" if cfg.remat == "auto" else cfg.remat])
-        return nn.scan(block, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
+        return nn.scan(block, variable_axes={"params": 0}, variable_carry="cache", split_rngs={"params": True},
                        in_axes=nn.broadcast, length=cfg.n_layer, unroll=1 if scanned else cfg.n_layer,
                        metadata_params={nn.PARTITION_NAME: "layers"})
 
@@ -549,12 +558,12 @@ def _init_boxed(model: GPT, rng: jax.Array):
 
 
 def init_cache(model: GPT, batch: int):
-    """An empty KV cache for `batch` sequences: the `cache` collection `GPT(..., decoding=...)` updates,
-    (layers, batch, seq_len, heads, head_dim) keys and values in the compute dtype."""
-    def shapes():
-        return model.init(jax.random.key(0), jnp.zeros((batch, 1), jnp.int32),
-                          decoding=Decoding(jnp.zeros(batch, jnp.int32)))["cache"]
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(shapes))
+    """An empty KV cache for `batch` sequences: the `cache` collection `GPT(..., decoding=...)` updates, every
+    layer's keys and values (layers, batch, seq_len, kv heads, head_dim) in the compute dtype. Made here, not
+    by `init`: the layers' loop carries it whole (variable_carry), so it exists before the loop runs."""
+    cfg = model.cfg
+    shape = (cfg.n_layer, batch, cfg.seq_len, cfg.kv_heads, cfg.head_dim)
+    return {"h": {"attn": {name: jnp.zeros(shape, jnp.dtype(cfg.dtype)) for name in ("k", "v")}}}
 
 
 def logical_axes(model: GPT):
