@@ -54,7 +54,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(alibi_run):
-    s = Server(alibi_run / "ckpt", "--context", str(CONTEXT))
+    s = Server(alibi_run / "ckpt", "--context", str(CONTEXT), "--max-tokens", "200")
     yield s
     assert s.stop() == 0
 
@@ -174,6 +174,7 @@ def test_lm_eval_local_completions_against_the_server_gives_eval_tasks_numbers(a
     ({"prompt": "x", "top_k": -2}, 400, "top_k"),
     ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "max_tokens": 201}, 400, "max_tokens"),
     ({"prompt": "x", "logprobs": 6}, 400, "logprobs"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
@@ -200,7 +201,7 @@ def test_the_end_of_the_context_ends_a_completion(server):
     import httpx
 
     ids = list(range(10, 10 + CONTEXT - 5))
-    body = httpx.post(f"{server.url}/v1/completions", json={"prompt": ids, "max_tokens": 50, "temperature": 0,
+    body = httpx.post(f"{server.url}/v1/completions", json={"prompt": ids, "max_tokens": 200, "temperature": 0,
                                                             "stop": "\u2603"}, timeout=60).json()
     assert body["choices"][0]["finish_reason"] in ("length", "stop")
     assert body["usage"]["completion_tokens"] <= 5

@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--context", type=int, default=None, metavar="N",
                         help="the context served, prompt and completion (default: the trained model.seq_len; longer "
                              "only for model.position alibi or rope)")
+    parser.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                        help="the most new tokens a request may ask for (max_tokens; past it: HTTP 400) and what "
+                             "max_tokens: null means (default: the context)")
     parser.add_argument("--max-rows", type=int, default=32, metavar="R",
                         help="choices decoded together at most; more wait for a row (default: %(default)s)")
     parser.add_argument("--max-waiting", type=int, default=256, metavar="W",
@@ -43,8 +46,9 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def run(args: argparse.Namespace) -> int:
+    limit = 1 if args.max_tokens is None else args.max_tokens
     for flag, value, least in (("--port", args.port, 0), ("--max-rows", args.max_rows, 1),
-                               ("--max-waiting", args.max_waiting, 1)):
+                               ("--max-waiting", args.max_waiting, 1), ("--max-tokens", limit, 1)):
         if value < least or (flag == "--port" and value > 65535):
             raise UsageError(f"{flag}: {value} is out of range")
     import jax
@@ -77,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
     def listening() -> None:
         print(f"serving {name} at {url}/ (OpenAI API: {url}/v1; Ctrl-C stops)", flush=True)
-    app.run(app.Served(engine, name), sock, listening)
+    app.run(app.Served(engine, name, args.max_tokens), sock, listening)
     print("stopped", file=sys.stderr)
     return 0
 

@@ -19,6 +19,7 @@ import json
 import secrets
 import signal
 import socket
+import sys
 from collections.abc import AsyncIterator, Callable
 from importlib import resources
 from typing import Any
@@ -35,27 +36,34 @@ from starlette.routing import Route
 from zerolm.serve import completions as api
 from zerolm.serve.engine import Busy, Engine, Failure, Job, Piece
 
+# Python hands the GIL between busy threads every 5 ms by default: the engine's thread, between two steps, would
+# wait that long for the HTTP thread each time it needs it (a step of a small model takes under a millisecond).
+SWITCH_INTERVAL_S = 1e-4
 GRACE_SECONDS = 30  # how long a stopping server lets the answers in flight finish
 POLL_SECONDS = 0.5  # how often a whole (not streamed) answer's wait looks whether its client is still there
 
 
 class Served:
-    """What the app serves: the engine, the model's name, its context."""
+    """What the app serves: the engine, the model's name, its context, the most tokens a choice may ask for."""
 
-    def __init__(self, engine: Engine, name: str):
+    def __init__(self, engine: Engine, name: str, max_tokens: int | None = None):
         self.engine, self.name = engine, name
         self.context = engine.model.cfg.seq_len
+        self.max_tokens = max_tokens or self.context
         self.tokenizer = engine.tokenizer
 
     def jobs(self, request: api.Completion, sink: Callable[[Piece | Failure], None]) -> tuple[list[Job], int]:
         """One job per prompt and choice; the prompts' tokens counted (usage)."""
+        if request.max_tokens is not None and request.max_tokens > self.max_tokens:
+            raise api.RequestError(f"max_tokens: {request.max_tokens} is past this server's limit of {self.max_tokens}",
+                                   "max_tokens")
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(31)
         base, jobs, counted = jax.random.key(seed), [], 0
         for p, prompt in enumerate(request.prompts):
             ids, text = self._prompt(prompt)
             counted += ids.size
             room = self.context - ids.size
-            max_tokens = room if request.max_tokens is None else min(request.max_tokens, room)
+            max_tokens = min(room, self.max_tokens if request.max_tokens is None else request.max_tokens)
             for c in range(request.n):
                 index = p * request.n + c
                 key = base if index == 0 else jax.random.fold_in(base, index)
@@ -92,18 +100,25 @@ async def _body(request: Request) -> Any:
         raise api.RequestError(f"the request body is not JSON: {e}") from None
 
 
+def _deliver(items: list[tuple[Job, Piece | Failure]]) -> None:
+    for job, event in items:
+        job.sink(event)
+
+
 class Answer:
     """One request's choices, assembled from the engine's pieces."""
 
     def __init__(self, served: Served, request: api.Completion):
         self.served, self.request = served, request
         self.queue: asyncio.Queue[Piece | Failure] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        if served.engine.post is None:  # each step's pieces, delivered on this loop at once
+            loop = asyncio.get_running_loop()
 
-        def sink(event: Piece | Failure) -> None:  # from the engine's thread
-            with contextlib.suppress(RuntimeError):  # the request's loop is gone
-                loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        self.jobs, self.prompt_tokens = served.jobs(request, sink)
+            def post(items: list[tuple[Job, Piece | Failure]]) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop is gone: the server is stopping
+                    loop.call_soon_threadsafe(_deliver, items)
+            served.engine.post = post
+        self.jobs, self.prompt_tokens = served.jobs(request, self.queue.put_nowait)
         self.open = len(self.jobs)
         self.tokens = [0] * len(self.jobs)
 
@@ -118,7 +133,16 @@ class Answer:
             job.cancelled.set()
 
     async def next(self) -> Piece:
-        event = await self.queue.get()
+        return self._taken(await self.queue.get())
+
+    def more(self) -> list[Piece]:
+        """The pieces already queued, without waiting: a streamed answer sends them together."""
+        out = []
+        while not self.queue.empty():
+            out.append(self._taken(self.queue.get_nowait()))
+        return out
+
+    def _taken(self, event: Piece | Failure) -> Piece:
         if isinstance(event, Failure):
             raise api.RequestError(event.message, None, 500, "server_error")
         self.tokens[event.choice] = event.drawn
@@ -157,6 +181,20 @@ async def _whole(request: Request, answer: Answer) -> Response:
     return JSONResponse(api.envelope(api.completion_id(), answer.served.name, choices, answer.usage()))
 
 
+def _joined(pieces: list[Piece]) -> list[Piece]:
+    """A choice's consecutive pieces as one (those without log-probabilities): a client that reads slower than
+    the engine draws gets fewer, longer chunks."""
+    out: list[Piece] = []
+    for piece in pieces:
+        last = out[-1] if out else None
+        if last is not None and last.choice == piece.choice and last.logprobs is None and piece.logprobs is None \
+                and last.finish_reason is None:
+            out[-1] = piece._replace(text=last.text + piece.text)
+        else:
+            out.append(piece)
+    return out
+
+
 def _streamed(answer: Answer) -> StreamingResponse:
     cid, name = api.completion_id(), answer.served.name
 
@@ -164,12 +202,12 @@ def _streamed(answer: Answer) -> StreamingResponse:
         try:
             while answer.open:
                 try:
-                    piece = await answer.next()
+                    pieces = _joined([await answer.next(), *answer.more()])
                 except api.RequestError as e:
                     yield f"data: {json.dumps(e.body())}\n\n"
                     return
-                if piece.text or piece.finish_reason or piece.logprobs is not None:
-                    yield f"data: {json.dumps(api.envelope(cid, name, [answer.choice(piece)]))}\n\n"
+                yield "".join(f"data: {json.dumps(api.envelope(cid, name, [answer.choice(piece)]))}\n\n"
+                              for piece in pieces if piece.text or piece.finish_reason or piece.logprobs is not None)
             if answer.request.usage_in_stream:
                 yield f"data: {json.dumps(api.envelope(cid, name, [], answer.usage()))}\n\n"
             yield "data: [DONE]\n\n"
@@ -293,6 +331,7 @@ def run(served: Served, sock: socket.socket, on_listening: Callable[[], None]) -
     # uvicorn raises the signal that stopped it again once it has stopped: a stop asked for is a clean exit.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         _Server(config, on_listening).run(sockets=[sock])
     finally:

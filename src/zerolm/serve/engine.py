@@ -86,6 +86,11 @@ class Engine:
         self.wake = threading.Condition()
         self.ready = threading.Event()
         self.stopping = False
+        # How pieces reach their jobs' sinks: called with each turn's (job, piece) pairs at once, from the engine's
+        # thread (an event loop's call_soon_threadsafe: one wake-up a step, however many rows); None: each sink
+        # called from the engine's thread.
+        self.post: Callable[[list[tuple[Job, Piece | Failure]]], Any] | None = None
+        self.outbox: list[tuple[Job, Piece | Failure]] = []
         self.steps = 0  # steps run, and the most rows any ran with: for tests and the benchmark
         self.peak_rows = 0
         self.thread = threading.Thread(target=self._run, name="zerolm-engine", daemon=True)
@@ -113,10 +118,19 @@ class Engine:
             self.wake.notify()
 
     def warm(self) -> None:
-        """The programs one client's short prompt runs, compiled before the server says it is ready."""
+        """Every program a request can run compiled before the server says it is ready (echo's prefills
+        aside): each prompt bucket's prefill, each row count's insert and step, each regroup the engine makes.
+        A compile under load would stall every row for its length."""
+        model, params, T = self.model, self.params, self.model.cfg.seq_len
+        for bucket in sorted({padded(np.zeros(n, np.int32), T).size for n in range(1, T)}):
+            prompt = np.zeros(bucket if bucket < T else T - 1, np.int32)
+            jax.block_until_ready(prefill(model, params, padded(prompt, T), np.int32(prompt.size)))
         arrival = Arrival(np.zeros(1, np.int32), Sampling(temperature=0), jax.random.key(0))
-        batch, _ = admit(self.model, self.params, empty(self.model, self.buckets[0]), 0, arrival)
-        jax.block_until_ready(step(self.model, self.params, batch))
+        for i, rows in enumerate(self.buckets):
+            batch, _ = admit(model, params, empty(model, rows), 0, arrival)
+            batch, _ = step(model, params, batch)
+            for other in self.buckets[:i] + self.buckets[i + 1:i + 2]:  # shrinking to any, growing to the next
+                jax.block_until_ready(regroup(batch, np.zeros(other, np.int32)))
 
     def _run(self) -> None:
         self.warm()
@@ -133,10 +147,23 @@ class Engine:
             except Exception:  # a bug of zerolm's: every job in flight fails, the engine goes on
                 traceback.print_exc(file=sys.stderr)
                 for failed in arrivals + [j for j in self.rows if j is not None]:
-                    failed.sink(Failure("the server failed decoding this request (see its log)"))
+                    self._emit(failed, Failure("the server failed decoding this request (see its log)"))
                 self.batch, self.rows = empty(self.model, self.buckets[0]), [None] * self.buckets[0]
+            self._flush()
         for job in list(self.waiting) + [j for j in self.rows if j is not None]:
-            job.sink(Failure("the server stopped"))
+            self._emit(job, Failure("the server stopped"))
+        self._flush()
+
+    def _emit(self, job: Job, event: Piece | Failure) -> None:
+        self.outbox.append((job, event))
+
+    def _flush(self) -> None:
+        outbox, self.outbox = self.outbox, []
+        if outbox and self.post is not None:
+            self.post(outbox)
+        elif outbox:
+            for job, event in outbox:
+                job.sink(event)
 
     def _arrivals(self) -> list[Job]:
         """The waiting jobs that rows can take now (under the lock)."""
@@ -171,7 +198,7 @@ class Engine:
                 scores = prefill(self.model, self.params, padded(job.prompt, self.model.cfg.seq_len), length,
                                  True).scores
             self._echo(job, scores)
-            job.sink(Piece(job.index, "", None, "length", 0))
+            self._emit(job, Piece(job.index, "", None, "length", 0))
             return
         if None not in self.rows:
             self._resize(next(b for b in self.buckets if b > len(self.rows)))
@@ -188,7 +215,7 @@ class Engine:
             s = jax.device_get(scores)
             logprobs = self._logprobs(job, job.prompt, s.logprob_P, s.top_ids_PxN, s.top_logprobs_PxN)
             logprobs.token_logprobs[0] = logprobs.top_logprobs[0] = None
-        job.sink(Piece(job.index, job.prompt_text, logprobs))
+        self._emit(job, Piece(job.index, job.prompt_text, logprobs))
         job.sent, job.offset = 0, len(job.prompt_text)
 
     def _logprobs(self, job: Job, ids, logprob, top_ids, top_logprobs) -> Logprobs:
@@ -210,7 +237,7 @@ class Engine:
             return True
         token = int(drawn.token_R[row])
         if token == self.tokenizer.eot_id:
-            job.sink(Piece(job.index, self._text(job, final=True)[0], None, "stop", len(job.tokens) + 1))
+            self._emit(job, Piece(job.index, self._text(job, final=True)[0], None, "stop", len(job.tokens) + 1))
             return True
         job.tokens.append(token)
         logprobs = None
@@ -219,7 +246,7 @@ class Engine:
                                       drawn.top_logprobs_RxN[row:row + 1])
         text, stopped = self._text(job, final=len(job.tokens) >= job.max_tokens)
         finish: FinishReason = "stop" if stopped else ("length" if len(job.tokens) >= job.max_tokens else None)
-        job.sink(Piece(job.index, text, logprobs, finish, len(job.tokens)))
+        self._emit(job, Piece(job.index, text, logprobs, finish, len(job.tokens)))
         return finish is not None
 
     def _text(self, job: Job, final: bool) -> tuple[str, bool]:
