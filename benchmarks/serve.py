@@ -2,9 +2,9 @@
 
     JAX_PLATFORMS=cpu python benchmarks/serve.py [--write BENCHMARKS.md] [--seconds 20]
 
-configs/tiny.yaml (4 layers, 128 wide, ALiBi, seq_len 128, served at --context 512) trained 20 steps on the
-embedded corpus, served on one device. Each client is a thread that sends one streamed completion after
-another (a 6-token prompt, 128 new tokens, temperature 1, its own seed) for `--seconds`; tokens per second
+configs/tiny.yaml as it ships (4 layers, 128 wide, seq_len 128) trained 20 steps on the embedded corpus,
+served on one device. Each client is a thread that sends one streamed completion after another (a 6-token
+prompt, 96 new tokens, temperature 1, its own seed) for `--seconds`; tokens per second
 are the completion tokens every client received over the wall time, the time to the first token is each
 request's wait for its first streamed text (median and 90th percentile). The same clients, one request after
 another with a batch of one row (`--max-rows 1`), are the baseline: what batching adds.
@@ -32,11 +32,11 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from markdown_block import write_block  # noqa: E402
 
 BEGIN, END = "<!-- serve:begin -->", "<!-- serve:end -->"
-NEW_TOKENS = 128
+NEW_TOKENS = 96
 
 
 def train(work: Path) -> Path:
-    sets = ["model.position=alibi", "train.steps=20", "train.eval_every=1000", "sample.tokens=0",
+    sets = ["train.steps=20", "train.eval_every=1000", "sample.tokens=0",
             f"checkpoint.dir={work / 'ckpt'}", f"logging.dir={work / 'log'}", "logging.wandb=disabled"]
     subprocess.run([sys.executable, "-m", "zerolm.cli", "train", "--config", str(REPO / "configs/tiny.yaml"),
                     *[a for s in sets for a in ("--set", s)]], check=True, cwd=REPO, capture_output=True)
@@ -45,7 +45,7 @@ def train(work: Path) -> Path:
 
 def serve(checkpoint: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "zerolm.cli", "serve", "--checkpoint", str(checkpoint),
-                             "--port", "0", "--context", "512", *flags], cwd=REPO, text=True,
+                             "--port", "0", *flags], cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     line = proc.stdout.readline()
     match = re.search(r"\(OpenAI API: (\S+);", line)
@@ -53,14 +53,19 @@ def serve(checkpoint: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     return proc, match.group(1)
 
 
-def client(api: str, seed: int, until: float) -> tuple[int, list[float]]:
-    """Completions one after another until `until`: the tokens received, each request's first-token wait."""
+def client(api: str, seed: int, until: float, stream: bool) -> tuple[int, list[float]]:
+    """Completions one after another until `until`: the tokens received, and each streamed request's wait for
+    its first text."""
     tokens, waits = 0, []
     with httpx.Client(timeout=120) as http:
         while time.perf_counter() < until:
             body = {"prompt": "And God said unto Moses", "max_tokens": NEW_TOKENS, "temperature": 1.0,
-                    "seed": seed, "stream": True, "stream_options": {"include_usage": True}}
+                    "seed": seed, "stream": stream, "stream_options": {"include_usage": True} if stream else None}
             sent, first = time.perf_counter(), None
+            if not stream:
+                tokens += http.post(f"{api}/completions", json=body).json()["usage"]["completion_tokens"]
+                seed += 1000
+                continue
             with http.stream("POST", f"{api}/completions", json=body) as response:
                 for line in response.iter_lines():
                     if not line.startswith("data: {"):
@@ -75,14 +80,15 @@ def client(api: str, seed: int, until: float) -> tuple[int, list[float]]:
     return tokens, waits
 
 
-def load(api: str, clients: int, seconds: float) -> dict:
+def load(api: str, clients: int, seconds: float, stream: bool = True) -> dict:
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        done = list(pool.map(lambda i: client(api, i, start + seconds), range(clients)))
+        done = list(pool.map(lambda i: client(api, i, start + seconds, stream), range(clients)))
     wall = time.perf_counter() - start
-    waits = np.array([w for _, ws in done for w in ws])
-    return {"clients": clients, "tokens_per_s": sum(t for t, _ in done) / wall, "requests": len(waits),
-            "ttft_median_ms": 1e3 * float(np.nanmedian(waits)), "ttft_p90_ms": 1e3 * float(np.nanpercentile(waits, 90))}
+    waits = np.array([w for _, ws in done for w in ws] or [float("nan")])
+    return {"clients": clients, "tokens_per_s": sum(t for t, _ in done) / wall,
+            "ttft_median_ms": 1e3 * float(np.nanmedian(waits)) if stream else None,
+            "ttft_p90_ms": 1e3 * float(np.nanpercentile(waits, 90)) if stream else None}
 
 
 def main() -> None:
@@ -96,24 +102,31 @@ def main() -> None:
         for flags, label in [((), "batched (rows 1, 8, 32)"), (("--max-rows", "1"), "one row (--max-rows 1)")]:
             proc, api = serve(checkpoint, *flags)
             try:
-                load(api, 1, 3)  # the first prompt bucket and steps compiled
-                for clients in (1, 8, 32):
-                    rows.append({"server": label, **load(api, clients, args.seconds)})
-                    print(json.dumps(rows[-1]), file=sys.stderr)
+                load(api, 1, 3)  # the connection pool and the first requests, before timing
+                for stream in (True, False):
+                    for clients in (1, 8, 32):
+                        rows.append({"server": label, "stream": stream, **load(api, clients, args.seconds, stream)})
+                        print(json.dumps(rows[-1]), file=sys.stderr)
             finally:
                 proc.terminate()
                 proc.wait()
-    one = next(r["tokens_per_s"] for r in rows if r["clients"] == 1)
-    lines = [f"Measured {time.strftime('%Y-%m-%d')} on dev-cpu ({os.cpu_count()} cores, shared with other work while "
-             f"it ran), `JAX_PLATFORMS=cpu python benchmarks/serve.py --seconds {args.seconds:g} --write BENCHMARKS.md`:",
-             "", "| server | clients | completion tokens/s | × one client | requests | first token, median | p90 |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['server']} | {r['clients']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / one:.1f} | "
-                     f"{r['requests']} | {r['ttft_median_ms']:.0f} ms | {r['ttft_p90_ms']:.0f} ms |")
-    print("\n".join(lines))
+    print("\n".join(table(rows, args.seconds)))
     if args.write:
-        write_block(args.write, BEGIN, END, lines)
+        write_block(args.write, BEGIN, END, table(rows, args.seconds))
+
+
+def table(rows: list[dict], seconds: float) -> list[str]:
+    lines = [f"Measured {time.strftime('%Y-%m-%d')} on dev-cpu ({os.cpu_count()} cores; the clients run on the same "
+             f"cores), `JAX_PLATFORMS=cpu python benchmarks/serve.py --seconds {seconds:g} --write BENCHMARKS.md`:",
+             "", "| server | answers | clients | completion tokens/s | × one client | first token, median | p90 |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        one = next(o["tokens_per_s"] for o in rows if o["clients"] == 1 and o["stream"] == r["stream"]
+                   and o["server"] == rows[0]["server"])
+        wait = (f"{r['ttft_median_ms']:.0f} ms | {r['ttft_p90_ms']:.0f} ms" if r["stream"] else "- | -")
+        lines.append(f"| {r['server']} | {'streamed' if r['stream'] else 'whole'} | {r['clients']} | "
+                     f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / one:.1f} | {wait} |")
+    return lines
 
 
 if __name__ == "__main__":

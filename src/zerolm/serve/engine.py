@@ -29,7 +29,7 @@ from zerolm.config.sampling import Sampling
 from zerolm.core.errors import UsageError
 from zerolm.data.tokenizer import Tokenizer
 from zerolm.model.decoder import GPT
-from zerolm.model.generate import Arrival, Batch, Scores, admit, empty, padded, prefill, regroup, step
+from zerolm.model.generate import DRAWS, Arrival, Batch, Scores, admit, empty, padded, prefill, regroup, step
 from zerolm.serve.completions import FinishReason, Logprobs
 
 BUCKETS = (1, 8, 32)
@@ -71,6 +71,9 @@ class Job:
     sink: Callable[[Piece | Failure], None]
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     tokens: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""  # its tokens' text, whole characters (`Engine._decoded`)
+    prefix: int = 0  # the tokens decoded again with the new ones, for their context, and where the new ones start
+    read: int = 0
     sent: int = 0  # characters of its text sent
     offset: int = 0  # characters of its tokens' text counted (logprobs' text_offset)
 
@@ -181,12 +184,14 @@ class Engine:
                 self._admit(job)
         if any(self.rows):
             self.batch, drawn = step(self.model, self.params, self.batch)
-            self.steps += 1
+            self.steps += DRAWS
             self.peak_rows = max(self.peak_rows, sum(job is not None for job in self.rows))
             drawn = jax.device_get(drawn)
+            draws = [jax.tree.map(lambda a, d=d: a[d], drawn) for d in range(DRAWS)]
             for row, held in enumerate(self.rows):
-                if held is not None and self._advance(held, drawn, row):
-                    self.rows[row] = None
+                for each in draws:  # a row's draws past its end are left unread
+                    if held is not None and self._advance(held, each, row):
+                        self.rows[row] = held = None
         self._fit()
 
     def _admit(self, job: Job) -> None:
@@ -249,9 +254,19 @@ class Engine:
         self._emit(job, Piece(job.index, text, logprobs, finish, len(job.tokens)))
         return finish is not None
 
+    def _decoded(self, job: Job, final: bool) -> str:
+        """The job's text, grown by its new tokens' once their characters are whole: the new tokens decoded with
+        the few before them (vLLM's incremental detokenizing), not the whole text again each token."""
+        decode = self.tokenizer.decode
+        before, now = decode(job.tokens[job.prefix:job.read]), decode(job.tokens[job.prefix:])
+        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
+            job.text += now[len(before):]
+            job.prefix, job.read = job.read, len(job.tokens)
+        return job.text
+
     def _text(self, job: Job, final: bool) -> tuple[str, bool]:
         """The job's text not yet sent that no stop sequence could still claim; whether a stop sequence ended it."""
-        text = self.tokenizer.decode(job.tokens)
+        text = self._decoded(job, final)
         longest = max((len(s) for s in job.stop), default=0)
         hits = [i for i in (text.find(s, max(0, job.sent - longest)) for s in job.stop) if i >= 0]
         if hits:
