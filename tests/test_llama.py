@@ -67,7 +67,7 @@ def test_the_kv_cache_holds_the_key_value_heads_and_decodes_as_the_full_forward_
     cfg = small_config("model.seq_len=32", *LLAMA).model
     model = gpt_model.GPT(for_device(cfg))
     params = jax.tree.map(lambda p: p * 30 if p.ndim >= 2 else p, gpt_model.init_params(model, jax.random.key(3)))
-    assert gpt_model.init_cache(model, 1)["h"]["attn"]["k"].shape == (2, 1, 32, 2, 8)  # (layers, B, T, G, K)
+    assert gpt_model.init_cache(model, 1)["h"]["attn"]["k"].shape == (2, 1, 2, 32, 8)  # (layers, B, G, T, K)
     prompt = np.random.default_rng(0).integers(0, 100, 5)
     got = generate(model, params, prompt, 20, Sampling(temperature=0))
     forward = jax.jit(lambda buf: model.apply({"params": params}, buf[None])[0])

@@ -197,23 +197,27 @@ class Attention(nn.Module):
         (with ALiBi's bias, given slopes). A cached position past a query's is never read, so what a row
         left there (a longer prompt's padding, an earlier request's tokens) does not matter."""
         B, S, G, K = k_BxSxGxK.shape
-        T, L = self.cfg.seq_len, self.cfg.n_layer
-        # Every layer's cache, carried whole through the layers' loop (not sliced and stacked again by it): the
-        # new positions are written where they go, in place, and the attention reads its layer's.
-        cached = [self.variable("cache", name, jnp.zeros, (L, B, T, G, K), k_BxSxGxK.dtype) for name in ("k", "v")]
+        T, L, H = self.cfg.seq_len, self.cfg.n_layer, self.cfg.n_head
+        # Every layer's cache, (layers, B, G, T, K), carried whole through the layers' loop (not sliced and stacked
+        # again by it): the new positions are written where they go, in place, and each layer's attention
+        # multiplies its own, laid out as the products read it (batch dims first), with no copy transposed.
+        cached = [self.variable("cache", name, jnp.zeros, (L, B, G, T, K), k_BxSxGxK.dtype) for name in ("k", "v")]
         rows_Bx1, columns_BxS = jnp.arange(B)[:, None], decoding.start_B[:, None] + jnp.arange(S)
         for var, new in zip(cached, (k_BxSxGxK, v_BxSxGxK), strict=True):
-            var.value = var.value.at[decoding.layer, rows_Bx1, columns_BxS].set(new.astype(var.value.dtype),
-                                                                                 mode="drop")
-        keys_BxTxGxK, values_BxTxGxK = (var.value[decoding.layer] for var in cached)
+            var.value = var.value.at[decoding.layer, rows_Bx1, :, columns_BxS].set(new.astype(var.value.dtype),
+                                                                                    mode="drop")
+        keys_BxGxTxK, values_BxGxTxK = (var.value[decoding.layer] for var in cached)
+        q_BxGxHgxSxK = q_BxSxHxK.reshape(B, S, G, H // G, K).transpose(0, 2, 3, 1, 4)
+        logits = jnp.einsum("bghsk,bgtk->bghst", q_BxGxHgxSxK, keys_BxGxTxK,
+                            preferred_element_type=jnp.float32) / math.sqrt(K)
         queries_BxS = decoding.start_B[:, None] + jnp.arange(S)
-        visible_BxSxT = jnp.arange(T)[None, None, :] <= queries_BxS[:, :, None]
-        bias = None
         if slopes_H is not None:
-            bias = jax.vmap(alibi_bias, (None, 0, None))(slopes_H, queries_BxS, jnp.arange(T))[:, 0]
-            bias = bias.astype(q_BxSxHxK.dtype)
-        return jax.nn.dot_product_attention(q_BxSxHxK, keys_BxTxGxK, values_BxTxGxK, bias=bias,
-                                            mask=visible_BxSxT[:, None], implementation="xla")
+            bias_BxHxSxT = jax.vmap(alibi_bias, (None, 0, None))(slopes_H, queries_BxS, jnp.arange(T))[:, 0]
+            logits = logits + bias_BxHxSxT.reshape(B, G, H // G, S, T).astype(jnp.float32)
+        visible_Bx1x1xSxT = (jnp.arange(T)[None, None, :] <= queries_BxS[:, :, None])[:, None, None]
+        probs = jax.nn.softmax(jnp.where(visible_Bx1x1xSxT, logits, -jnp.inf), axis=-1).astype(values_BxGxTxK.dtype)
+        y_BxGxHgxSxK = jnp.einsum("bghst,bgtk->bghsk", probs, values_BxGxTxK)
+        return y_BxGxHgxSxK.transpose(0, 3, 1, 2, 4).reshape(B, S, H, K)
 
 
 class Rope(NamedTuple):
@@ -559,10 +563,10 @@ def _init_boxed(model: GPT, rng: jax.Array):
 
 def init_cache(model: GPT, batch: int):
     """An empty KV cache for `batch` sequences: the `cache` collection `GPT(..., decoding=...)` updates, every
-    layer's keys and values (layers, batch, seq_len, kv heads, head_dim) in the compute dtype. Made here, not
+    layer's keys and values (layers, batch, kv heads, seq_len, head_dim) in the compute dtype. Made here, not
     by `init`: the layers' loop carries it whole (variable_carry), so it exists before the loop runs."""
     cfg = model.cfg
-    shape = (cfg.n_layer, batch, cfg.seq_len, cfg.kv_heads, cfg.head_dim)
+    shape = (cfg.n_layer, batch, cfg.kv_heads, cfg.seq_len, cfg.head_dim)
     return {"h": {"attn": {name: jnp.zeros(shape, jnp.dtype(cfg.dtype)) for name in ("k", "v")}}}
 
 
