@@ -91,6 +91,31 @@ def load(api: str, clients: int, seconds: float, stream: bool = True) -> dict:
             "ttft_p90_ms": 1e3 * float(np.nanpercentile(waits, 90)) if stream else None}
 
 
+def step_alone(checkpoint: Path) -> dict[int, float]:
+    """Tokens/s of the decoding program alone at each row count (every row drawing at temperature 1): what no
+    server of this model on this machine can pass."""
+    code = f"""
+import json, time, jax, jax.numpy as jnp
+from zerolm.checkpoint.trained_model import load
+from zerolm.model.generate import DRAWS, empty, step
+run = load({str(checkpoint)!r}, jax.local_devices()[:1])
+out = {{}}
+for rows in (1, 8, 32, 1, 8, 32):
+    batch = empty(run.model, rows)
+    batch = batch._replace(rule=batch.rule._replace(temperature=jnp.ones(rows)))
+    batch, drawn = step(run.model, run.params, batch)
+    jax.block_until_ready(drawn)
+    start = time.perf_counter()
+    for _ in range(100):
+        batch, drawn = step(run.model, run.params, batch)
+        drawn = jax.device_get(drawn)
+    out[rows] = rows * DRAWS * 100 / (time.perf_counter() - start)
+print(json.dumps(out))
+"""
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=REPO).stdout
+    return {int(k): v for k, v in json.loads(out.splitlines()[-1]).items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=20)
@@ -99,6 +124,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as work:
         checkpoint = train(Path(work))
+        alone = step_alone(checkpoint)
         for flags, label in [((), "batched (rows 1, 8, 32)"), (("--max-rows", "1"), "one row (--max-rows 1)")]:
             proc, api = serve(checkpoint, *flags)
             try:
@@ -110,12 +136,12 @@ def main() -> None:
             finally:
                 proc.terminate()
                 proc.wait()
-    print("\n".join(table(rows, args.seconds)))
+    print("\n".join(table(rows, args.seconds, alone)))
     if args.write:
-        write_block(args.write, BEGIN, END, table(rows, args.seconds))
+        write_block(args.write, BEGIN, END, table(rows, args.seconds, alone))
 
 
-def table(rows: list[dict], seconds: float) -> list[str]:
+def table(rows: list[dict], seconds: float, alone: dict[int, float]) -> list[str]:
     lines = [f"Measured {time.strftime('%Y-%m-%d')} on dev-cpu ({os.cpu_count()} cores; the clients run on the same "
              f"cores), `JAX_PLATFORMS=cpu python benchmarks/serve.py --seconds {seconds:g} --write BENCHMARKS.md`:",
              "", "| server | answers | clients | completion tokens/s | × one client | first token, median | p90 |",
@@ -126,6 +152,9 @@ def table(rows: list[dict], seconds: float) -> list[str]:
         wait = (f"{r['ttft_median_ms']:.0f} ms | {r['ttft_p90_ms']:.0f} ms" if r["stream"] else "- | -")
         lines.append(f"| {r['server']} | {'streamed' if r['stream'] else 'whole'} | {r['clients']} | "
                      f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / one:.1f} | {wait} |")
+    lines += ["", "The decoding program alone (`generate.step`, every row drawing, no server), the most any server of this "
+              "model on this machine could give:", "", "| rows | tokens/s | × one row |", "|---:|---:|---:|"]
+    lines += [f"| {rows} | {alone[rows]:.0f} | {alone[rows] / alone[1]:.1f} |" for rows in (1, 8, 32)]
     return lines
 
 
