@@ -35,6 +35,8 @@ COMMANDS = {
     "launch-local": ("launch_local", "a multi-process run on this machine: zerolm launch-local --processes P "
                                      "--devices-per-process D -- TRAIN_ARGS"),
     "prepare": ("prepare", "tokenize raw text into training shards"),
+    "contamination": ("contamination", "how much of each task a prepared dataset's training split holds (GPT-3's "
+                                       "13-gram overlap), in parts on many hosts"),
     "checkpoints": ("checkpoints", "list a run's checkpoints and the one --resume auto would take"),
     "eval": ("eval", "the held-out loss and perplexity of a checkpoint"),
     "sample": ("sample", "continue a prompt with a checkpoint's model (KV cache)"),

@@ -171,7 +171,8 @@ def _ours(out, parts: int) -> bool:
 def _dataset_files(out) -> set[str]:
     """The top-level names of a prepared dataset's files (a gs:// build is one name)."""
     manifest = Manifest.parse((out / MANIFEST).read_text(), str(out / MANIFEST))
-    return {MANIFEST, *(name.split("/", 1)[0] for name in manifest.files())}
+    # `zerolm contamination`'s results (zerolm.data.contamination) describe the dataset: they go with it
+    return {MANIFEST, "contamination", *(name.split("/", 1)[0] for name in manifest.files())}
 
 
 def _published(out, name: str) -> bool:

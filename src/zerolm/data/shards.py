@@ -148,6 +148,16 @@ class Split:
             self.rows_read += len(ids)
         return out
 
+    def shard_tokens(self, k: int) -> np.ndarray:
+        """Shard k's samples end to end, as int32: the whole shard in one read, each row checked as `read`
+        checks it (a scan of every token: zerolm.data.documents)."""
+        (shard,) = self._open([k]).values()
+        raw = shard.bytes.read([(0, shard.n * shard.stride)])[0]
+        members = [raw[i * shard.stride:i * shard.stride + shard.member] for i in range(shard.n)]
+        rows, bad = shard.rows(list(range(shard.n)), self.skip_bad, members)
+        self.bad_samples += bad
+        return rows.reshape(-1)
+
     def _open(self, shards: list[int]) -> dict[int, _Shard]:
         """Readers of these shards; those not open yet are opened (and checked) concurrently."""
         def open_one(k: int) -> _Shard:
