@@ -23,6 +23,7 @@ SETTINGS = dict(vocab_size=300, seq_len=8, samples_per_shard=16, val_every=VAL_E
 PLANTED = {0: 3, 2: 61, 3: 120, 5: 199}  # task document -> the training document it is planted in
 SHORT = (6, 150)  # a task document of 6 words, planted whole: counted by its whole length
 SPLIT = (4, 80)  # task document 4 cut in two: its head ends document 80, its tail starts document 81
+IN_VALIDATION = (1, 49)  # task document 1 planted in a validation document: not in training
 TASK_YAML = """task: {name}
 dataset_path: json
 dataset_kwargs:
@@ -53,7 +54,7 @@ def _corpus(directory, plant: bool) -> str:
     texts = [" ".join(rng.choice(WORDS, int(rng.integers(20, 90)))) for _ in range(DOCS)]
     passages = _passages()
     if plant:
-        for task_doc, doc in [*PLANTED.items(), SHORT]:
+        for task_doc, doc in [*PLANTED.items(), SHORT, IN_VALIDATION]:
             head, _, tail = texts[doc].partition(" over ")
             texts[doc] = f"{head} over {passages[task_doc].capitalize()}, {tail}"
         cut = passages[SPLIT[0]].split()
@@ -133,7 +134,8 @@ def test_planted_passages_are_found_in_exactly_their_documents(planted):
     expected = sorted([*PLANTED, SHORT[0]])
     for name in ("planted_query", "planted_prompt"):
         task = result["tasks"][name]
-        assert task["dirty_documents"] == expected, name  # not SPLIT's: no n-gram runs across an end-of-text
+        # not SPLIT's: no n-gram runs across an end-of-text; not IN_VALIDATION's: validation is not training
+        assert task["dirty_documents"] == expected, name
         assert (task["documents"], task["dirty"]) == (7, len(expected))
         assert task["dirty_fraction"] == pytest.approx(len(expected) / 7)
         assert [e["document"] for e in task["examples"]] == expected[:contamination.EXAMPLES]
@@ -252,3 +254,33 @@ def test_words_and_ngrams_are_gpt3s():
 
     found = Matcher(ngrams).dirty(["x ONE two three four FIVE y", "seven eight", "eight seven", "two three four five"])
     assert found.tolist() == [True, True, False, False]  # the last: 4 words of a 5-gram
+
+
+def test_a_decontaminated_prepare_measures_clean_and_leaves_validation_alone(planted, tmp_path, monkeypatch, capsys):
+    """prepare --decontaminate (in worker processes) leaves out exactly the dirty training documents: the
+    dataset measures clean, its validation split is the plain prepare's, and the manifest says what it left out."""
+    from zerolm.commands import main
+
+    plan = packing.plan_units
+    monkeypatch.setattr(packing, "plan_units", lambda source, unit_bytes: plan(source, 1))
+    out = tmp_path / "decontaminated"
+    assert main(["prepare", "--source", f"jsonl:{planted['root']}/dirty/*.jsonl", "--out", str(out),
+                 "--vocab-size", "300", "--seq-len", "8", "--samples-per-shard", "16", "--val-every", str(VAL_EVERY),
+                 "--workers", "2", "--decontaminate", "planted_query,planted_prompt",
+                 "--include-path", str(planted["tasks"])]) == 0
+    assert "left out 5 training document(s) sharing a 13-gram with planted_query, planted_prompt" in capsys.readouterr().out
+    result = _measure(str(out), planted["ngrams"])
+    assert all(t["dirty"] == 0 for t in result["tasks"].values())
+    plain = PreparedDataset(planted["dirty"])
+    ours = PreparedDataset(out)
+    assert result["training"]["documents"] == _measure(planted["dirty"], planted["ngrams"])["training"]["documents"] - 5
+    n = len(plain.split("val"))
+    np.testing.assert_array_equal(ours.split("val").read(np.arange(n)), plain.split("val").read(np.arange(n)))
+    assert len(ours.split("val")) == n
+    record = ours.manifest.decontamination
+    assert record is not None and (record.tasks, record.ngram, record.documents) == (
+        ("planted_query", "planted_prompt"), 13, 5)
+    assert record.ngrams_sha256 == planted["ngrams"].fingerprint()
+    units = [packing.read_unit(out, i) for i in range(3)]
+    assert sorted(i * (DOCS // 3) + d for i, u in enumerate(units) for d in u.removed) == sorted(
+        [*PLANTED.values(), SHORT[1]])

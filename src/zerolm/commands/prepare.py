@@ -37,6 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unit-mb", type=int, default=UNIT_MB,
                    help="input files are packed in units of about this many MiB as stored, each on its own (the "
                         "work --part shares out; default: %(default)s)")
+    p.add_argument("--decontaminate", default=None, metavar="A,B",
+                   help="leave out every training document that shares a 13-gram with these tasks' documents "
+                        "(zerolm contamination's measure; validation is untouched); the manifest records them")
+    p.add_argument("--include-path", default=None, metavar="DIR",
+                   help="a directory of your own task definitions, for --decontaminate")
     p.add_argument("--part", type=_part, metavar="I/N",
                    help="prepare part I of N (one per host) into the same --out, which every part must reach "
                         "(gs://); the part that completes the last one publishes the dataset, the same one a "
@@ -51,13 +56,25 @@ def _part(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    decontaminate = None
+    if args.include_path is not None and args.decontaminate is None:
+        from zerolm.core.errors import UsageError
+
+        raise UsageError(f"--include-path: {args.include_path}: task definitions are for --decontaminate, which is not "
+                         "given")
+    if args.decontaminate is not None:
+        from zerolm.eval.downstream import Keys
+        from zerolm.eval.task_texts import task_ngrams
+
+        names = [name.strip() for name in args.decontaminate.split(",") if name.strip()]
+        decontaminate = task_ngrams(names, 13, args.include_path, keys=Keys(tasks="--decontaminate"))
     try:
         manifest, published = prepare_part(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                                 seq_len=args.seq_len, text_field=args.text_field, tfds_data_dir=args.tfds_data_dir,
                                 val_every=args.val_every, samples_per_shard=args.samples_per_shard,
                                 overwrite=args.overwrite, skip_bad=args.skip_bad, workers=args.workers,
                                 bpe_sample_mb=args.bpe_sample_mb, part=args.part,
-                                unit_mb=args.unit_mb)
+                                unit_mb=args.unit_mb, decontaminate=decontaminate)
     except KeyboardInterrupt:
         what = "the unit it was packing was removed; run the part again to finish" if args.part else \
             "the partial output was removed"
@@ -78,5 +95,7 @@ def run(args: argparse.Namespace) -> int:
           f"val {v.samples} samples; {t.tokens + v.tokens:,} tokens of {manifest.dtype}, "
           f"tokenizer {manifest.tokenizer.name} ({manifest.tokenizer.vocab_size} tokens)"
           + (f"; skipped {manifest.skipped} bad record(s), first: {manifest.skipped_first}" if manifest.skipped else "")
-          + (f"; validation: {manifest.val_rule}" if not manifest.val_rule.startswith("every") else ""))
+          + (f"; validation: {manifest.val_rule}" if not manifest.val_rule.startswith("every") else "")
+          + (f"; left out {d.documents} training document(s) sharing a {d.ngram}-gram with {', '.join(d.tasks)}"
+             if (d := manifest.decontamination) else ""))
     return 0

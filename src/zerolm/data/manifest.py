@@ -51,6 +51,19 @@ class SplitInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class Decontamination:
+    """What `zerolm prepare --decontaminate` left out: the training documents sharing an n-gram of n words with
+    the tasks' documents (their n-grams' sha256: zerolm.data.ngrams); their number, and the sha256 of their
+    ids ("unit-00000:17" lines, sorted; each unit's record lists its own)."""
+
+    tasks: tuple[str, ...]
+    ngram: int
+    ngrams_sha256: str
+    documents: int
+    documents_sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Manifest:
     seq_len: int
     dtype: str  # of a token: uint16, or uint32 for vocabularies over 65,536
@@ -64,6 +77,7 @@ class Manifest:
     skipped_first: str = ""
     seconds: float = 0.0
     units: tuple[str, ...] = ()  # the units' directories (zerolm.data.packing), shards referenced or not
+    decontamination: Decontamination | None = None  # prepare --decontaminate
     format: str = FORMAT
 
     @classmethod
@@ -76,9 +90,11 @@ class Manifest:
             splits = {name: SplitInfo(tuple(ShardInfo(**s) for s in split["shards"]), split["samples"], split["tokens"],
                                       split.get("unigram_entropy"))
                       for name, split in data["splits"].items()}
-            fields = {f.name for f in dataclasses.fields(cls)} - {"tokenizer", "splits", "units"}
+            fields = {f.name for f in dataclasses.fields(cls)} - {"tokenizer", "splits", "units", "decontamination"}
+            removed = data.get("decontamination")
+            decontamination = (Decontamination(**{**removed, "tasks": tuple(removed["tasks"])}) if removed else None)
             return cls(tokenizer=TokenizerInfo(**data["tokenizer"]), splits=splits, units=tuple(data.get("units", ())),
-                       **{k: v for k, v in data.items() if k in fields})
+                       decontamination=decontamination, **{k: v for k, v in data.items() if k in fields})
         except (KeyError, TypeError) as e:
             raise DataError(f"{where}: not a complete manifest ({type(e).__name__}: {e})") from None
 

@@ -61,6 +61,7 @@ class Encoded:
     lengths: np.ndarray
     bad: list[sources.SourceError]
     stored: int = 0  # the chunk's bytes of the source as stored (sources.Chunk.stored): progress
+    dirty: np.ndarray | None = None  # per document: it shares an n-gram with the tasks (prepare --decontaminate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,7 @@ class UnitRecord:
     skipped_first: str
     seconds: float
     shards: dict[str, tuple[ShardInfo, ...]]  # split -> shards, named within the unit's directory
+    removed: tuple[int, ...] = ()  # training documents left out (prepare --decontaminate), by index in the unit
 
     def dumps(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
@@ -82,7 +84,8 @@ class UnitRecord:
     def parse(cls, text: bytes | str) -> UnitRecord:
         data = json.loads(text)
         shards = {split: tuple(ShardInfo(**s) for s in found) for split, found in data.pop("shards").items()}
-        return cls(**{**data, "files": tuple(data["files"])}, shards=shards)
+        return cls(**{**data, "files": tuple(data["files"]), "removed": tuple(data.get("removed", ()))},
+                   shards=shards)
 
 
 def unit_name(index: int) -> str:
@@ -226,13 +229,15 @@ def write_unit(unit: Unit, encoded: Iterator[Encoded], shape: Shape, skipped: so
     dtype = token_dtype(vocab_size)
     seq_len, val_every = shape.seq_len, shape.val_every
     writers = {s: ShardWriter(directory, s, seq_len, dtype, shape.per_shard, vocab_size) for s in SPLITS}
-    start, documents = time.perf_counter(), 0
+    start, documents, removed = time.perf_counter(), 0, []
     try:
         for chunk in encoded:
             n = len(chunk.lengths)
-            val = np.repeat((documents + np.arange(n)) % val_every == val_every - 1, chunk.lengths)
-            writers["train"].add(chunk.tokens[~val])
-            writers["val"].add(chunk.tokens[val])
+            val = (documents + np.arange(n)) % val_every == val_every - 1
+            left_out = ~val & (chunk.dirty if chunk.dirty is not None else np.zeros(n, bool))
+            removed += (documents + np.flatnonzero(left_out)).tolist()
+            writers["train"].add(chunk.tokens[np.repeat(~val & ~left_out, chunk.lengths)])
+            writers["val"].add(chunk.tokens[np.repeat(val, chunk.lengths)])
             progress(chunk)
             documents += n
         shards = {s: w.close() for s, w in writers.items()}
@@ -240,7 +245,8 @@ def write_unit(unit: Unit, encoded: Iterator[Encoded], shape: Shape, skipped: so
             _save_npy(directory / f"leftover-{split}.npy", w.leftover().astype(dtype))
             _save_npy(directory / f"counts-{split}.npy", w.counts)
         record = UnitRecord(index, tuple(files or ()), documents, skipped.count if skipped else 0,
-                            skipped.first if skipped else "", round(time.perf_counter() - start, 3), shards)
+                            skipped.first if skipped else "", round(time.perf_counter() - start, 3), shards,
+                            tuple(removed))
         storage.write_atomic(directory / UNIT_RECORD, record.dumps())
     except BaseException:
         for w in writers.values():

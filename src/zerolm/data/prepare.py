@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import signal
@@ -63,7 +64,8 @@ from zerolm.data.builds import (
     check_out,
 )
 from zerolm.data.encoder import Encoder
-from zerolm.data.manifest import FORMAT, Manifest, TokenizerInfo
+from zerolm.data.manifest import FORMAT, Decontamination, Manifest, TokenizerInfo
+from zerolm.data.ngrams import NgramSet
 from zerolm.data.sources import Skipped
 from zerolm.data.tokenizer import MIN_BPE_VOCAB, Tokenizer, load_tokenizer
 
@@ -80,6 +82,8 @@ class PrepareSettings:
     `bpe_sample_mb`: the default BPE's training sample, at most (`bpe_sample`).
     `unit_mb`: input files are packed in units of about this many MiB as stored (zerolm.data.packing);
     `part=(I, N)`: pack units I-1, I-1+N, ... of them, as one of N parts (the module's docstring).
+    `decontaminate`: the tasks' n-grams (zerolm.data.ngrams; its groups are the tasks): every training document
+    sharing one is left out, validation documents are not (the split is decided first, so it is the same).
     `catch_sigterm=False` leaves SIGTERM to whoever owns it: in a multi-process training run JAX's
     preemption notifier holds it from C++, where Python could neither see nor put it back."""
 
@@ -98,6 +102,7 @@ class PrepareSettings:
     bpe_sample_mb: int = BPE_SAMPLE_MB
     part: tuple[int, int] | None = None
     unit_mb: int = packing.UNIT_MB
+    decontaminate: NgramSet | None = None
 
     def check(self, source: str) -> None:
         """PrepareError naming the flag, for a setting no prepare of `source` can use."""
@@ -117,7 +122,8 @@ class PrepareSettings:
         """What every part of a prepare must share (parts-of-N/settings.json)."""
         return {"format": FORMAT, "source": source, "units": units, "tokenizer": tok.identity,
                 "seq_len": self.seq_len, "val_every": self.val_every, "samples_per_shard": self.samples_per_shard,
-                "text_field": self.text_field, "skip_bad": self.skip_bad, "unit_mb": self.unit_mb}
+                "text_field": self.text_field, "skip_bad": self.skip_bad, "unit_mb": self.unit_mb,
+                "decontaminate": _tasks_of(self.decontaminate)}
 
 
 class Prepared(NamedTuple):
@@ -208,7 +214,7 @@ def _pack(source: str, s: PrepareSettings, units: list, tok: Tokenizer, build: B
         bar.update(encoded.stored)
         bar.set_postfix_str(f"{tokens:,} tokens", refresh=False)
 
-    with bar, Encoder(tok, s.workers, s.text_field) as encoder:
+    with bar, Encoder(tok, s.workers, s.text_field, s.decontaminate) as encoder:
         for u, size in zip(mine, stored, strict=True):
             if s.part is not None and packing.read_unit(build.directory, u) is not None:
                 bar.update(size)
@@ -234,6 +240,8 @@ def _publish(source: str, s: PrepareSettings, units: list, tok: Tokenizer, build
     tok.save(build.directory)
     manifest = packing.finalize(build.directory, complete, TokenizerInfo(**tok.identity, file=tok.filename),
                                 packing.Shape(s.seq_len, s.val_every, s.samples_per_shard, tok.vocab_size), source)
+    if s.decontaminate is not None:
+        manifest = dataclasses.replace(manifest, decontamination=_left_out(s.decontaminate, complete))
     if manifest.splits["train"].samples == 0:
         raise PrepareError(f"{source}: too little text for one training sample of seq_len + 1 = "
                            f"{s.seq_len + 1} tokens ({manifest.documents} document(s) in {_files_of(source)}); "
@@ -241,6 +249,20 @@ def _publish(source: str, s: PrepareSettings, units: list, tok: Tokenizer, build
     manifest = manifest.under(build.prefix)
     build.publish(manifest.dumps())
     return Prepared(manifest, True)
+
+
+def _tasks_of(ngrams: NgramSet | None) -> dict[str, Any] | None:
+    """What a decontaminating prepare looks for, as its parts record it."""
+    if ngrams is None:
+        return None
+    return {"tasks": [name for name, _ in ngrams.groups], "ngram": ngrams.n, "ngrams_sha256": ngrams.fingerprint()}
+
+
+def _left_out(ngrams: NgramSet, records: list[packing.UnitRecord]) -> Decontamination:
+    """The manifest's record of the training documents a decontaminating prepare left out."""
+    ids = sorted(f"{packing.unit_name(r.index)}:{d}" for r in records for d in r.removed)
+    return Decontamination(tuple(name for name, _ in ngrams.groups), ngrams.n, ngrams.fingerprint(), len(ids),
+                           hashlib.sha256("".join(f"{i}\n" for i in ids).encode()).hexdigest())
 
 
 def missing_units(out: str | os.PathLike, parts: int) -> list[int]:
