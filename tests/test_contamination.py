@@ -284,3 +284,46 @@ def test_a_decontaminated_prepare_measures_clean_and_leaves_validation_alone(pla
     units = [packing.read_unit(out, i) for i in range(3)]
     assert sorted(i * (DOCS // 3) + d for i, u in enumerate(units) for d in u.removed) == sorted(
         [*PLANTED.values(), SHORT[1]])
+
+
+@pytest.mark.slow
+def test_eval_and_report_show_each_tasks_dirty_fraction_for_the_runs_data(trained_run, tmp_path):
+    """A measure of zerolm_cloze against the run's own dataset (its first two documents said dirty, so that
+    some are clean): `zerolm eval --tasks` prints the dirty fraction and the clean documents' score, and
+    `zerolm report` a table of it; a task not measured shows nothing."""
+    import shutil
+
+    from runs import zerolm
+    from zerolm.checkpoint.store import Checkpoints
+    from zerolm.eval.task_texts import task_ngrams
+    from zerolm.observe import run_report as report
+
+    location = Checkpoints(trained_run / "ckpt", read_only=True).readable_meta(16).dataset_location
+    try:
+        result = _measure(location, task_ngrams(["zerolm_cloze"], 13))
+        assert result["tasks"]["zerolm_cloze"]["dirty_fraction"] == 1.0
+        result["tasks"]["zerolm_cloze"].update(dirty=2, dirty_fraction=2 / 280, dirty_documents=[0, 1])
+        contamination.write_result(location, result)
+        out = zerolm("eval", "--checkpoint", trained_run / "ckpt" / "16", "--tasks", "zerolm_cloze,zerolm_text",
+                     "--limit", "4", devices=2).stdout
+        assert "  zerolm_cloze: 0.7% dirty (2 of 280 documents share a 13-gram with the training data); on the clean " \
+               "ones: acc " in out
+        assert "zerolm_text:" not in out
+        written = json.loads((trained_run / "ckpt" / "lm-eval-step16.json").read_text())
+        assert set(written["contamination"]) == {"zerolm_cloze"} and "samples" not in written
+        log_dir = tmp_path / "log"
+        shutil.copytree(trained_run / "log", log_dir)
+        with (log_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({"step": 16, "tasks/zerolm_cloze/acc": 0.5, "tasks/zerolm_text/bits_per_byte": 3}) + "\n")
+        text = "\n".join(report.markdown(report.read(log_dir)))
+        assert "| zerolm_cloze | 280 | 2 | 0.7% |" in text and "| zerolm_text | 40 |" not in text
+    finally:
+        shutil.rmtree(f"{location}/{contamination.DIRECTORY}", ignore_errors=True)  # the session's shared dataset
+
+
+def test_the_clean_subset_score_leaves_the_dirty_documents_out():
+    samples = {"t": [{"doc_id": 0, "acc": 1.0, "acc_norm": 0.0}, {"doc_id": 1, "acc": 0.0, "acc_norm": 0.0},
+                     {"doc_id": 2, "acc": 1.0, "acc_norm": 1.0}, {"doc_id": 3, "acc": 0.0, "acc_norm": 1.0}],
+               "unmeasured": [{"doc_id": 0, "acc": 1.0}]}
+    dirty = {"t": {"dirty_documents": [1, 3], "dirty": 2, "documents": 4, "dirty_fraction": 0.5, "ngram": 13}}
+    assert contamination.clean_scores(samples, dirty) == {"t": {"acc": 1.0, "acc_norm": 0.5}}

@@ -73,6 +73,7 @@ def run_tasks(args: argparse.Namespace, out=sys.stdout) -> int:
     """The harness's tasks on the checkpoint: the table printed (--json: one object of the numbers), the
     results JSON written beside it."""
     from zerolm.core.storage import check
+    from zerolm.data import contamination
     from zerolm.eval import downstream
 
     for flag, value in (("--limit", args.limit), ("--batch-size", args.batch_size)):
@@ -86,13 +87,24 @@ def run_tasks(args: argparse.Namespace, out=sys.stdout) -> int:
     from zerolm.eval.harness import ZerolmLM, load_checkpoint
 
     loaded = load_checkpoint(args.checkpoint)
-    results = downstream.evaluate(ZerolmLM(loaded=loaded, batch_size=args.batch_size), names, manager, args.limit)
+    dirty = {name: t for name, t in contamination.dirty_fractions(loaded.data).items() if name in names}
+    results = downstream.evaluate(ZerolmLM(loaded=loaded, batch_size=args.batch_size), names, manager, args.limit,
+                                  log_samples=bool(dirty))
+    clean = contamination.clean_scores(results.pop("samples", {}), dirty)
+    measured = {name: {**{k: v for k, v in t.items() if k != "dirty_documents"}, "clean": clean.get(name, {})}
+                for name, t in dirty.items()}
+    if measured:
+        results["contamination"] = measured
     where = write_results(results, loaded.checkpoints, loaded.step)
     if args.json:
         print(json.dumps({"checkpoint": loaded.checkpoints, "step": loaded.step, "results": str(where),
-                          **downstream.metrics(results)}), file=out)
+                          **downstream.metrics(results), **({"contamination": measured} if measured else {})}),
+              file=out)
     else:
         print(downstream.table(results), file=out)
+        if measured:
+            print("contamination (zerolm contamination, against the run's training data):", file=out)
+            print("\n".join(contamination.describe_dirty(dirty, clean)), file=out)
         print(f"results: {where}", file=out)
     return 0
 

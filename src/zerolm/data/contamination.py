@@ -293,3 +293,38 @@ def measure(location: str, ngrams: NgramSet, part: tuple[int, int] | None = None
     result = report(location, ngrams, tally)
     write_result(location, result)
     return result, []
+
+
+def run_data(config: dict[str, Any] | None, location: str | None) -> list[str]:
+    """Where a run's training data is, as its checkpoint records it: each dataset of its mixture, or the one
+    dataset it read (`location`)."""
+    mixture = ((config or {}).get("data") or {}).get("mixture")
+    if mixture:
+        return [str(entry["dataset"]) for entry in mixture]
+    return [location] if location else []
+
+
+def clean_scores(samples: dict[str, list[dict[str, Any]]], dirty: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each task's mean-scored metrics (acc, acc_norm, exact_match) over its clean documents only, from the
+    harness's logged samples (their doc_id is the document's index, as the scan's dirty_documents are)."""
+    out: dict[str, dict[str, float]] = {}
+    for task, rows in samples.items():
+        if task not in dirty:
+            continue
+        unclean = set(dirty[task]["dirty_documents"])
+        clean = [row for row in rows if row.get("doc_id") not in unclean]
+        for metric in ("acc", "acc_norm", "exact_match"):
+            values = [float(row[metric]) for row in clean if isinstance(row.get(metric), int | float)]
+            if values:
+                out.setdefault(task, {})[metric] = sum(values) / len(values)
+    return out
+
+
+def describe_dirty(tasks: dict[str, dict[str, Any]], clean: dict[str, dict[str, float]] | None = None) -> list[str]:
+    """One line per task: its dirty fraction against the run's data (and its clean-subset scores)."""
+    lines = []
+    for name, t in tasks.items():
+        scores = ", ".join(f"{metric} {value:.4f}" for metric, value in (clean or {}).get(name, {}).items())
+        lines.append(f"  {name}: {t['dirty_fraction']:.1%} dirty ({t['dirty']} of {t['documents']} documents share a "
+                     f"{t['ngram']}-gram with the training data)" + (f"; on the clean ones: {scores}" if scores else ""))
+    return lines

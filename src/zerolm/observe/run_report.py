@@ -24,6 +24,7 @@ from typing import Any
 
 from zerolm.checkpoint.meta import CheckpointMeta
 from zerolm.core.errors import ZerolmError
+from zerolm.data import contamination
 from zerolm.observe import launches, plot
 from zerolm.observe.launches import Launch
 
@@ -328,7 +329,23 @@ def tasks_section(files: RunFiles, columns: int = 4) -> list[str]:
                              for s in steps)] for task, metric in keys]
     shown = "" if len(results) <= columns else f" (the last {columns} of {len(results)} evaluations)"
     return [*lines, f"Each task's metrics at the steps it was evaluated{shown}:", "",
-            *_table(["task", "metric", *(f"step {s}" for s in steps)], rows)]
+            *_table(["task", "metric", *(f"step {s}" for s in steps)], rows),
+            *contamination_lines(files, sorted({task for task, _ in keys}))]
+
+
+def contamination_lines(files: RunFiles, tasks: list[str]) -> list[str]:
+    """The tasks' dirty fractions against the run's training data, where `zerolm contamination` measured them."""
+    if files.launches:
+        locations = [d["location"] for d in files.launches[-1].data]
+    else:
+        locations = contamination.run_data(files.config, files.checkpoint.dataset_location if files.checkpoint else None)
+    dirty = {name: t for name, t in contamination.dirty_fractions(locations).items() if name in tasks}
+    if not dirty:
+        return []
+    rows = [[name, t["documents"], t["dirty"], f"{t['dirty_fraction']:.1%}"] for name, t in dirty.items()]
+    return ["", f"How much of each task the training data holds (`zerolm contamination`: documents sharing a "
+            f"{next(iter(dirty.values()))['ngram']}-gram with it):", "",
+            *_table(["task", "documents", "dirty", "dirty fraction"], rows)]
 
 
 def time_rows(files: RunFiles) -> list[tuple[str, float | None]]:
