@@ -64,7 +64,8 @@ def run(args: argparse.Namespace, out=None) -> int:
             print(f"scanned part {i}/{n} of {location}; part(s) {', '.join(map(str, missing))} still to run (the "
                   "part that finds all of them written merges them)", file=out)
             continue
-        results[location] = {**result, "tasks": {name: result["tasks"][name] for name in names}}
+        scanned = [name for name, _ in ngrams.groups]  # (a group's tasks, where a group was named)
+        results[location] = {**result, "tasks": {name: result["tasks"][name] for name in scanned}}
         if not args.json:
             print("\n".join(describe(results[location])), file=out)
     if args.json and results:

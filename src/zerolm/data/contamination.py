@@ -81,7 +81,7 @@ class Tally:
 def scan_item(reader: docs.Reader, matcher: Matcher, index: int, item: docs.Item) -> Tally:
     """Item `index` of the split looked through (its documents in batches of about BATCH_TOKENS tokens)."""
     tally = Tally(items=1)
-    tokenizer = reader.dataset.tokenizer()
+    tokenizer = reader.tokenizer
     where = reader.name(item)
     batch: list[docs.Piece] = []
     size = 0

@@ -21,6 +21,7 @@ so an n-gram is missed only where fewer than n words fill the overlap's tokens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 from collections.abc import Iterator
 
@@ -102,6 +103,11 @@ class Reader:
         self.segments = segments(self.dataset.manifest)
         self.eot = self.dataset.manifest.tokenizer.eot_id
         self.pieces = pieces
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The dataset's tokenizer (read once)."""
+        return self.dataset.tokenizer()
 
     def name(self, item: Item) -> str:
         """Where an item's documents start: its shard's (or leftover's) name in the dataset."""

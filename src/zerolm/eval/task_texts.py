@@ -35,13 +35,12 @@ def document_text(task: Any, doc: Any) -> str:
 
 def task_texts(names: list[str], include_path: str | None = None, download: bool = False,
                keys: downstream.Keys = COMMAND_LINE) -> dict[str, list[str]]:
-    """Each named task's documents' texts, in the task's order (TaskError or UsageError, one line, for an
-    unknown task or one whose data is not here)."""
+    """Each named task's documents' texts, in the task's order (a group's: each of its tasks'); TaskError or
+    UsageError, one line, for an unknown task or one whose data is not here."""
     manager = downstream.prepare(names, include_path, download, keys)
     with downstream.no_progress_bars():
-        loaded = manager.load(names)
-    tasks = loaded["tasks"] if isinstance(loaded, dict) and "tasks" in loaded else loaded
-    return {name: [document_text(tasks[name], doc) for doc in tasks[name].eval_docs] for name in names}
+        tasks = manager.load(names)["tasks"]
+    return {name: [document_text(task, doc) for doc in task.eval_docs] for name, task in tasks.items()}
 
 
 def task_ngrams(names: list[str], n: int, include_path: str | None = None, download: bool = False,
