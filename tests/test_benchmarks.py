@@ -81,3 +81,17 @@ def test_averaging_benchmark_runs_the_commands_and_writes_its_table(tmp_path):
     assert rows["LAWA, mean of the last 3"][1] == "steps 2, 3, 4" and "16 validation sequences" in out.read_text()
     for name in ("final checkpoint", "EMA, decay 0.5"):
         assert abs(float(rows[name][2]) - float(rows[name][5])) <= 1e-4  # `zerolm eval` of it: what the run logged
+
+
+def test_contamination_benchmark_scans_a_generated_corpus_and_writes_its_table(tmp_path):
+    """benchmarks/contamination.py at 1 MiB: the corpus generated and prepared, scanned with the shipped tasks
+    (its words are theirs, its order random: nothing dirty), a row of tokens, speed and memory."""
+    out = tmp_path / "B.md"
+    out.write_text("# Benchmarks\n")
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "contamination.py"), "--sizes-mb", "1",
+                           "--workers", "1", "--dir", str(tmp_path / "bench"), "--write", str(out)],
+                          capture_output=True, text=True, cwd=REPO / "benchmarks", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = next(line for line in out.read_text().splitlines() if line.startswith("| 1 MiB |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert int(cells[1].replace(",", "")) > 100_000 and cells[2] == "1" and cells[5].endswith("MiB")
