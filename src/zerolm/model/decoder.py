@@ -25,6 +25,7 @@ splits whole heads of q, k and v; reshaped to (d, 3·d) it is GPT-2's, column fo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -114,11 +115,12 @@ class Linear(nn.Module):
         return Weights(kernel, bias)
 
 
-def linear(x_BxTxN: jax.Array, w: Weights, dtype: jnp.dtype) -> jax.Array:
+def linear(x_BxTxN: jax.Array, w: Weights, dtype: jnp.dtype, name: str = "") -> jax.Array:
     """x's last axis times the kernel, plus the bias, in `dtype` (what flax's Dense computes)."""
-    x, kernel, bias = nn.dtypes.promote_dtype(x_BxTxN, w.kernel, w.bias, dtype=dtype)
-    y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
-    return y if bias is None else y + bias
+    with jax.named_scope(name) if name else contextlib.nullcontext():  # its matmul named in the HLO, as flax names it
+        x, kernel, bias = nn.dtypes.promote_dtype(x_BxTxN, w.kernel, w.bias, dtype=dtype)
+        y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        return y if bias is None else y + bias
 
 
 def _proj_init(cfg: ModelConfig):
@@ -156,6 +158,9 @@ class Attention(nn.Module):
         """The input projections': c_attn's, or c_q's and c_kv's."""
         return [self.c_attn()] if self.cfg.kv_heads == self.cfg.n_head else [self.c_q(), self.c_kv()]
 
+    def in_names(self) -> list[str]:
+        return ["c_attn"] if self.cfg.kv_heads == self.cfg.n_head else ["c_q", "c_kv"]
+
     def out_weights(self) -> Weights:
         return self.c_proj()
 
@@ -169,7 +174,7 @@ class Attention(nn.Module):
         block's `fused_in`)."""
         B, T, D = x_BxTxD.shape
         if projected is None:
-            projected = [linear(x_BxTxD, w, self.dtype) for w in self.in_weights()]
+            projected = [linear(x_BxTxD, w, self.dtype, n) for w, n in zip(self.in_weights(), self.in_names(), strict=True)]
         q_BxTxHxK, k_BxTxGxK, v_BxTxGxK = self._heads(projected, B, T)
         if rope is not None:
             q_BxTxHxK, k_BxTxGxK = rotate(q_BxTxHxK, rope), rotate(k_BxTxGxK, rope)
@@ -264,12 +269,16 @@ class MLP(nn.Module):
         """The input projections': c_fc's, and SwiGLU's c_gate's."""
         return [self.c_fc(), self.c_gate()] if self.cfg.mlp == "swiglu" else [self.c_fc()]
 
+    def in_names(self) -> list[str]:
+        return ["c_fc", "c_gate"] if self.cfg.mlp == "swiglu" else ["c_fc"]
+
     def out_weights(self) -> Weights:
         return self.c_proj()
 
     def __call__(self, x_BxTxD: jax.Array, projected: list[jax.Array] | None = None) -> jax.Array:
         """The hidden units (B, T, F), which the block projects with `out_weights`; `projected` as Attention's."""
-        h, *gate = projected if projected is not None else [linear(x_BxTxD, w, self.dtype) for w in self.in_weights()]
+        h, *gate = projected if projected is not None else [
+            linear(x_BxTxD, w, self.dtype, n) for w, n in zip(self.in_weights(), self.in_names(), strict=True)]
         if self.cfg.mlp == "swiglu":  # Llama's: silu of the gate times the up projection (c_fc)
             h = nn.silu(gate[0]) * h
         else:
@@ -369,8 +378,8 @@ class Block(nn.Module):
         mlp = MLP(cfg, self.dtype, name="mlp")
 
         def out(y, branch, site):  # a branch's output projection, with its residual dropout
-            return dropout_lib.drop(linear(y, branch.out_weights(), self.dtype), keys_B, cfg.residual_dropout, layer,
-                                    site)
+            return dropout_lib.drop(linear(y, branch.out_weights(), self.dtype, f"{branch.name}/c_proj"), keys_B,
+                                    cfg.residual_dropout, layer, site)
 
         if not cfg.parallel_residual:
             y = attn(ln("ln_1")(x_BxTxD), decoding, segment_ids_BxT, attention_dropout, rope)
