@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from zerolm.checkpoint.meta import CheckpointMeta
-from zerolm.checkpoint.store import CheckpointError, Checkpoints, quiet_orbax
-from zerolm.checkpoint.trained_model import locate
+from zerolm.checkpoint.store import CheckpointError, Checkpoints
+from zerolm.checkpoint.trained_model import opened_for
 from zerolm.config.tree import Config
 
 KEY = "train.branch_from"
@@ -67,16 +67,8 @@ def opened(cfg: Config) -> Iterator[Source]:
     cannot be read, where it is at or past train.steps, or where the source's logging.dir is this run's."""
     path = cfg.train.branch_from
     assert path is not None
-    try:
-        ckpts, step = locate(path)
-    except CheckpointError as e:
-        raise CheckpointError(f"{KEY}: {e}") from None
-    try:
-        with quiet_orbax():
-            try:
-                source = Source(ckpts, step, ckpts.readable_meta(step))
-            except CheckpointError as e:
-                raise CheckpointError(f"{KEY}: {e}") from None
+    with opened_for(path, KEY) as (ckpts, step, meta):
+        source = Source(ckpts, step, meta)
         if step >= cfg.train.steps:
             raise CheckpointError(f"{KEY}: {source.where}: step {step} is not before train.steps {cfg.train.steps}: "
                                   f"a branch trains the steps after its source's ({step + 1}..train.steps)")
@@ -84,8 +76,6 @@ def opened(cfg: Config) -> Iterator[Source]:
             raise SharedLogs(f"{KEY}: {source.where}: logging.dir {cfg.log_dir} is the source run's: a branch "
                              "writes its own logs; give it its own (set name, or logging.dir)")
         yield source
-    finally:
-        ckpts.close()
 
 
 def check_logs_apart(cfg: Config) -> None:

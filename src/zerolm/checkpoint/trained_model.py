@@ -11,8 +11,10 @@ must be the one the checkpoint recorded.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +130,25 @@ def locate(path: str) -> tuple[Checkpoints, int]:
         except DamagedCheckpoint:
             continue
     raise CheckpointError(f"{path}: every checkpoint is damaged (see zerolm checkpoints {path})")
+
+
+@contextlib.contextmanager
+def opened_for(path: str, key: str) -> Iterator[tuple[Checkpoints, int, CheckpointMeta]]:
+    """The checkpoint a config key names (train.init_from, train.branch_from) and its metadata, opened read only
+    and closed after; a problem is a CheckpointError naming `key`."""
+    try:
+        ckpts, step = locate(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{key}: {e}") from None
+    try:
+        with quiet_orbax():
+            try:
+                meta = ckpts.readable_meta(step)
+            except CheckpointError as e:
+                raise CheckpointError(f"{key}: {e}") from None
+        yield ckpts, step, meta
+    finally:
+        ckpts.close()
 
 
 def load(path: str, devices: list[jax.Device] | None = None) -> Restored:

@@ -27,7 +27,7 @@ import numpy as np
 import zerolm
 from zerolm.checkpoint.meta import CheckpointMeta
 from zerolm.checkpoint.store import CheckpointError, Checkpoints, move_aside, parameter_differences, quiet_orbax
-from zerolm.checkpoint.trained_model import TOKENIZER_BESIDE, locate
+from zerolm.checkpoint.trained_model import TOKENIZER_BESIDE, opened_for
 from zerolm.config.tree import Config
 from zerolm.model import device_policy
 from zerolm.parallel.mesh import make_mesh
@@ -53,21 +53,10 @@ def _opened(cfg: Config, data_id: dict) -> Iterator[_Source]:
     """The checkpoint init_from names, checked against the run (CheckpointError naming train.init_from)."""
     path = cfg.train.init_from
     assert path is not None
-    try:
-        ckpts, step = locate(path)
-    except CheckpointError as e:
-        raise CheckpointError(f"{KEY}: {e}") from None
-    try:
-        with quiet_orbax():
-            try:
-                meta = ckpts.readable_meta(step)
-            except CheckpointError as e:
-                raise CheckpointError(f"{KEY}: {e}") from None
+    with opened_for(path, KEY) as (ckpts, step, meta):
         source = _Source(ckpts, step, meta)
         _check(cfg, source, data_id)
         yield source
-    finally:
-        ckpts.close()
 
 
 def _check(cfg: Config, source: _Source, data_id: dict) -> None:
