@@ -139,7 +139,8 @@ def train_through_zerolm(args, cand: dict, workdir: Path, tag: str = "") -> dict
     wall = time.perf_counter() - t
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "train.log").write_text(proc.stdout + "\n" + proc.stderr)
-    if proc.returncode != 0:
+    if proc.returncode != 0:  # the run's last lines go to the log that comes back (the run dir may not)
+        print("\n".join(proc.stderr.strip().splitlines()[-40:]), file=sys.stderr, flush=True)
         return {**cand, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
     records = [json.loads(line) for line in (run_dir / "log" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "step_time_s" in r]

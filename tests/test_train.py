@@ -128,6 +128,25 @@ def test_a_restart_loads_the_train_step_from_the_compilation_cache(tmp_path):
         assert f"Persistent compilation cache hit for '{program}'" in runs[1].stderr
 
 
+def test_the_compilation_cache_keeps_xla_autotune_results_out(tmp_path):
+    """On an H100 another run's per-fusion autotune results, found beside the cache, stopped a run at its first
+    step (compilation_cache.use); the whole-program cache stays on."""
+    import jax
+
+    from zerolm.train import compilation_cache
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_enable_xla_caches")
+    before = {name: getattr(jax.config, name) for name in names}
+    try:
+        compilation_cache.use(str(tmp_path / "xla"))
+        assert jax.config.jax_persistent_cache_enable_xla_caches == "none"
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+
+
 def test_profile_of_two_steps_writes_a_trace(tmp_path):
     import io
 

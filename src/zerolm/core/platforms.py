@@ -18,10 +18,10 @@ Commands that need shapes but no device (`zerolm plan`, `zerolm compile`) ask fo
 `no_device_needed`, so that they do not take a GPU or TPU a run is using.
 
 On a machine with NVIDIA GPUs that JAX may open, `choose` also turns off XLA's command buffers (its CUDA
-graphs) unless the user's XLA_FLAGS sets them: with jax 0.11.2 on an H100, the 125m config at micro-batch 32
-failed at its first step with "cuda_graph_end_capture ... capturing stream has unjoined work" where XLA
-captured a cuDNN attention graph into one, and trained without them; on 125m at micro-batch 16 they moved
-the step by 0.3% (BENCHMARKS.md, "H100"). XLA reads XLA_FLAGS when its backend starts, so this runs before.
+graphs) unless the user's XLA_FLAGS sets them: on 125m at micro-batch 16 on an H100 they moved the step by
+0.3% (BENCHMARKS.md, "H100"), and they were first blamed for a failure ("cuda_graph_end_capture ... capturing
+stream has unjoined work") whose cause turned out to be XLA's autotune cache (`train.compilation_cache`);
+on again, they have not been tried since. XLA reads XLA_FLAGS when its backend starts, so this runs before.
 """
 
 from __future__ import annotations

@@ -25,6 +25,12 @@ def use(setting: str | None) -> None:
     # Every program, however quick to compile: on a fast machine a small model's update compiles in under
     # JAX's default threshold (1 s) and a restart would compile it again.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    # Not XLA's own caches beside it (JAX's default puts the GPU per-fusion autotune results there): on an
+    # H100 (jax 0.11.2, 2026-11-27) a run that found another run's autotune results there stopped at its
+    # first step, `cuda_graph_end_capture ... capturing stream has unjoined work` while deserializing a cuDNN
+    # attention graph; with them off the same two runs trained (BENCHMARKS.md, "H100, third session"). The
+    # whole-program cache above still spares a restart its compiles.
+    jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
 
 
 class Hits:
