@@ -9,7 +9,11 @@
 #       c = 350m and 760m (no remat at two micro-batches), then XLA GPU flags one at a time on 125m;
 #       lease = one call for a 15-minute lease (a machine's start and one 10-minute call): 125m as in a, PyTorch
 #           125m at 16, then 1_3b without remat at 16 and 8 (no structure timing, no profile) and PyTorch 1_3b at
-#           8, each part under its own time limit so that the results of the first survive a slow second.
+#           8, each part under its own time limit so that the results of the first survive a slow second;
+#       serve = one call for a 15-minute lease: `zerolm serve` under load (benchmarks/serve.py, the tiny model,
+#           10 s a point), then 125m at none/16 and none/32 and 1_3b at none/8 (no structure timing, no
+#           profile), each under its own limit, with the card's temperature and throttle counters before and
+#           after.
 # The candidates are what fits an 80 GB H100 by XLA's GPU compiler (compiled on the CPU machine for an
 # H100, 2026-11-25, with the unrolled layer loop and the block that keeps only matmul and attention outputs:
 # 125m none/32 and 1_3b none/16 fit 59.3 GiB; `zerolm compile --target h100` says so before any GPU time).
@@ -18,7 +22,7 @@
 # (benchmarks/gpu_env.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: gpu_session.sh a|b|c|lease [OUT_DIR]}
+part=${1:?usage: gpu_session.sh a|b|c|lease|serve [OUT_DIR]}
 out=${2:-${OUT:-runs/gpu}}
 mkdir -p "$out"
 exec > >(tee -a "$out/log-$part.txt") 2>&1
@@ -73,6 +77,24 @@ case $part in
       torch_run 125m 16' || echo "125m part stopped at its limit"
     timeout 240 bash -c 'mfu 1_3b 1_3b --candidates none:16 none:8 --steps 14 --warmup 4 --no-structure
       torch_run 1_3b 8' || echo "1_3b part stopped at its limit"
+    ;;
+  serve)
+    export -f mfu; export out part work
+    throttle() {
+      { date +%T; nvidia-smi --query-gpu=temperature.gpu,clocks.sm,power.draw --format=csv,noheader
+        nvidia-smi -q -d PERFORMANCE | grep -i -E 'slowdown|power cap|thermal'; } | tee -a "$out/throttle-$part.txt"
+    }
+    throttle
+    timeout 270 python3 benchmarks/serve.py --seconds 10 --machine h100 --block serve-h100 --write BENCHMARKS.md \
+      || echo "serve part stopped at its limit"
+    sed -n '/<!-- serve-h100:begin -->/,/<!-- serve-h100:end -->/p' BENCHMARKS.md >"$out/serve-h100.md"
+    throttle
+    timeout 130 bash -c 'mfu 125m 125m --candidates none:16 none:32 --steps 15 --warmup 4 --no-structure' \
+      || echo "125m part stopped at its limit"
+    throttle
+    timeout 150 bash -c 'mfu 1_3b 1_3b --candidates none:8 --steps 10 --warmup 3 --no-structure' \
+      || echo "1_3b part stopped at its limit"
+    throttle
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

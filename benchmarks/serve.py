@@ -1,6 +1,7 @@
 """`zerolm serve` under load: tokens per second and the time to the first token, at 1, 8 and 32 clients.
 
     JAX_PLATFORMS=cpu python benchmarks/serve.py [--write BENCHMARKS.md] [--seconds 20]
+    JAX_PLATFORMS=cuda python benchmarks/serve.py --machine h100 --block serve-h100 [--write BENCHMARKS.md]
 
 configs/tiny.yaml as it ships (4 layers, 128 wide, seq_len 128) trained 20 steps on the embedded corpus,
 served on one device. Each client is a thread that sends one streamed completion after another (a 6-token
@@ -31,7 +32,6 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from markdown_block import write_block  # noqa: E402
 
-BEGIN, END = "<!-- serve:begin -->", "<!-- serve:end -->"
 NEW_TOKENS = 96
 
 
@@ -120,6 +120,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=20)
     parser.add_argument("--write", type=Path, default=None)
+    parser.add_argument("--machine", default="dev-cpu", help="the machine's name in the table's first line")
+    parser.add_argument("--block", default="serve", help="the BENCHMARKS.md block to rewrite: <!-- BLOCK:begin -->")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as work:
@@ -136,14 +138,22 @@ def main() -> None:
             finally:
                 proc.terminate()
                 proc.wait()
-    print("\n".join(table(rows, args.seconds, alone)))
+    lines = table(rows, args, alone)
+    print("\n".join(lines))
     if args.write:
-        write_block(args.write, BEGIN, END, table(rows, args.seconds, alone))
+        write_block(args.write, f"<!-- {args.block}:begin -->", f"<!-- {args.block}:end -->", lines)
 
 
-def table(rows: list[dict], seconds: float, alone: dict[int, float]) -> list[str]:
-    lines = [f"Measured {time.strftime('%Y-%m-%d')} on dev-cpu ({os.cpu_count()} cores; the clients run on the same "
-             f"cores), `JAX_PLATFORMS=cpu python benchmarks/serve.py --seconds {seconds:g} --write BENCHMARKS.md`:",
+def table(rows: list[dict], args: argparse.Namespace, alone: dict[int, float]) -> list[str]:
+    import jax
+
+    device = jax.local_devices()[0]
+    where = (f"{os.cpu_count()} cores; the clients run on the same cores" if device.platform == "cpu" else
+             f"one {device.device_kind}, {os.cpu_count()} CPU cores; jax {jax.__version__}")
+    flags = "" if args.machine == "dev-cpu" else f" --machine {args.machine} --block {args.block}"
+    lines = [f"Measured {time.strftime('%Y-%m-%d')} on {args.machine} ({where}), "
+             f"`JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', device.platform)} python benchmarks/serve.py --seconds {args.seconds:g}{flags} "
+             "--write BENCHMARKS.md`:",
              "", "| server | answers | clients | completion tokens/s | × one client | first token, median | p90 |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
