@@ -23,6 +23,7 @@ from zerolm.config.tree import load_config  # noqa: E402
 from zerolm.model import decoder as gpt_model  # noqa: E402
 from zerolm.model import losses  # noqa: E402
 from zerolm.model.device_policy import for_device  # noqa: E402
+from zerolm.train import compilation_cache  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -60,6 +61,9 @@ def _private_cache(tmp_path_factory):
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     (root / "zerolm-cache").mkdir(exist_ok=True)
     os.environ["ZEROLM_CACHE"] = str(root / "zerolm-cache")
+    # JAX's persistent cache in the workers too (training turns it on in-process anyway, from its first run): a
+    # program another test compiled loads instead (test_zero.py: 116 of 411 compiles, a quarter of its compile time).
+    compilation_cache.use("default")
 
 
 def free_port() -> int:
