@@ -42,8 +42,8 @@ lint: install-test
 test: lint
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
-# The unit tier for your own iterations: no training runs in subprocesses, no TPU compiles, no multi-process runs
-# (those are marked `slow`).
+# The unit tier for your own iterations: no training runs in subprocesses, no TPU compiles, no multi-process runs,
+# no sweeps of the sharded step over layouts (those are marked `slow`).
 test-fast: install-test
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" tests
 

@@ -53,6 +53,7 @@ def debiased(weights: list[np.ndarray], decay: float) -> np.ndarray:
     return np.tensordot(w / w.sum(), np.stack(weights).astype(np.float64), axes=1)
 
 
+@pytest.mark.slow  # a sweep of the sharded step (or training runs) over layouts: the whole suite's, not the unit tier's
 @pytest.mark.parametrize("stage, sets, dp, tp", [
     (1, ("model.attention=xla", "model.scan_layers=true"), 8, 1),
     (3, ("model.attention=blockwise", "model.attention_block=8", "model.scan_layers=false"), 8, 1),

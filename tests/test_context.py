@@ -76,6 +76,7 @@ def staged_run(*sets: str, dp: int = 8, tp: int = 1, mode: str = "split"):
     return losses, [np.asarray(x, np.float32) for x in jax.tree.leaves(jax.device_get(state.params))], state
 
 
+@pytest.mark.slow  # a sweep of the sharded step (or training runs) over layouts: the whole suite's, not the unit tier's
 @requires_devices(8)
 @pytest.mark.parametrize("sets, layouts, mode", [
     # learned positions below their table's length: ZeRO-3 on dp 8 and ZeRO-1 on dp 4 × tp 2

@@ -25,6 +25,7 @@ PARALLEL = ("model.parallel_residual=true",)  # GPT-NeoX's block: a norm each
 SHARED = ("model.parallel_residual=true", "model.shared_norm=true")  # GPT-J's: one norm
 
 
+@pytest.mark.slow  # a sweep of the sharded step (or training runs) over layouts: the whole suite's, not the unit tier's
 @pytest.mark.parametrize("sets", [
     # ALiBi composed with the rest of the Llama layout (grouped heads each keep their own slopes), in GPT-J's
     # parallel block: without residual dropout, so that both branches' input projections are one matmul and their

@@ -116,6 +116,7 @@ def seconds_after(rows, step):
                if k.endswith("_s") and not k.endswith("_per_s") and k != "data_wait_s")
 
 
+@pytest.mark.slow  # a sweep of the sharded step (or training runs) over layouts: the whole suite's, not the unit tier's
 def test_each_restart_records_the_work_it_dropped_and_the_report_counts_it(restarted):
     log_dir, left = restarted
     first, scratch, resumed = launches.read(log_dir)
@@ -137,6 +138,7 @@ def test_each_restart_records_the_work_it_dropped_and_the_report_counts_it(resta
     assert f"| the checkpoint of step {latest} | 10 | {10 - latest} | {resumed.lost_seconds:.1f} |" in text
 
 
+@pytest.mark.slow  # a sweep of the sharded step (or training runs) over layouts: the whole suite's, not the unit tier's
 def test_each_restart_is_a_labelled_line_on_the_reports_figures(restarted):
     log_dir, _ = restarted
     resumed = launches.read(log_dir)[2]

@@ -88,6 +88,7 @@ LAYOUTS = [  # (dp, tp, settings): ZeRO stages 1 and 3, dp 8 and dp 4 x tp 2, ea
 ]
 
 
+@pytest.mark.slow  # a sweep of the sharded step (or training runs) over layouts: the whole suite's, not the unit tier's
 @requires_devices(8)
 @pytest.mark.parametrize("schedule, decay, shape, layout", [
     pytest.param("wsd", 3, "linear", 0, id="wsd-linear-dp8-stage1-xla-scan"),

@@ -87,6 +87,7 @@ def test_one_dp_reduction_after_the_loop_and_tp_collectives_inside_it(dp, tp):
     assert bool(blockified) == (dp == 4)  # the case is covered, and (2, 4) has none
 
 
+@pytest.mark.slow  # a sweep of the sharded step (or training runs) over layouts: the whole suite's, not the unit tier's
 @pytest.mark.parametrize("sets, per_layer", [
     # (the sequential block's 2 forward and 2 backward, Megatron's: test_comms)
     (("model.remat=full",), 5),  # the sequential block's 4; full remat reruns the attention's forward one

@@ -52,9 +52,11 @@ def _rel(a_tree, b_tree):
 
 @pytest.mark.parametrize("mode, chunk, model", [
     ("all_reduce", 0, ()), ("reduce_scatter", 0, ()), ("reduce_scatter", 12, ()),
-    ("reduce_scatter", 12, ("model.scan_layers=false",)),
-    ("reduce_scatter", 12, ("model.scan_layers=false", "model.attention=blockwise", "model.attention_block=8")),
-    ("reduce_scatter", 12, ("model.scan_layers=false", "model.remat=full"))],
+    # the other layer loops and attentions: the whole suite's (the unit tier keeps the three above)
+    pytest.param("reduce_scatter", 12, ("model.scan_layers=false",), marks=pytest.mark.slow),
+    pytest.param("reduce_scatter", 12, ("model.scan_layers=false", "model.attention=blockwise", "model.attention_block=8"),
+                 marks=pytest.mark.slow),
+    pytest.param("reduce_scatter", 12, ("model.scan_layers=false", "model.remat=full"), marks=pytest.mark.slow)],
     ids=lambda v: "-".join(s.split("=")[-1] for s in v) if isinstance(v, tuple) else str(v))
 def test_sgd_step_matches_single_device(mode, chunk, model):
     """chunk 12: the fused, chunked loss inside shard_map (2 × 16 targets per micro-step, a padded chunk)

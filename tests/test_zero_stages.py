@@ -40,6 +40,7 @@ def assert_same(a, b, rtol):
         np.testing.assert_allclose(x, y, atol=rtol * moved, rtol=rtol)
 
 
+@pytest.mark.slow  # a sweep of the sharded step (or training runs) over layouts: the whole suite's, not the unit tier's
 @pytest.mark.parametrize("sets", [("model.attention=xla", "model.scan_layers=true"),
                                   ("model.attention=blockwise", "model.attention_block=8", "model.scan_layers=false"),
                                   # d_model 36: leaves no dp-8 axis divides (blockified): reduced after each
@@ -65,6 +66,7 @@ def test_stage_3_stores_each_device_its_block_of_the_parameters():
         assert sum(s.data.size for s in leaf.addressable_shards) == leaf.size
 
 
+@pytest.mark.slow  # a sweep of the sharded step (or training runs) over layouts: the whole suite's, not the unit tier's
 @pytest.mark.parametrize("precision", ["fp32", "mixed"])
 def test_stages_with_tensor_parallelism_step_like_stage_1(precision):
     """(dp 4, tp 2): the tp collectives inside the loop, the dp reductions (and stage 3's gathers) beside them;
