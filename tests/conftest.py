@@ -66,15 +66,6 @@ def _private_cache(tmp_path_factory):
     compilation_cache.use("default")
 
 
-@pytest.fixture
-def without_persistent_cache():
-    """For a test that compiles for a TPU or GPU target in-process: JAX's persistent cache stores those programs
-    but cannot load them back without that device's client (a warning each, and the compile again)."""
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", True)
-
-
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 for a jax.distributed coordinator."""
     with socket.socket() as s:

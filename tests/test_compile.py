@@ -17,7 +17,7 @@ from zerolm.core.hardware import preset
 from zerolm.model import decoder as gpt_model
 from zerolm.model import device_policy, losses
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("without_persistent_cache")]  # TPU compiles
+pytestmark = pytest.mark.slow  # TPU compiles
 
 TINY = REPO / "configs" / "tiny.yaml"
 C125M = REPO / "configs" / "125m.yaml"

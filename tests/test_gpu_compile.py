@@ -22,7 +22,7 @@ from zerolm.core.hardware import GPU_TYPES
 from zerolm.parallel.build import REMAT_ORDER, build_and_compile, build_step, compile_step
 from zerolm.parallel.mesh import make_mesh
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("without_persistent_cache")]  # GPU compiles
+pytestmark = pytest.mark.slow  # GPU compiles
 
 TINY = REPO / "configs" / "tiny.yaml"
 C1_3B = REPO / "configs" / "1_3b.yaml"
