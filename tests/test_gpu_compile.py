@@ -6,7 +6,9 @@ model.remat auto's choice by the compiled peak."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -166,14 +168,37 @@ def test_the_unrolled_layer_loop_holds_no_stacked_zero_filled_activations():
     assert found["auto"] == [] and len(found["true"]) >= 4, found
 
 
+@contextlib.contextmanager
+def _compiles():
+    """The names of the programs XLA compiles inside the block (JAX's compile log, read through its logger)."""
+    names: list[str] = []
+
+    class Names(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if (found := re.match(r"Finished XLA compilation of (\S+)", record.getMessage())) is not None:
+                names.append(found.group(1))
+
+    logger, handler = logging.getLogger("jax"), Names()
+    logger.addHandler(handler)
+    import jax
+
+    with jax.log_compiles(True):
+        yield names
+    logger.removeHandler(handler)
+
+
 def test_remat_auto_takes_the_least_recomputed_policy_that_fits():
     devices = aot.target_devices(aot.parse_target("h100"))
     cfg = load_config(TINY, [*SMALL, "model.remat=auto", "mesh.dp=1", "train.global_batch_size=32",
                              "train.micro_batch_size=16"], device_count=1)
     mesh = make_mesh(1, 1, devices)
     assert build_and_compile(cfg, mesh, None).cfg.model.remat == "none"  # no limit (a CPU): the first
-    every = build_and_compile(cfg, mesh, 1)  # nothing fits: each tried, the last taken
+    with _compiles() as each:
+        every = build_and_compile(cfg, mesh, 1)  # nothing fits: each tried, the last taken
     assert list(every.tried) == list(REMAT_ORDER) and every.cfg.model.remat == "full"
+    # Only the gradient's program depends on the policy: the reshard and update programs compile once.
+    assert each.count("jit(grad_step)") == len(REMAT_ORDER), each
+    assert sorted(name for name in each if name != "jit(grad_step)") == ["jit(_update)", "jit(to_views)"], each
     peaks = every.tried
     assert peaks["full"] < peaks["none"]
     # The first policy that needs less than none: a limit it just meets (two compiles, not five).

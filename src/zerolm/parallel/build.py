@@ -126,11 +126,13 @@ def build_and_compile(cfg: Config, mesh: Mesh, limit: int | None, rules=sharding
     so the first); if none does, the last (the caller's fit check says it does not fit)."""
     candidates = REMAT_ORDER if cfg.model.remat == "auto" else (cfg.model.remat,)
     tried: dict[str, int | None] = {}
+    first: CompiledStep | None = None  # the programs no policy changes come from the first policy's compile
     for remat in candidates:
         this = cfg.resolve(model__remat=remat) if remat != cfg.model.remat else cfg
         model, zero, init_fn = build_step(this, mesh, rules)
         compiled = compile_step(zero, this.train.micro_batch_size, this.model.seq_len, this.accum_steps,
-                                keep_refusals=True)
+                                keep_refusals=True, reuse=first)
+        first = first or compiled
         peak = tried[remat] = step_peak(compiled, zero, this)
         if remat == candidates[-1] or (peak is not None and (limit is None or peak <= limit)):
             return BuiltStep(this.model_copy(update={"model": model.cfg}), model, zero, init_fn, compiled,
@@ -193,15 +195,24 @@ def is_out_of_memory(e: BaseException) -> bool:
 
 
 def compile_step(zero: Zero, micro_batch: int, seq_len: int, accum_steps: int, *,
-                 keep_refusals: bool = False) -> CompiledStep:
+                 keep_refusals: bool = False, reuse: CompiledStep | None = None) -> CompiledStep:
     """Compile each of the step's programs (`Zero.program_inputs`) for a run's shapes: what training runs
     (`Zero.using`), what `zerolm comms` and the run's header read, what `zerolm compile` measures. With
     `keep_refusals`, a program the compiler refuses for its size (RESOURCE_EXHAUSTED: its temporaries exceed
-    the device) is recorded, not raised: that refusal is `zerolm compile`'s answer."""
+    the device) is recorded, not raised: that refusal is `zerolm compile`'s answer. `reuse`: the same step
+    compiled under another remat policy, whose reshard and update programs (the policy changes only the
+    gradient's) are taken as they are, refusals and compile times included."""
     executables: dict[str, Any] = {}
     seconds: dict[str, float] = {}
     refused: dict[str, str] = {}
     for name, args in zero.program_inputs(micro_batch, seq_len, accum_steps).items():
+        if reuse is not None and name != "grad" and name in reuse.seconds:
+            if (executable := getattr(reuse.programs, name)) is not None:
+                executables[name] = executable
+            if name in reuse.refused:
+                refused[name] = reuse.refused[name]
+            seconds[name] = reuse.seconds[name]
+            continue
         t0 = time.perf_counter()
         try:
             executables[name] = getattr(zero.programs, name).lower(*args).compile()
