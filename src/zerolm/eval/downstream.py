@@ -144,9 +144,12 @@ def relative_to_file(config: dict, yaml_path) -> dict:
 
 @functools.cache
 def task_manager_class():
-    """The harness's TaskManager, its task files' data paths relative to each file (relative_to_file)."""
+    """The harness's TaskManager, its task files' data paths relative to each file (relative_to_file), the index
+    of its own tasks read from zerolm's cache (zerolm.eval.task_index)."""
     from lm_eval.tasks import TaskManager
     from lm_eval.tasks._factory import TaskFactory
+
+    from zerolm.eval.task_index import cached_harness_tasks
 
     class Factory(TaskFactory):
         def _load_full_config(self, entry, overrides=None):
@@ -155,7 +158,8 @@ def task_manager_class():
 
     class Manager(TaskManager):
         def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
+            with cached_harness_tasks():  # the harness's own thousands of task files: their index from zerolm's cache
+                super().__init__(*args, **kwargs)
             self._factory = Factory(meta=self.metadata)
 
     return Manager
