@@ -51,7 +51,12 @@ class GCSServer:
         self.process = subprocess.Popen([str(self.binary), "-scheme", "http", "-backend", "filesystem",
                                          "-filesystem-root", str(self.root), "-host", "127.0.0.1", "-port",
                                          str(self.port), "-external-url", self.external, "-log-level", "warn"],
-                                        stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+                                        stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                        # A copy: the C environ, which the child reads after vfork, is not
+                                        # changed under it by another thread's setenv (test_storage starts a
+                                        # server in a background thread while tests monkeypatch the environment;
+                                        # inherited, that exec once failed with EFAULT, "Bad address").
+                                        env=dict(os.environ))
         deadline = time.time() + 20
         while True:
             try:
