@@ -21,7 +21,7 @@ from zerolm.compile import bytes_moved as census
 from zerolm.config.tree import load_config
 from zerolm.core.exitcodes import EXIT_DOES_NOT_FIT, EXIT_USAGE
 from zerolm.core.hardware import GPU_TYPES
-from zerolm.parallel.build import REMAT_ORDER, build_and_compile, build_step, compile_step
+from zerolm.parallel.build import REMAT_ORDER, SharedPrograms, build_and_compile, build_step, compile_step
 from zerolm.parallel.mesh import make_mesh
 
 pytestmark = pytest.mark.slow  # GPU compiles
@@ -188,22 +188,31 @@ def _compiles():
 
 
 def test_remat_auto_takes_the_least_recomputed_policy_that_fits():
+    """model.remat auto compiles the policies in order until one fits; only the gradient's program depends on
+    the policy, or on the micro-batch: the reshard and update programs compile once per policy search, and once
+    per search of `zerolm compile` (SharedPrograms) whatever the micro-batches and policies it tries."""
     devices = aot.target_devices(aot.parse_target("h100"))
-    cfg = load_config(TINY, [*SMALL, "model.remat=auto", "mesh.dp=1", "train.global_batch_size=32",
-                             "train.micro_batch_size=16"], device_count=1)
     mesh = make_mesh(1, 1, devices)
-    assert build_and_compile(cfg, mesh, None).cfg.model.remat == "none"  # no limit (a CPU): the first
+    cfg = {micro: load_config(TINY, [*SMALL, "model.remat=auto", "mesh.dp=1", "train.global_batch_size=32",
+                                     f"train.micro_batch_size={micro}"], device_count=1) for micro in (8, 16)}
+    shared = SharedPrograms()
+    with _compiles() as first:
+        assert build_and_compile(cfg[8], mesh, None, shared=shared).cfg.model.remat == "none"  # no limit: the first
+    step = {"jit(grad_step)", "jit(to_views)", "jit(_update)"}  # the step's programs (not the setup's before them)
+    assert sorted(n for n in first if n in step) == ["jit(_update)", "jit(grad_step)", "jit(to_views)"], first
     with _compiles() as each:
-        every = build_and_compile(cfg, mesh, 1)  # nothing fits: each tried, the last taken
+        every = build_and_compile(cfg[16], mesh, 1, shared=shared)  # nothing fits: each tried, the last taken
     assert list(every.tried) == list(REMAT_ORDER) and every.cfg.model.remat == "full"
-    # Only the gradient's program depends on the policy: the reshard and update programs compile once.
-    assert each.count("jit(grad_step)") == len(REMAT_ORDER), each
-    assert sorted(name for name in each if name != "jit(grad_step)") == ["jit(_update)", "jit(to_views)"], each
+    # another micro-batch, every policy: only the gradient's program compiled
+    assert [n for n in each if n in step] == ["jit(grad_step)"] * len(REMAT_ORDER), each
     peaks = every.tried
     assert peaks["full"] < peaks["none"]
-    # The first policy that needs less than none: a limit it just meets (two compiles, not five).
+    # The first policy that needs less than none: a limit it just meets (two compiles, not five). On its own
+    # (no search's programs given), remat auto still compiles the reshard and update programs once.
     first_below = next(r for r in REMAT_ORDER if peaks[r] < peaks["none"])
     limit = peaks[first_below]
-    chosen = build_and_compile(cfg, mesh, limit)
+    with _compiles() as alone:
+        chosen = build_and_compile(cfg[16], mesh, limit)
+    assert sorted(n for n in alone if n in step - {"jit(grad_step)"}) == ["jit(_update)", "jit(to_views)"], alone
     taken = chosen.cfg.model.remat
     assert peaks[taken] <= limit and all(peaks[r] > limit for r in REMAT_ORDER[:REMAT_ORDER.index(taken)])

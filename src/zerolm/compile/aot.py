@@ -42,7 +42,14 @@ from zerolm.config.tree import Config
 from zerolm.core.errors import ZerolmError, first_line
 from zerolm.core.hardware import GPU_TYPES, GPUS_PER_HOST, TPU_TYPES, gpu_memory_fraction, grid, preset
 from zerolm.data.context import ContextPlan
-from zerolm.parallel.build import build_and_compile, compile_step, describe_remat_choice, live_outside, step_memory
+from zerolm.parallel.build import (
+    SharedPrograms,
+    build_and_compile,
+    compile_step,
+    describe_remat_choice,
+    live_outside,
+    step_memory,
+)
 from zerolm.parallel.mesh import TP, make_mesh
 from zerolm.parallel.sharding import shard_bytes
 from zerolm.plan.traffic import Prediction, step_predictions
@@ -207,11 +214,13 @@ def _staged_contexts(built, usable: int) -> list[dict]:
     return rows
 
 
-def compile_for(cfg: Config, target: Target, devices: list, *, census: bool = False) -> CompileReport:
-    """Compile `cfg`'s step (vocab resolved, mesh dp × tp = the slice's devices) for `target`."""
+def compile_for(cfg: Config, target: Target, devices: list, *, census: bool = False,
+                shared: SharedPrograms | None = None) -> CompileReport:
+    """Compile `cfg`'s step (vocab resolved, mesh dp × tp = the slice's devices) for `target`; `shared`: the
+    programs of a search's earlier compiles that this one's shapes do not change (SharedPrograms)."""
     mesh = make_mesh(cfg.dp, cfg.mesh.tp, devices)
     usable = usable_bytes(target, devices[0])
-    built = build_and_compile(cfg, mesh, usable)  # model.remat auto: the least recomputed that fits
+    built = build_and_compile(cfg, mesh, usable, shared=shared)  # model.remat auto: the least recomputed that fits
     cfg, model, zero, compiled = built.cfg, built.model, built.zero, built.compiled
     micro, seq, accum = cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps
     memory = compiled.memory(zero, micro, seq, accum)

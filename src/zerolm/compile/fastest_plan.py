@@ -5,10 +5,11 @@ TPU slice or a GPU host. The planner prunes first: micro-batches from its advice
 halved and doubled (those that divide a rank's sequences), and any candidate whose planned memory exceeds
 the usable memory by PRUNE_MARGIN (its estimate without remat for remat none, with full remat, the least
 any policy keeps, for the others). At dp = 1 the stages shard nothing, so only stage 1 is compiled. Each
-remaining candidate is compiled (zerolm.parallel.build.build_and_compile, as `zerolm compile` does), from the
-smallest micro-batch up; a micro-batch that does not fit ends its (stage, remat) row. Each compiled step is
-timed by zerolm.compile.step_time's model, and the fastest that fits wins. Where the attention is blockwise or
-Pallas's, the winner's attention block is then tried at half and twice its size.
+remaining candidate is compiled (zerolm.parallel.build.build_and_compile, as `zerolm compile` does; the reshard
+and update programs, which only the stage changes, once per stage: SharedPrograms), from the smallest
+micro-batch up; a micro-batch that does not fit ends its (stage, remat) row. Each compiled step is timed by
+zerolm.compile.step_time's model, and the fastest that fits wins. Where the attention is blockwise or Pallas's,
+the winner's attention block is then tried at half and twice its size.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from zerolm.compile import aot, step_time
 from zerolm.compile.aot import preset_for
 from zerolm.compile.micro_batch_search import planned
 from zerolm.core.errors import ZerolmError
-from zerolm.parallel.build import REMAT_ORDER
+from zerolm.parallel.build import REMAT_ORDER, SharedPrograms
 
 __all__ = ["REMAT_ORDER", "STAGES", "REMATS", "search", "compile_plan", "describe"]
 
@@ -89,9 +90,10 @@ def _planned_bytes(config: str, sets: list[str], target: aot.Target, dp: int, tp
 
 
 def compile_plan(config: str, sets: list[str], target: aot.Target, devices: list | None = None,
-                 usable: int | None = None) -> tuple[Candidate, str]:
+                 usable: int | None = None, shared: SharedPrograms | None = None) -> tuple[Candidate, str]:
     """One candidate compiled (`sets` name its stage, micro-batch, remat and block) and its attention: what
-    the search compiles for each, and times by zerolm.compile.step_time."""
+    the search compiles for each, and times by zerolm.compile.step_time. `shared`: the search's programs that
+    only the stage changes (SharedPrograms)."""
     from zerolm.core.hardware import preset
     from zerolm.data.dataset import load_planned
     from zerolm.parallel.build import build_and_compile, step_peak
@@ -100,7 +102,7 @@ def compile_plan(config: str, sets: list[str], target: aot.Target, devices: list
     devices = devices or aot.target_devices(target)
     usable = usable if usable is not None else aot.usable_bytes(target, devices[0])
     cfg = load_planned(config, sets, device_count=len(devices))
-    built = build_and_compile(cfg, make_mesh(cfg.dp, cfg.mesh.tp, devices), usable)
+    built = build_and_compile(cfg, make_mesh(cfg.dp, cfg.mesh.tp, devices), usable, shared=shared)
     peak = step_peak(built.compiled, built.zero, built.cfg)
     m = None if built.compiled.refused else step_time.of_step(built, preset(preset_for(target) or ""))
     attention = built.model.cfg.attention
@@ -128,6 +130,7 @@ def search(config: str, sets: list[str], target: aot.Target, *, stages=STAGES, r
     found: list[Candidate] = []
     pruned = 0
     attention = None
+    shared = SharedPrograms()  # the reshard and update programs: once per stage, not once per candidate
     for stage in (stages if dp > 1 else stages[:1]):
         for remat in sorted(remats, key=REMAT_ORDER.index):
             for i, micro in enumerate(micros):
@@ -135,7 +138,7 @@ def search(config: str, sets: list[str], target: aot.Target, *, stages=STAGES, r
                     pruned += len(micros) - i
                     break
                 c, attention = compile_plan(config, [*sets, f"zero.stage={stage}", f"train.micro_batch_size={micro}",
-                                                 f"model.remat={remat}"], target, devices, usable)
+                                                 f"model.remat={remat}"], target, devices, usable, shared)
                 found.append(c)
                 on_compile(c)
                 if not c.fits:
@@ -147,7 +150,7 @@ def search(config: str, sets: list[str], target: aot.Target, *, stages=STAGES, r
             if 0 < block <= base.model.seq_len:
                 try:
                     c, _ = compile_plan(config, [*sets, *dataclasses.replace(best, block=block).sets()], target, devices,
-                                    usable)
+                                        usable, shared)
                 except ZerolmError:  # a block the attention refuses (Pallas's lanes): not a candidate
                     continue
                 found.append(c)

@@ -3,7 +3,8 @@
 `zerolm plan` advises a micro-batch from its model of the step's peak with a safety margin
 (plan.SAFETY_MARGIN), so its advice is never more than the compiler fits but may be less. `search`
 starts from that advice and compiles the step (aot.compile_for) up the micro-batches that divide a
-rank's sequences while they fit, or down from the advice until one fits: usually two compiles.
+rank's sequences while they fit, or down from the advice until one fits: usually two compiles (of the
+gradient's program; the others, which no micro-batch changes, once).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from zerolm.compile import aot
 from zerolm.compile.aot import PRESETS, preset_for
 from zerolm.core.hardware import GPU_TYPES, GPUS_PER_HOST
 from zerolm.data.dataset import load_planned
+from zerolm.parallel.build import SharedPrograms
 from zerolm.plan import SAFETY_MARGIN
 
 
@@ -66,13 +68,14 @@ def search(config: str, sets: list[str], target: aot.Target,
     candidates = [b for b in range(1, per_rank + 1) if per_rank % b == 0]
     advised = planned(config, [*sets, f"mesh.dp={dp}", "train.micro_batch_size=1"], target, dp, tp)
     compiled: dict[int, dict[str, Any]] = {}
+    shared = SharedPrograms()  # only the gradient's program depends on the micro-batch: the others compile once
 
     def fits(b: int) -> bool:
         if known and b in known:
             compiled[b] = known[b]
             return known[b]["fits"]
         cfg = load_planned(config, [*sets, f"train.micro_batch_size={b}"], device_count=len(devices))
-        report = aot.compile_for(cfg, target, devices)
+        report = aot.compile_for(cfg, target, devices, shared=shared)
         compiled[b] = {"peak_bytes": report.peak_bytes_per_device, "fits": report.fits,
                        "accum_steps": report.accum_steps}
         on_compile(b, report)

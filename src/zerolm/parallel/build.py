@@ -120,19 +120,44 @@ def step_memory(compiled: CompiledStep, zero: Zero, micro_batch: int, seq_len: i
     return max(m["peak_bytes"] for m in memory.values())
 
 
-def build_and_compile(cfg: Config, mesh: Mesh, limit: int | None, rules=sharding.RULES) -> BuiltStep:
+class SharedPrograms:
+    """The steps one search compiles (`zerolm compile --largest-micro-batch`, `--fastest`; model.remat auto): the
+    reshard and update programs of the first step compiled for given inputs are taken by every later step with
+    the same inputs, shapes and shardings alike (another micro-batch, remat policy or attention block changes
+    only the gradient's program), so each is compiled once per ZeRO stage, not once per candidate."""
+
+    def __init__(self):
+        self._first: dict[Any, CompiledStep] = {}
+
+    @staticmethod
+    def _key(zero: Zero, seq_len: int) -> Any:
+        """What the programs other than the gradient's take: their names and abstract inputs."""
+        inputs = zero.program_inputs(1, seq_len, 1)
+        return tuple((name, jax.tree.structure(args), tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(args)))
+                     for name, args in inputs.items() if name != "grad")
+
+    def lend(self, zero: Zero, seq_len: int) -> CompiledStep | None:
+        return self._first.get(self._key(zero, seq_len))
+
+    def keep(self, zero: Zero, seq_len: int, compiled: CompiledStep) -> None:
+        self._first.setdefault(self._key(zero, seq_len), compiled)
+
+
+def build_and_compile(cfg: Config, mesh: Mesh, limit: int | None, rules=sharding.RULES,
+                      shared: SharedPrograms | None = None) -> BuiltStep:
     """`build_step` and `compile_step` (refusals kept) for the config's shapes. With model.remat auto, the
     policies of REMAT_ORDER in turn until one's compiled peak fits `limit` (bytes per device; None: no limit,
-    so the first); if none does, the last (the caller's fit check says it does not fit)."""
+    so the first); if none does, the last (the caller's fit check says it does not fit). `shared`: a search's
+    programs that the step's other shapes do not change (SharedPrograms; remat auto shares its own)."""
     candidates = REMAT_ORDER if cfg.model.remat == "auto" else (cfg.model.remat,)
     tried: dict[str, int | None] = {}
-    first: CompiledStep | None = None  # the programs no policy changes come from the first policy's compile
+    shared = shared if shared is not None else SharedPrograms()
     for remat in candidates:
         this = cfg.resolve(model__remat=remat) if remat != cfg.model.remat else cfg
         model, zero, init_fn = build_step(this, mesh, rules)
         compiled = compile_step(zero, this.train.micro_batch_size, this.model.seq_len, this.accum_steps,
-                                keep_refusals=True, reuse=first)
-        first = first or compiled
+                                keep_refusals=True, reuse=shared.lend(zero, this.model.seq_len))
+        shared.keep(zero, this.model.seq_len, compiled)
         peak = tried[remat] = step_peak(compiled, zero, this)
         if remat == candidates[-1] or (peak is not None and (limit is None or peak <= limit)):
             return BuiltStep(this.model_copy(update={"model": model.cfg}), model, zero, init_fn, compiled,
@@ -199,9 +224,9 @@ def compile_step(zero: Zero, micro_batch: int, seq_len: int, accum_steps: int, *
     """Compile each of the step's programs (`Zero.program_inputs`) for a run's shapes: what training runs
     (`Zero.using`), what `zerolm comms` and the run's header read, what `zerolm compile` measures. With
     `keep_refusals`, a program the compiler refuses for its size (RESOURCE_EXHAUSTED: its temporaries exceed
-    the device) is recorded, not raised: that refusal is `zerolm compile`'s answer. `reuse`: the same step
-    compiled under another remat policy, whose reshard and update programs (the policy changes only the
-    gradient's) are taken as they are, refusals and compile times included."""
+    the device) is recorded, not raised: that refusal is `zerolm compile`'s answer. `reuse`: a step whose
+    reshard and update programs take the same inputs (SharedPrograms: another remat policy, micro-batch or
+    attention block changes only the gradient's), taken as they are, refusals and compile times included."""
     executables: dict[str, Any] = {}
     seconds: dict[str, float] = {}
     refused: dict[str, str] = {}
