@@ -39,6 +39,29 @@ def test_the_plotted_series_are_the_metrics_of_each_run(trained_run, tmp_path):
     np.testing.assert_array_equal(flops_ax.get_lines()[0].get_ydata(), [r["model_tflops_per_device"] for r in timed])
 
 
+def test_a_runs_ema_validation_is_drawn_beside_its_own_and_said_in_the_report(trained_run, tmp_path):
+    """train.ema logs the moving average's validation loss and perplexity beside the run's (val_loss_ema,
+    val_perplexity_ema): the loss and perplexity figures draw them, the report's curves section says the last."""
+    from zerolm.observe import run_report
+
+    rec = records(trained_run)
+    for r in rec:
+        if "val_loss" in r:
+            r["val_loss_ema"], r["val_perplexity_ema"] = r["val_loss"] - 0.25, float(np.exp(r["val_loss"] - 0.25))
+    shutil.copytree(trained_run / "log", tmp_path / "log")
+    (tmp_path / "log" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rec))
+    want = [[r["tokens_seen"], r["val_loss_ema"]] for r in rec if "val_loss_ema" in r]
+    assert len(want) == 2  # steps 8 and 16
+    ema = [line for line in plot.figure([tmp_path / "log"]).axes[0].get_lines() if line.get_label().endswith("val (EMA)")]
+    assert len(ema) == 1 and np.array_equal(ema[0].get_xydata(), want)
+    ppl = [line for line in plot.perplexity_figure(tmp_path / "log").axes[0].get_lines() if line.get_label() == "val (EMA)"]
+    assert len(ppl) == 1 and np.allclose(ppl[0].get_ydata(), np.exp(np.asarray(want)[:, 1]))
+    last = rec[[i for i, r in enumerate(rec) if "val_loss_ema" in r][-1]]
+    text = "\n".join(run_report.markdown(run_report.read(tmp_path / "log", str(trained_run / "ckpt"))))
+    assert (f"its moving average's (train.ema) {last['val_loss_ema']:.4f} (perplexity {last['val_perplexity_ema']:.2f})"
+            in text)
+
+
 def test_non_finite_steps_are_counted_and_marked(trained_run, tmp_path):
     rec = records(trained_run)
     for r in rec:

@@ -150,6 +150,9 @@ def figure(run_dirs: list[Path], skip_steps: int = 1):
         x, y = series(records, "val_loss")
         if len(x):
             loss_ax.plot(x, y, "o--", color=color, ms=4, label=f"{name} val")
+        x, y = series(records, "val_loss_ema")  # train.ema: the moving average's own validation loss
+        if len(x):
+            loss_ax.plot(x, y, "s:", color=color, ms=4, label=f"{name} val (EMA)")
         speed_ax.plot(*series(timed, "tokens_per_s"), color=color, lw=1, label=name)
         if use_mfu:
             x, y = series(timed, "mfu")
@@ -187,6 +190,9 @@ def perplexity_figure(run_dir: Path):
     x, y = series(records, "val_perplexity")
     if len(x):
         ax.plot(x, y, "o--", ms=4, label="val")
+    x, y = series(records, "val_perplexity_ema")
+    if len(x):
+        ax.plot(x, y, "s:", ms=4, label="val (EMA)")
     mark_restarts([ax], restarts(run_dir), "grey", ax)
     ax.set(title="perplexity", xlabel="tokens seen", ylabel="exp(loss)", yscale="log")
     ax.grid(alpha=0.3, which="both")

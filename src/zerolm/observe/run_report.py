@@ -270,7 +270,8 @@ def curves_section(files: RunFiles) -> list[str]:
             if last else "no training step logged"]
     if val:
         said.append(f"last validation loss {val['val_loss']:.4f} (perplexity {val['val_perplexity']:.2f}) at step "
-                    f"{val['step']}")
+                    f"{val['step']}" + (f", its moving average's (train.ema) {val['val_loss_ema']:.4f} (perplexity "
+                                        f"{val['val_perplexity_ema']:.2f})" if "val_loss_ema" in val else ""))
     return ["## Loss, perplexity and learning rate", "", "; ".join(said) + ".", "",
             "![loss, throughput, MFU and learning rate against tokens seen](curves.png)", "",
             "![train and validation perplexity against tokens seen](perplexity.png)", ""]
