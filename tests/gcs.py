@@ -63,7 +63,11 @@ class GCSServer:
                 urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1).read()
                 return self
             except (OSError, urllib.error.URLError):
-                assert self.process.poll() is None and time.time() < deadline, "fake-gcs-server did not start"
+                code = self.process.poll()
+                assert code is None and time.time() < deadline, (  # what the next person needs to tell why
+                    f"fake-gcs-server on port {self.port} did not start: "
+                    + (f"it exited with {code}" if code is not None else "not answering after 20 s")
+                    + f"; its log: {(self.root.parent / f'{self.root.name}.log').read_text()[-2000:]!r}")
                 time.sleep(0.05)
 
     def stop(self) -> None:
