@@ -57,7 +57,7 @@ class GCSServer:
                                         # server in a background thread while tests monkeypatch the environment;
                                         # inherited, that exec once failed with EFAULT, "Bad address").
                                         env=dict(os.environ))
-        deadline = time.time() + 20
+        deadline = time.time() + 60  # under the suite's load; a port taken says so at once (exit 1, bind: ... in use)
         while True:
             try:
                 urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1).read()
@@ -66,7 +66,7 @@ class GCSServer:
                 code = self.process.poll()
                 assert code is None and time.time() < deadline, (  # what the next person needs to tell why
                     f"fake-gcs-server on port {self.port} did not start: "
-                    + (f"it exited with {code}" if code is not None else "not answering after 20 s")
+                    + (f"it exited with {code}" if code is not None else "not answering after 60 s")
                     + f"; its log: {(self.root.parent / f'{self.root.name}.log').read_text()[-2000:]!r}")
                 time.sleep(0.05)
 
