@@ -136,11 +136,12 @@ class SharedPrograms:
         return tuple((name, jax.tree.structure(args), tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(args)))
                      for name, args in inputs.items() if name != "grad")
 
-    def lend(self, zero: Zero, seq_len: int) -> CompiledStep | None:
-        return self._first.get(self._key(zero, seq_len))
-
-    def keep(self, zero: Zero, seq_len: int, compiled: CompiledStep) -> None:
-        self._first.setdefault(self._key(zero, seq_len), compiled)
+    def compile(self, zero: Zero, micro_batch: int, seq_len: int, accum_steps: int) -> CompiledStep:
+        """`compile_step` (refusals kept), taking the programs an earlier step with the same inputs compiled."""
+        key = self._key(zero, seq_len)
+        compiled = compile_step(zero, micro_batch, seq_len, accum_steps, keep_refusals=True, reuse=self._first.get(key))
+        self._first.setdefault(key, compiled)
+        return compiled
 
 
 def build_and_compile(cfg: Config, mesh: Mesh, limit: int | None, rules=sharding.RULES,
@@ -155,9 +156,7 @@ def build_and_compile(cfg: Config, mesh: Mesh, limit: int | None, rules=sharding
     for remat in candidates:
         this = cfg.resolve(model__remat=remat) if remat != cfg.model.remat else cfg
         model, zero, init_fn = build_step(this, mesh, rules)
-        compiled = compile_step(zero, this.train.micro_batch_size, this.model.seq_len, this.accum_steps,
-                                keep_refusals=True, reuse=shared.lend(zero, this.model.seq_len))
-        shared.keep(zero, this.model.seq_len, compiled)
+        compiled = shared.compile(zero, this.train.micro_batch_size, this.model.seq_len, this.accum_steps)
         peak = tried[remat] = step_peak(compiled, zero, this)
         if remat == candidates[-1] or (peak is not None and (limit is None or peak <= limit)):
             return BuiltStep(this.model_copy(update={"model": model.cfg}), model, zero, init_fn, compiled,
