@@ -36,8 +36,7 @@ def fingerprint(root: Path) -> str:
     import lm_eval
 
     digest = hashlib.sha256(f"{getattr(lm_eval, '__version__', '?')}\0{root}\n".encode())
-    for directory, dirs, files in sorted(os.walk(root)):
-        dirs.sort()
+    for directory, _, files in sorted(os.walk(root)):
         for name in sorted(files):
             if name.endswith(".yaml"):
                 stat = os.stat(path := os.path.join(directory, name))
