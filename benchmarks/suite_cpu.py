@@ -40,6 +40,12 @@ def run(pytest_args: list[str], log: Path) -> tuple[float, float]:
     return time.time() - t0, (after.children_user - before.children_user) + (after.children_system - before.children_system)
 
 
+def _command(argv: list[str]) -> str:
+    """A process's script (`python -m M` records M's file), with the subcommand of `zerolm.cli`."""
+    name = Path(argv[0]).name if argv else "?"
+    return f"{name} {argv[1]}" if name == "cli.py" and len(argv) > 1 else name
+
+
 def summarize(log: Path, top: int, wall: float | None = None, total: float | None = None) -> None:
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     cpu = lambda r: r["user"] + r["sys"]  # noqa: E731
@@ -52,8 +58,7 @@ def summarize(log: Path, top: int, wall: float | None = None, total: float | Non
         by_file[test.split("::")[0]] += cpu(r)
         by_test[test] += cpu(r)
         count[test] += 1
-        argv = r["argv"]
-        by_command[" ".join(argv[:2]) if argv and argv[0] == "-m" else Path(argv[0]).name if argv else "?"] += cpu(r)
+        by_command[_command(r["argv"])] += cpu(r)
     worker_cpu, started_cpu = sum(map(cpu, workers)), sum(map(cpu, started))
     if wall is not None and total is not None:
         print(f"wall {wall:.0f} s; CPU {total:.0f} s ({total / wall:.2f} cores busy on average)")
