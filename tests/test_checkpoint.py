@@ -32,7 +32,14 @@ from runs import (
     train,
 )
 from zerolm.checkpoint.store import SIZES_ONLY, Checkpoints
-from zerolm.core.exitcodes import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED
+from zerolm.core.exitcodes import (
+    EXIT_BUG,
+    EXIT_INTERRUPTED,
+    EXIT_NONFINITE,
+    EXIT_PREEMPTED,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+)
 from zerolm.data.prepare import prepare
 from zerolm.observe import launches
 
@@ -339,6 +346,48 @@ def test_damaged_latest_checkpoint_resumes_from_the_one_before(straight, tmp_pat
     assert listing.returncode == 0 and listing.stderr == ""
     assert [r.split()[0] for r in rows[1:-2]] == ["8", "12", "16"] and "DAMAGED: meta/metadata has" in rows[2]
     assert rows[1].endswith(" ok") and rows[3].endswith(" ok") and rows[-2] == "`--resume auto` would take step 16"
+
+
+def test_a_restore_that_fails_without_damage_moves_nothing_and_the_next_launch_resumes(straight, tmp_path):
+    """The device out of memory, storage that stopped answering, no permission, a bug in the restore path (each
+    injected where orbax reads the arrays: tests/faulty_restore_train.py): none of them is damage. The run stops
+    with the cause and its exit code, every checkpoint stays where it was, and a launch without the fault resumes
+    from the newest, bit-identical to the straight run."""
+    run_dir, reference = straight
+    shutil.copytree(run_dir / "ckpt", tmp_path / "ckpt")
+    shutil.copytree(run_dir / "log", tmp_path / "log")
+    shutil.rmtree(tmp_path / "ckpt" / "16")  # the newest is step 12: a resume has steps to train
+    where, kept = tmp_path / "ckpt" / "12", "the checkpoint is kept as it is"
+    before = snapshot(tmp_path / "ckpt")
+    said = {
+        "oom": (EXIT_USAGE, f"error: {where}: the device ran out of memory to restore it (JaxRuntimeError: "
+                            f"RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4.0GiB); {kept}; restore it "
+                            "where its state fits: more devices, zero.stage 3"),
+        "storage": (EXIT_STORAGE, f"error: {where}: the storage failed as zerolm tried to restore it (ValueError: "
+                                  'UNAVAILABLE: Error reading "params.wte/0.0"'),
+        "permission": (EXIT_USAGE, f"error: {where}: no permission to restore it (ValueError: PERMISSION_DENIED: "),
+        "bug": (EXIT_BUG, "zerolm: this is a bug in zerolm, not a mistake in your input"),
+    }
+    for fault, (code, line) in said.items():
+        proc = train(tmp_path, expect=code, script="faulty_restore_train.py",
+                     extra_env={"ZEROLM_TEST_RESTORE_FAULT": fault})
+        assert proc.stderr.strip().splitlines()[-1].startswith(line), (fault, proc.stderr[-2000:])
+        assert "is damaged" not in proc.stdout + proc.stderr and "resumed from" not in proc.stdout, fault
+        assert snapshot(tmp_path / "ckpt") == before, fault  # nothing moved aside, nothing written
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt.")] == [], fault
+        if fault == "bug":  # its traceback, and what became of the checkpoint
+            assert "Traceback" in proc.stderr and \
+                f"zerolm: {where}: raised while trying to restore it; {kept} (not taken for damaged)" in proc.stderr
+    resumed = train(tmp_path)
+    assert f"resumed from {where} (step 12" in resumed.stdout
+    assert losses(tmp_path) == reference
+
+    # Damage that only a restore finds (every file its recorded size, the bytes of one changed) is still damage.
+    data = max((tmp_path / "ckpt" / "16" / "state").rglob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size)
+    data.write_bytes(bytes(b ^ 0xFF for b in data.read_bytes()))
+    corrupt = train(tmp_path, steps=17)
+    assert re.search(r"checkpoints: step 16 is damaged \(cannot restore it \(ValueError: [A-Z_]+: Error reading .*\); "
+                     r"moved it aside to .*; resuming from step 12", corrupt.stdout), corrupt.stdout[-2000:]
 
 
 @pytest.mark.parametrize("sig, why", [(signal.SIGTERM, "preempted"), (signal.SIGINT, "interrupted")],

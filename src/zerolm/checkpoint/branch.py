@@ -21,8 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from zerolm.checkpoint.errors import CheckpointError
 from zerolm.checkpoint.meta import CheckpointMeta
-from zerolm.checkpoint.store import CheckpointError, Checkpoints
+from zerolm.checkpoint.store import Checkpoints
 from zerolm.checkpoint.trained_model import opened_for
 from zerolm.config.tree import Config
 

@@ -17,17 +17,10 @@ import jax
 from jax.experimental import multihost_utils
 
 from zerolm.checkpoint import branch, warm_start
+from zerolm.checkpoint.errors import CheckpointError, DamagedCheckpoint
 from zerolm.checkpoint.meta import CheckpointMeta
 from zerolm.checkpoint.run_lock import LEASE_FILE, LOCK_FILE
-from zerolm.checkpoint.store import (
-    CheckpointError,
-    Checkpoints,
-    DamagedCheckpoint,
-    check_compatible,
-    move_aside,
-    move_damaged,
-    quiet_orbax,
-)
+from zerolm.checkpoint.store import Checkpoints, check_compatible, move_aside, move_damaged, quiet_orbax
 from zerolm.config.tree import Config
 from zerolm.core import storage
 from zerolm.data.order import VERSION as ORDER_VERSION
@@ -197,7 +190,8 @@ def _start_over(places: _Places, ckpts: Checkpoints, latest: int, overwrite: boo
 
 def _restore_or_move_aside(places: _Places, ckpts: Checkpoints, latest: int, zero: Zero, resume: str, say):
     """(checkpoints, step, (state, meta)) of checkpoint `latest` restored; if it is damaged, it is moved aside
-    (--resume auto) and the step before it returned with None, or the run stops (--resume strict)."""
+    (--resume auto) and the step before it returned with None, or the run stops (--resume strict). A restore that
+    fails without damage (out of memory, permission, storage, a bug: zerolm.checkpoint.errors) raises as it is."""
     try:
         ckpts.verify(latest)
         return ckpts, latest, ckpts.restore(latest, zero, places.cfg.model.model_dump(), places.cfg.train.ema)

@@ -13,7 +13,8 @@ Damage after the fact (a truncated or deleted file, a disk that lost a block) is
 `verify`: once a save is durable, process 0 records the size of every file in it
 (`zerolm_files.json`), and a checkpoint whose files no longer match, or whose metadata cannot be
 read, is damaged. `--resume auto` moves a damaged checkpoint aside (`<dir>.damaged/`, never deleted)
-and takes the newest intact one before it.
+and takes the newest intact one before it. A read that fails for another reason (out of memory, permission,
+storage, a bug) is not damage and moves nothing: zerolm.checkpoint.errors tells which.
 
 The data loader's position is not stored separately: the batch of step s is a pure function of
 (seed, s) (see data/loader.py), so the step is the position.
@@ -40,25 +41,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from zerolm.checkpoint.errors import CheckpointError, DamagedCheckpoint, classified
 from zerolm.checkpoint.meta import FORMAT, CheckpointMeta
 from zerolm.config.model import resolved_shape
 from zerolm.core import storage
-from zerolm.core.errors import ZerolmError, first_line
+from zerolm.core.errors import first_line
 from zerolm.parallel.sharding import with_shardings
 from zerolm.parallel.zero import TrainState, Zero
-
-
-class CheckpointError(ZerolmError):
-    """A checkpoint that cannot be used; one line naming the directory and what is wrong."""
-
-
-class DamagedCheckpoint(CheckpointError):
-    """A checkpoint whose files are missing, truncated or unreadable (as opposed to one that does not fit)."""
-
-    def __init__(self, step: int, where: epath.Path, reason: str):
-        super().__init__(f"{where}: damaged checkpoint: {reason}")
-        self.step, self.reason = step, reason
-
 
 SKIP = ocp.PLACEHOLDER  # a leaf of a restore target that is not read (`Checkpoints.restore_part`)
 FILE_LIST = "zerolm_files.json"  # relative path -> bytes of every file of a durable checkpoint
@@ -212,12 +201,13 @@ class Checkpoints:
         record) is checked by restoring it."""
         where = self.directory / str(step)
         record = where / FILE_LIST
-        if record.exists():
-            try:
-                files = json.loads(record.read_text())["files"]
-            except (ValueError, KeyError, OSError) as e:
-                raise DamagedCheckpoint(step, where, f"{FILE_LIST} is unreadable ({e})") from None
-            present = storage.sizes(where)  # one listing (on gs://, a call per file would be slow)
+        with classified(step, where, f"read {FILE_LIST}"):
+            recorded = json.loads(record.read_text()) if record.exists() else None
+            present = storage.sizes(where) if recorded is not None else {}  # one listing (on gs://, not one a file)
+        if recorded is not None:
+            files = recorded.get("files") if isinstance(recorded, dict) else None
+            if not isinstance(files, dict):
+                raise DamagedCheckpoint(step, where, f"{FILE_LIST} lists no files")
             for name, size in sorted(files.items()):
                 if name not in present:
                     raise DamagedCheckpoint(step, where, f"{name} is missing")
@@ -226,12 +216,13 @@ class Checkpoints:
         self.meta(step)
 
     def meta(self, step: int) -> CheckpointMeta:
+        where = self.directory / str(step)
+        with classified(step, where, "read its metadata"):
+            saved = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         try:
-            return CheckpointMeta.from_json(dict(self.manager.restore(
-                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]))
-        except Exception as e:  # orbax raises many types for a damaged directory
-            raise DamagedCheckpoint(step, self.directory / str(step), "cannot read its metadata "
-                                    f"({type(e).__name__}: {first_line(e)})") from None
+            return CheckpointMeta.from_json(dict(saved))
+        except (TypeError, ValueError) as e:  # a record without its required fields (or not a record)
+            raise DamagedCheckpoint(step, where, f"its metadata is incomplete ({first_line(e)})") from None
 
     def readable_meta(self, step: int) -> CheckpointMeta:
         """The metadata of a checkpoint in the format this zerolm reads."""
@@ -245,13 +236,9 @@ class Checkpoints:
 
     def param_count(self, step: int) -> int:
         """How many parameters checkpoint `step` holds, from its arrays' recorded shapes (nothing restored)."""
-        try:
-            with quiet_orbax():
-                tree = ocp.PyTreeCheckpointer().metadata(self.directory / str(step) / "state").item_metadata
-            return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree["params"]))
-        except Exception as e:  # orbax raises many types for a damaged directory
-            raise DamagedCheckpoint(step, self.directory / str(step), "cannot read its arrays' shapes "
-                                    f"({type(e).__name__}: {first_line(e)})") from None
+        with quiet_orbax(), classified(step, self.directory / str(step), "read its arrays' shapes"):
+            tree = ocp.PyTreeCheckpointer().metadata(self.directory / str(step) / "state").item_metadata
+        return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree["params"]))
 
     def restore_params(self, step: int, target: Any) -> Any:
         """Only the parameters of `step`, into `target` (abstract arrays with the shardings wanted,
@@ -260,22 +247,16 @@ class Checkpoints:
         target = {"params": target}
         args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                       partial_restore=True)
-        try:
+        with classified(step, self.directory / str(step), "restore its parameters"):
             return self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
-        except Exception as e:
-            raise DamagedCheckpoint(step, self.directory / str(step), "cannot restore its parameters "
-                                    f"({type(e).__name__}: {first_line(e)})") from None
 
     def restore_part(self, step: int, target: TrainState) -> TrainState:
         """The leaves of `step` that `target` names (abstract arrays with the shardings wanted, in the layout the
         checkpoint was saved in: zerolm.parallel.sharding.Table.restore_target); a leaf that is SKIP is not read and
         comes back SKIP. E.g. the master weights alone of a mixed-precision optimizer state."""
         args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
-        try:
+        with classified(step, self.directory / str(step), "restore it"):
             return self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]
-        except Exception as e:
-            raise DamagedCheckpoint(step, self.directory / str(step), "cannot restore it "
-                                    f"({type(e).__name__}: {first_line(e)})") from None
 
     def restore(self, step: int, zero: Zero, model_config: dict, ema: float | None = None
                 ) -> tuple[TrainState, CheckpointMeta]:
@@ -289,11 +270,8 @@ class Checkpoints:
         target = TrainState(step=jax.ShapeDtypeStruct((), np.int32, sharding=zero.table.replicated),
                             params=with_shardings(zero.working_params, zero.table.param_shardings),
                             opt_state=opt_target)
-        try:
+        with classified(step, where, "restore it"):
             restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
-        except Exception as e:
-            raise DamagedCheckpoint(step, where, "cannot restore it "
-                                    f"({type(e).__name__}: {first_line(e)})") from None
         state = restored["state"]
         state = state.replace(opt_state=repack(state.opt_state))
         return state, meta

@@ -23,8 +23,9 @@ from etils import epath
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerolm.checkpoint.errors import CheckpointError, DamagedCheckpoint
 from zerolm.checkpoint.meta import CheckpointMeta
-from zerolm.checkpoint.store import CheckpointError, Checkpoints, DamagedCheckpoint, quiet_orbax
+from zerolm.checkpoint.store import Checkpoints, quiet_orbax
 from zerolm.config.tree import ModelConfig
 from zerolm.core.errors import first_line
 from zerolm.data.dataset import recorded_dataset

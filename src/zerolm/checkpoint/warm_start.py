@@ -25,8 +25,9 @@ import jax
 import numpy as np
 
 import zerolm
+from zerolm.checkpoint.errors import CheckpointError
 from zerolm.checkpoint.meta import CheckpointMeta
-from zerolm.checkpoint.store import CheckpointError, Checkpoints, move_aside, parameter_differences, quiet_orbax
+from zerolm.checkpoint.store import Checkpoints, move_aside, parameter_differences, quiet_orbax
 from zerolm.checkpoint.trained_model import TOKENIZER_BESIDE, opened_for
 from zerolm.config.tree import Config
 from zerolm.model import device_policy

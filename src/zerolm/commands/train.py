@@ -76,7 +76,7 @@ def _run(args: argparse.Namespace) -> int:
     once (an import it cut short can crash the interpreter's shutdown)."""
     import jax
 
-    from zerolm.checkpoint.store import CheckpointError
+    from zerolm.checkpoint.errors import CheckpointError
     from zerolm.core.storage import StorageFault
     from zerolm.observe import plot
     from zerolm.parallel.mesh import exit_peer_lost, initialize_distributed, is_peer_failure

@@ -28,3 +28,15 @@ def first_line(error: object, limit: int = 300) -> str:
     type where it says nothing."""
     text = str(error).strip().splitlines()
     return (text[0] if text else type(error).__name__).split(" See full")[0][:limit]
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is XLA's refusal or failure for lack of device memory, compiling, running or restoring (a
+    TPU's "Ran out of memory in memory space hbm", a GPU's "Out of memory while trying to allocate", the CPU's
+    "Out of memory allocating"). Not any RESOURCE_EXHAUSTED: a full disk under a checkpoint save is one too
+    (TensorStore's status), and that is a storage error (exit 74)."""
+    import jax  # here, not at the top: every command's --help reads this module, and answers without jax
+
+    text = str(error)
+    return (isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in text
+            and "out of memory" in text.lower())

@@ -6,12 +6,13 @@ on them and on nothing else).
 """
 
 EXIT_OK = 0
-EXIT_USAGE = 2  # bad input: a flag, config key, file, dataset or checkpoint; a directory another run holds; or
-#                a train step the device's memory cannot hold (train.micro_batch_size, model.remat)
+EXIT_USAGE = 2  # bad input: a flag, config key, file, dataset or checkpoint; a directory another run holds; a
+#                train step the device's memory cannot hold (train.micro_batch_size, model.remat), or a checkpoint's
+#                state; a checkpoint this user may not read
 EXIT_NONFINITE = 3  # a non-finite loss or gradient norm (or too many skipped updates in a row)
 EXIT_DOES_NOT_FIT = 4  # `zerolm compile`: the step compiles but its peak exceeds the target's usable memory
 EXIT_STORAGE = 74  # EX_IOERR: storage failed mid-run: a checkpoint could not be written (a full disk, a refused
-#                   write) or gs:// stopped answering; the last complete checkpoint stays the latest
+#                   write) or read, or gs:// stopped answering; the last complete checkpoint stays the latest
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM or Ctrl-C; the step reached was saved; run again to resume
 EXIT_PEER_LOST = 76  # a peer process of a multi-process run died: restart; it resumes from the last checkpoint
 EXIT_BUG = 70  # EX_SOFTWARE: an error of zerolm's own (a bug), printed with its traceback; never the user's input

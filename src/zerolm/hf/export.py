@@ -30,7 +30,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from zerolm.checkpoint.store import CheckpointError
+from zerolm.checkpoint.errors import CheckpointError
 from zerolm.config.tree import ModelConfig
 from zerolm.core import storage
 from zerolm.data.tokenizer import EOT, GPT2_PATTERN, Tokenizer, TokenizerError

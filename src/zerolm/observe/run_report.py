@@ -112,7 +112,8 @@ def find_branches(run_dir: Path) -> list[Path]:
 
 def _newest_checkpoint(where: str) -> tuple[CheckpointMeta | None, int | None]:
     """The newest checkpoint's record and parameter count; (None, None) where there is none (any more)."""
-    from zerolm.checkpoint.store import CheckpointError, Checkpoints, quiet_orbax
+    from zerolm.checkpoint.errors import CheckpointError
+    from zerolm.checkpoint.store import Checkpoints, quiet_orbax
     from zerolm.core import storage
 
     with storage.faults(where, "reading the checkpoints"), quiet_orbax():

@@ -16,7 +16,7 @@ import jax
 from jax.sharding import Mesh
 
 from zerolm.config.tree import Config
-from zerolm.core.errors import ZerolmError, first_line
+from zerolm.core.errors import ZerolmError, first_line, is_out_of_memory
 from zerolm.model import decoder as gpt_model
 from zerolm.model import device_policy, losses
 from zerolm.model.dropout import has_dropout
@@ -206,16 +206,6 @@ class DoesNotFit(ZerolmError):
             f"train.micro_batch_size (now {cfg.train.micro_batch_size}), recompute more (model.remat, now "
             f"{cfg.model.remat}: dots_attention, dots or full) or spread the model wider (mesh.tp, more devices): "
             "`zerolm plan` says what fits")
-
-
-def is_out_of_memory(e: BaseException) -> bool:
-    """Whether `e` is XLA's refusal or failure for lack of device memory, compiling or running (a TPU's
-    "Ran out of memory in memory space hbm", a GPU's "Out of memory while trying to allocate", the CPU's
-    "Out of memory allocating"). Not any RESOURCE_EXHAUSTED: a full disk under a checkpoint save is one too
-    (TensorStore's status), and that is a storage error (exit 74)."""
-    text = str(e)
-    return (isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in text
-            and "out of memory" in text.lower())
 
 
 def compile_step(zero: Zero, micro_batch: int, seq_len: int, accum_steps: int, *,

@@ -32,7 +32,7 @@ from zerolm.checkpoint.store import remove_unfinished
 from zerolm.config.sampling import Sampling
 from zerolm.config.tree import Config
 from zerolm.core import storage
-from zerolm.core.errors import first_line
+from zerolm.core.errors import first_line, is_out_of_memory
 from zerolm.core.hardware import memory_limit
 from zerolm.data.context import ContextPlan
 from zerolm.data.dataset import dataset_identity
@@ -47,7 +47,7 @@ from zerolm.observe import launches, library_log
 from zerolm.observe.metrics import MetricsWriter, StepMetrics, StepTokens, WandbRun, perplexity
 from zerolm.observe.mfu import Accounting
 from zerolm.observe.profiling import Profiler
-from zerolm.parallel.build import DoesNotFit, build_and_compile, check_fits, is_out_of_memory
+from zerolm.parallel.build import DoesNotFit, build_and_compile, check_fits
 from zerolm.parallel.mesh import exit_peer_lost, is_first_host, is_peer_failure, make_mesh, on_process_0
 from zerolm.parallel.zero import TrainState, Zero
 from zerolm.train import compilation_cache
