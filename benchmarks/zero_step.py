@@ -31,7 +31,7 @@ from zerolm.compile import hlo  # noqa: E402
 from zerolm.config.tree import load_config  # noqa: E402
 from zerolm.model import decoder as gpt_model  # noqa: E402
 from zerolm.model import losses  # noqa: E402
-from zerolm.observe.mfu import flops_per_token as model_flops_per_token  # noqa: E402
+from zerolm.model.flops import flops_per_token as model_flops_per_token  # noqa: E402
 from zerolm.observe.mfu import peak_for  # noqa: E402
 from zerolm.parallel.build import build_step  # noqa: E402
 from zerolm.parallel.mesh import make_mesh  # noqa: E402

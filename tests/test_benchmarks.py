@@ -95,3 +95,15 @@ def test_contamination_benchmark_scans_a_generated_corpus_and_writes_its_table(t
     row = next(line for line in out.read_text().splitlines() if line.startswith("| 1 MiB |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert int(cells[1].replace(",", "")) > 100_000 and cells[2] == "1" and cells[5].endswith("MiB")
+
+
+def test_make_bench_runs_the_zero_step_benchmark(tmp_path):
+    """`make bench`'s benchmark (benchmarks/zero_step.py), on a cut-down tiny model: each variant's row is timed."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_flags(8)}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "zero_step.py"), "--config",
+                           str(REPO / "configs" / "tiny.yaml"), "--set", "model.n_layer=1", "--set", "model.seq_len=32",
+                           "--steps", "1", "--warmup", "1"], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|")[1].strip() for line in proc.stdout.splitlines() if line.startswith("| ")][1:]
+    assert rows == ["all_reduce", "reduce_scatter", "naive"], proc.stdout
