@@ -121,6 +121,10 @@ def test_a_branch_of_a_branch_records_both(root, straight, source, branch, tmp_p
     assert record["from"] == Checkpoints(branch_dir / "ckpt", read_only=True).meta(12).branched_from
     assert record["from"]["checkpoint"] == str(source[0] / "ckpt" / "8")
     assert files_of(root, "branch") == before
+    # A branch that only moves the decay says so in its first lines.
+    shorter = train(tmp_path / "shorter", "train.schedule=wsd", "train.decay_steps=2",
+                    f"train.branch_from={branch_dir / 'ckpt' / '12'}")
+    assert "  lr schedule: wsd, its decay over steps 9..16 -> wsd, its decay over steps 15..16\n" in shorter.stdout
 
 
 @pytest.mark.slow

@@ -218,17 +218,14 @@ def _say_resumed(cfg: Config, meta: CheckpointMeta, where, say, branched: bool =
             f"{cfg.checkpoint_dir}, logs to {cfg.log_dir}")
     else:
         say(f"resumed from {where} (step {meta.step}, saved on dp={meta.dp} tp={meta.tp})")
-    saved_train, train = meta.full_config["train"], cfg.train
-    saved_schedule = saved_train["schedule_steps"] or saved_train["steps"]
-    if saved_schedule != train.schedule_length and not branched:
-        say(f"  note: the lr schedule changed length: {saved_schedule} -> {train.schedule_length} steps "
-            "(set train.schedule_steps to keep it)")
-    if saved_train["lr"] != train.lr:
-        say(f"  train.lr: {saved_train['lr']:g} -> {train.lr:g}")
-    if saved_train["schedule"] != train.schedule:
-        say(f"  lr schedule: {saved_train['schedule']} -> {train.schedule}" + (
-            f", its decay over steps {train.schedule_length - train.decay_steps + 1}..{train.schedule_length}"
-            if train.decay_steps else ""))
+    saved_train, train = meta.full_config["train"], cfg.train.model_dump()
+    saved_schedule, schedule = _schedule(saved_train), _schedule(train)
+    if saved_schedule != schedule:
+        kept = "" if branched or _length(saved_train) == _length(train) else \
+            " (train.schedule_steps keeps a schedule's length when train.steps changes)"
+        say(f"  lr schedule: {saved_schedule} -> {schedule}{kept}")
+    if saved_train["lr"] != train["lr"]:
+        say(f"  train.lr: {saved_train['lr']:g} -> {train['lr']:g}")
     if meta.accum_steps != cfg.accum_steps or meta.dp != cfg.dp:
         say(f"  device count changed: dp {meta.dp} -> {cfg.dp}; accumulation steps recomputed "
             f"{meta.accum_steps} -> {cfg.accum_steps} (same global batch of {cfg.train.global_batch_size})")
@@ -236,6 +233,20 @@ def _say_resumed(cfg: Config, meta: CheckpointMeta, where, say, branched: bool =
         say(f"  tensor parallelism changed: tp {meta.tp} -> {cfg.mesh.tp}; parameters and optimizer state resharded")
     if meta.stage != cfg.zero.stage:
         say(f"  ZeRO stage changed: {meta.stage} -> {cfg.zero.stage}; parameters and optimizer state resharded")
+
+
+def _length(train: dict) -> int:
+    return train["schedule_steps"] or train["steps"]
+
+
+def _schedule(train: dict) -> str:
+    """An lr schedule in a few words (its train section as recorded): what a resume or a branch says it changed."""
+    if train["schedule"] == "constant":
+        return "constant"
+    length = _length(train)
+    if train["schedule"] == "wsd":
+        return f"wsd, its decay over steps {length - train['decay_steps'] + 1}..{length}"
+    return f"{train['schedule']} over {length} steps"
 
 
 def _move_logs_aside(log_dir: Path) -> tuple[Path, list[str]] | None:
