@@ -3,6 +3,7 @@ documents (across packed samples and shards, never across an end-of-text); parts
 result; gs:// datasets; the shipped tasks against the embedded corpus; bad input in one line."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -180,6 +181,21 @@ def test_parts_merged_are_one_pass(planted, tmp_path):
     assert missing == [] and merged == one
     with pytest.raises(contamination.ContaminationError, match=r"--part: 4/3: the part must be 1 to 3"):
         contamination.measure(planted["dirty"], planted["ngrams"], part=(4, 3))
+
+
+def test_json_is_json_also_while_parts_are_still_to_run(planted, tmp_path, capsys):
+    """`--json --part`: the part that leaves others to run prints what it did and what is left, as JSON too."""
+    from zerolm.commands import main
+
+    dataset = tmp_path / "ds"
+    shutil.copytree(planted["dirty"], dataset)
+    flags = ["contamination", "--dataset", str(dataset), "--tasks", "planted_query", "--include-path",
+             str(planted["tasks"]), "--workers", "1", "--json"]
+    assert main([*flags, "--part", "2/2"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"dataset": str(dataset), "ngram": 13, "part": "2/2",
+                                                    "parts_to_run": [1]}
+    assert main([*flags, "--part", "1/2"]) == 0
+    assert json.loads(capsys.readouterr().out)["tasks"]["planted_query"]["dirty"] == 5
 
 
 def test_a_dataset_on_gs_is_scanned_and_its_result_written_beside_it(planted, gcs, monkeypatch):

@@ -31,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
                         help="processes that read and look through the shards (default: this machine's cores, "
                              "%(default)s)")
-    parser.add_argument("--json", action="store_true", help="print the result's JSON instead of the table")
+    parser.add_argument("--json", action="store_true",
+                        help="print the result's JSON instead of the table (with --part, while other parts are still "
+                             "to run: the part scanned and `parts_to_run`)")
     return parser
 
 
@@ -59,16 +61,18 @@ def run(args: argparse.Namespace, out=None) -> int:
     results = {}
     for location in locations:
         result, missing = contamination.measure(location, ngrams, args.part, args.workers)
-        if result is None:
+        if result is None:  # this part's tally is written; others are still to come
             i, n = args.part
-            print(f"scanned part {i}/{n} of {location}; part(s) {', '.join(map(str, missing))} still to run (the "
-                  "part that finds all of them written merges them)", file=out)
+            results[location] = {"dataset": location, "ngram": args.ngram, "part": f"{i}/{n}", "parts_to_run": missing}
+            if not args.json:
+                print(f"scanned part {i}/{n} of {location}; part(s) {', '.join(map(str, missing))} still to run (the "
+                      "part that finds all of them written merges them)", file=out)
             continue
         scanned = [name for name, _ in ngrams.groups]  # (a group's tasks, where a group was named)
         results[location] = {**result, "tasks": {name: result["tasks"][name] for name in scanned}}
         if not args.json:
             print("\n".join(describe(results[location])), file=out)
-    if args.json and results:
+    if args.json:  # a dataset's result, or what its part did while other parts are still to run
         print(json.dumps(results[locations[0]] if len(locations) == 1 else
                          {"ngram": args.ngram, "datasets": results}, indent=1), file=out)
     return 0
