@@ -34,7 +34,7 @@ query i on key j (j ≤ i), its slopes the paper's (`alibi_slopes`). The blockwi
 inside each block from the positions (nothing T×T is stored); XLA's and cuDNN's take it as one
 (1, heads, T, T) bias for the whole batch, built once per call and broadcast over it (XLA fuses it into
 the scores; cuDNN reads it). Pallas's kernel would need it as a dense (batch, heads, T, T) array per
-example, so ALiBi does not run there (zerolm.config.tree refuses the pair; auto picks blockwise).
+example, so ALiBi does not run there (zerolm.config.model refuses the pair; auto picks blockwise).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ docs point to, and the directory does not grow without end under a supervisor th
   launcher that is gone leaves no broken pipe behind), and get SIGTERM from the kernel the moment the
   launcher dies, however it dies (`kill -9` included: Linux's parent-death signal, `PR_SET_PDEATHSIG`):
   they save the step reached and exit, and a process then stuck in JAX's distributed shutdown is ended
-  after a few seconds (`zerolm.parallel.mesh.shutdown_distributed`). SIGHUP (a closed terminal) is forwarded
+  after a few seconds (`zerolm.parallel.mesh.bound_shutdown`). SIGHUP (a closed terminal) is forwarded
   like SIGTERM.
 """
 
