@@ -6,6 +6,13 @@ their standard variables (`env()`): STORAGE_EMULATOR_HOST (gcsfs, google-cloud-s
 TENSORSTORE_GCS_HTTP_URL (TensorStore, so orbax). The wheel's own `FakeGCSServer` is not used: it pipes
 the server's log to a pipe it never reads, and the server stops answering once 64 KiB of request log
 fill it.
+
+The tests' own requests to the server (is it up, make a bucket, list, read) go straight to 127.0.0.1
+(`_DIRECT`): never through a proxy, and never through `urllib.request.urlopen`, whose opener is built once
+per process, at its first call, with the proxies of the environment at that moment, and kept. A test that
+puts a dead proxy in the environment and is the first in its worker to call urlopen (test_harness's
+--download test) otherwise sends every later urlopen of that worker to the dead proxy: the worker's GCS
+server, started later for a gs:// test, was up at once but never seen to answer.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy, whatever the environment says
 
 
 def _free_port() -> int:
@@ -60,7 +69,7 @@ class GCSServer:
         deadline = time.time() + 60  # under the suite's load; a port taken says so at once (exit 1, bind: ... in use)
         while True:
             try:
-                urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1).read()
+                _DIRECT.open(f"{self.url}/storage/v1/b", timeout=1).read()
                 return self
             except (OSError, urllib.error.URLError):
                 code = self.process.poll()
@@ -83,15 +92,19 @@ class GCSServer:
     def make_bucket(self, name: str) -> str:
         request = urllib.request.Request(f"{self.url}/storage/v1/b?project=test", data=json.dumps({"name": name}).encode(),
                                          headers={"Content-Type": "application/json"}, method="POST")
-        urllib.request.urlopen(request, timeout=10).read()
+        _DIRECT.open(request, timeout=10).read()
         return f"gs://{name}"
+
+    def read(self, path: str) -> bytes:
+        """The body of a GET of `path` (from /, e.g. /download/storage/v1/b/...) on the server."""
+        return _DIRECT.open(f"{self.url}{path}", timeout=60).read()
 
     def objects(self, bucket: str, prefix: str = "") -> dict[str, int]:
         """Every object under `prefix` of `bucket`, by name, with its size (the JSON API's own listing)."""
         out, token = {}, ""
         while True:
             query = f"prefix={urllib.request.quote(prefix)}" + (f"&pageToken={token}" if token else "")
-            page = json.loads(urllib.request.urlopen(f"{self.url}/storage/v1/b/{bucket}/o?{query}", timeout=10).read())
+            page = json.loads(_DIRECT.open(f"{self.url}/storage/v1/b/{bucket}/o?{query}", timeout=10).read())
             out.update({item["name"]: int(item["size"]) for item in page.get("items", [])})
             token = page.get("nextPageToken")
             if not token:

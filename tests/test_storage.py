@@ -105,12 +105,11 @@ def test_prepare_into_gs_then_train_from_it_with_the_compilation_cache_there(gcs
     objects = gcs.objects("ds/")
     build = {n.split("/")[1] for n in objects if n != "ds/manifest.json"}
     assert len(build) == 1 and build.pop().startswith("build-")  # one build's prefix, then the manifest
-    import urllib.request
+    import urllib.parse
 
     for name in shards:  # the same bytes as the local prepare of the same source
         remote = next(n for n in objects if n.endswith("/" + name))
-        data = urllib.request.urlopen(f"{gcs.server.url}/download/storage/v1/b/{gcs.name}/o/"
-                                      f"{urllib.request.quote(remote, safe='')}?alt=media").read()
+        data = gcs.server.read(f"/download/storage/v1/b/{gcs.name}/o/{urllib.parse.quote(remote, safe='')}?alt=media")
         assert data == (tmp_path / "local" / name).read_bytes(), name
 
     cache = f"{gcs.url}/xla"
