@@ -152,8 +152,11 @@ def test_an_unknown_task_or_one_without_its_data_is_one_line_and_exit_2(trained_
 def test_download_without_internet_is_one_line_at_once(trained_run, monkeypatch, capsys):
     """--download where the hub cannot be reached: one line that says so, not half a minute of the harness's
     retries ending in advice to pass --download (HF_DATASETS_OFFLINE=1, set here, yields to --download)."""
+    import urllib.request
+
     from zerolm.commands import main
 
+    monkeypatch.setattr(urllib.request, "_opener", None)
     for variable in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):
         monkeypatch.setenv(variable, "http://127.0.0.1:9")  # nothing listens there: refused at once, like no route out
     for variable in ("NO_PROXY", "no_proxy", "HF_ENDPOINT"):
@@ -161,8 +164,10 @@ def test_download_without_internet_is_one_line_at_once(trained_run, monkeypatch,
     assert main(["eval", "--checkpoint", str(trained_run / "ckpt"), "--tasks", "lambada_openai", "--download"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1
-    # (refused by the dead proxy, or the name not resolved where the probe goes direct: no internet either way)
     assert err.startswith("error: --download: no internet (https://huggingface.co: [Errno "), err
+    assert "refused" in err, err  # by the dead proxy: the probe reads the environment's proxies when it runs
+    # and keeps none: urlopen's opener, built at its first call, would send the worker's later urlopen there
+    assert urllib.request._opener is None
 
 
 TASK_FILE = """task: mine

@@ -83,8 +83,9 @@ def check_internet(keys: Keys = Keys()) -> None:
     import urllib.request
 
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    try:
-        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_TIMEOUT_S).close()
+    try:  # an opener of its own: the proxies of the environment now (urlopen's keeps those of its first call)
+        opener = urllib.request.build_opener()
+        opener.open(urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_TIMEOUT_S).close()
     except urllib.error.HTTPError:
         return  # it answered
     except OSError as e:  # no route, no name, refused, timed out: the same for a proxy in between
