@@ -25,7 +25,6 @@ import socket
 import subprocess
 import threading
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -54,30 +53,53 @@ class GCSServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> GCSServer:
+    def start(self, wait_s: float = 60) -> GCSServer:
+        """Starts the server and returns once it answers. If it exits, or does not answer within `wait_s`
+        (it starts in well under a second, also under load: benchmarks/gcs_starts.py), it is stopped, never left
+        running, and AssertionError says why."""
         self.root.mkdir(parents=True, exist_ok=True)
-        log = (self.root.parent / f"{self.root.name}.log").open("a")
-        self.process = subprocess.Popen([str(self.binary), "-scheme", "http", "-backend", "filesystem",
-                                         "-filesystem-root", str(self.root), "-host", "127.0.0.1", "-port",
-                                         str(self.port), "-external-url", self.external, "-log-level", "warn"],
-                                        stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                        # A copy: the C environ, which the child reads after vfork, is not
-                                        # changed under it by another thread's setenv (test_storage starts a
-                                        # server in a background thread while tests monkeypatch the environment;
-                                        # inherited, that exec once failed with EFAULT, "Bad address").
-                                        env=dict(os.environ))
-        deadline = time.time() + 60  # under the suite's load; a port taken says so at once (exit 1, bind: ... in use)
+        log = self.root.parent / f"{self.root.name}.log"
+        with log.open("a") as out:
+            self.process = subprocess.Popen([str(self.binary), "-scheme", "http", "-backend", "filesystem",
+                                             "-filesystem-root", str(self.root), "-host", "127.0.0.1", "-port",
+                                             str(self.port), "-external-url", self.external, "-log-level", "warn"],
+                                            stdout=out, stderr=out, stdin=subprocess.DEVNULL,
+                                            # A copy: the C environ, which the child reads after vfork, is not
+                                            # changed under it by another thread's setenv (test_storage starts a
+                                            # server in a background thread while tests monkeypatch the environment;
+                                            # inherited, that exec once failed with EFAULT, "Bad address").
+                                            env=dict(os.environ))
+        try:
+            self._wait(wait_s, log)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait(self, wait_s: float, log: Path) -> None:
+        deadline = time.time() + wait_s
         while True:
             try:
                 _DIRECT.open(f"{self.url}/storage/v1/b", timeout=1).read()
-                return self
-            except (OSError, urllib.error.URLError):
-                code = self.process.poll()
-                assert code is None and time.time() < deadline, (  # what the next person needs to tell why
+                return
+            except (OSError, http.client.HTTPException) as e:  # not listening yet, or not answering yet
+                error = e
+            code = self.process.poll()
+            if code is not None or time.time() > deadline:  # what the next person needs to tell why
+                raise AssertionError(
                     f"fake-gcs-server on port {self.port} did not start: "
-                    + (f"it exited with {code}" if code is not None else "not answering after 60 s")
-                    + f"; its log: {(self.root.parent / f'{self.root.name}.log').read_text()[-2000:]!r}")
-                time.sleep(0.05)
+                    + (f"it exited with {code}" if code is not None else
+                       f"not answering after {wait_s:g} s (the last try: {error!r}; {self._accepts()})")
+                    + f"; its log: {log.read_text()[-2000:]!r}")
+            time.sleep(0.05)
+
+    def _accepts(self) -> str:
+        """Whether a bare TCP connection to the port is accepted (no HTTP, no proxy in between)."""
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+            return "a TCP connection to its port is accepted"
+        except OSError as e:
+            return f"a TCP connection to its port is not: {e}"
 
     def stop(self) -> None:
         if self.process is not None:
