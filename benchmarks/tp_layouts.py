@@ -8,7 +8,7 @@
 For each layout, the three programs of a step are compiled from abstract, sharded inputs (nothing of
 the model's size is allocated). Bytes per device come from the shardings: parameters, the gradients
 the gradient program hands out, and AdamW's moments. Each collective of the compiled programs is
-attributed to the mesh axes its replica groups span (`zerolm.compile.hlo.axis_of`), inside or outside the
+attributed to the mesh axes its replica groups span (`zerolm.compile.collectives.axis_of`), inside or outside the
 accumulation loop, with the bytes of its result.
 """
 
@@ -27,7 +27,6 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from helpers import to_accum_layout  # noqa: E402
-from zerolm.compile import hlo  # noqa: E402
 from zerolm.config.tree import load_config  # noqa: E402
 from zerolm.parallel import sharding  # noqa: E402
 from zerolm.parallel.build import build_step  # noqa: E402
@@ -85,8 +84,8 @@ def main() -> None:
                     "update": zero.programs.update.lower(grads, views, opt, step, params).compile()}
         comms = collections.Counter()
         for name, compiled in programs.items():
-            for c in hlo.collectives(compiled.as_text()):
-                axes = "+".join(hlo.axis_of(c, dict(zero.mesh.shape))) or "none"
+            for c in comms.read(compiled.as_text()):
+                axes = "+".join(comms.axis_of(c, dict(zero.mesh.shape))) or "none"
                 key = (name, c.op, axes, "in loop" if c.in_loop else "after loop" if name == "grad" else "")
                 comms[key + ("n",)] += 1
                 comms[key + ("bytes",)] += c.bytes

@@ -23,7 +23,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerolm.compile import aot, hlo
+from zerolm.compile import aot
+from zerolm.compile import collectives as comms
 from zerolm.parallel.mesh import DP, make_mesh
 from zerolm.parallel.scatter import two_stage_inner, two_stage_reduce_scatter
 
@@ -66,7 +67,7 @@ def main() -> None:
         scatter = jax.shard_map(body, mesh=mesh, in_specs=P(DP), out_specs=P(DP, None))
         x = jax.ShapeDtypeStruct((n, *shape), args.dtype, sharding=NamedSharding(mesh, P(DP)))
         text = jax.jit(scatter).lower(x).compile(options).as_text()
-        found = ", ".join(f"{c.op} {c.bytes / 2**20:.2f} MiB" for c in hlo.collectives(text))
+        found = ", ".join(f"{c.op} {c.bytes / 2**20:.2f} MiB" for c in comms.read(text))
         print(f"  {name:6s} ({n} devices, {devices[0].device_kind}{', inner ' + str(inner) if inner else ''}): {found}")
 
 

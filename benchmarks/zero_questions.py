@@ -87,11 +87,11 @@ def question_2(mesh) -> None:
                                          text)))
     print(f"2. {mesh.devices.flat[0].device_kind}: asynchronous collectives in zerolm's gradient step: "
           f"{', '.join(asynchronous) or 'none (each collective blocks until done)'}")
-    reductions = [c for c in hlo.collectives(text) if c.op in ("reduce-scatter", "collective-permute")]
+    reductions = [c for c in comms.read(text) if c.op in ("reduce-scatter", "collective-permute")]
     loops = len(re.findall(r"\bwhile\(", text))
     print(f"   {loops} while loops; the dp reduction: {len(reductions)} "
           f"{'/'.join(sorted({c.op for c in reductions}))}s, {sum(c.in_loop for c in reductions)} of them inside a loop")
-    pairs = hlo.async_collectives(text)
+    pairs = comms.read_async(text)
     if pairs:
         overlapped = [a for a in pairs if a.overlaps]
         print(f"   {len(pairs)} start/done pairs in the scheduled HLO; {len(overlapped)} of them with a matmul or a "

@@ -17,7 +17,7 @@ down until one does), and puts the planner's peak beside each compile: whether i
 and how far its count is from the compiler's.
 
 `overlap` reads the scheduled grad program for its asynchronous collectives and the matmuls scheduled
-between each start and done (zerolm.compile.hlo.async_collectives), once as libtpu schedules by default and once
+between each start and done (zerolm.compile.collectives.read_async), once as libtpu schedules by default and once
 with its asynchronous collective fusion (OVERLAP_FLAGS, what MaxText sets), each in its own process.
 `stages` and `fit` compile as libtpu schedules by default, unless LIBTPU_INIT_ARGS says otherwise (`zerolm
 compile` appends OVERLAP_FLAGS at stage 3: zero.tpu_async_collectives; the 6.7B's micro-batch 4 then peaks
@@ -39,10 +39,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from markdown_block import write_block  # noqa: E402
 from plan_vs_compile import planned  # noqa: E402
-from zerolm.compile import (
-    aot,  # noqa: E402
-    hlo,  # noqa: E402
-)
+from zerolm.compile import aot  # noqa: E402
+from zerolm.compile import collectives as comms  # noqa: E402
 from zerolm.compile import micro_batch_search as advice  # noqa: E402
 from zerolm.config.tree import load_config  # noqa: E402
 from zerolm.core import tpu_flags  # noqa: E402
@@ -149,12 +147,12 @@ def overlap_report(config: str, target: str) -> dict:
     cfg = load_config(f"configs/{config}.yaml", ["mesh.dp=auto"], device_count=len(devices))
     built = build_and_compile(cfg, make_mesh(cfg.dp, cfg.mesh.tp, devices), aot.usable_bytes(t, devices[0]))
     text = built.compiled.texts["grad"]
-    in_loop = [c for c in hlo.collectives(text) if c.in_loop and c.op in ("all-gather", "reduce-scatter")]
+    in_loop = [c for c in comms.read(text) if c.in_loop and c.op in ("all-gather", "reduce-scatter")]
     return {"stage": built.zero.stage,
             "in_loop": {op: sum(c.op == op for c in in_loop) for op in ("all-gather", "reduce-scatter")},
             "in_loop_bytes": {op: sum(c.bytes for c in in_loop if c.op == op) for op in ("all-gather", "reduce-scatter")},
             "async": [{"ops": a.ops, "in_loop": a.in_loop, "bytes": a.bytes, "result": a.result_type.split("{")[0],
-                       "overlaps": a.overlaps} for a in hlo.async_collectives(text)]}
+                       "overlaps": a.overlaps} for a in comms.read_async(text)]}
 
 
 def overlap_table(args) -> tuple[str, list[str]]:

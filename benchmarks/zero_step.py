@@ -27,7 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from helpers import bytes_per_device, to_accum_layout  # noqa: E402
-from zerolm.compile import hlo  # noqa: E402
+from zerolm.compile import collectives as comms  # noqa: E402
 from zerolm.config.tree import load_config  # noqa: E402
 from zerolm.model import decoder as gpt_model  # noqa: E402
 from zerolm.model import losses  # noqa: E402
@@ -137,7 +137,7 @@ def main() -> None:
             state_bytes = held_bytes(state)
             del grads, grads_view
             step = zero.step
-        in_loop = sum(c.in_loop for prog in programs for c in hlo.collectives(prog.as_text()))
+        in_loop = sum(c.in_loop for prog in programs for c in comms.read(prog.as_text()))
         if args.memory_only:
             step_time = float("nan")
         else:

@@ -3,7 +3,6 @@ instructions counted inside and outside loops. Benchmarks import it with `tests/
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import jax
@@ -30,12 +29,10 @@ def bytes_per_device(tree: Any) -> dict[jax.Device, int]:
 
 def ops_in_loops(hlo_text: str, opcode: str) -> tuple[int, int]:
     """(instructions of `opcode` inside a while body or what it calls, instructions of it elsewhere)."""
-    comps = hlo._computations(hlo_text)
-    in_loop = hlo._loop_computations(comps, hlo._callees(comps))
-    pattern = re.compile(rf"\s{re.escape(opcode)}\(")
+    program = hlo.program(hlo_text)
     counts = [0, 0]
-    for name, lines in comps.items():
-        counts[name not in in_loop] += sum(1 for line in lines if pattern.search(line))
+    for name, ins in program.instructions():
+        counts[name not in program.in_loop] += ins.opcode == opcode
     return counts[0], counts[1]
 
 

@@ -92,7 +92,6 @@ def test_comms_bad_input_is_one_line_and_exit_2(args, message):
 
 
 def test_replica_groups_are_read_in_each_printed_form_and_an_unknown_one_is_refused():
-    from zerolm.compile import hlo
 
     def module(groups):
         return ("HloModule m\n\nENTRY %main (x: f32[8]) -> f32[8] {\n  %x = f32[8]{0} parameter(0)\n"
@@ -108,7 +107,7 @@ def test_replica_groups_are_read_in_each_printed_form_and_an_unknown_one_is_refu
                          ("mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], device_ids=([4,2]T(1,0)) {'axis_1'}", ("tp",)),
                          ("mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], device_ids=([4,2]T(1,0)) {'axis_2'}", ("dp",)),
                          ("mesh['axis_0'=4,'axis_1'=2], device_ids=([8]) {'axis_1'}", ("tp",))):
-        (collective,) = hlo.collectives(module(groups))
-        assert hlo.axis_of(collective, mesh) == axes, groups
+        (collective,) = comms.read(module(groups))
+        assert comms.axis_of(collective, mesh) == axes, groups
     with pytest.raises(ValueError, match=r"^unknown replica-group format in the compiled HLO: replica_groups=mesh"):
-        hlo.collectives(module("mesh['axis_0'=4,'axis_1'=2] {'axis_0':(1)2}"))  # a sub-axis
+        comms.read(module("mesh['axis_0'=4,'axis_1'=2] {'axis_0':(1)2}"))  # a sub-axis

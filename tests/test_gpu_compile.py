@@ -17,7 +17,6 @@ import pytest
 
 from conftest import REPO
 from zerolm.compile import aot, hlo
-from zerolm.compile import bytes_moved as census
 from zerolm.config.tree import load_config
 from zerolm.core.exitcodes import EXIT_DOES_NOT_FIT, EXIT_USAGE
 from zerolm.core.hardware import GPU_TYPES
@@ -138,8 +137,8 @@ def _stacked_zero_fills(text: str, n_layer: int, seq_len: int) -> list[str]:
     """Buffers of the accumulation loop that are stacked over the layers, hold activations (a dimension of
     seq_len tokens) and are filled with a constant (zeros) each time round: what a layer scan's
     backward pass reads its saved activations from."""
-    comps = {name: census.parse(lines) for name, lines in hlo._computations(text).items()}
-    loops = hlo._loop_computations(hlo._computations(text), hlo._callees(hlo._computations(text)))
+    program = hlo.program(text)
+    comps, loops = program.computations, program.in_loop
     found = []
     for name in loops:
         for ins in comps.get(name, []):

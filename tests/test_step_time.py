@@ -14,7 +14,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from conftest import REPO, TINY
-from zerolm.compile import hlo, step_time
+from zerolm.compile import collectives as comms
+from zerolm.compile import step_time
 from zerolm.core.hardware import preset
 
 
@@ -115,9 +116,9 @@ ENTRY %main (w: bf16[128,64], x: bf16[64,64]) -> (bf16[1024,64], bf16[64,64]) {
 
 
 def test_a_gather_in_an_async_collective_fusion_with_a_matmul_between_is_not_exposed():
-    """The fusion's all-gather sits in its own computation (hlo.collectives), the start and done in the
-    caller's (hlo.async_collectives): matched, it is hidden; the same gather with nothing between is not."""
-    (a,) = hlo.async_collectives(_ASYNC_FUSION)
+    """The fusion's all-gather sits in its own computation (collectives.read), the start and done in the
+    caller's (collectives.read_async): matched, it is hidden; the same gather with nothing between is not."""
+    (a,) = comms.read_async(_ASYNC_FUSION)
     assert a.called == "fused_gather" and a.overlaps == ("h/mlp/c_fc",)
     c = step_time.comms(_ASYNC_FUSION, preset("v3-core"), 8)
     assert c.bytes == 1024 * 64 * 2 and c.exposed_bytes == 0 and c.exposed_s == 0

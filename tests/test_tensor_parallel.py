@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import REPO, TINY, requires_devices, small_config, small_step
 from helpers import to_accum_layout
+from zerolm.compile import collectives as comms
 from zerolm.compile import hlo
 from zerolm.config.tree import ConfigError, load_config
 from zerolm.model import decoder as gpt_model
@@ -65,9 +66,9 @@ def test_one_dp_reduction_after_the_loop_and_tp_collectives_inside_it(dp, tp):
     cfg = small_config(f"train.global_batch_size={dp * 4}", "train.micro_batch_size=1")
     zero, state = _setup(cfg, dp, tp)
     batch = jax.device_put(to_accum_layout(np.zeros((dp * 4, 17), np.int32), dp, 4, 1), zero.table.batch_sharding)
-    ops = hlo.collectives(hlo.compiled_text(zero.programs.grad, state.params, batch))
+    ops = comms.read(hlo.compiled_text(zero.programs.grad, state.params, batch))
     mesh_shape = dict(zero.mesh.shape)
-    by_axis = [(c, hlo.axis_of(c, mesh_shape)) for c in ops]
+    by_axis = [(c, comms.axis_of(c, mesh_shape)) for c in ops]
     assert not [c for c, axes in by_axis if c.in_loop and "dp" in axes], "a dp collective inside the accumulation loop"
     assert [axes for c, axes in by_axis if c.in_loop] and all(axes == ("tp",) for c, axes in by_axis if c.in_loop)
     dp_reductions = [c for c, axes in by_axis if axes == ("dp",) and c.op == "reduce-scatter"]
@@ -108,8 +109,8 @@ def test_the_parallel_residual_all_reduces_one_activation_per_layer_where_the_se
     cfg, model, zero, init_fn = small_step("train.global_batch_size=16", "train.micro_batch_size=1", *sets, dp=4, tp=2)
     state = zero.init(init_fn, jax.random.key(0))
     batch = jax.device_put(to_accum_layout(np.zeros((16, 17), np.int32), 4, 4, 1), zero.table.batch_sharding)
-    ops = hlo.collectives(hlo.compiled_text(zero.programs.grad, state.params, batch))
-    reduced = [c for c in ops if c.in_loop and c.op == "all-reduce" and hlo.axis_of(c, dict(zero.mesh.shape)) == ("tp",)]
+    ops = comms.read(hlo.compiled_text(zero.programs.grad, state.params, batch))
+    reduced = [c for c in ops if c.in_loop and c.op == "all-reduce" and comms.axis_of(c, dict(zero.mesh.shape)) == ("tp",)]
     assert reduced == [c for c in ops if c.in_loop]  # nothing else moves in the loop (the fused kernels stay split)
     activation = cfg.train.micro_batch_size * cfg.model.seq_len * cfg.model.d_model
     assert sum(c.elements * c.runs for c in reduced) == per_layer * activation * cfg.accum_steps * cfg.model.n_layer
@@ -132,10 +133,10 @@ def test_two_stage_reduce_scatter_over_dp_with_tp():
     assert zero.scatter_inner == 2
     np.testing.assert_allclose(grads["two_stage"], grads["collective"], rtol=1e-6,
                                atol=1e-6 * np.abs(grads["collective"]).max())
-    ops = hlo.collectives(hlo.compiled_text(zero.programs.grad, state.params, batch))
+    ops = comms.read(hlo.compiled_text(zero.programs.grad, state.params, batch))
     mesh_shape = dict(zero.mesh.shape)
     dp_reductions = [c for c in ops if c.op == "reduce-scatter"]
-    assert {hlo.axes_label(c, mesh_shape) for c in dp_reductions} == {("dp(2/4)",)}
+    assert {comms.axes_label(c, mesh_shape) for c in dp_reductions} == {("dp(2/4)",)}
     assert not [c for c in dp_reductions if c.in_loop]
     assert len(dp_reductions) == 2 * len(jax.tree.leaves(state.params))
 

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import REPO, requires_devices, small_config, small_model
 from helpers import bytes_per_device, to_accum_layout, zero_settings
+from zerolm.compile import collectives as comms
 from zerolm.compile import hlo
 from zerolm.config.tree import load_config
 from zerolm.model import decoder as gpt_model
@@ -133,7 +134,7 @@ def test_exactly_one_gradient_reduction_per_step(mode, accum, chunk):
     batch = _batch(zero, _rows(8 * accum, cfg), accum, 1)
     n_params = gpt_model.count_params(state.params)
 
-    grad_ops = hlo.collectives(hlo.compiled_text(zero.programs.grad, state.params, batch))
+    grad_ops = comms.read(hlo.compiled_text(zero.programs.grad, state.params, batch))
     assert not [c for c in grad_ops if c.in_loop], "a collective inside the accumulation loop"
     reductions = [c for c in grad_ops if c.op in ("all-reduce", "reduce-scatter") and c.elements > 1]
     if mode == "all_reduce":
@@ -148,10 +149,10 @@ def test_exactly_one_gradient_reduction_per_step(mode, accum, chunk):
         assert len(reductions) == len(jax.tree.leaves(state.params))
     assert all(c.elements == 1 for c in grad_ops if c not in reductions)  # only the scalar loss mean
 
-    assert hlo.collectives(hlo.compiled_text(zero.programs.reshard, state.params)) == []
+    assert comms.read(hlo.compiled_text(zero.programs.reshard, state.params)) == []
     grads, _ = zero.programs.grad(state.params, batch)
     grads = zero.programs.reshard(grads) if mode == "all_reduce" else grads
-    update_ops = hlo.collectives(hlo.compiled_text(zero.programs.update, grads, zero.programs.reshard(state.params),
+    update_ops = comms.read(hlo.compiled_text(zero.programs.update, grads, zero.programs.reshard(state.params),
                                                    state.opt_state, state.step, state.params))
     gathered = sum(c.elements for c in update_ops if c.op == "all-gather")
     assert gathered >= n_params * (zero.table.dp - 1) / zero.table.dp  # the new params, gathered back to every device
@@ -167,7 +168,7 @@ def test_checker_sees_the_naive_per_micro_step_reduction():
     params = init_fn(jax.random.key(0))
     step = naive_data_parallel_step(mesh, loss_fn, tx)
     zero = Zero(mesh, Objective(loss_fn, jax.eval_shape(init_fn, jax.random.key(0))), tx, zero_settings())
-    ops = hlo.collectives(hlo.compiled_text(step, params, tx.init(params), _batch(zero, _rows(32, cfg), 4, 1)))
+    ops = comms.read(hlo.compiled_text(step, params, tx.init(params), _batch(zero, _rows(32, cfg), 4, 1)))
     assert [c for c in ops if c.in_loop and c.op == "all-reduce"]
 
 
@@ -275,8 +276,8 @@ def test_mixed_precision_reduces_and_gathers_in_bfloat16_once_per_step():
     cfg = small_config("train.global_batch_size=32", "train.micro_batch_size=1")
     zero, state, _ = _mixed(cfg, optax.adamw(1e-3))
     batch = _batch(zero, _rows(32, cfg), 4, 1)
-    assert not [c for c in hlo.collectives(hlo.compiled_text(zero.programs.grad, state.params, batch)) if c.in_loop]
-    grad_ops = hlo.collectives(zero.programs.grad.lower(state.params, batch).as_text(dialect="hlo"))
+    assert not [c for c in comms.read(hlo.compiled_text(zero.programs.grad, state.params, batch)) if c.in_loop]
+    grad_ops = comms.read(zero.programs.grad.lower(state.params, batch).as_text(dialect="hlo"))
     reductions = [c for c in grad_ops if c.elements > 1]
     assert {c.op for c in reductions} == {"reduce-scatter"}
     assert len(reductions) == len(jax.tree.leaves(state.params))
@@ -317,12 +318,12 @@ def test_ring_reduce_scatter_is_the_same_sum_in_neighbour_exchanges(precision):
     assert zero.scatter == "ring"
     tol = 1e-6 if precision == "fp32" else 1e-2
     np.testing.assert_allclose(grads["ring"], grads["collective"], rtol=tol, atol=tol * np.abs(grads["collective"]).max())
-    ops = hlo.collectives(hlo.compiled_text(zero.programs.grad, state.params, batch))
+    ops = comms.read(hlo.compiled_text(zero.programs.grad, state.params, batch))
     assert not [c for c in ops if c.in_loop]
     permutes = [c for c in ops if c.op == "collective-permute"]
     assert not [c for c in ops if c.elements > 1 and c not in permutes]  # no reduce-scatter, no all-reduce
     assert len(permutes) == (zero.table.dp - 1) * len(jax.tree.leaves(state.params))
-    assert {hlo.axis_of(c, dict(zero.mesh.shape)) for c in permutes} == {("dp",)}
+    assert {comms.axis_of(c, dict(zero.mesh.shape)) for c in permutes} == {("dp",)}
     padded = sum(np.prod(lay.view_shape) for lay in jax.tree.leaves(zero.table.layouts, is_leaf=is_layout))
     assert sum(c.elements for c in permutes) * zero.table.dp == padded * (zero.table.dp - 1)
 
@@ -364,10 +365,10 @@ def test_two_stage_reduce_scatter_in_the_step():
     assert resolve_scatter("auto", zero.mesh) == "collective"  # on CPU (and GPU): the one-stage collective
     np.testing.assert_allclose(grads["two_stage"], grads["collective"], rtol=1e-6,
                                atol=1e-6 * np.abs(grads["collective"]).max())
-    ops = hlo.collectives(hlo.compiled_text(zero.programs.grad, state.params, batch))
+    ops = comms.read(hlo.compiled_text(zero.programs.grad, state.params, batch))
     assert not [c for c in ops if c.in_loop]
     mesh_shape = dict(zero.mesh.shape)
-    stages = {label: [c for c in ops if c.op == "reduce-scatter" and hlo.axes_label(c, mesh_shape) == (label,)]
+    stages = {label: [c for c in ops if c.op == "reduce-scatter" and comms.axes_label(c, mesh_shape) == (label,)]
               for label in ("dp(2/8)", "dp(4/8)")}
     leaves = len(jax.tree.leaves(state.params))
     assert [len(s) for s in stages.values()] == [leaves, leaves]

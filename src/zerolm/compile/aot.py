@@ -37,7 +37,7 @@ import numpy as np
 
 from zerolm.compile import bytes_moved as census_lib
 from zerolm.compile import collectives as comms
-from zerolm.compile import hlo, step_time
+from zerolm.compile import step_time
 from zerolm.config.tree import Config
 from zerolm.core.errors import ZerolmError, first_line
 from zerolm.core.hardware import GPU_TYPES, GPUS_PER_HOST, TPU_TYPES, gpu_memory_fraction, grid, preset
@@ -267,7 +267,7 @@ def compile_for(cfg: Config, target: Target, devices: list, *, census: bool = Fa
         contexts=contexts,
         async_collectives=[{"program": name, "ops": list(a.ops), "in_loop": a.in_loop, "bytes": a.bytes,
                             "overlaps": list(a.overlaps)} for name, text in texts.items()
-                           for a in hlo.async_collectives(text)])
+                           for a in comms.read_async(text)])
 
 
 @dataclasses.dataclass
@@ -303,7 +303,7 @@ class CompileReport:
     scan_layers: bool  # the layer loop compiled: a scan, or unrolled (model.scan_layers as the target resolves it)
     remat_choice: str | None  # model.remat auto: what each policy needed and which was taken
     census: census_lib.Census | None = None  # where the step's bytes go (--census)
-    # each collective the schedule split into a start and a done (zerolm.compile.hlo.async_collectives): program, ops,
+    # each collective the schedule split into a start and a done (zerolm.compile.collectives.read_async): program, ops,
     # in_loop, bytes, the compute between them (libtpu: zero.tpu_async_collectives, zerolm.core.tpu_flags)
     async_collectives: list[dict] = dataclasses.field(default_factory=list)
     # zerolm.compile.step_time's model of the step on the target's planner preset (None: no preset, or a refused program)

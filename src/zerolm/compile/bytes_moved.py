@@ -1,9 +1,10 @@
 """Where a compiled program's bytes go: a census of the kernels it runs, read from its optimized HLO.
 
 Every instruction a device runs as a kernel (a fusion, a custom call such as a cuBLAS GEMM or cuDNN's
-attention, a copy, a collective, ...) is counted once per execution of the program: inside a while loop,
-times the loop's trip count (XLA's `known_trip_count`; a loop without one counts once, and the census says
-so). Its bytes are what it reads and writes: its operands and its result, except where XLA works on a
+attention, a copy, a collective, ...) is counted once per execution of the program: inside a while loop, times
+the loop's trip count, as zerolm.compile.hlo counts it for every reader (the FLOPs of zerolm.compile.step_time
+too: a causal key-block loop at its mean trip count; a loop whose trip count is unknown counts once, and the
+census says so). Its bytes are what it reads and writes: its operands and its result, except where XLA works on a
 slice of a buffer in place: a dynamic-update-slice (alone, or at the root of a fusion, into one of the
 fusion's parameters) writes only its update and does not read the buffer it updates; a slice or a
 dynamic-slice reads only its slice. Bookkeeping (parameters, constants, tuples, bitcasts, the loops themselves) moves
@@ -15,34 +16,21 @@ spends its memory bandwidth on (`zerolm compile --census`; benchmarks/census.py 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Iterable
 
 from zerolm.compile import hlo
+from zerolm.compile.hlo import Instruction, array_bytes, operand_name
 
 # Instructions that move no bytes of their own.
-_BOOKKEEPING = frozenset({
+BOOKKEEPING = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
     "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain",
     "all-reduce-done", "all-gather-done", "collective-permute-done", "async-done", "async-update", "copy-done",
     "send-done", "recv-done"})
-_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
-_ARRAY = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]*)\]")
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 _KIND = re.compile(r"\bkind=(k\w+)")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_CALLED = re.compile(r"\b(?:body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
-                     r"|\bbranch_computations=\{([^}]*)\}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Instruction:
-    name: str
-    result: str  # the result type's text
-    opcode: str
-    operands: tuple[str, ...]  # each operand's text: its type and its name
-    attributes: str  # the rest of the line
 
 
 @dataclasses.dataclass
@@ -71,49 +59,12 @@ class Census:
                 "rows": [dataclasses.asdict(r) for r in self.rows]}
 
 
-def array_bytes(text: str) -> int:
-    """Bytes of every array type written in `text` (a result type, an operand)."""
-    return sum(hlo._BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d)
-               for t, dims in _ARRAY.findall(text))
-
-
-def _split_operands(rest: str) -> tuple[tuple[str, ...], str]:
-    """The operand list that opens `rest` (up to its matching parenthesis), split at top-level commas."""
-    depth, start, parts = 0, 0, []
-    for i, ch in enumerate(rest):
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            if depth == 0:
-                parts.append(rest[start:i])
-                return tuple(p.strip() for p in parts if p.strip()), rest[i + 1:]
-            depth -= 1
-        elif ch == "," and depth == 0:
-            parts.append(rest[start:i])
-            start = i + 1
-    return tuple(p.strip() for p in parts if p.strip()), ""
-
-
-def parse(lines: Iterable[str]) -> list[Instruction]:
-    out = []
-    for line in lines:
-        m = _LINE.match(line)
-        if m:
-            operands, attributes = _split_operands(m.group(4))
-            out.append(Instruction(m.group(1), m.group(2), m.group(3), operands, attributes))
-    return out
-
-
-def _operand_name(operand: str) -> str:
-    return operand.rsplit(" ", 1)[-1].lstrip("%")
-
-
 def _typed(instructions: list[Instruction]) -> list[Instruction]:
     """The instructions with each operand's type written out (the GPU compiler prints operands by name
     only): looked up among the computation's own results."""
     types = {ins.name: ins.result for ins in instructions}
     return [dataclasses.replace(ins, operands=tuple(
-        op if "[" in op.split("%", 1)[0] else f"{types.get(_operand_name(op), '')} {op}" for op in ins.operands))
+        op if "[" in op.split("%", 1)[0] else f"{types.get(operand_name(op), '')} {op}" for op in ins.operands))
         for ins in instructions]
 
 
@@ -125,18 +76,18 @@ def _fusion_bytes(ins: Instruction, fused: list[Instruction]) -> int:
     users: dict[str, list[Instruction]] = {}
     for f in fused:
         for op in f.operands:
-            users.setdefault(_operand_name(op), []).append(f)
+            users.setdefault(operand_name(op), []).append(f)
     root = fused[-1] if fused else None
-    roots = [by_name.get(_operand_name(op)) for op in root.operands] if root and root.opcode == "tuple" else [root]
+    roots = [by_name.get(operand_name(op)) for op in root.operands] if root and root.opcode == "tuple" else [root]
     read = [array_bytes(op) for op in ins.operands]
     written = array_bytes(ins.result)
     for r in roots:
-        if r is not None and r.opcode == "dynamic-update-slice" and _operand_name(r.operands[0]) in params:
-            read[params[_operand_name(r.operands[0])]] = 0  # updated in place, not read
+        if r is not None and r.opcode == "dynamic-update-slice" and operand_name(r.operands[0]) in params:
+            read[params[operand_name(r.operands[0])]] = 0  # updated in place, not read
             written += array_bytes(r.operands[1]) - array_bytes(r.result)
     for name, index in params.items():
         uses = users.get(name, [])
-        if uses and all(u.opcode in ("slice", "dynamic-slice") and _operand_name(u.operands[0]) == name for u in uses):
+        if uses and all(u.opcode in ("slice", "dynamic-slice") and operand_name(u.operands[0]) == name for u in uses):
             read[index] = min(read[index], sum(array_bytes(u.result) for u in uses))
     return sum(read) + written
 
@@ -149,7 +100,7 @@ def _kind(ins: Instruction, comps: dict[str, list[Instruction]]) -> str:
         root = fused[-1].opcode if fused else "?"
         if root == "tuple":
             by_name = {f.name: f.opcode for f in fused}
-            root = "+".join(sorted({by_name.get(_operand_name(op), "?") for op in fused[-1].operands}))
+            root = "+".join(sorted({by_name.get(operand_name(op), "?") for op in fused[-1].operands}))
         return f"fusion ({kind.group(1)[1:].lower() if kind else '?'}) -> {root}"
     if ins.opcode == "custom-call":
         target = _TARGET.search(ins.attributes)
@@ -169,39 +120,20 @@ def _bytes(ins: Instruction, comps: dict[str, list[Instruction]]) -> int:
 
 def census(hlo_text: str) -> Census:
     """The census of one compiled program (its optimized HLO text)."""
-    raw = hlo._computations(hlo_text)
-    comps = {name: _typed(parse(lines)) for name, lines in raw.items()}
-    entry = next((m.group(1) for line in hlo_text.splitlines() if line.startswith("ENTRY")
-                  for m in [hlo._COMPUTATION.match(line)] if m), None)
+    program = hlo.program(hlo_text)
+    comps = {name: _typed(instructions) for name, instructions in program.computations.items()}
     rows: dict[str, Row] = {}
-    unknown = 0
-    stack: list[tuple[str, int]] = [(entry, 1)] if entry else []
-    seen: set[str] = set()
-    while stack:
-        name, times = stack.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        for ins in comps.get(name, []):
-            for m in _CALLED.finditer(ins.attributes):
-                callees = [m.group(1)] if m.group(1) else [c.strip().lstrip("%") for c in m.group(2).split(",")]
-                if ins.opcode == "while" and "body=" in m.group(0):
-                    trip = hlo._TRIP_COUNT.search(ins.attributes)
-                    unknown += trip is None
-                    stack.extend((c, times * (int(trip.group(1)) if trip else 1)) for c in callees)
-                elif ins.opcode in ("while", "conditional", "call"):
-                    stack.extend((c, times) for c in callees)
-            if ins.opcode == "async-start" and (called := _CALLS.search(ins.attributes)):
-                stack.append((called.group(1), times))
-                continue
-            if ins.opcode in _BOOKKEEPING:
+    for name in program.executed:
+        times = program.runs.get(name)
+        for ins in comps[name]:
+            if ins.opcode in BOOKKEEPING or ins.opcode == "async-start":
                 continue
             kind = _kind(ins, comps)
             row = rows.setdefault(kind, Row(kind, 0, 0, 0))
             row.instructions += 1
-            row.executions += times
-            row.bytes += times * _bytes(ins, comps)
-    return Census(sorted(rows.values(), key=lambda r: -r.bytes), unknown)
+            row.executions += round(times or 1)
+            row.bytes += round((times or 1) * _bytes(ins, comps))
+    return Census(sorted(rows.values(), key=lambda r: -r.bytes), program.unknown_loops)
 
 
 def merge(censuses: Iterable[Census]) -> Census:

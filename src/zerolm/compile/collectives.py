@@ -8,6 +8,14 @@ mesh axes it runs over, and whether it sits inside the accumulation loop.
 `zerolm comms` does this for a config without training: on the real devices when there are enough,
 else on fake CPU devices (the same partitioner, but the CPU backend's own collective passes), and
 puts the planner's predicted bytes (zerolm.plan.traffic) beside what was found.
+
+Reading them (`read`, `read_async`): a collective's replica groups (listed, XLA's iota form `[4,2]<=[8]` /
+`[2,4]<=[4,2]T(1,0)`, or its mesh-axes form `mesh['axis_0'=4,'axis_1'=2] {'axis_0'}`, with
+`device_ids=([4,2]T(1,0))` where the mesh's devices are not in order; any other form is refused, not guessed) are
+positions in the mesh's device order, so `axis_of` names the mesh axes a collective runs over; how often it runs
+is zerolm.compile.hlo's count. The TPU compiler writes a reduce-scatter on v4 and v5p as a fusion named
+`all-reduce-scatter`: an all-reduce of the (padded) whole followed by the slice each device keeps, run as one
+collective that sends a reduce-scatter's bytes. It is read as the reduce-scatter it is, of the fusion's result.
 """
 
 from __future__ import annotations
@@ -15,15 +23,221 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
+import math
+import re
 
 import jax
+import numpy as np
 
 from zerolm.compile import hlo
+from zerolm.compile.hlo import COLLECTIVE_OPS
 from zerolm.core.errors import UsageError
-from zerolm.parallel.mesh import axis_names
+from zerolm.parallel.mesh import axis_names, axis_share
 from zerolm.plan.traffic import Prediction, naive_predictions, step_predictions
 
 PROGRAMS = ("grad", "reshard", "update")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    op: str  # e.g. "all-reduce"
+    computation: str  # the HLO computation it sits in
+    in_loop: bool  # inside a while body (or something a while body calls)
+    result_type: str
+    groups: tuple[frozenset[int], ...] = ()  # replica groups; () = all devices in one group
+    runs: float | None = 1  # times it runs per execution of the program (the enclosing loops' trip counts); None: unknown
+
+    @property
+    def elements(self) -> int:
+        return sum(math.prod(int(d) for d in dims.split(",") if d) for _, dims in hlo.ARRAY.findall(self.result_type))
+
+    @property
+    def bytes(self) -> int:
+        return hlo.array_bytes(self.result_type)
+
+
+_REDUCE_SCATTER_FUSION = "all-reduce-scatter"  # the TPU compiler's reduce-scatter (v4, v5p)
+
+
+def read(hlo_text: str) -> list[Collective]:
+    """Every collective a compiled program runs (a TPU reduce-scatter fusion as one reduce-scatter, an asynchronous
+    one where it starts), with its replica groups and how many times it runs."""
+    p = hlo.program(hlo_text)
+    continuations = _async_continuations(p)
+    found = []
+    for name, instructions in p.computations.items():
+        if name in continuations:
+            continue
+        for ins in instructions:
+            op = ins.opcode.removesuffix("-start")
+            if op not in COLLECTIVE_OPS:
+                continue
+            if name.startswith(_REDUCE_SCATTER_FUSION) and op == "all-reduce":
+                root = next(i for i in instructions if i.root)
+                found.append(Collective("reduce-scatter", name, name in p.in_loop, root.result, _groups(ins.attributes),
+                                        p.runs.get(name)))
+                continue
+            result = _start_output(ins.result) if ins.opcode.endswith("-start") and op != "all-reduce" else ins.result
+            found.append(Collective(op, name, name in p.in_loop, result, _groups(ins.attributes), p.runs.get(name)))
+    return found
+
+
+def _start_output(result_type: str) -> str:
+    """What an asynchronous all-gather, reduce-scatter or collective-permute delivers: its `-start` (the GPU
+    compiler's form) returns (operands, outputs[, context]); the outputs are the second element. (An
+    all-reduce-start returns its outputs alone.)"""
+    elements, depth, start = [], 0, 1
+    for i, ch in enumerate(result_type):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+            elements.append(result_type[start:i])
+            start = i + 1
+    return elements[1] if result_type.startswith("(") and len(elements) > 1 else result_type
+
+
+def _async_continuations(p: hlo.Program) -> frozenset[str]:
+    """The computations that continue a collective the TPU compiler made asynchronous (its asynchronous
+    collective fusion): it splits one collective into a start, steps fused beside a matmul
+    (`async_collective_fusion.N`) and a done, and each of the three computations holds the collective again.
+    It is counted once, where it starts."""
+    done = {callee for _, ins in p.instructions() if ins.name.startswith("async-collective-done")
+            for _, callee in ins.called()}
+    return frozenset(done | {name for name in p.computations if name.startswith("async_collective_fusion")})
+
+
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_GROUPS_LISTED = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+# XLA's mesh-axes form: mesh['axis_0'=4,'axis_1'=2] {'axis_0'}: the devices in mesh order (or as an iota
+# `device_ids=([4,2]T(1,0))` orders them), grouped over the named axes (whole axes only: a sub-axis such
+# as 'axis_0':(1)2 is not read)
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[((?:'[^']+'=\d+,?)+)\]"
+                          r"(?:, device_ids=\(\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?\))? "
+                          r"\{((?:'[^']+',?)*)\}(?:[,\s]|$)")
+
+
+def _iota(reshape: str, perm: str | None) -> np.ndarray:
+    """XLA's iota device list: 0..n-1 laid out as `reshape` ("4,2"), transposed by `perm` ("1,0") if given."""
+    ids = np.arange(math.prod(int(d) for d in reshape.split(","))).reshape([int(d) for d in reshape.split(",")])
+    return ids.transpose([int(d) for d in perm.split(",")]) if perm else ids
+
+
+def _groups(attributes: str) -> tuple[frozenset[int], ...]:
+    if m := _PAIRS.search(attributes):  # a collective-permute: the devices its pairs connect, as groups
+        groups: list[set[int]] = []
+        for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1)):
+            joined = [g for g in groups if int(a) in g or int(b) in g]
+            groups = [g for g in groups if g not in joined] + [set().union({int(a), int(b)}, *joined)]
+        return tuple(frozenset(g) for g in groups)
+    if m := _GROUPS_IOTA.search(attributes):
+        rows = _iota(m.group(2), m.group(3)).reshape(int(m.group(1).split(",")[0]), -1)
+        return tuple(frozenset(int(i) for i in row) for row in rows)
+    if m := _GROUPS_LISTED.search(attributes):
+        return tuple(frozenset(int(i) for i in g.split(",") if i) for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
+    if m := _GROUPS_MESH.search(attributes):
+        sizes = {name: int(n) for name, n in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+        grouped = [list(sizes).index(name) for name in re.findall(r"'([^']+)'", m.group(5))]
+        kept = [i for i in range(len(sizes)) if i not in grouped]
+        # the device order: as listed by an iota ([dims], or [dims]<=[reshape]; then T(perm)), else in order
+        ids = _iota(m.group(3) or m.group(2), m.group(4)) if m.group(2) else np.arange(math.prod(sizes.values()))
+        ids = ids.reshape(list(sizes.values())).transpose(kept + grouped)
+        return tuple(frozenset(int(i) for i in row) for row in ids.reshape(-1, math.prod(ids.shape[len(kept):])))
+    if m := re.search(r"replica_groups=\S+", attributes):  # a form this reader does not know (e.g. a sub-axis of
+        # the mesh-axes form): refuse rather than count the collective as spanning every device
+        raise ValueError(f"unknown replica-group format in the compiled HLO: {m.group(0)[:120]}")
+    return ()
+
+
+def axis_of(collective: Collective, mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes (in mesh order) whose devices each replica group spans; e.g. ("dp",) or ("tp",)."""
+    names = list(mesh_shape)
+    ids = np.arange(math.prod(mesh_shape.values())).reshape(list(mesh_shape.values()))
+    groups = set(collective.groups) or {frozenset(range(ids.size))}
+    for r in range(len(names) + 1):
+        for axes in itertools.combinations(range(len(names)), r):
+            kept = [i for i in range(len(names)) if i not in axes]
+            moved = np.moveaxis(ids, kept, list(range(len(kept)))).reshape(math.prod(ids.shape[i] for i in kept) or 1, -1)
+            if {frozenset(int(i) for i in row) for row in moved} == groups:
+                return tuple(names[i] for i in axes)
+    raise ValueError(f"replica groups {sorted(map(sorted, groups))} span no set of mesh axes")
+
+
+def axes_label(collective: Collective, mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """`axis_of`, or, for replica groups that span only part of an axis (a collective the compiler split
+    into stages), the axes they vary along, each marked with the share of it one group covers: `dp(2/4)`."""
+    try:
+        return axis_of(collective, mesh_shape)
+    except ValueError:
+        pass
+    ids = np.arange(math.prod(mesh_shape.values())).reshape(list(mesh_shape.values()))
+    coords = {int(ids[idx]): idx for idx in np.ndindex(ids.shape)}
+    group = sorted(collective.groups[0])
+    labels = []
+    for a, (name, size) in enumerate(mesh_shape.items()):
+        spread = len({coords[d][a] for d in group})
+        if spread > 1:
+            labels.append(axis_share(name, spread, size))
+    return tuple(labels)
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncCollective:
+    """A collective the scheduler split into a start and a done, so that work runs while it moves."""
+
+    ops: tuple[str, ...]  # the collectives it runs (an async collective fusion may run more than one)
+    computation: str
+    in_loop: bool
+    result_type: str  # of its done: what it delivers
+    overlaps: tuple[str, ...]  # the compute scheduled between start and done: each matmul's op path (its
+    # `dot_general` in the model, e.g. "h/attn/c_attn"), "loop:<path>" for a loop (the blockwise attention)
+    called: str = ""  # an asynchronous collective fusion's computation: where `read` finds its collectives
+
+    @property
+    def bytes(self) -> int:
+        return hlo.array_bytes(self.result_type)
+
+
+_MODEL_OP = re.compile(r"(?:closed_call|remat|checkpoint)/((?:[\w]+/)*?[\w]+)/(?:dot_general|while)$")
+_COMPUTE = ("while", "convolution", "fusion", "custom-call")
+
+
+def read_async(hlo_text: str) -> list[AsyncCollective]:
+    """Every asynchronous collective of a scheduled program and the compute between its start and its done:
+    XLA's `all-gather-start`/`-done` pairs (and the other collectives'), and the TPU compiler's asynchronous
+    collective fusions (`async-collective-start.N` ... `async-collective-done.N`, made with its
+    `--xla_tpu_enable_async_collective_fusion` flags). Synchronous collectives are not listed."""
+    p = hlo.program(hlo_text)
+    found = []
+    for name, instructions in p.computations.items():
+        for i, ins in enumerate(instructions):
+            fusion = ins.opcode == "fusion" and ins.name.startswith("async-collective-start")
+            if not fusion and not (ins.opcode.endswith("-start") and ins.opcode[:-6] in COLLECTIVE_OPS):
+                continue
+            fused = dict(ins.called()).get("calls", "") if fusion else ""
+            ops = tuple(op for op in COLLECTIVE_OPS if any(f.opcode == op for f in p.computations.get(fused, ()))) \
+                if fusion else (ins.opcode[:-6],)
+            between, result = [], ""
+            for later in instructions[i + 1:]:
+                if _is_done(later, ins, fusion):
+                    result = later.result
+                    break
+                if later.opcode in _COMPUTE and (path := later.op_name) and (op := _MODEL_OP.search(path)):
+                    label = ("loop:" if later.opcode == "while" else "") + op.group(1)
+                    if label not in between:
+                        between.append(label)
+            found.append(AsyncCollective(ops, name, name in p.in_loop, result, tuple(between), fused))
+    return found
+
+
+def _is_done(later: hlo.Instruction, start: hlo.Instruction, fusion: bool) -> bool:
+    """Whether `later` is the done of the asynchronous collective `start` (an async collective fusion's by name)."""
+    if fusion:
+        return later.name == start.name.replace("-start", "-done")
+    return later.opcode.endswith("-done") and start.name in later.operand_names()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +264,8 @@ class Traffic:
 def traffic(texts: dict[str, str], mesh_shape: dict[str, int]) -> list[Traffic]:
     rows: dict[tuple, list] = collections.defaultdict(lambda: [0, 0, 0])
     for program, text in texts.items():
-        for c in hlo.collectives(text):
-            key = (program, c.op, hlo.axes_label(c, mesh_shape), c.in_loop)
+        for c in read(text):
+            key = (program, c.op, axes_label(c, mesh_shape), c.in_loop)
             rows[key][0] += 1
             rows[key][1] += c.bytes
             rows[key][2] = None if rows[key][2] is None or c.runs is None else rows[key][2] + c.bytes * c.runs

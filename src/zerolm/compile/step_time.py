@@ -12,10 +12,14 @@ For each compiled program of the step (grad, reshard, update; zerolm.compile.aot
   (`unknown_loops`). cuDNN's flash attention (a custom call) is
   counted by its shapes: forward QKᵀ and A·V, 4·B·H·Tq·Tk·dh; backward those recomputed and the three
   gradients' matmuls, 10·B·H·Tq·Tk·dh; half of each under a causal mask (the kernel skips the masked tiles).
-  Other custom calls (the TPU's Pallas kernels, a cuBLAS call with no dot dimensions stated) are not
-  counted: `uncounted_kernels` says how many run, and their FLOPs are missing from the figure.
+  A Pallas kernel (the TPU's flash attention) is counted by the cost estimate it carries where it has one (the
+  forward kernel's: its full Tq × Tk, the causal skip not subtracted), else, for JAX's flash attention's backward
+  kernels, by its shapes as that estimate counts: dK and dV's kernel 8·B·H·Tq·Tk·dh (QKᵀ and dO·Vᵀ again, dV, dK),
+  dQ's 6 (QKᵀ and dO·Vᵀ again, dQ); `estimated_kernels` says how many runs were counted either way. Other custom
+  calls (a Pallas kernel without either, a cuBLAS call with no dot dimensions stated) are not counted:
+  `uncounted_kernels` says how many run, and their FLOPs are missing from the figure.
 - **Exposed collectives**: each collective's bytes (its result, per device) times its runs; the ones the
-  scheduler made asynchronous with compute placed between their start and done (zerolm.compile.hlo.async_collectives)
+  scheduler made asynchronous with compute placed between their start and done (zerolm.compile.collectives.read_async)
   are taken as hidden behind that compute; the rest, synchronous ones in full, are exposed and cost a ring's
   time over their replica group at the device's link bandwidth (zerolm.plan.timing.ring_time: latency
   plus (n−1)/n of the buffer per pass, two passes for an all-reduce).
@@ -34,7 +38,7 @@ import math
 import re
 from typing import TYPE_CHECKING
 
-from zerolm.compile import bytes_moved as census
+from zerolm.compile import collectives as compiled_collectives
 from zerolm.compile import hlo
 from zerolm.core.hardware import Device
 from zerolm.plan.timing import ring_time
@@ -60,7 +64,7 @@ def _dims(type_text: str) -> list[int]:
     return [int(d) for d in m.group(1).split(",") if d] if m else []
 
 
-def _dot_flops(ins: census.Instruction, types: dict[str, str]) -> int:
+def _dot_flops(ins: hlo.Instruction, types: dict[str, str]) -> int:
     lhs = _dims(_type_of(ins.operands[0], types))
     dims = _CONTRACTING.search(ins.attributes)
     contracted = math.prod(lhs[int(i)] for i in dims.group(1).split(",") if i) if dims else 1
@@ -72,7 +76,7 @@ def _window(attributes: str, key: str, n: int, default: int) -> list[int]:
     return [int(v) for v in m.group(1).split("x")] if m else [default] * n
 
 
-def _convolution_flops(ins: census.Instruction, types: dict[str, str]) -> int:
+def _convolution_flops(ins: hlo.Instruction, types: dict[str, str]) -> int:
     """2 · multiply-adds that touch real input: output batch × output features × the kernel's input
     features × per spatial dimension the (output, kernel) position pairs that land on an input element, not
     on padding or a dilation hole (the TPU compiler writes batched matmuls as convolutions whose windows,
@@ -101,7 +105,7 @@ def _convolution_flops(ins: census.Instruction, types: dict[str, str]) -> int:
     return 2 * macs
 
 
-def _gemm_flops(ins: census.Instruction, types: dict[str, str]) -> int:
+def _gemm_flops(ins: hlo.Instruction, types: dict[str, str]) -> int:
     """A cuBLAS GEMM custom call: its result (the first of its tuple) times the contracted elements."""
     lhs = _dims(_type_of(ins.operands[0], types))
     dims = _GEMM_CONTRACTING.search(ins.attributes)
@@ -109,7 +113,7 @@ def _gemm_flops(ins: census.Instruction, types: dict[str, str]) -> int:
     return 2 * math.prod(_dims(ins.result)) * contracted
 
 
-def _fmha_flops(ins: census.Instruction, target: str) -> int:
+def _fmha_flops(ins: hlo.Instruction, target: str) -> int:
     scores = _INTERMEDIATE.search(ins.attributes)
     if scores is None:
         return 0
@@ -117,6 +121,22 @@ def _fmha_flops(ins: census.Instruction, target: str) -> int:
     head_dim = _dims(ins.result)[-1]
     per = _FMHA_BACKWARD if "Backward" in target else _FMHA_FORWARD
     return per * b * h * tq * tk * head_dim // (2 if _CAUSAL.search(ins.attributes) else 1)
+
+
+_COST_FLOPS = re.compile(r'"cost_estimate":\{[^}]*?"flops":"?(\d+)')
+_FLASH_BACKWARD = {"flash_mha_bwd_dkv": 8, "flash_mha_bwd_dq": 6}  # matmul FLOPs per B·H·Tq·Tk·dh (see above)
+
+
+def _pallas_flops(ins: hlo.Instruction, types: dict[str, str]) -> int | None:
+    """A Pallas kernel's FLOPs: its cost estimate, or a flash attention backward kernel's by its shapes; None if
+    neither (see the module docstring)."""
+    if estimate := _COST_FLOPS.search(ins.attributes):
+        return int(estimate.group(1))
+    per = next((n for prefix, n in _FLASH_BACKWARD.items() if ins.name.startswith(prefix)), None)
+    if per is None or len(ins.operands) < 2:
+        return None
+    b, h, tq, dh = _dims(_type_of(ins.operands[0], types))  # q (B, H, Tq, dh), k (B, H, Tk, dh)
+    return per * b * h * tq * _dims(_type_of(ins.operands[1], types))[2] * dh
 
 
 def _type_of(operand: str, types: dict[str, str]) -> str:
@@ -128,22 +148,21 @@ def _type_of(operand: str, types: dict[str, str]) -> str:
 @dataclasses.dataclass(frozen=True)
 class Flops:
     total: int  # per device per execution of the program, loop-aware
-    kernels: int  # of which cuDNN's attention, counted from its shapes
+    kernels: int  # of which kernels' (cuDNN's attention, counted from its shapes; Pallas kernels)
     uncounted_kernels: int  # executions of custom calls whose FLOPs are not counted (Pallas, ...)
     unknown_loops: int  # computations with matmuls inside a loop of unknown trip count (counted once)
     triangular_loops: int = 0  # loops counted at the mean of their trip counts (zerolm.compile.hlo.TRIANGULAR_LOOP)
+    estimated_kernels: int = 0  # executions of Pallas kernels counted by their cost estimate or the flash formula
 
 
 def flops(hlo_text: str) -> Flops:
     """The matmul FLOPs one execution of a compiled program runs per device (see the module docstring)."""
-    comps = hlo._computations(hlo_text)
-    runs = hlo.runs(hlo_text)
+    program = hlo.program(hlo_text)
     total = kernels = 0.0
-    uncounted = unknown = 0
-    for name, lines in comps.items():
-        instructions = census.parse(lines)
+    uncounted = unknown = estimated = 0
+    for name, instructions in program.computations.items():
         types = {ins.name: ins.result for ins in instructions}
-        times = runs.get(name, 1)
+        times = program.runs.get(name, 1)
         found = 0
         for ins in instructions:
             if ins.opcode == "dot":
@@ -159,12 +178,16 @@ def flops(hlo_text: str) -> Flops:
                     kernels += attention * (times or 1)
                 elif ("cublas" in kind or "gemm" in kind) and _GEMM_CONTRACTING.search(ins.attributes):
                     found += _gemm_flops(ins, types)
+                elif kind == "tpu_custom_call" and (pallas := _pallas_flops(ins, types)) is not None:
+                    found += pallas
+                    kernels += pallas * (times or 1)
+                    estimated += round(times or 1)
                 elif any(k in kind for k in _MATMUL_KERNELS):
                     uncounted += round(times or 1)
         if found and times is None:
             unknown += 1
         total += found * (times or 1)
-    return Flops(round(total), round(kernels), uncounted, unknown, hlo.triangular_loops(hlo_text))
+    return Flops(round(total), round(kernels), uncounted, unknown, program.triangular_loops, estimated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +200,7 @@ class Comms:
 _RING_OPS = {"all-reduce": "all-reduce", "reduce-scatter": "reduce-scatter", "all-gather": "all-gather"}
 
 
-def _collective_s(device: Device, c: hlo.Collective, devices: int) -> float:
+def _collective_s(device: Device, c: compiled_collectives.Collective, devices: int) -> float:
     n = len(c.groups[0]) if c.groups else devices
     if c.op == "reduce-scatter":  # its result is one device's share of the buffer the ring moves
         return ring_time(device, "reduce-scatter", c.bytes * n, n)
@@ -189,13 +212,13 @@ def _collective_s(device: Device, c: hlo.Collective, devices: int) -> float:
 def comms(hlo_text: str, device: Device, devices: int) -> Comms:
     """The program's collectives, and what of them the schedule leaves exposed (see the module docstring)."""
     hidden: dict[tuple[str, int], int] = {}  # (computation, bytes) -> asynchronous collectives with compute between
-    for a in hlo.async_collectives(hlo_text):
-        if a.overlaps:  # a fusion's collectives sit in its own computation (hlo.collectives), not the caller's
+    for a in compiled_collectives.read_async(hlo_text):
+        if a.overlaps:  # a fusion's collectives sit in its own computation (collectives.read), not the caller's
             key = (a.called or a.computation, a.bytes)
             hidden[key] = hidden.get(key, 0) + 1
     total = exposed = 0.0
     seconds = 0.0
-    for c in hlo.collectives(hlo_text):
+    for c in compiled_collectives.read(hlo_text):
         times = c.runs or 1
         total += c.bytes * times
         key = (c.computation, c.bytes)
@@ -287,11 +310,14 @@ class StepModel:
                 f"zerolm.compile.step_time says what it leaves out{missing}{self.loops_note()})")
 
     def loops_note(self) -> str:
-        """What the FLOPs assumed of loops whose trip count the compiler does not state."""
+        """What the FLOPs assumed of loops whose trip count the compiler does not state, and of Pallas kernels."""
         triangular = sum(f.triangular_loops for f in self.flops.values())
         unknown = sum(f.unknown_loops for f in self.flops.values())
+        estimated = sum(f.estimated_kernels for f in self.flops.values())
         return ((f"; {triangular} causal key-block loops counted at their mean trip count" if triangular else "")
-                + (f"; {unknown} loops of unknown trip count counted once" if unknown else ""))
+                + (f"; {unknown} loops of unknown trip count counted once" if unknown else "")
+                + (f"; {estimated} Pallas kernel runs counted by their cost estimate or the flash attention's "
+                   "formula (its full T x T)" if estimated else ""))
 
 
 def model(texts: dict[str, str], device: Device, devices: int, tokens_per_step: int,
