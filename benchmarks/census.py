@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 from zerolm.compile import aot  # noqa: E402
 from zerolm.compile import bytes_moved as census  # noqa: E402
-from zerolm.config.tree import load_config  # noqa: E402
+from zerolm.config.load import load_config  # noqa: E402
 from zerolm.parallel.build import build_step, compile_step  # noqa: E402
 from zerolm.parallel.mesh import make_mesh  # noqa: E402
 

@@ -29,7 +29,7 @@ import tensorstore as ts
 
 from zerolm.checkpoint.meta import CheckpointMeta
 from zerolm.checkpoint.store import Checkpoints, directory_size
-from zerolm.config.tree import load_config
+from zerolm.config.load import load_config
 from zerolm.core import storage
 from zerolm.model import decoder as gpt_model
 from zerolm.parallel.build import build_step
@@ -84,7 +84,7 @@ def main() -> None:
         args.dir = f"{server.make_bucket('bench')}/ckpt"
     cfg = load_config(args.config, ["train.micro_batch_size=1", *args.set], device_count=jax.device_count())
     if cfg.model.vocab_size == "auto":
-        cfg = cfg.resolve(model__vocab_size=cfg.data.default_vocab_size)
+        cfg = cfg.with_values({"model.vocab_size": cfg.data.default_vocab_size})
     model, zero, init_fn = build_step(cfg, make_mesh(cfg.dp, cfg.mesh.tp))
     state = zero.init(init_fn, jax.random.key(0))
     # A freshly initialised AdamW state is zeros, which compress to nothing: add noise so the bytes

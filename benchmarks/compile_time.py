@@ -30,7 +30,7 @@ CHILD = r"""
 import json, sys, time
 from zerolm.compile import aot
 from zerolm.train import compilation_cache
-from zerolm.config.tree import load_config
+from zerolm.config.load import load_config
 from zerolm.parallel.mesh import make_mesh
 from zerolm.parallel.build import build_step, compile_step, step_peak
 import jax

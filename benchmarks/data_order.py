@@ -29,7 +29,7 @@ from pathlib import Path
 
 import jax
 
-from zerolm.config.tree import load_config
+from zerolm.config.load import load_config
 from zerolm.data.loader import BatchLoader
 from zerolm.data.prepare import prepare
 from zerolm.data.shards import PreparedDataset

@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from zerolm.config.tree import load_config
+from zerolm.config.load import load_config
 from zerolm.data.loader import BatchLoader
 from zerolm.data.prepare import prepare
 from zerolm.data.shards import PreparedDataset

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from zerolm.commands import plan as commands_plan
-from zerolm.config.tree import load_config
+from zerolm.config.load import load_config
 from zerolm.parallel.build import build_step
 from zerolm.parallel.mesh import make_mesh
 from zerolm.parallel.sharding import with_shardings

@@ -26,7 +26,7 @@ from markdown_block import write_block  # noqa: E402
 from zerolm.commands import plan as commands_plan  # noqa: E402
 from zerolm.compile import aot  # noqa: E402
 from zerolm.compile import micro_batch_search as zerolm_advice  # noqa: E402
-from zerolm.config.tree import load_config  # noqa: E402
+from zerolm.config.load import load_config  # noqa: E402
 from zerolm.model.device_policy import for_device  # noqa: E402
 from zerolm.parallel.mesh import make_mesh  # noqa: E402
 from zerolm.parallel.scatter import resolve_scatter  # noqa: E402

@@ -56,7 +56,7 @@ def step_alone(args) -> list[float]:
 
     cfg = load_config(args.config, args.set, device_count=jax.device_count())
     if cfg.model.vocab_size == "auto":
-        cfg = cfg.resolve(model__vocab_size=cfg.data.default_vocab_size)
+        cfg = cfg.with_values({"model.vocab_size": cfg.data.default_vocab_size})
     _, zero, init_fn = build_step(cfg, make_mesh(cfg.dp, cfg.mesh.tp))
     rng = np.random.default_rng(0)
     G, T = cfg.train.global_batch_size, cfg.model.seq_len

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-from zerolm.config.tree import load_config  # noqa: E402
+from zerolm.config.load import load_config  # noqa: E402
 from zerolm.model.flops import flops_per_token  # noqa: E402
 from zerolm.observe.mfu import peak_for  # noqa: E402
 

@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from helpers import to_accum_layout  # noqa: E402
-from zerolm.config.tree import load_config  # noqa: E402
+from zerolm.config.load import load_config  # noqa: E402
 from zerolm.parallel import sharding  # noqa: E402
 from zerolm.parallel.build import build_step  # noqa: E402
 from zerolm.parallel.mesh import make_mesh  # noqa: E402
@@ -67,7 +67,7 @@ def main() -> None:
                                         f"train.global_batch_size={args.global_batch}"], device_count=dp * tp)
         accum = cfg.accum_steps
         if cfg.model.vocab_size == "auto":
-            cfg = cfg.resolve(model__vocab_size=cfg.data.default_vocab_size)
+            cfg = cfg.with_values({"model.vocab_size": cfg.data.default_vocab_size})
         model, zero, init_fn = build_step(cfg, make_mesh(dp, tp),
                                           rules=sharding.VOCAB_PARALLEL_RULES if args.vocab_parallel else sharding.RULES)
         abstract = zero.abstract_params

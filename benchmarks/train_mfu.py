@@ -49,7 +49,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from helpers import to_accum_layout  # noqa: E402
-from zerolm.config.tree import load_config  # noqa: E402
+from zerolm.config.load import load_config  # noqa: E402
 from zerolm.core.hardware import memory_limit  # noqa: E402
 from zerolm.model import decoder as gpt_model  # noqa: E402
 from zerolm.model import losses  # noqa: E402

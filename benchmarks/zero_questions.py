@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from helpers import ops_in_loops  # noqa: E402
 from zerolm.compile import collectives as comms  # noqa: E402
 from zerolm.compile import hlo  # noqa: E402
-from zerolm.config.tree import load_config  # noqa: E402
+from zerolm.config.load import load_config  # noqa: E402
 from zerolm.model import losses  # noqa: E402
 from zerolm.parallel import naive_step as naive  # noqa: E402
 from zerolm.parallel.build import build_step, compile_step  # noqa: E402
@@ -76,7 +76,7 @@ def question_1(mesh) -> None:
 def _cfg(layers: int, accum: int, dp: int):
     cfg = load_config("configs/tiny.yaml", [f"model.n_layer={layers}", f"mesh.dp={dp}",
                                             f"train.micro_batch_size={32 // dp // accum}"], device_count=dp)
-    return cfg.resolve(model__vocab_size=cfg.data.default_vocab_size)
+    return cfg.with_values({"model.vocab_size": cfg.data.default_vocab_size})
 
 
 def question_2(mesh) -> None:

@@ -42,7 +42,7 @@ from plan_vs_compile import planned  # noqa: E402
 from zerolm.compile import aot  # noqa: E402
 from zerolm.compile import collectives as comms  # noqa: E402
 from zerolm.compile import micro_batch_search as advice  # noqa: E402
-from zerolm.config.tree import load_config  # noqa: E402
+from zerolm.config.load import load_config  # noqa: E402
 from zerolm.core import tpu_flags  # noqa: E402
 from zerolm.parallel.build import build_and_compile  # noqa: E402
 from zerolm.parallel.mesh import make_mesh  # noqa: E402

@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 
 from helpers import bytes_per_device, to_accum_layout  # noqa: E402
 from zerolm.compile import collectives as comms  # noqa: E402
-from zerolm.config.tree import load_config  # noqa: E402
+from zerolm.config.load import load_config  # noqa: E402
 from zerolm.model import decoder as gpt_model  # noqa: E402
 from zerolm.model import losses  # noqa: E402
 from zerolm.model.flops import flops_per_token as model_flops_per_token  # noqa: E402
@@ -97,7 +97,7 @@ def main() -> None:
 
     cfg = load_config(args.config, args.set, device_count=jax.device_count())
     if cfg.model.vocab_size == "auto":
-        cfg = cfg.resolve(model__vocab_size=cfg.data.default_vocab_size)
+        cfg = cfg.with_values({"model.vocab_size": cfg.data.default_vocab_size})
     mesh = make_mesh(cfg.dp, cfg.mesh.tp)
     model, _, init_fn = build_step(cfg, mesh)
     loss_fn = functools.partial(losses.lm_loss, model)
@@ -111,7 +111,7 @@ def main() -> None:
 
     results = []
     for variant in ("all_reduce", "reduce_scatter", "naive"):
-        variant_cfg = cfg.resolve(zero__grad_reduce="reduce_scatter" if variant == "naive" else variant)
+        variant_cfg = cfg.with_values({"zero.grad_reduce": "reduce_scatter" if variant == "naive" else variant})
         _, zero, _ = build_step(variant_cfg, mesh)
         batches = [jax.device_put(to_accum_layout(r, cfg.dp, cfg.accum_steps, cfg.train.micro_batch_size),
                                   zero.table.batch_sharding) for r in rows]

@@ -72,6 +72,6 @@ def tiny_transformers_model(directory, kind: str = "gpt2", end_of_text: str = "<
 def zero_settings(**overrides: Any):
     """The config's `zero:` section as configs/defaults.yaml sets it, with `overrides` (stage=3, ...): what
     zerolm.parallel.zero.Zero takes."""
-    from zerolm.config.tree import DEFAULTS, load_config
+    from zerolm.config.load import DEFAULTS, load_config
 
     return load_config(DEFAULTS).zero.model_copy(update=overrides)

@@ -112,7 +112,7 @@ def checkpoint_params(run_dir, step: int):
     import numpy as np
 
     from zerolm.checkpoint.store import Checkpoints
-    from zerolm.config.tree import load_config
+    from zerolm.config.load import load_config
     from zerolm.parallel.build import build_step
     from zerolm.parallel.mesh import make_mesh
 

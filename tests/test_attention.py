@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conftest import small_config, small_model
-from zerolm.config.tree import ConfigError
+from zerolm.config.section import ConfigError
 from zerolm.model import device_policy
 from zerolm.model.attention import Bias, alibi_slopes, block_size, causal_attention
 from zerolm.parallel.build import build_step

@@ -144,7 +144,7 @@ def float32_parts(ckpt_dir, step: int) -> dict[str, np.ndarray]:
 
     ckpts = Checkpoints(ckpt_dir, read_only=True)
     meta = ckpts.meta(step)
-    cfg = Config.model_validate(meta.full_config).resolve(mesh__dp=8, mesh__tp=1)
+    cfg = Config.model_validate(meta.full_config).with_values({"mesh.dp": 8, "mesh.tp": 1})
     _, zero, _ = build_step(cfg, make_mesh(8))
     state, _ = ckpts.restore(step, zero, cfg.model.model_dump(), cfg.train.ema)
     parts = {"params": _flat(state.params)}
@@ -252,7 +252,7 @@ def _init_from(checkpoint, *sets: str) -> np.ndarray:
     from runs import SMALL
     from zerolm.checkpoint.store import Checkpoints
     from zerolm.checkpoint.warm_start import initial_state
-    from zerolm.config.tree import load_config
+    from zerolm.config.load import load_config
     from zerolm.parallel.build import build_step
     from zerolm.parallel.mesh import make_mesh
 

@@ -13,7 +13,8 @@ import pytest
 from conftest import TINY
 from runs import STEPS, kill_9_after, losses, snapshot, train
 from zerolm.checkpoint.store import Checkpoints
-from zerolm.config.tree import ConfigError, load_config
+from zerolm.config.load import load_config
+from zerolm.config.section import ConfigError
 from zerolm.observe import launches, plot
 from zerolm.observe import run_report as report
 

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import REPO, TINY
 from zerolm.commands import COMMANDS, run_command
-from zerolm.config.tree import ConfigError
+from zerolm.config.section import ConfigError
 from zerolm.core import platforms
 from zerolm.core.errors import UsageError, ZerolmError
 from zerolm.core.exitcodes import EXIT_BUG, EXIT_STORAGE, EXIT_USAGE

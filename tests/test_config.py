@@ -7,7 +7,9 @@ import pydantic
 import pytest
 
 from conftest import REPO, TINY
-from zerolm.config.tree import Config, ConfigError, load_config
+from zerolm.config.load import load_config
+from zerolm.config.section import ConfigError
+from zerolm.config.tree import Config
 
 
 def _error(path, overrides=(), device_count=8) -> str:
@@ -27,7 +29,7 @@ def test_every_shipped_config_loads():
 def test_the_package_ships_configs_defaults_yaml_itself():
     """zerolm.config.tree.DEFAULTS (what import-hf loads wherever it runs) is configs/defaults.yaml, not a copy that
     could drift from it."""
-    from zerolm.config.tree import DEFAULTS
+    from zerolm.config.load import DEFAULTS
 
     assert DEFAULTS.read_bytes() == (REPO / "configs" / "defaults.yaml").read_bytes()
     assert load_config(DEFAULTS) == load_config(REPO / "configs" / "defaults.yaml")

@@ -13,7 +13,8 @@ import runs
 from conftest import requires_devices, small_config, small_step
 from helpers import to_accum_layout
 from test_zero_stages import assert_same
-from zerolm.config.tree import ConfigError, load_config
+from zerolm.config.load import load_config
+from zerolm.config.section import ConfigError
 from zerolm.data.context import ContextPlan
 
 STAGES = [(2, 8), (1, 4)]  # a model.seq_len of 16: two steps at 8 tokens, one at 4, then 16

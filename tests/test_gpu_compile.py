@@ -17,7 +17,7 @@ import pytest
 
 from conftest import REPO
 from zerolm.compile import aot, hlo
-from zerolm.config.tree import load_config
+from zerolm.config.load import load_config
 from zerolm.core.exitcodes import EXIT_DOES_NOT_FIT, EXIT_USAGE
 from zerolm.core.hardware import GPU_TYPES
 from zerolm.parallel.build import REMAT_ORDER, SharedPrograms, build_and_compile, build_step, compile_step

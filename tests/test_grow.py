@@ -102,7 +102,7 @@ def grown(trained_run, tmp_path_factory):
 @pytest.mark.slow
 def test_a_function_preserving_growth_evaluates_exactly_as_its_source(trained_run, grown, tmp_path):
     from zerolm.checkpoint.grow import Growth, grow
-    from zerolm.config.tree import load_config
+    from zerolm.config.load import load_config
 
     assert _loss(grown) == _loss(trained_run / "ckpt")
     plain = grow(Growth(str(trained_run / "ckpt"), load_config(TINY, SMALL4), str(tmp_path / "plain")))
@@ -163,7 +163,7 @@ def grown_import(tmp_path, capsys):
     pytest.importorskip("transformers")
     from helpers import tiny_transformers_model
     from zerolm.commands import main
-    from zerolm.config.tree import DEFAULTS
+    from zerolm.config.load import DEFAULTS
 
     tiny_transformers_model(tmp_path / "hf")
     assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "imported")]) == 0
@@ -190,7 +190,7 @@ def test_a_grown_import_keeps_its_tokenizer_for_sample_and_export(grown_import, 
 def test_grow_describes_the_map_given_and_its_start_line_names_the_data_and_vocabulary(grown_import):
     from zerolm.checkpoint import trained_model as restored
     from zerolm.checkpoint.store import parameter_differences
-    from zerolm.config.tree import load_config
+    from zerolm.config.load import load_config
 
     grown, stdout = grown_import
     assert "by the layer map 0,1,1 (2 copies of layer 1; 1 copy of layer 0)" in stdout

@@ -72,7 +72,7 @@ def restored_on(trained_run, *sets: str, dp: int, tp: int = 1):
     """The run's last checkpoint restored as training would restore it on a (dp, tp) mesh with `sets`."""
     from zerolm.checkpoint.store import Checkpoints
     from zerolm.checkpoint.trained_model import load
-    from zerolm.config.tree import load_config
+    from zerolm.config.load import load_config
     from zerolm.eval.harness import Loaded
     from zerolm.parallel.build import build_step
     from zerolm.parallel.mesh import make_mesh

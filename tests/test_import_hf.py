@@ -17,7 +17,7 @@ from runs import zerolm
 from test_export import assert_same_greedy, assert_same_model, sharp
 from zerolm.checkpoint import trained_model as restored
 from zerolm.commands import main
-from zerolm.config.tree import DEFAULTS
+from zerolm.config.load import DEFAULTS
 from zerolm.hf import export
 from zerolm.hf import layouts as hf_layouts
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import small_config
 from test_model_options import LLAMA
 from zerolm.config.sampling import Sampling
-from zerolm.config.tree import ConfigError
+from zerolm.config.section import ConfigError
 from zerolm.model import decoder as gpt_model
 from zerolm.model.attention import Bias, alibi_slopes, causal_attention
 from zerolm.model.device_policy import for_device

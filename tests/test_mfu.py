@@ -22,7 +22,7 @@ def test_mfu_of_gpt3_small_on_an_h100_by_hand():
     import jax
 
     from conftest import REPO
-    from zerolm.config.tree import load_config
+    from zerolm.config.load import load_config
     from zerolm.model import decoder as gpt_model
     from zerolm.model.device_policy import for_device
 

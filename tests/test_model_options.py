@@ -142,14 +142,14 @@ def test_dropout_drops():
 def test_an_attention_that_cannot_do_an_option_is_one_line(sets, message):
     import re
 
-    from zerolm.config.tree import ConfigError
+    from zerolm.config.section import ConfigError
 
     with pytest.raises(ConfigError, match=re.escape(f"(--set model.attention): {message}")):
         small_config(*sets)
 
 
 def test_a_shared_norm_without_the_parallel_residual_is_one_line():
-    from zerolm.config.tree import ConfigError
+    from zerolm.config.section import ConfigError
 
     with pytest.raises(ConfigError) as refused:
         small_config("model.shared_norm=true")

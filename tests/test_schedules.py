@@ -13,7 +13,8 @@ import pytest
 
 from conftest import TINY, requires_devices, small_config, small_model, small_step
 from helpers import to_accum_layout
-from zerolm.config.tree import ConfigError, load_config
+from zerolm.config.load import load_config
+from zerolm.config.section import ConfigError
 from zerolm.parallel.optim import decay_mask
 
 STEPS, WARMUP, LR, MIN = 8, 2, 1e-2, 0.1

@@ -12,7 +12,8 @@ from conftest import REPO, TINY, requires_devices, small_config, small_step
 from helpers import to_accum_layout
 from zerolm.compile import collectives as comms
 from zerolm.compile import hlo
-from zerolm.config.tree import ConfigError, load_config
+from zerolm.config.load import load_config
+from zerolm.config.section import ConfigError
 from zerolm.model import decoder as gpt_model
 from zerolm.parallel import sharding
 from zerolm.parallel.build import build_step
@@ -24,7 +25,7 @@ LAYOUTS = [(8, 1), (4, 2), (2, 4)]
 
 
 def _setup(cfg, dp, tp, devices=None, mode="reduce_scatter", rules=sharding.RULES, scatter="auto"):
-    cfg = cfg.resolve(zero__grad_reduce=mode, zero__scatter=scatter)
+    cfg = cfg.with_values({"zero.grad_reduce": mode, "zero.scatter": scatter})
     mesh = make_mesh(dp, tp, devices if devices is not None else jax.devices()[:dp * tp])
     _, zero, init_fn = build_step(cfg, mesh, rules=rules)
     return zero, zero.init(init_fn, jax.random.key(0))

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import TINY
 from zerolm.commands import train as train_command
-from zerolm.config.tree import load_config
+from zerolm.config.load import load_config
 from zerolm.core import tpu_flags
 
 ALL = " ".join(tpu_flags.ASYNC_COLLECTIVES)

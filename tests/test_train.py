@@ -13,7 +13,7 @@ import pytest
 import runs
 from conftest import REPO, TINY, small_config
 from xla_flags import cpu_flags
-from zerolm.config.tree import ConfigError
+from zerolm.config.section import ConfigError
 from zerolm.data.corpus import default_documents
 from zerolm.data.prepare import prepare
 from zerolm.data.tokenizer import train_bpe

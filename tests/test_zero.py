@@ -14,7 +14,7 @@ from conftest import REPO, requires_devices, small_config, small_model
 from helpers import bytes_per_device, to_accum_layout, zero_settings
 from zerolm.compile import collectives as comms
 from zerolm.compile import hlo
-from zerolm.config.tree import load_config
+from zerolm.config.load import load_config
 from zerolm.model import decoder as gpt_model
 from zerolm.model.device_policy import for_device
 from zerolm.parallel.mesh import make_mesh

@@ -169,7 +169,7 @@ def _check_alike(ckpts: Checkpoints, steps: list[int], metas: list[CheckpointMet
 def _config(meta: CheckpointMeta, where: Any, out: str) -> tuple[Config, Zero]:
     """The run's config (checkpoint.dir: `out`), and its step on one device, which the checkpoints are read with."""
     try:
-        cfg = Config.model_validate(meta.full_config).resolve(checkpoint__dir=out)
+        cfg = Config.model_validate(meta.full_config).with_values({"checkpoint.dir": out})
     except ValidationError as e:
         raise AverageError(f"{where}: its run's config does not read as this zerolm's ({first_line(e)})") from None
     cfg, zero, _ = one_device_step(cfg)

@@ -167,10 +167,10 @@ def grow(growth: Growth, say: Callable[[str], None] = lambda line: None) -> Grow
 def _resolved(cfg: Config, source_model: dict, out: str) -> Config:
     """The grown model's config laid out on one device (the checkpoint's layout; any run restores it), its
     `auto` vocabulary and end-of-text the source's."""
-    updates: dict[str, Any] = {"mesh__dp": 1, "mesh__tp": 1, "checkpoint__dir": out}
+    updates: dict[str, Any] = {"mesh.dp": 1, "mesh.tp": 1, "checkpoint.dir": out}
     for key in ("vocab_size", "eot_id"):
         if getattr(cfg.model, key) == "auto":
-            updates[f"model__{key}"] = source_model[key]
+            updates[f"model.{key}"] = source_model[key]
     if cfg.train.global_batch_size % cfg.train.micro_batch_size:
-        updates["train__micro_batch_size"] = cfg.train.global_batch_size
-    return cfg.resolve(**updates)
+        updates["train.micro_batch_size"] = cfg.train.global_batch_size
+    return cfg.with_values(updates)

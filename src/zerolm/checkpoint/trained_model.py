@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from zerolm.checkpoint.errors import CheckpointError, DamagedCheckpoint
 from zerolm.checkpoint.meta import CheckpointMeta
 from zerolm.checkpoint.store import Checkpoints, quiet_orbax
-from zerolm.config.tree import ModelConfig
+from zerolm.config.model import ModelConfig
 from zerolm.core.errors import first_line
 from zerolm.data.dataset import recorded_dataset
 from zerolm.data.shards import DataError

@@ -114,12 +114,12 @@ def one_device_step(cfg: Config) -> tuple[Config, Zero, Callable[[jax.Array], An
     """`cfg` laid out on one device (the layout of a written start), and its step and init function built on this
     host's first device, to lay out or read states on (nothing is compiled)."""
     device = jax.local_devices()[:1]
-    cfg = cfg.resolve(mesh__dp=1, mesh__tp=1)
+    cfg = cfg.with_values({"mesh.dp": 1, "mesh.tp": 1})
     # (An attention this machine lacks is only how the model computes: the step built here runs nothing.)
     unrunnable = device_policy.unrunnable_attention(cfg.model, device_policy.Where.of(device[0])) is not None
     from zerolm.parallel.build import build_step
 
-    _, zero, init_fn = build_step(cfg.resolve(model__attention="auto") if unrunnable else cfg, make_mesh(1, 1, device))
+    _, zero, init_fn = build_step(cfg.with_values({"model.attention": "auto"}) if unrunnable else cfg, make_mesh(1, 1, device))
     return cfg, zero, init_fn
 
 

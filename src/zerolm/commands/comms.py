@@ -46,7 +46,7 @@ def _devices(wanted: int | None) -> list[jax.Device]:
 
 def run(args: argparse.Namespace) -> int:
     from zerolm.compile import collectives as comms
-    from zerolm.config.tree import load_config
+    from zerolm.config.load import load_config
     from zerolm.data.dataset import load_planned
 
     if args.devices is not None and args.devices <= 0:

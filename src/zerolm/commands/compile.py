@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from zerolm.compile import aot
-    from zerolm.config.tree import ConfigError, load_config
+    from zerolm.config.load import load_config
+    from zerolm.config.section import ConfigError
     from zerolm.core import platforms
     from zerolm.data.dataset import load_planned
 
@@ -86,7 +87,7 @@ def _fastest(args: argparse.Namespace, target, async_collectives: str) -> int:
     import dataclasses
 
     from zerolm.compile import fastest_plan as fastest
-    from zerolm.config.tree import ConfigError
+    from zerolm.config.section import ConfigError
 
     try:
         stages = tuple(int(x) for x in args.stages.split(","))

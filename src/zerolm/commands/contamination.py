@@ -90,7 +90,7 @@ def _locations(args: argparse.Namespace) -> list[str]:
         except DataError as e:
             raise UsageError(f"--dataset: {e}") from None
         return [args.dataset]
-    from zerolm.config.tree import load_config
+    from zerolm.config.load import load_config
     from zerolm.data.dataset import open_dataset
     from zerolm.data.mixture import Mixture
 

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace, out=None) -> int:
     platforms.no_device_needed()  # on the host's CPU: it must not take a GPU or TPU that a run is using
 
     from zerolm.checkpoint.grow import Growth, describe_map, grow, parse_map
-    from zerolm.config.tree import load_config
+    from zerolm.config.load import load_config
     from zerolm.core.storage import check
 
     check(args.source, "--from")

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace, out=None) -> int:
 
     from pathlib import Path
 
-    from zerolm.config.tree import DEFAULTS, load_config
+    from zerolm.config.load import DEFAULTS, load_config
     from zerolm.core.errors import UsageError
     from zerolm.core.storage import check
     from zerolm.hf.importer import TOKENIZER, import_hf

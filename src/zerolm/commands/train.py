@@ -53,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def config_of(args: argparse.Namespace, device_count: int | None, say=lambda line: None):
     """The run's config from these flags (ConfigError for a bad one); mesh.dp auto unresolved without
-    `device_count`. `say` takes what it resolves differently from what it says (zerolm.config.tree.load_config)."""
-    from zerolm.config.tree import load_config
+    `device_count`. `say` takes what it resolves differently from what it says (zerolm.config.load.load_config)."""
+    from zerolm.config.load import load_config
 
     sets = args.set + ([f"logging.profile={args.profile}"] if args.profile else [])
     return load_config(args.config, sets, device_count=device_count, say=say)

@@ -1,6 +1,6 @@
 """What every config section shares: the pydantic base (lax, frozen, no unknown keys, no booleans for
-numbers) and the error a validator raises to name a key other than the one being validated
-(zerolm.config.tree turns it into the one-line message)."""
+numbers), the error a validator raises to name a key other than the one being validated (zerolm.config.load
+turns it into the one-line message), the error of a config that cannot be used, and setting a dotted key."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import typing
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from zerolm.core.errors import ZerolmError
 
 
 class Section(BaseModel):
@@ -41,3 +43,17 @@ def problem(error: ValidationError) -> tuple[str, str]:
     """The first problem of a section's validation: its dotted key and pydantic's message without the prefix."""
     first = error.errors()[0]
     return ".".join(str(p) for p in first["loc"]), first["msg"].removeprefix("Value error, ")
+
+
+class ConfigError(ZerolmError):
+    """A config that cannot be used; the message is one line naming the file and the key."""
+
+
+def set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        child = tree.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: '{part}' is a value, not a section")
+        tree = child
+    tree[leaf] = value

@@ -1,40 +1,25 @@
-"""The typed, frozen config tree: YAML files (with `extends:`) plus `--set section.key=value` overrides.
+"""The typed, frozen config tree: every section of a run's config and the checks between them (loaded from YAML
+by zerolm.config.load).
 
-`configs/defaults.yaml` holds every key with its default; a model-size file extends it and changes
-what differs. The schema below has no defaults of its own (but None for the optional `name` of a
-mixture entry, which YAML cannot default inside a list), so a key missing from the merged YAML is an
-error, and the YAML is the one place a default lives; what older checkpoints' configs lacked is read
-through zerolm.checkpoint.meta.BEFORE_RECORDED. Validation is pydantic's: an unknown key, a wrong
-type or an impossible combination fails at load, before any device work, with one line that names the
-file and the key.
+The schema has no defaults of its own (but None for the optional `name` of a mixture entry, which YAML cannot
+default inside a list), so a key missing from the merged YAML is an error, and `configs/defaults.yaml` is the one
+place a default lives; what older checkpoints' configs lacked is read through
+zerolm.checkpoint.meta.BEFORE_RECORDED. Validation is pydantic's: an unknown key, a wrong type or an impossible
+combination fails, before any device work, naming the key.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import Field, ModelWrapValidatorHandler, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ModelWrapValidatorHandler, ValidationInfo, field_validator, model_validator
 
 from zerolm.config.model import ModelConfig, tp_split_problem
 from zerolm.config.sampling import Sampling
-from zerolm.config.section import PositiveInt, _KeyError
+from zerolm.config.section import PositiveInt, _KeyError, set_dotted
 from zerolm.config.section import Section as _Section
-from zerolm.core.errors import ZerolmError
-
-__all__ = ["DEFAULTS", "Config", "ConfigError", "ModelConfig", "load_config", "parse_override", "tp_split_problem"]
-
-# configs/defaults.yaml, shipped in the package (src/zerolm/config/defaults.yaml is a link to it, which a wheel holds as the
-# file): found wherever zerolm is installed and whatever the working directory.
-DEFAULTS = Path(__file__).with_name("defaults.yaml")
-
-
-class ConfigError(ZerolmError):
-    """A config that cannot be used; the message is one line naming the file and the key."""
 
 
 class ContextStage(_Section):
@@ -350,11 +335,12 @@ class Config(_Section):
     def log_dir(self) -> Path:
         return Path(self.logging.dir) if self.logging.dir else Path("runs") / self.name
 
-    def resolve(self, **updates: Any) -> Config:
-        """A copy with dotted keys replaced (e.g. model.vocab_size=...), validated again."""
+    def with_values(self, values: dict[str, Any]) -> Config:
+        """A copy with the values of these dotted keys (`{"model.vocab_size": 50257}`; a section's whole dict
+        too), validated again."""
         data = self.model_dump()
-        for key, value in updates.items():
-            _set_dotted(data, key.replace("__", "."), value)
+        for key, value in values.items():
+            set_dotted(data, key, value)
         return Config.model_validate(data)
 
 
@@ -371,117 +357,8 @@ def _check_context_stages(train: TrainConfig, seq_len: int) -> None:
                             "truncate", related=("train.context_rows", "model.seq_len"))
 
 
-# Keys that were renamed: an old config gets told the new name instead of "unknown key".
-RENAMED = {"train.eval_batches": "train.eval_sequences (validation sequences per evaluation, independent of "
-                                 "dp and micro-batch)"}
-
-
 def _place(location: str) -> str:
     """A directory's name to compare: a gs:// URL as written, a local path made absolute; no trailing slash."""
     return location.rstrip("/") if "://" in location else os.path.normpath(os.path.abspath(location))
 
 
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    *parents, leaf = dotted.split(".")
-    for part in parents:
-        child = tree.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {dotted}: '{part}' is a value, not a section")
-        tree = child
-    tree[leaf] = value
-
-
-def _deep_merge(base: dict, override: dict) -> dict:
-    out = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
-    """Read a YAML file, following `extends:` (relative to the file) depth-first."""
-    if path in chain:
-        raise ConfigError(f"{path}: extends itself through {' -> '.join(map(str, chain))}")
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read config file ({e.strerror})") from None
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}:{where} invalid YAML ({getattr(e, 'problem', e)})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    parent = data.pop("extends", None)
-    if parent is None:
-        return data
-    return _deep_merge(_read_yaml(path.parent / parent, chain + (path,)), data)
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """`section.key=value`, with the value parsed as YAML (so 3 is an int and true a bool)."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"--set {text}: expected section.key=value")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.strip(), value
-
-
-def load_config(path: str | Path, overrides: Sequence[str] = (), device_count: int | None = None,
-                say: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> Config:
-    """Load and validate a config. With `device_count`, `mesh.dp: auto` is resolved and checked. What the
-    config resolves differently from what it says (a warmup clamped to the schedule) is said, one line each."""
-    path = Path(path)
-    data = _read_yaml(path)
-    overridden = set()
-    for text in overrides:
-        key, value = parse_override(text)
-        _set_dotted(data, key, value)
-        overridden.add(key)
-    notes: list[str] = []
-    try:
-        cfg = Config.model_validate(data, context={"device_count": device_count, "notes": notes})
-    except ValidationError as e:
-        raise ConfigError(_describe(path, e, overridden)) from None
-    for line in notes:
-        say(line)
-    return cfg
-
-
-def _describe(path: Path, error: ValidationError, overridden: set[str]) -> str:
-    """One line for the first problem, naming the file and the dotted key; a count of the rest. What only
-    follows from another problem is none of its own: a key that may be None (data.mixture) reports that it is
-    not None, and a list whose entry failed that it is too short. An unknown key comes first (`wieght` is why
-    `weight` is missing)."""
-    locs = [e["loc"] for e in error.errors()]
-    errors = [e for e in error.errors() if e["type"] != "none_required"
-              and not any(len(other) > len(e["loc"]) and other[:len(e["loc"])] == e["loc"] for other in locs)]
-    errors = errors or error.errors()
-    # A misspelled key is the cause of the missing one it was meant to be: name it first.
-    errors.sort(key=lambda e: e["type"] != "extra_forbidden")
-    first = errors[0]
-    cause = first.get("ctx", {}).get("error")
-    related: tuple[str, ...] = ()
-    if isinstance(cause, _KeyError):
-        key, message, related = cause.key, str(cause).split(": ", 1)[1], cause.related
-    else:
-        key = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        message = first["msg"].removeprefix("Value error, ")
-        if first["type"] == "extra_forbidden":
-            message = f"renamed to {RENAMED[key]}" if key in RENAMED else "unknown key"
-        elif first["type"] == "missing":
-            message = "missing key (every key needs a value; see configs/defaults.yaml)"
-        elif "input" in first and not isinstance(first["input"], (dict, list)):
-            message = f"{message} (got {first['input']!r})"
-    hits = sorted(o for o in overridden for k in (key, *related) if o == k or o.startswith(k + ".") or k.startswith(o + "."))
-    where = f"{path} (--set {hits[0]})" if hits else str(path)
-    more = len(errors) - 1
-    return f"{where}: {key}: {message}" + (f" [and {more} more problem(s)]" if more else "")

@@ -12,7 +12,9 @@ from pathlib import Path
 import jax
 from jax.experimental import multihost_utils
 
-from zerolm.config.tree import Config, ConfigError, load_config
+from zerolm.config.load import load_config
+from zerolm.config.section import ConfigError
+from zerolm.config.tree import Config
 from zerolm.core.errors import first_line
 from zerolm.core.storage import cache_dir
 from zerolm.data.manifest import MANIFEST
@@ -116,8 +118,8 @@ def resolve_vocab(cfg: Config, dataset: PreparedDataset | Mixture) -> Config:
     if cfg.model.eot_id not in ("auto", tok.eot_id):
         raise ConfigError(f"model.eot_id: {cfg.model.eot_id} is not the end-of-text token of the dataset's tokenizer "
                           f"({tok.name}: {tok.eot_id}); leave it auto")
-    return cfg.resolve(model__vocab_size=tok.vocab_size if cfg.model.vocab_size == "auto" else cfg.model.vocab_size,
-                       model__eot_id=tok.eot_id)
+    vocab = tok.vocab_size if cfg.model.vocab_size == "auto" else cfg.model.vocab_size
+    return cfg.with_values({"model.vocab_size": vocab, "model.eot_id": tok.eot_id})
 
 
 def dataset_identity(cfg: Config, dataset: PreparedDataset | Mixture) -> dict:
@@ -155,5 +157,5 @@ def load_planned(path: str | Path, overrides: Sequence[str] = (), device_count: 
     resolved as training would resolve it, without preparing anything (`planned_vocab`)."""
     cfg = load_config(path, overrides, device_count=device_count)
     # The end-of-text id changes no shape of the step: a plan or a compile takes any (0) when it is auto.
-    return cfg.resolve(model__vocab_size=planned_vocab(cfg),
-                       model__eot_id=0 if cfg.model.eot_id == "auto" else cfg.model.eot_id)
+    eot = 0 if cfg.model.eot_id == "auto" else cfg.model.eot_id
+    return cfg.with_values({"model.vocab_size": planned_vocab(cfg), "model.eot_id": eot})

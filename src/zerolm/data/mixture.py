@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from zerolm.config.tree import ConfigError
+from zerolm.config.section import ConfigError
 from zerolm.data.order import VERSION as ORDER_VERSION
 from zerolm.data.order import sample_order
 

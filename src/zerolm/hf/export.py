@@ -31,7 +31,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
 from zerolm.checkpoint.errors import CheckpointError
-from zerolm.config.tree import ModelConfig
+from zerolm.config.model import ModelConfig
 from zerolm.core import storage
 from zerolm.data.tokenizer import EOT, GPT2_PATTERN, Tokenizer, TokenizerError
 from zerolm.hf.layouts import ExportError, hf_state_dict, layout_for

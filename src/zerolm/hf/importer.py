@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from zerolm.checkpoint.trained_model import TOKENIZER_BESIDE
-from zerolm.config.tree import Config, parse_override
+from zerolm.config.load import parse_override
+from zerolm.config.tree import Config
 from zerolm.core import storage
 from zerolm.core.errors import ZerolmError
 from zerolm.data.tokenizer import Tokenizer, TokenizerError, from_file
@@ -180,7 +181,7 @@ def import_hf(directory: Path, cfg: Config, out: str, overwrite: bool = False, s
         raise HFImportError(f"{directory / TOKENIZER}: {tokenizer.vocab_size} tokens, more than the model's "
                            f"vocab_size {settings['vocab_size']}")
     model = {**cfg.model.model_dump(), **settings, "mlp_hidden": settings.get("mlp_hidden", "auto")}
-    cfg = cfg.resolve(model=model, checkpoint__dir=out)
+    cfg = cfg.with_values({"model": model, "checkpoint.dir": out})
     tensors = {_RENAMED.get(hf["model_type"], {}).get(k, k): v for k, v in read_tensors(directory).items()}
     params = zerolm_params(tensors, cfg.model, layout)
     origin = Origin({"tokenizer_sha256": tokenizer.sha256, "tokenizer": tokenizer.identity,

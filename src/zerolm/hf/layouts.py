@@ -43,7 +43,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from zerolm.config.tree import ModelConfig
+from zerolm.config.model import ModelConfig
 from zerolm.core.errors import ZerolmError
 from zerolm.data.tokenizer import Tokenizer
 from zerolm.model import decoder as gpt_model

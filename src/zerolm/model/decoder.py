@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from zerolm.config.tree import ModelConfig
+from zerolm.config.model import ModelConfig
 from zerolm.model import dropout as dropout_lib
 from zerolm.model.attention import SAVED, Bias, Dropout, alibi_bias, alibi_slopes, causal_attention
 

@@ -15,7 +15,8 @@ import dataclasses
 
 import jax
 
-from zerolm.config.tree import ConfigError, ModelConfig
+from zerolm.config.model import ModelConfig
+from zerolm.config.section import ConfigError
 from zerolm.core.hardware import tpu_generation
 from zerolm.model.attention import BLOCK, PALLAS_LANES, block_size, pallas_available, pallas_fits
 

@@ -42,5 +42,5 @@ def drop(x_BxN: jax.Array, keys_B: jax.Array | None, rate: float, *where: jax.Ar
 
 
 def has_dropout(model_cfg) -> bool:
-    """Whether a model config (zerolm.config.tree.ModelConfig) drops anything in training."""
+    """Whether a model config (zerolm.config.model.ModelConfig) drops anything in training."""
     return bool(model_cfg.embedding_dropout or model_cfg.residual_dropout or model_cfg.attention_dropout)

@@ -154,7 +154,7 @@ def build_and_compile(cfg: Config, mesh: Mesh, limit: int | None, rules=sharding
     tried: dict[str, int | None] = {}
     shared = shared if shared is not None else SharedPrograms()
     for remat in candidates:
-        this = cfg.resolve(model__remat=remat) if remat != cfg.model.remat else cfg
+        this = cfg.with_values({"model.remat": remat}) if remat != cfg.model.remat else cfg
         model, zero, init_fn = build_step(this, mesh, rules)
         compiled = shared.compile(zero, this.train.micro_batch_size, this.model.seq_len, this.accum_steps)
         peak = tried[remat] = step_peak(compiled, zero, this)

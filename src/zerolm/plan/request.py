@@ -7,7 +7,9 @@ import dataclasses
 import functools
 import math
 
-from zerolm.config.tree import Config, load_config, tp_split_problem
+from zerolm.config.load import load_config
+from zerolm.config.model import tp_split_problem
+from zerolm.config.tree import Config
 from zerolm.core.hardware import preset
 from zerolm.data.context import ContextPlan
 from zerolm.data.dataset import load_planned

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax
 
-from zerolm.config.tree import ConfigError
+from zerolm.config.section import ConfigError
 from zerolm.data.context import Context, ContextPlan
 from zerolm.model.attention import PALLAS_LANES, pallas_fits
 from zerolm.model.decoder import count_params
