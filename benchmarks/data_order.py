@@ -34,7 +34,7 @@ from zerolm.data.loader import BatchLoader
 from zerolm.data.prepare import prepare
 from zerolm.data.shards import PreparedDataset
 from zerolm.parallel.mesh import make_mesh
-from zerolm.train.trainer import run
+from zerolm.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = ["model.n_layer=4", "model.d_model=128", "model.n_head=4", "model.seq_len=64", "model.dtype=float32",
@@ -55,7 +55,7 @@ def curves(steps: int, workdir: Path) -> None:
         cfg = load_config(REPO / "configs" / "tiny.yaml",
                           [*RECIPE, f"train.steps={steps}", f"data.dataset={data}", f"logging.dir={workdir / 'log'}"
                            f"{per_shard}", f"checkpoint.dir={workdir / 'ckpt'}{per_shard}"], device_count=1)
-        run(cfg, out=io.StringIO())
+        train(cfg, out=io.StringIO())
         records = [json.loads(line) for line in (workdir / f"log{per_shard}" / "metrics.jsonl").read_text().splitlines()]
         results[per_shard] = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
     evals = sorted(results[1])

@@ -26,7 +26,7 @@ from zerolm.data.loader import BatchLoader
 from zerolm.data.prepare import prepare
 from zerolm.data.shards import PreparedDataset
 from zerolm.parallel.mesh import make_mesh
-from zerolm.train.trainer import run
+from zerolm.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ def while_training(train_steps: int, workdir: Path) -> tuple[float, float]:
                       [f"train.steps={train_steps}", f"train.eval_every={train_steps}", "train.warmup_steps=5",
                        f"logging.dir={workdir / 'run'}", f"checkpoint.dir={workdir / 'ckpt'}", "sample.tokens=0"],
                       device_count=jax.device_count())
-    run(cfg, out=io.StringIO())
+    train(cfg, out=io.StringIO())
     records = [json.loads(line) for line in (workdir / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r][5:]  # past compilation
     step_time = sum(cfg.train.global_batch_size * cfg.model.seq_len / r["tokens_per_s"] for r in steps)

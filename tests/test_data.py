@@ -19,7 +19,7 @@ from zerolm.data.order import GlobalOrder, ShardOrder, sample_order
 from zerolm.data.shards import DataError, PreparedDataset
 from zerolm.data.sources import SourceError
 from zerolm.parallel.mesh import make_mesh
-from zerolm.train.trainer import run
+from zerolm.train.trainer import train
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum".split()
 
@@ -112,7 +112,7 @@ def test_tfds_source_built_offline(tmp_path):
     m = prep.prepare("tfds:zerolm_tiny_text", tmp_path / "ds", tfds_data_dir=str(tmp_path / "tfds"),
                      seq_len=16, vocab_size=300, val_every=10, progress=False).to_json()
     assert m["documents"] == 40 and m["splits"]["train"]["samples"] > 10
-    summary = run(small_config(f"data.dataset={tmp_path / 'ds'}", "model.vocab_size=auto", "train.steps=3",
+    summary = train(small_config(f"data.dataset={tmp_path / 'ds'}", "model.vocab_size=auto", "train.steps=3",
                                "train.warmup_steps=1", "train.global_batch_size=16", "train.micro_batch_size=2",
                                f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}",
                                "sample.tokens=0"), out=io.StringIO())
@@ -372,10 +372,10 @@ def test_missing_or_truncated_shard_is_found_before_the_first_step(kjv, tmp_path
     cfg = small_config(f"data.dataset={out}", "model.seq_len=64", "model.vocab_size=auto", "train.steps=3",
                        "train.warmup_steps=1", f"logging.dir={tmp_path / 'log'}", f"checkpoint.dir={tmp_path / 'c'}")
     with pytest.raises(DataError, match=rf"^{last}: \d+ bytes, the manifest says \d+ \(truncated or replaced shard\)$"):
-        run(cfg, out=io.StringIO())
+        train(cfg, out=io.StringIO())
     last.unlink()
     with pytest.raises(DataError, match=rf"^{last}: missing or unreadable shard"):
-        run(cfg, out=io.StringIO())
+        train(cfg, out=io.StringIO())
     assert not (tmp_path / "log").exists()  # stopped before any step
 
 
@@ -400,7 +400,7 @@ def test_one_document_source_holds_out_validation_and_trains(tmp_path):
     manifest["splits"]["val"] = {"shards": [], "samples": 0, "tokens": 0, "unigram_entropy": None}
     (tmp_path / "ds" / "manifest.json").write_text(json.dumps(manifest))
     out = io.StringIO()
-    summary = run(small_config(f"data.dataset={tmp_path / 'ds'}", "model.vocab_size=auto", "train.steps=3",
+    summary = train(small_config(f"data.dataset={tmp_path / 'ds'}", "model.vocab_size=auto", "train.steps=3",
                                "train.warmup_steps=1", "train.global_batch_size=16", "train.micro_batch_size=2",
                                f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}",
                                "sample.tokens=0"), out=out)
@@ -512,7 +512,7 @@ def test_a_runs_losses_do_not_depend_on_the_shard_size(kjv, tmp_path):
     prep.prepare("default", tmp_path / "small-shards", seq_len=64, samples_per_shard=7, progress=False)
     losses = {}
     for name, data in (("large", kjv), ("small", tmp_path / "small-shards")):
-        run(small_config(f"data.dataset={data}", "model.vocab_size=auto", "model.seq_len=64", "train.steps=3",
+        train(small_config(f"data.dataset={data}", "model.vocab_size=auto", "model.seq_len=64", "train.steps=3",
                          "train.warmup_steps=1", "train.global_batch_size=16", "train.micro_batch_size=2",
                          "train.eval_every=1000", "train.eval_sequences=16", f"logging.dir={tmp_path / name}",
                          f"checkpoint.dir={tmp_path / name / 'ckpt'}", "sample.tokens=0"), out=io.StringIO())
@@ -528,8 +528,8 @@ def test_a_checkpoint_of_the_old_order_resumes_in_it(kjv, tmp_path, monkeypatch)
     from zerolm.checkpoint import resume
     from zerolm.checkpoint.store import Checkpoints
 
-    def train(name, steps, *extra):
-        run(small_config(f"data.dataset={kjv}", "model.vocab_size=auto", "model.seq_len=64", f"train.steps={steps}",
+    def losses(name, steps, *extra):
+        train(small_config(f"data.dataset={kjv}", "model.vocab_size=auto", "model.seq_len=64", f"train.steps={steps}",
                          "train.schedule_steps=6", "train.warmup_steps=1", "train.global_batch_size=16",
                          "train.micro_batch_size=2", "train.eval_every=1000", "train.eval_sequences=0",
                          "checkpoint.every=3", f"logging.dir={tmp_path / name}",
@@ -539,8 +539,8 @@ def test_a_checkpoint_of_the_old_order_resumes_in_it(kjv, tmp_path, monkeypatch)
 
     with monkeypatch.context() as old:
         old.setattr(resume, "ORDER_VERSION", 1)
-        straight = train("straight", 6)
-        train("resumed", 3)
+        straight = losses("straight", 6)
+        losses("resumed", 3)
     # As the zerolm before version 2 wrote it: no `order` in the data identity (and its file list to match).
     step = tmp_path / "resumed" / "ckpt" / "3"
     meta_file, record_file = step / "meta" / "metadata", step / "zerolm_files.json"
@@ -550,8 +550,8 @@ def test_a_checkpoint_of_the_old_order_resumes_in_it(kjv, tmp_path, monkeypatch)
     record = json.loads(record_file.read_text())
     record["files"]["meta/metadata"] = meta_file.stat().st_size
     record_file.write_text(json.dumps(record))
-    assert train("resumed", 6) == straight  # continued in version 1
+    assert losses("resumed", 6) == straight  # continued in version 1
     assert Checkpoints(tmp_path / "resumed" / "ckpt", read_only=True).meta(6).dataset["order"] == 1
-    new = train("new", 6)
+    new = losses("new", 6)
     assert new != straight  # another order
     assert Checkpoints(tmp_path / "new" / "ckpt", read_only=True).meta(6).dataset["order"] == 2

@@ -322,12 +322,12 @@ def test_a_task_evaluation_stopped_by_sigterm_or_kill_9_resumes_with_one_row_per
 def test_a_misspelled_task_stops_the_run_in_one_line_before_compiling(tmp_path, monkeypatch, capsys):
     from runs import SMALL
     from zerolm.commands import main
-    from zerolm.train import trainer as train
+    from zerolm.train import opening
 
     def compiled(*args, **kwargs):
         raise AssertionError("compiled the step")
 
-    monkeypatch.setattr(train, "build_and_compile", compiled)
+    monkeypatch.setattr(opening, "build_and_compile", compiled)
     sets = [*SMALL, f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.dir={tmp_path / 'log'}", "eval.tasks=zerolm_clozee"]
     assert main(["train", "--config", str(TINY), *[a for s in sets for a in ("--set", s)]]) == 2
     err = capsys.readouterr().err

@@ -164,7 +164,7 @@ def test_a_run_with_dropout_resumes_exactly(tmp_path):
     import io
     import json
 
-    from zerolm.train.trainer import run as train
+    from zerolm.train.trainer import train
 
     def losses(name, steps):
         train(small_config("model.residual_dropout=0.2", "model.attention_dropout=0.2", "model.embedding_dropout=0.1",

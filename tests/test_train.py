@@ -17,7 +17,7 @@ from zerolm.config.section import ConfigError
 from zerolm.data.corpus import default_documents
 from zerolm.data.prepare import prepare
 from zerolm.data.tokenizer import train_bpe
-from zerolm.train.trainer import run
+from zerolm.train.trainer import train
 
 
 @pytest.mark.slow
@@ -66,17 +66,17 @@ def test_training_refuses_a_dataset_prepared_for_another_model(tmp_path):
     prepare("default", tmp_path / "ds", seq_len=32, progress=False)
     cfg = small_config(f"data.dataset={tmp_path / 'ds'}")  # model.seq_len 16
     with pytest.raises(ConfigError, match=rf"^data.dataset: {tmp_path}/ds was prepared with seq_len 32, but model.seq_len is 16$"):
-        run(cfg)
+        train(cfg)
     other = tmp_path / "other.json"
     train_bpe(["some other text entirely"] * 10, 300).save(str(other))
     cfg = small_config(f"data.dataset={tmp_path / 'ds'}", "model.seq_len=32", f"data.tokenizer={other}")
     with pytest.raises(ConfigError, match=rf"^data.tokenizer: {other} \(sha256 \w+\) is not the tokenizer "):
-        run(cfg)
+        train(cfg)
     cfg = small_config(f"data.dataset={tmp_path / 'ds'}", "model.seq_len=32", "model.vocab_size=1000")
     with pytest.raises(ConfigError, match=r"^model.vocab_size: 1000 is smaller than the dataset's tokenizer"):
-        run(cfg)
+        train(cfg)
     with pytest.raises(ConfigError, match=rf"^data.dataset: {tmp_path}/nope/manifest.json: no manifest"):
-        run(small_config(f"data.dataset={tmp_path / 'nope'}"))
+        train(small_config(f"data.dataset={tmp_path / 'nope'}"))
 
 
 @pytest.mark.slow
@@ -98,7 +98,7 @@ def test_validation_loss_of_a_checkpoint_is_the_same_on_1_2_and_8_devices(tmp_pa
             "train.micro_batch_size=2",
             "train.eval_sequences=37", f"logging.dir={tmp_path / 'log'}", f"checkpoint.dir={tmp_path / 'ckpt'}",
             "sample.tokens=0"]
-    summary = run(small_config(*sets), out=io.StringIO())
+    summary = train(small_config(*sets), out=io.StringIO())
     losses = {}
     for n in (1, 2, 8):
         cfg = small_config(*sets, "model.vocab_size=2048", device_count=n)
@@ -151,7 +151,7 @@ def test_profile_of_two_steps_writes_a_trace(tmp_path):
     import io
 
     out = io.StringIO()
-    run(small_config("model.vocab_size=auto", "train.steps=4", "train.warmup_steps=1", "train.global_batch_size=16",
+    train(small_config("model.vocab_size=auto", "train.steps=4", "train.warmup_steps=1", "train.global_batch_size=16",
                      "train.micro_batch_size=2", "logging.profile=2-3", f"logging.dir={tmp_path / 'log'}",
                      f"checkpoint.dir={tmp_path / 'ckpt'}", "sample.tokens=0"), out=out)
     traces = list((tmp_path / "log" / "profile").rglob("*.trace.json.gz"))
@@ -243,7 +243,7 @@ def test_ctrl_c_inside_a_library_function_that_swallows_it_is_delivered_again_ou
 def test_hooks_run_at_their_every_the_last_step_and_a_stop():
     """Evaluation runs every N and at the last step; a save also at a preemption's step; a sample never at the
     last step (the run's closing line is one)."""
-    from zerolm.train.trainer import Hook
+    from zerolm.train.loop import Hook
 
     def steps(hook, n=10, stop=None):
         return [s for s in range(1, n + 1) if hook.due(s, s == n, s == stop)]
@@ -254,6 +254,32 @@ def test_hooks_run_at_their_every_the_last_step_and_a_stop():
     assert steps(Hook(5, nothing, at_last=False)) == [5]
     assert steps(Hook(4, nothing, at_stop=True), stop=6) == [4, 6, 8, 10]
     assert steps(Hook(0, nothing, at_last=False)) == []
+
+
+def test_your_own_hook_runs_at_its_every_and_its_numbers_are_logged_at_that_step(tmp_path):
+    """train(cfg, hooks=[Hook(2, fn)]) through the real sharded step: fn sees the state after each 2nd update and the
+    last (its step counter says so), what it returns is in metrics.jsonl at that step and in the run's summary."""
+    import io
+
+    import jax
+
+    from zerolm.train.loop import Hook
+
+    seen = []
+
+    def norm_of_params(step, state, stopping):
+        seen.append((step, int(state.step), stopping))
+        return {"params_norm": float(sum(np.sum(np.square(np.asarray(x))) for x in jax.tree.leaves(state.params)))}
+
+    sets = ["model.vocab_size=auto", "train.steps=5", "train.warmup_steps=1", "train.global_batch_size=16", "train.micro_batch_size=2",
+            "train.eval_every=100", f"logging.dir={tmp_path / 'log'}", f"checkpoint.dir={tmp_path / 'ckpt'}",
+            "checkpoint.every=100", "sample.tokens=0"]
+    summary = train(small_config(*sets), out=io.StringIO(), hooks=[Hook(2, norm_of_params)])
+    assert seen == [(2, 2, False), (4, 4, False), (5, 5, False)]
+    rows = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r["params_norm"] for r in rows if "params_norm" in r}
+    assert sorted(logged) == [2, 4, 5] and logged[4] != logged[2] > 0
+    assert summary["params_norm"] == logged[5]
 
 
 @pytest.mark.slow

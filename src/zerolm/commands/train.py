@@ -17,7 +17,6 @@ import os
 import sys
 import time
 
-from zerolm.core.errors import ZerolmError
 from zerolm.core.exitcodes import EXIT_USAGE
 
 # JAX, orbax and the library are imported in `run`, not here: `zerolm train --help` imports none of them.
@@ -79,8 +78,8 @@ def _run(args: argparse.Namespace) -> int:
     from zerolm.checkpoint.errors import CheckpointError
     from zerolm.core.storage import StorageFault
     from zerolm.observe import plot
-    from zerolm.parallel.mesh import exit_peer_lost, initialize_distributed, is_peer_failure
-    from zerolm.train import trainer as train
+    from zerolm.parallel.mesh import initialize_distributed
+    from zerolm.train import trainer
     from zerolm.train.preemption import Preempted
 
     try:
@@ -90,7 +89,7 @@ def _run(args: argparse.Namespace) -> int:
                                    heartbeat_timeout_s=args.heartbeat_timeout, init_timeout_s=args.init_timeout)
         # (said by the first process, and once: the libtpu flags read the config before, quietly)
         cfg = config_of(args, jax.device_count(), say=_to_stderr if jax.process_index() == 0 else lambda line: None)
-        train.run(cfg, resume=args.resume, overwrite=args.overwrite)
+        trainer.train(cfg, resume=args.resume, overwrite=args.overwrite)
         if args.plot and jax.process_index() == 0:
             print(f"plot: {plot.write([cfg.log_dir], cfg.log_dir / 'metrics.png')}", flush=True)
     except (StorageFault, CheckpointError) as e:
@@ -98,12 +97,6 @@ def _run(args: argparse.Namespace) -> int:
     except Preempted as e:
         print(f"zerolm: {e}; exiting with code {e.exit_code}", file=sys.stderr)
         return e.exit_code
-    except ZerolmError:
-        raise
-    except Exception as e:
-        if is_peer_failure(e):
-            exit_peer_lost(e)
-        raise
     return 0
 
 

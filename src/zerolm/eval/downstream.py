@@ -279,7 +279,7 @@ def prepare(names: list[str], include_path: str | None = None, download: bool = 
 
 
 class DuringTraining:
-    """Training's eval.tasks (zerolm.train.trainer): the tasks evaluated with a training run's current parameters on
+    """Training's eval.tasks (zerolm.train.loop): the tasks evaluated with a training run's current parameters on
     its own mesh, sharded as trained. The backend is made once, so its programs compile at the first
     evaluation only; standard errors are not bootstrapped (a number per metric, as the loss is)."""
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import builtins
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple, TypeVar
 
 import jax
@@ -111,6 +112,18 @@ def exit_peer_lost(error: BaseException) -> None:
           f"checkpoint stays the latest; exiting with code {EXIT_PEER_LOST} (restart the run to resume)",
           file=sys.stderr, flush=True)
     os._exit(EXIT_PEER_LOST)
+
+
+@contextlib.contextmanager
+def exit_if_a_peer_fails() -> Iterator[None]:
+    """A peer process's failure raised inside stops this process at once (`exit_peer_lost`), before what encloses
+    the block cleans up: a cleanup would wait on the dead peer. Anything else goes on as it is."""
+    try:
+        yield
+    except Exception as e:
+        if is_peer_failure(e):
+            exit_peer_lost(e)
+        raise
 
 
 SHUTDOWN_LIMIT_S = 20
