@@ -27,8 +27,9 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from zerolm.checkpoint.listing import directory_size
 from zerolm.checkpoint.meta import CheckpointMeta
-from zerolm.checkpoint.store import Checkpoints, directory_size
+from zerolm.checkpoint.store import Checkpoints
 from zerolm.config.load import load_config
 from zerolm.core import storage
 from zerolm.model import decoder as gpt_model

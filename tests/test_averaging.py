@@ -200,9 +200,9 @@ def test_a_resume_that_would_drop_the_ema_is_refused_in_one_line(ema_trained):
 
 
 def test_another_ema_decay_is_refused_as_a_resume_without_one():
+    from zerolm.checkpoint.compatible import check_compatible
     from zerolm.checkpoint.errors import CheckpointError
     from zerolm.checkpoint.meta import CheckpointMeta
-    from zerolm.checkpoint.store import check_compatible
 
     cfg = small_config("train.ema=0.9")
     meta = CheckpointMeta(step=4, time=0, config=cfg.model_dump(), dp=8, accum_steps=1, dataset={}, tokens_seen=0,

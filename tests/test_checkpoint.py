@@ -31,7 +31,8 @@ from runs import (
     start_held,
     train,
 )
-from zerolm.checkpoint.store import SIZES_ONLY, Checkpoints
+from zerolm.checkpoint.listing import SIZES_ONLY
+from zerolm.checkpoint.store import Checkpoints
 from zerolm.core.exitcodes import (
     EXIT_BUG,
     EXIT_INTERRUPTED,

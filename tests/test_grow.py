@@ -189,7 +189,7 @@ def test_a_grown_import_keeps_its_tokenizer_for_sample_and_export(grown_import, 
 
 def test_grow_describes_the_map_given_and_its_start_line_names_the_data_and_vocabulary(grown_import):
     from zerolm.checkpoint import trained_model as restored
-    from zerolm.checkpoint.store import parameter_differences
+    from zerolm.checkpoint.compatible import parameter_differences
     from zerolm.config.load import load_config
 
     grown, stdout = grown_import

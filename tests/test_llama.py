@@ -114,7 +114,7 @@ def test_a_layout_tensor_parallelism_cannot_split_is_one_line(sets, message):
 def test_auto_and_the_number_it_means_are_the_same_parameters():
     """A checkpoint recorded with n_kv_head/mlp_hidden auto starts or resumes a run that spells them out
     (zerolm import-hf writes numbers), and the other way round; another number is another model."""
-    from zerolm.checkpoint.store import parameter_differences
+    from zerolm.checkpoint.compatible import parameter_differences
 
     auto = small_config("model.mlp=swiglu").model.model_dump()
     spelled = small_config("model.mlp=swiglu", "model.n_kv_head=4", "model.mlp_hidden=256").model.model_dump()

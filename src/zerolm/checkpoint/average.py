@@ -24,8 +24,9 @@ import jax
 import numpy as np
 from pydantic import ValidationError
 
+from zerolm.checkpoint.compatible import parameter_differences
 from zerolm.checkpoint.meta import CheckpointMeta
-from zerolm.checkpoint.store import SKIP, Checkpoints, parameter_differences, quiet_orbax
+from zerolm.checkpoint.store import SKIP, Checkpoints, quiet_orbax
 from zerolm.checkpoint.trained_model import TOKENIZER_BESIDE
 from zerolm.checkpoint.warm_start import Origin, one_device_step, save_start
 from zerolm.config.tree import Config

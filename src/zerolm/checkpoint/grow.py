@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from zerolm.checkpoint import trained_model as restored
-from zerolm.checkpoint.store import parameter_differences
+from zerolm.checkpoint.compatible import parameter_differences
 from zerolm.checkpoint.trained_model import TOKENIZER_BESIDE
 from zerolm.checkpoint.warm_start import Origin, save_start
 from zerolm.config.tree import Config

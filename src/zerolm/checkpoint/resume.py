@@ -17,10 +17,12 @@ import jax
 from jax.experimental import multihost_utils
 
 from zerolm.checkpoint import branch, warm_start
+from zerolm.checkpoint.compatible import check_compatible
 from zerolm.checkpoint.errors import CheckpointError, DamagedCheckpoint
 from zerolm.checkpoint.meta import CheckpointMeta
 from zerolm.checkpoint.run_lock import LEASE_FILE, LOCK_FILE
-from zerolm.checkpoint.store import Checkpoints, check_compatible, move_aside, move_damaged, quiet_orbax
+from zerolm.checkpoint.set_aside import move_aside, move_damaged
+from zerolm.checkpoint.store import Checkpoints, quiet_orbax
 from zerolm.config.tree import Config
 from zerolm.core import storage
 from zerolm.data.order import VERSION as ORDER_VERSION

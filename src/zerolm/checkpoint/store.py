@@ -41,9 +41,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from zerolm.checkpoint.compatible import check_compatible
 from zerolm.checkpoint.errors import CheckpointError, DamagedCheckpoint, classified
 from zerolm.checkpoint.meta import FORMAT, CheckpointMeta
-from zerolm.config.model import resolved_shape
 from zerolm.core import storage
 from zerolm.core.errors import first_line
 from zerolm.parallel.sharding import with_shardings
@@ -277,52 +277,7 @@ class Checkpoints:
         return state, meta
 
 
-def check_compatible(meta: CheckpointMeta, where: epath.Path, model_config: dict, precision: str,
-                     ema: float | None) -> None:
-    """CheckpointError unless a run of this model, precision and train.ema can continue checkpoint `where`."""
-    differs = [f"model.{k}: checkpoint {saved!r}, config {v!r}" for k, saved, v in
-               parameter_differences(meta.model, model_config)]
-    if differs:
-        raise CheckpointError(f"{where}: the checkpoint's model differs from the config: " + "; ".join(differs))
-    if meta.precision != precision:
-        raise CheckpointError(
-            f"{where}: the checkpoint was trained with zero.precision={meta.precision}, the config says "
-            f"{precision}; resume with --set zero.precision={meta.precision} (the optimizer state differs: "
-            "mixed keeps float32 master weights in it; zerolm does not change a run's precision mid-way)")
-    if meta.ema != ema:
-        null = lambda v: "null" if v is None else v  # noqa: E731
-        raise CheckpointError(
-            f"{where}: the checkpoint was trained with train.ema={null(meta.ema)}, the config says {null(ema)}; resume "
-            f"with --set train.ema={null(meta.ema)} (the moving average lives in the optimizer state and goes on with "
-            "the decay it began with: zerolm does not start, stop or change one mid-run)")
-
-
-# Keys that change how the model computes, not what its parameters are.
-_COMPUTE_ONLY = {"dtype", "attention", "attention_block", "remat", "scan_layers", "loss_chunk", "embedding_dropout",
-                 "residual_dropout", "attention_dropout",
-                 "eot_id"}  # the tokenizer's: the data's identity (its sha256) already pins it
-
-
-def parameter_differences(saved_model: dict, model_config: dict, *, besides: tuple[str, ...] = ()) -> list[tuple]:
-    """(key, saved value, config value) of each model setting that differs and makes other parameters
-    (not one of _COMPUTE_ONLY, nor of `besides`), in the config's key order."""
-    # A key differs where it is written differently and means different shapes (auto and the number it resolves
-    # to are the same; two autos are, whatever a differing key makes of them: that key is named instead).
-    saved, wanted = resolved_shape(saved_model), resolved_shape(model_config)
-    return [(k, saved_model.get(k), v) for k, v in model_config.items()
-            if saved_model.get(k) != v and saved.get(k) != wanted.get(k) and k not in _COMPUTE_ONLY
-            and k not in besides]
-
-
-def directory_size(path: epath.Path) -> int:
-    return sum(storage.sizes(path).values())
-
-
 _path = storage.path
-
-
-def _stamp() -> str:
-    return time.strftime("%Y%m%d-%H%M%S")
 
 
 def remove_unfinished(directory: str | epath.Path) -> list[str]:
@@ -346,75 +301,3 @@ def remove_unfinished(directory: str | epath.Path) -> list[str]:
     for p in unfinished:
         storage.remove_tree(p)
     return [p.name for p in unfinished]
-
-
-def move_aside(directory: str | epath.Path, keep: tuple[str, ...] = ()) -> epath.Path:
-    """Move a run's checkpoints into `<dir>.replaced-<time>/` (never delete someone's checkpoints).
-
-    The directory itself stays, with the entries named in `keep` (the run lock)."""
-    directory = _path(directory)
-    aside = directory.parent / f"{directory.name}.replaced-{_stamp()}"
-    aside.mkdir(parents=True)
-    for p in directory.iterdir():
-        if p.name not in keep:
-            storage.move(p, aside / p.name)
-    return aside
-
-
-def move_damaged(directory: str | epath.Path, step: int) -> epath.Path:
-    """Move one damaged step out of the run into `<dir>.damaged/<step>-<time>` (never deleted)."""
-    directory = _path(directory)
-    target = directory.parent / f"{directory.name}.damaged" / f"{step}-{_stamp()}"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    storage.move(directory / str(step), target)
-    return target
-
-
-SIZES_ONLY = ("(a step marked ok has every file with the size it had when saved, and its metadata reads; the "
-              "arrays' contents are checked only by a restore: a same-size corruption shows then, and --resume auto "
-              "moves that step aside and takes the one before)")
-
-
-def describe(directory: str | epath.Path) -> str:
-    """The table `zerolm checkpoints DIR` prints: every step, damaged ones marked, and the step
-    `--resume auto` would really take (the newest intact one). DIR may also be one step's directory
-    (`checkpoints/tiny/200`): then that step alone is described."""
-    directory = _path(directory)
-    only = None
-    if directory.name.isdigit() and directory.is_dir() and not any(p.name.isdigit() for p in directory.iterdir()):
-        only, directory = int(directory.name), directory.parent
-    with quiet_orbax():
-        ckpts = Checkpoints(directory, read_only=True)
-        steps = ckpts.steps()
-        if only is not None:
-            if only not in steps:
-                raise CheckpointError(f"{directory / str(only)}: not a complete checkpoint of {directory} "
-                                      f"(its steps: {', '.join(map(str, steps)) or 'none'})")
-            steps = [only]
-        if not steps:
-            return f"{directory}: no complete checkpoint; `--resume auto` would start from scratch"
-        rows = ["step  saved (UTC)           size      tokens seen      loss    dp  status"]
-        intact = []
-        for step in steps:
-            size = directory_size(ckpts.directory / str(step))
-            try:
-                ckpts.verify(step)
-                meta = ckpts.meta(step)
-            except DamagedCheckpoint as e:
-                rows.append(f"{step:<5} {'-':<19}  {size / 2**20:7.1f} MiB  {'-':>13}  {'-':>8}  {'-':>4}  "
-                            f"DAMAGED: {e.reason}")
-                continue
-            intact.append(step)
-            saved = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(meta.time))
-            loss = f"{meta.loss:.4f}" if meta.loss is not None else "-"
-            rows.append(f"{step:<5} {saved}  {size / 2**20:7.1f} MiB  {meta.tokens_seen:>13,}  {loss:>8}  "
-                        f"{meta.dp:>4}  ok")
-    if only is not None:
-        return "\n".join(rows + ([SIZES_ONLY] if intact else []))
-    if intact:
-        rows.append(f"`--resume auto` would take step {intact[-1]}"
-                    + (" (the newer damaged ones are moved aside)" if intact[-1] != steps[-1] else ""))
-        rows.append(SIZES_ONLY)
-    else:
-        rows.append("`--resume auto` would start from scratch: no intact checkpoint")
-    return "\n".join(rows)

@@ -7,7 +7,7 @@ its own part), and the run starts from them with a fresh optimizer state at step
 and its own data order. Only a fresh start reads it: a run with a checkpoint of its own resumes from that
 (zerolm.checkpoint.resume), init_from or not. The checkpoint's model must have the config's parameter shapes (the
 settings that only change how the model computes may differ, and so may model.seq_len where no parameter has
-its length, ALiBi's and rotary positions: zerolm.checkpoint.store.parameter_differences)
+its length, ALiBi's and rotary positions: zerolm.checkpoint.compatible.parameter_differences)
 and its tokenizer the run's data's; otherwise one line naming `train.init_from`, before the step is
 compiled (`check`). A checkpoint trained in mixed precision gives its bfloat16 working parameters.
 """
@@ -25,9 +25,11 @@ import jax
 import numpy as np
 
 import zerolm
+from zerolm.checkpoint.compatible import parameter_differences
 from zerolm.checkpoint.errors import CheckpointError
 from zerolm.checkpoint.meta import CheckpointMeta
-from zerolm.checkpoint.store import Checkpoints, move_aside, parameter_differences, quiet_orbax
+from zerolm.checkpoint.set_aside import move_aside
+from zerolm.checkpoint.store import Checkpoints, quiet_orbax
 from zerolm.checkpoint.trained_model import TOKENIZER_BESIDE, opened_for
 from zerolm.config.tree import Config
 from zerolm.model import device_policy

@@ -1,5 +1,5 @@
 """`zerolm checkpoints DIR` (or DIR/<step>): a run's checkpoints, each checked, and the one `--resume auto`
-would take (zerolm.checkpoint.store.describe)."""
+would take (zerolm.checkpoint.listing.describe)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zerolm.checkpoint.store import describe
+    from zerolm.checkpoint.listing import describe
     from zerolm.core.storage import check
 
     if "://" not in args.dir and not Path(args.dir).is_dir():
