@@ -15,7 +15,7 @@ from runs import STEPS, kill_9_after, losses, snapshot, train
 from zerolm.checkpoint.store import Checkpoints
 from zerolm.config.load import load_config
 from zerolm.config.section import ConfigError
-from zerolm.observe import launches, plot
+from zerolm.observe import launches, plot, run_files
 from zerolm.observe import run_report as report
 
 DECAY = 8  # the last half of the 16 steps
@@ -181,7 +181,7 @@ def test_a_runs_report_draws_its_branches_and_a_branchs_its_source(root, source,
     source_logs, branch_logs = root / "logs" / "source", root / "logs" / "branch"
     at = 8 * 16 * 32  # step 8 of 16 sequences of 32 tokens
 
-    files = report.read(source_logs)
+    files = run_files.read(source_logs)
     assert files.branches == [branch_logs]
     fig = plot.figure([source_logs, *files.branches])
     loss_ax = fig.axes[0]
@@ -202,11 +202,11 @@ def test_a_runs_report_draws_its_branches_and_a_branchs_its_source(root, source,
         (drawn,) = [line for line in ax.get_lines() if line.get_label() == f"{source_logs} to step 8 (source of "
                     f"{branch_logs})"]
         np.testing.assert_array_equal(drawn.get_xydata(), [[r["tokens_seen"], r[key]] for r in source_rows])
-    text = "\n".join(report.markdown(report.read(branch_logs)))
+    text = "\n".join(report.markdown(run_files.read(branch_logs)))
     assert ("This run is a decay branch (`train.branch_from`): it started from the checkpoint of step 8 of the run "
             f"tiny (`{source[0] / 'ckpt' / '8'}`), with its parameters, optimizer state and data position; its logs, "
             f"`{source_logs}`, are drawn lighter on the curves up to that step.") in text
     assert "| a branch of step 8 of tiny |" in text
     assert "tokens seen** in 8 steps: the branch's own, after the 8 of the run it branched from" in text
-    page = report.write(report.read(branch_logs), tmp_path / "report")
+    page = report.write(run_files.read(branch_logs), tmp_path / "report")
     assert (page.parent / "curves.png").read_bytes()[:4] == b"\x89PNG"

@@ -312,6 +312,7 @@ def test_eval_and_report_show_each_tasks_dirty_fraction_for_the_runs_data(traine
     from runs import zerolm
     from zerolm.checkpoint.store import Checkpoints
     from zerolm.eval.task_texts import task_ngrams
+    from zerolm.observe import run_files
     from zerolm.observe import run_report as report
 
     location = Checkpoints(trained_run / "ckpt", read_only=True).readable_meta(16).dataset_location
@@ -331,7 +332,7 @@ def test_eval_and_report_show_each_tasks_dirty_fraction_for_the_runs_data(traine
         shutil.copytree(trained_run / "log", log_dir)
         with (log_dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps({"step": 16, "tasks/zerolm_cloze/acc": 0.5, "tasks/zerolm_text/bits_per_byte": 3}) + "\n")
-        text = "\n".join(report.markdown(report.read(log_dir)))
+        text = "\n".join(report.markdown(run_files.read(log_dir)))
         assert "| zerolm_cloze | 280 | 2 | 0.7% |" in text and "| zerolm_text | 40 |" not in text
     finally:
         shutil.rmtree(f"{location}/{contamination.DIRECTORY}", ignore_errors=True)  # the session's shared dataset

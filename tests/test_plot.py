@@ -42,7 +42,7 @@ def test_the_plotted_series_are_the_metrics_of_each_run(trained_run, tmp_path):
 def test_a_runs_ema_validation_is_drawn_beside_its_own_and_said_in_the_report(trained_run, tmp_path):
     """train.ema logs the moving average's validation loss and perplexity beside the run's (val_loss_ema,
     val_perplexity_ema): the loss and perplexity figures draw them, the report's curves section says the last."""
-    from zerolm.observe import run_report
+    from zerolm.observe import run_files, run_report
 
     rec = records(trained_run)
     for r in rec:
@@ -57,7 +57,7 @@ def test_a_runs_ema_validation_is_drawn_beside_its_own_and_said_in_the_report(tr
     ppl = [line for line in plot.perplexity_figure(tmp_path / "log").axes[0].get_lines() if line.get_label() == "val (EMA)"]
     assert len(ppl) == 1 and np.allclose(ppl[0].get_ydata(), np.exp(np.asarray(want)[:, 1]))
     last = rec[[i for i, r in enumerate(rec) if "val_loss_ema" in r][-1]]
-    text = "\n".join(run_report.markdown(run_report.read(tmp_path / "log", str(trained_run / "ckpt"))))
+    text = "\n".join(run_report.markdown(run_files.read(tmp_path / "log", str(trained_run / "ckpt"))))
     assert (f"its moving average's (train.ema) {last['val_loss_ema']:.4f} (perplexity {last['val_perplexity_ema']:.2f})"
             in text)
 

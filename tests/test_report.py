@@ -9,7 +9,7 @@ import pytest
 import runs
 from runs import zerolm
 from zerolm.checkpoint.store import Checkpoints
-from zerolm.observe import launches, plot
+from zerolm.observe import launches, plot, run_files
 from zerolm.observe import run_report as report
 
 SECTIONS = ["## Model", "## Data", "## Hardware and mesh", "## Throughput and MFU",
@@ -61,7 +61,7 @@ def test_the_downstream_tasks_logged_are_the_reports_table(log_dir):
     with (log_dir / "metrics.jsonl").open("a") as f:
         for step, acc in ((8, 0.25), (16, 0.5)):
             f.write(json.dumps({"step": step, "tasks/cloze/acc": acc, "tasks/choice/acc_norm": acc / 2}) + "\n")
-    text = report.write(report.read(log_dir)).read_text()
+    text = report.write(run_files.read(log_dir)).read_text()
     assert "| task | metric | step 8 | step 16 |" in text
     assert "| choice | acc_norm | 0.1250 | 0.2500 |" in text and "| cloze | acc | 0.2500 | 0.5000 |" in text
     assert "No downstream tasks" not in text
@@ -69,12 +69,12 @@ def test_the_downstream_tasks_logged_are_the_reports_table(log_dir):
 
 def test_a_run_without_launches_says_what_it_did_not_record(trained_run, log_dir):
     (log_dir / launches.NAME).unlink()  # as a run of a zerolm before launches.jsonl
-    text = "\n".join(report.markdown(report.read(log_dir)))
+    text = "\n".join(report.markdown(run_files.read(log_dir)))
     assert "| compiling the training step | not recorded by this run |" in text
     assert "Steps lost to interruptions: not recorded by this run." in text
     assert "The model's config: not recorded by this run" in text and "## Launches" not in text
     # its checkpoints named: the config, mesh and parameter count from the newest checkpoint's own record
-    text = "\n".join(report.markdown(report.read(log_dir, str(trained_run / "ckpt"))))
+    text = "\n".join(report.markdown(run_files.read(log_dir, str(trained_run / "ckpt"))))
     params = Checkpoints(trained_run / "ckpt", read_only=True).param_count(16)
     assert f"**{params:,} parameters** (counted in the newest checkpoint's arrays)" in text
     assert "mesh dp = 8 × tp = 1 in 1 process(es)" in text and "| `model.n_layer` | `2` |" in text
@@ -89,8 +89,8 @@ def test_a_directory_that_is_not_a_run_is_one_line_and_exit_2(trained_run, tmp_p
 
 
 def test_wandb_is_refused_for_a_run_that_did_not_log_to_it(log_dir):
-    with pytest.raises(report.ReportError, match="the run did not log to wandb"):
-        report.log_to_wandb(report.read(log_dir), log_dir / "report" / "README.md")
+    with pytest.raises(run_files.ReportError, match="the run did not log to wandb"):
+        report.log_to_wandb(run_files.read(log_dir), log_dir / "report" / "README.md")
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def test_each_restart_records_the_work_it_dropped_and_the_report_counts_it(resta
     assert resumed.last_logged_step == 10 and resumed.lost_s["eval_s"] > 0
     assert resumed.lost_seconds == pytest.approx(seconds_after(left[1], latest))
     lost = scratch.lost_seconds + resumed.lost_seconds
-    text = "\n".join(report.markdown(report.read(log_dir)))
+    text = "\n".join(report.markdown(run_files.read(log_dir)))
     assert ("3 launch(es): 1 resumed from a checkpoint, 1 restarted from scratch (there was no checkpoint to resume "
             f"from); {2 + 10 - latest} step(s) lost to interruptions") in text
     assert f", {lost:,.1f} s of work lost (training steps " in text and "evaluating (validation loss) " in text
@@ -157,7 +157,7 @@ def test_launches_recorded_before_the_lost_seconds_get_an_estimate_said_as_such(
     recorded = [json.loads(line) for line in (tmp_path / "log" / launches.NAME).read_text().splitlines()]
     (tmp_path / "log" / launches.NAME).write_text("".join(
         json.dumps({k: v for k, v in x.items() if k != "lost_s"} | {"version": 1}) + "\n" for x in recorded))
-    files = report.read(tmp_path / "log")
+    files = run_files.read(tmp_path / "log")
     text = "\n".join(report.markdown(files))
     steps = sum(x.steps_lost for x in files.launches)
     step_time = report._median(files.steps, "step_time_s")

@@ -19,10 +19,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from zerolm.core.storage import check
+    from zerolm.observe import run_files
     from zerolm.observe import run_report as report
 
     check(args.run, "RUN_DIR", local_only="a run's logs are local: logging.dir")
-    files = report.read(Path(args.run), args.checkpoints)
+    files = run_files.read(Path(args.run), args.checkpoints)
     page = report.write(files)
     print(page)
     if args.wandb:
