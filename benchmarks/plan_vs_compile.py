@@ -27,9 +27,9 @@ from zerolm.commands import plan as commands_plan  # noqa: E402
 from zerolm.compile import aot  # noqa: E402
 from zerolm.compile import micro_batch_search as zerolm_advice  # noqa: E402
 from zerolm.config.load import load_config  # noqa: E402
-from zerolm.model.device_policy import for_device  # noqa: E402
+from zerolm.parallel import auto  # noqa: E402
+from zerolm.parallel.auto import for_device  # noqa: E402
 from zerolm.parallel.mesh import make_mesh  # noqa: E402
-from zerolm.parallel.scatter import resolve_scatter  # noqa: E402
 from zerolm.plan import SAFETY_MARGIN  # noqa: E402
 
 BEGIN, END = "<!-- plan_vs_compile:begin -->", "<!-- plan_vs_compile:end -->"
@@ -40,7 +40,7 @@ def cached(cache: Path, config: str, target: str, micro: int, remat: str, device
     cfg = load_config(f"configs/{config}.yaml", [f"train.micro_batch_size={micro}", f"model.remat={remat}",
                                                  "mesh.dp=auto", "zero.stage=1"], device_count=len(devices))
     attention = for_device(cfg.model, devices[0]).attention  # auto, as the slice resolves it
-    scatter = resolve_scatter(cfg.zero.scatter, make_mesh(cfg.dp, cfg.mesh.tp, devices))  # likewise
+    scatter = auto.scatter(cfg.zero.scatter, make_mesh(cfg.dp, cfg.mesh.tp, devices))  # likewise
     key = {"config": config, "target": target, "micro": micro, "remat": remat}
     if cache.exists():
         for line in cache.read_text().splitlines():

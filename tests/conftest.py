@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 from zerolm.config.load import load_config  # noqa: E402
 from zerolm.model import decoder as gpt_model  # noqa: E402
 from zerolm.model import losses  # noqa: E402
-from zerolm.model.device_policy import for_device  # noqa: E402
+from zerolm.parallel.auto import for_device  # noqa: E402
 from zerolm.train import compilation_cache  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

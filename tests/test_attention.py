@@ -3,6 +3,8 @@ avoid on TPU are checked on the TPU compiler's output in test_compile)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import small_config, small_model
 from zerolm.config.section import ConfigError
-from zerolm.model import device_policy
 from zerolm.model.attention import Bias, alibi_slopes, block_size, causal_attention
+from zerolm.parallel import auto
 from zerolm.parallel.build import build_step
 from zerolm.parallel.mesh import make_mesh
 
@@ -119,10 +121,12 @@ def test_pallas_equals_xla_attention_inside_the_steps_shard_map():
 def test_pallas_is_asked_for_only_where_it_runs():
     """auto picks Pallas on TPU v4+ (when the sequence cuts into 128-lane blocks), blockwise on v2/v3; asking
     for it with blocks it cannot take, or on a CPU, is a one-line config error."""
-    assert device_policy.resolve_auto("auto", "auto", "tpu", "TPU v4", 2048) == ("bfloat16", "pallas")
-    assert device_policy.resolve_auto("auto", "auto", "tpu", "TPU v5 lite", 2048)[1] == "pallas"
-    assert device_policy.resolve_auto("auto", "auto", "tpu", "TPU v3", 2048)[1] == "blockwise"
-    assert device_policy.resolve_auto("auto", "auto", "tpu", "TPU v4", 200)[1] == "blockwise"
+    model = small_config("model.seq_len=2048", "model.attention=auto", "model.dtype=auto").model
+    tpu = functools.partial(auto.Where, "tpu")
+    assert auto.dtype(model.dtype, tpu("TPU v4")) == "bfloat16" and auto.attention(model, tpu("TPU v4")) == "pallas"
+    assert auto.attention(model, tpu("TPU v5 lite")) == "pallas"
+    assert auto.attention(model, tpu("TPU v3")) == "blockwise"
+    assert auto.attention(model.model_copy(update={"seq_len": 200}), tpu("TPU v4")) == "blockwise"
     with pytest.raises(ConfigError, match=r"model.attention: pallas cuts the sequence into blocks of a multiple "
                                           r"of 128 positions; seq_len 16 and attention_block 512 give 16"):
         build_step(small_config("model.attention=pallas"), make_mesh(8, 1))

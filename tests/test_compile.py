@@ -15,7 +15,8 @@ from zerolm.compile import aot
 from zerolm.core.exitcodes import EXIT_DOES_NOT_FIT, EXIT_USAGE
 from zerolm.core.hardware import preset
 from zerolm.model import decoder as gpt_model
-from zerolm.model import device_policy, losses
+from zerolm.model import losses
+from zerolm.parallel import auto
 
 pytestmark = pytest.mark.slow  # TPU compiles
 
@@ -57,12 +58,13 @@ def test_auto_scatter_takes_two_stages_on_slices_beyond_one_host(target, scatter
     """zero.scatter=auto: two stages where the one-stage psum_scatter is an all-reduce of the whole (v2/v3;
     v4+ beyond one host's 4 or 8 chips), the second over a host's worth of dp positions (a v3 host: 8
     cores; one v3-8 host holds all of dp, so dp's largest proper divisor)."""
+    from zerolm.parallel import auto
     from zerolm.parallel.mesh import make_mesh
-    from zerolm.parallel.scatter import resolve_scatter, two_stage_inner
+    from zerolm.parallel.scatter import two_stage_inner
 
     devices = aot.target_devices(aot.parse_target(target))
     mesh = make_mesh(len(devices), 1, devices)
-    assert resolve_scatter("auto", mesh) == scatter
+    assert auto.scatter("auto", mesh) == scatter
     assert inner is None or two_stage_inner(mesh) == inner
 
 
@@ -119,7 +121,7 @@ def test_the_tpu_attentions_never_allocate_the_t_by_t_scores(target, attention):
         cfg = small_config("model.n_layer=1", "model.d_model=128", "model.n_head=1", "model.seq_len=1024",
                            "model.attention_block=128", "model.dtype=bfloat16", "model.loss_chunk=256",
                            f"model.attention={impl}")
-        model = gpt_model.GPT(device_policy.resolve(cfg.model, device_policy.Where.of(device)))  # for the TPU core
+        model = gpt_model.GPT(auto.model_settings(cfg.model, auto.Where.of(device)))  # for the TPU core
         loss_fn = functools.partial(losses.lm_loss, model)
         abstract = jax.eval_shape(functools.partial(gpt_model.init_params, model), jax.random.key(0))
         params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), abstract)

@@ -20,7 +20,8 @@ from zerolm.compile import aot, hlo
 from zerolm.config.load import load_config
 from zerolm.core.exitcodes import EXIT_DOES_NOT_FIT, EXIT_USAGE
 from zerolm.core.hardware import GPU_TYPES
-from zerolm.parallel.build import REMAT_ORDER, SharedPrograms, build_and_compile, build_step, compile_step
+from zerolm.parallel.auto import REMAT_ORDER
+from zerolm.parallel.build import SharedPrograms, build_and_compile, build_step, compile_step
 from zerolm.parallel.mesh import make_mesh
 
 pytestmark = pytest.mark.slow  # GPU compiles

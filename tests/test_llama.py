@@ -16,8 +16,8 @@ from zerolm.config.sampling import Sampling
 from zerolm.config.section import ConfigError
 from zerolm.model import decoder as gpt_model
 from zerolm.model.attention import Bias, alibi_slopes, causal_attention
-from zerolm.model.device_policy import for_device
 from zerolm.model.generate import generate
+from zerolm.parallel.auto import for_device
 
 
 def test_rotary_turns_each_pair_by_its_position_times_its_frequency():

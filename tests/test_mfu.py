@@ -24,7 +24,7 @@ def test_mfu_of_gpt3_small_on_an_h100_by_hand():
     from conftest import REPO
     from zerolm.config.load import load_config
     from zerolm.model import decoder as gpt_model
-    from zerolm.model.device_policy import for_device
+    from zerolm.parallel.auto import for_device
 
     cfg = load_config(REPO / "configs" / "125m.yaml", ["model.vocab_size=50257"])
     model = gpt_model.GPT(for_device(cfg.model))

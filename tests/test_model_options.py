@@ -12,7 +12,7 @@ import pytest
 from conftest import requires_devices, small_config
 from test_zero_stages import assert_same, run
 from zerolm.model import decoder as gpt_model
-from zerolm.model.device_policy import for_device
+from zerolm.parallel.auto import for_device
 
 pytestmark = requires_devices(8)
 

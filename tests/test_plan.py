@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, TINY, requires_devices
+from conftest import REPO, TINY, requires_devices, small_config
 from helpers import bytes_per_device
 from runs import zerolm
 from zerolm import plan
@@ -287,3 +287,41 @@ def test_a_staged_context_is_planned_stage_by_stage():
     full = report["zerolm_step"]["activation_bytes"]  # rows of a quarter and a half: the tokens of whole samples
     assert all(0.8 * full < c["activation_bytes"] < 1.25 * full for c in report["contexts"]), (full, report["contexts"])
     assert planner("--config", str(TINY), "--device", "v3-core", "--dp", "8").report().to_json()["contexts"] == []
+
+
+# One target per device preset the planner knows: its devices as `zerolm compile` makes them (no device needed).
+TARGETS = {"v3-core": "v3-8", "v4": "v4-8", "v5e": "v5litepod-8", "v5p": "v5p-8", "a100": "a100-80g-8", "h100": "h100-8",
+           "h200": "h200-8"}
+SMALL_MODEL = ["model.vocab_size=100", "model.n_layer=2", "model.d_model=32", "model.n_head=4"]
+VARIANTS = {"learned": (), "alibi": ("model.position=alibi",), "rope": ("model.position=rope",),
+            "attention dropout": ("model.attention_dropout=0.1",), "fp32": ("model.dtype=float32",)}
+
+
+@pytest.mark.parametrize("preset_name", sorted(TARGETS))
+def test_the_planners_attention_is_the_runs_on_every_device_kind_and_layout(preset_name):
+    """`zerolm plan` and a run read one rule (zerolm.parallel.auto): for every device preset, tp 1 and 2, at ZeRO
+    stages 1 and 3, with each position scheme, attention dropout and float32 compute, the planner's attention is
+    the one the step builder resolves for the target's devices (cuDNN's gives way to XLA's at tp 2 and with
+    dropout, Pallas's to the blockwise one with ALiBi and dropout)."""
+    from zerolm.compile import aot
+    from zerolm.core import platforms
+    from zerolm.core.hardware import PRESETS
+    from zerolm.parallel.build import resolved
+
+    assert set(TARGETS) <= set(PRESETS) and aot.preset_for(aot.parse_target(TARGETS[preset_name])) == preset_name
+    platforms.no_device_needed()
+    devices = aot.target_devices(aot.parse_target(TARGETS[preset_name]))
+    seen = set()
+    for tp, stage, (name, sets) in itertools.product((1, 2), (1, 3), VARIANTS.items()):
+        dp = len(devices) // tp
+        common = ["model.seq_len=256", "model.attention_block=128", "model.attention=auto", "model.dtype=auto",
+                  "train.global_batch_size=16", "train.micro_batch_size=1", f"zero.stage={stage}",
+                  "zero.grad_reduce=reduce_scatter", *sets]
+        run = resolved(small_config(*common, f"mesh.dp={dp}", f"mesh.tp={tp}", device_count=len(devices)),
+                       make_mesh(dp, tp, devices)).model.attention
+        planned = planner("--config", str(TINY), "--device", preset_name, "--dp", str(dp), "--tp", str(tp),
+                          *[a for s in [*SMALL_MODEL, *common] for a in ("--set", s)]).attention
+        assert planned == run, (preset_name, tp, stage, name)
+        seen.add(run)
+    expected = {"tpu": {"pallas", "blockwise"}, "gpu": {"cudnn", "xla"}}[PRESETS[preset_name].platform]
+    assert seen == expected or (preset_name == "v3-core" and seen == {"blockwise"}), seen

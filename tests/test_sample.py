@@ -10,8 +10,8 @@ from zerolm.config.sampling import Sampling, checked
 from zerolm.core.errors import UsageError
 from zerolm.model import decoder as gpt_model
 from zerolm.model import generate as sample
-from zerolm.model.device_policy import for_device
 from zerolm.model.generate import generate
+from zerolm.parallel.auto import for_device
 
 
 @pytest.fixture(scope="module")

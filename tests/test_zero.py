@@ -16,11 +16,12 @@ from zerolm.compile import collectives as comms
 from zerolm.compile import hlo
 from zerolm.config.load import load_config
 from zerolm.model import decoder as gpt_model
-from zerolm.model.device_policy import for_device
+from zerolm.parallel import auto
+from zerolm.parallel.auto import for_device
 from zerolm.parallel.mesh import make_mesh
 from zerolm.parallel.naive_step import naive_data_parallel_step
 from zerolm.parallel.optim import make_optimizer
-from zerolm.parallel.scatter import resolve_scatter, two_stage_reduce_scatter
+from zerolm.parallel.scatter import two_stage_reduce_scatter
 from zerolm.parallel.sharding import is_layout, plan_layout
 from zerolm.parallel.zero import Objective, Zero
 
@@ -350,7 +351,7 @@ def test_two_stage_reduce_scatter_is_psum_scatter(inner, shape, axis):
 
 
 def test_two_stage_reduce_scatter_in_the_step():
-    """zero.scatter=two_stage (the TPU's reduce-scatter, zerolm.parallel.scatter.resolve_scatter): the same gradient as
+    """zero.scatter=two_stage (the TPU's reduce-scatter, zerolm.parallel.auto.scatter): the same gradient as
     one psum_scatter, as two reduce-scatters per leaf over dp sub-groups (stride 4 pairs, then the 4
     consecutive positions: inner 4 on one host of dp 8), a reduce-scatter's bytes in all, none in a loop."""
     cfg = small_config("train.global_batch_size=32", "train.micro_batch_size=1")
@@ -362,7 +363,7 @@ def test_two_stage_reduce_scatter_in_the_step():
         batch = _batch(zero, _rows(32, cfg), 4, 1)
         grads[scatter] = _flat(zero.table, zero.programs.grad(state.params, batch)[0])
     assert (zero.scatter, zero.scatter_inner) == ("two_stage", 4)
-    assert resolve_scatter("auto", zero.mesh) == "collective"  # on CPU (and GPU): the one-stage collective
+    assert auto.scatter("auto", zero.mesh) == "collective"  # on CPU (and GPU): the one-stage collective
     np.testing.assert_allclose(grads["two_stage"], grads["collective"], rtol=1e-6,
                                atol=1e-6 * np.abs(grads["collective"]).max())
     ops = comms.read(hlo.compiled_text(zero.programs.grad, state.params, batch))

@@ -32,7 +32,7 @@ from zerolm.data.dataset import recorded_dataset
 from zerolm.data.shards import DataError
 from zerolm.data.tokenizer import Tokenizer, TokenizerError, from_bytes, from_file
 from zerolm.model import decoder as gpt_model
-from zerolm.model import device_policy
+from zerolm.parallel import auto
 from zerolm.parallel.mesh import make_mesh
 from zerolm.parallel.sharding import with_shardings
 
@@ -162,9 +162,9 @@ def load(path: str, devices: list[jax.Device] | None = None) -> Restored:
             cfg = ModelConfig.model_validate(meta.model)
             devices = devices or jax.local_devices()
             # A model trained with a kernel this machine lacks computes with another (its parameters are the same).
-            if device_policy.unrunnable_attention(cfg, device_policy.Where.of(devices[0])):
+            if auto.unrunnable_attention(cfg, auto.Where.of(devices[0])):
                 cfg = cfg.model_copy(update={"attention": "auto"})  # compute only: the parameters are the same
-            model = gpt_model.GPT(device_policy.for_device(cfg, devices[0]))
+            model = gpt_model.GPT(auto.for_device(cfg, devices[0]))
             mesh = make_mesh(len(devices), 1, devices)
             abstract = jax.eval_shape(functools.partial(gpt_model.init_params, model), jax.random.key(0))
             replicated = jax.tree.map(lambda _: NamedSharding(mesh, P()), abstract)

@@ -32,7 +32,7 @@ from zerolm.checkpoint.set_aside import move_aside
 from zerolm.checkpoint.store import Checkpoints, quiet_orbax
 from zerolm.checkpoint.trained_model import TOKENIZER_BESIDE, opened_for
 from zerolm.config.tree import Config
-from zerolm.model import device_policy
+from zerolm.parallel import auto
 from zerolm.parallel.mesh import make_mesh
 from zerolm.parallel.sharding import with_shardings
 from zerolm.parallel.zero import TrainState, Zero
@@ -118,7 +118,7 @@ def one_device_step(cfg: Config) -> tuple[Config, Zero, Callable[[jax.Array], An
     device = jax.local_devices()[:1]
     cfg = cfg.with_values({"mesh.dp": 1, "mesh.tp": 1})
     # (An attention this machine lacks is only how the model computes: the step built here runs nothing.)
-    unrunnable = device_policy.unrunnable_attention(cfg.model, device_policy.Where.of(device[0])) is not None
+    unrunnable = auto.unrunnable_attention(cfg.model, auto.Where.of(device[0])) is not None
     from zerolm.parallel.build import build_step
 
     _, zero, init_fn = build_step(cfg.with_values({"model.attention": "auto"}) if unrunnable else cfg, make_mesh(1, 1, device))

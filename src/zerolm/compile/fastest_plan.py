@@ -21,7 +21,8 @@ from zerolm.compile import aot, step_time
 from zerolm.compile.aot import preset_for
 from zerolm.compile.micro_batch_search import planned
 from zerolm.core.errors import ZerolmError
-from zerolm.parallel.build import REMAT_ORDER, SharedPrograms
+from zerolm.parallel.auto import REMAT_ORDER
+from zerolm.parallel.build import SharedPrograms
 
 __all__ = ["REMAT_ORDER", "STAGES", "REMATS", "search", "compile_plan", "describe"]
 

@@ -57,9 +57,9 @@ class ModelConfig(_Section):
     attention: Literal["auto", "xla", "cudnn", "pallas", "blockwise"]  # see zerolm.model.attention
     attention_block: int = PositiveInt  # positions per query/key block of the blockwise and Pallas attentions
     # What the backward pass recomputes instead of storing (see model.REMAT_POLICIES).
-    remat: Literal["none", "full", "dots", "attention", "dots_attention", "auto"]  # auto: zerolm.parallel.build.REMAT_ORDER
+    remat: Literal["none", "full", "dots", "attention", "dots_attention", "auto"]  # auto: zerolm.parallel.auto.REMAT_ORDER
     # The layer loop: a scan over the stacked layers (compile time flat in depth) or unrolled (no stacked
-    # activations for the backward pass); auto: the device's choice (zerolm.model.device_policy.resolve_auto).
+    # activations for the backward pass); auto: the device's choice (zerolm.parallel.auto.scan_layers).
     scan_layers: bool | Literal["auto"]
     loss_chunk: int = Field(ge=0)  # tokens per chunk of the output layer + loss; 0: the whole micro-batch at once
     # Attention stays inside each document of a packed sample (documents end with end-of-text, token eot_id);
@@ -127,7 +127,7 @@ class ModelConfig(_Section):
             raise _KeyError("model.attention", "pallas's TPU flash attention takes a bias only as a dense "
                             "(batch, heads, T, T) array per example, which ALiBi would have to build; use blockwise "
                             "(ALiBi computed inside its blocks) or auto, which picks it", related=("model.position",))
-        return self  # (whether Pallas's blocks fit the sequence: zerolm.model.device_policy)
+        return self  # (whether Pallas's blocks fit the sequence: zerolm.parallel.auto.unrunnable_attention)
 
     @property
     def kv_heads(self) -> int:

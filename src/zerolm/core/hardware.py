@@ -183,7 +183,7 @@ def gpu_memory_fraction() -> float:
 @dataclasses.dataclass(frozen=True)
 class Device:
     name: str
-    platform: str  # "tpu" | "gpu": the attention and dtype zerolm picks there (zerolm.model.device_policy.resolve_auto)
+    platform: str  # "tpu" | "gpu": the attention and dtype zerolm picks there (zerolm.parallel.auto)
     memory: float  # bytes of device memory
     flops: float  # peak dense bf16 FLOP/s
     intra_bw: float  # bytes/s, one direction, between devices of a node

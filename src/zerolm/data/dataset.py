@@ -23,6 +23,7 @@ from zerolm.data.order import VERSION as ORDER_VERSION
 from zerolm.data.prepare import PrepareError, prepare
 from zerolm.data.shards import DataError, PreparedDataset
 from zerolm.data.tokenizer import TokenizerError, from_file
+from zerolm.parallel import auto
 
 
 def default_dataset_dir(cfg: Config) -> Path:
@@ -110,16 +111,10 @@ def _open(cfg: Config, location: str | Path, key: str) -> PreparedDataset:
 
 
 def resolve_vocab(cfg: Config, dataset: PreparedDataset | Mixture) -> Config:
-    """model.vocab_size and model.eot_id from the dataset's tokenizer (`auto`), or checked against it."""
+    """model.vocab_size and model.eot_id from the dataset's tokenizer (`auto`), or checked against it
+    (zerolm.parallel.auto.vocabulary)."""
     tok = dataset.manifest.tokenizer
-    if cfg.model.vocab_size != "auto" and cfg.model.vocab_size < tok.vocab_size:
-        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the dataset's tokenizer "
-                          f"({tok.name}, {tok.vocab_size} tokens)")
-    if cfg.model.eot_id not in ("auto", tok.eot_id):
-        raise ConfigError(f"model.eot_id: {cfg.model.eot_id} is not the end-of-text token of the dataset's tokenizer "
-                          f"({tok.name}: {tok.eot_id}); leave it auto")
-    vocab = tok.vocab_size if cfg.model.vocab_size == "auto" else cfg.model.vocab_size
-    return cfg.with_values({"model.vocab_size": vocab, "model.eot_id": tok.eot_id})
+    return cfg.model_copy(update={"model": auto.vocabulary(cfg.model, tok.vocab_size, tok.eot_id, tok.name)})
 
 
 def dataset_identity(cfg: Config, dataset: PreparedDataset | Mixture) -> dict:
@@ -158,4 +153,4 @@ def load_planned(path: str | Path, overrides: Sequence[str] = (), device_count: 
     cfg = load_config(path, overrides, device_count=device_count)
     # The end-of-text id changes no shape of the step: a plan or a compile takes any (0) when it is auto.
     eot = 0 if cfg.model.eot_id == "auto" else cfg.model.eot_id
-    return cfg.with_values({"model.vocab_size": planned_vocab(cfg), "model.eot_id": eot})
+    return cfg.model_copy(update={"model": auto.vocabulary(cfg.model, planned_vocab(cfg), eot, "planned")})

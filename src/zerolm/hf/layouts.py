@@ -47,6 +47,7 @@ from zerolm.config.model import ModelConfig
 from zerolm.core.errors import ZerolmError
 from zerolm.data.tokenizer import Tokenizer
 from zerolm.model import decoder as gpt_model
+from zerolm.parallel import auto
 
 
 class ExportError(ZerolmError):
@@ -345,7 +346,7 @@ def zerolm_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, layout: Layo
     parameter read through its table entries' inverses, parts stacked in order, float32; the vocabulary's
     padding rows zeros. ExportError names a tensor that is missing or of another size, or one no parameter
     takes (so that no weight is dropped silently)."""
-    model = gpt_model.GPT(cfg.model_copy(update={"dtype": "float32", "attention": "xla", "scan_layers": True}))
+    model = gpt_model.GPT(auto.for_shapes(cfg))
     shapes = {k: s.shape for k, s in flatten(jax.eval_shape(functools.partial(gpt_model.init_params, model),
                                                               jax.random.key(0))).items()}
     entries = [(t, False) for t in layout.globals] + [(t, True) for t in layout.layers]
@@ -416,7 +417,7 @@ def unflatten(flat: dict) -> dict:
 
 def _zero_biases(cfg: ModelConfig, present: set[str]) -> dict[str, np.ndarray]:
     """Zeros for each parameter the same model with biases has beyond `present` (what a bias-free layer adds)."""
-    biased = gpt_model.GPT(cfg.model_copy(update={"bias": True}))
+    biased = gpt_model.GPT(auto.for_shapes(cfg.model_copy(update={"bias": True})))
     shapes = jax.eval_shape(functools.partial(gpt_model.init_params, biased), jax.random.key(0))
     return {k: np.zeros(s.shape, np.float32) for k, s in flatten(shapes).items() if k not in present}
 

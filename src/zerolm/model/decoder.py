@@ -425,8 +425,8 @@ def tp_all_reduces(parallel_residual: bool, shared_norm: bool, residual_dropout:
 
 
 class GPT(nn.Module):
-    """`cfg` resolved for the device it runs on (zerolm.model.device_policy.for_device): no `auto` dtype,
-    attention or layer loop, so that tracing reads no global device."""
+    """`cfg` resolved for the device it runs on (zerolm.parallel.auto.model_settings, for_device): no `auto` left
+    (dtype, attention, layer loop, remat, key/value heads, MLP width), so that tracing reads no global device."""
 
     cfg: ModelConfig
     # What a layer reads of its parameters, given them as stored: None, as they are. ZeRO-3 (zerolm.parallel.zero)
@@ -434,9 +434,10 @@ class GPT(nn.Module):
     layer_params: Callable[[Any], Any] | None = None
 
     def __post_init__(self):
-        unresolved = [k for k in ("dtype", "attention", "scan_layers") if getattr(self.cfg, k) == "auto"]
+        unresolved = [k for k in ("dtype", "attention", "scan_layers", "remat", "n_kv_head", "mlp_hidden")
+                      if getattr(self.cfg, k) == "auto"]
         if unresolved:
-            raise ValueError(f"GPT needs a config resolved for its device (zerolm.model.device_policy.for_device): "
+            raise ValueError(f"GPT needs a config resolved for its device (zerolm.parallel.auto.for_device): "
                              f"model.{', model.'.join(unresolved)} is auto")
         super().__post_init__()
 
@@ -496,15 +497,15 @@ class GPT(nn.Module):
         """The layers' loop: the blocks' parameters stacked along `layers` either way; unrolled, the loop is
         written out (scan's unroll), so no activation is stacked for the backward pass. Inside a scan the loop
         keeps XLA from merging a rematerialised forward pass with the first one; unrolled, the remat must.
-        remat auto is resolved where the step is compiled (zerolm.parallel.build.build_and_compile); a model
-        outside the step (evaluation, sampling) takes no gradient, so any policy computes the same."""
+        The remat policy is the config's, resolved (zerolm.parallel.auto: by the compile of a step, the least
+        recomputed for a model outside it, which takes no gradient)."""
         cfg = self.cfg
         scanned = bool(cfg.scan_layers)
         block = Block
         if (layer_params := self.layer_params) is not None:
             block = nn.map_variables(Block, "params", trans_in_fn=lambda v: {"params": layer_params(v["params"])},
                                      mutable=False)
-        block = nn.remat(block, prevent_cse=not scanned, policy=REMAT_POLICIES["none" if cfg.remat == "auto" else cfg.remat])
+        block = nn.remat(block, prevent_cse=not scanned, policy=REMAT_POLICIES[cfg.remat])
         return nn.scan(block, variable_axes={"params": 0}, variable_carry="cache", split_rngs={"params": True},
                        in_axes=nn.broadcast, length=cfg.n_layer, unroll=1 if scanned else cfg.n_layer,
                        metadata_params={nn.PARTITION_NAME: "layers"})

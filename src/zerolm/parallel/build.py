@@ -18,20 +18,18 @@ from jax.sharding import Mesh
 from zerolm.config.tree import Config
 from zerolm.core.errors import ZerolmError, first_line, is_out_of_memory
 from zerolm.model import decoder as gpt_model
-from zerolm.model import device_policy, losses
+from zerolm.model import losses
 from zerolm.model.dropout import has_dropout
-from zerolm.parallel import sharding
-from zerolm.parallel.mesh import TP
+from zerolm.parallel import auto, sharding
 from zerolm.parallel.optim import make_optimizer
 from zerolm.parallel.zero import Objective, Programs, Zero
 
 
 def resolved(cfg: Config, mesh: Mesh) -> Config:
     """`cfg` with its model's `auto` settings decided for the mesh's devices, its tp and the ZeRO stage
-    (zerolm.model.device_policy.resolve, the one place they are decided); the devices may be a TPU slice or
-    GPUs compiled for ahead of time. An attention they cannot run is a ConfigError."""
-    where = device_policy.Where.of(mesh.devices.flat[0], mesh.shape.get(TP, 1), cfg.zero.stage)
-    return cfg.model_copy(update={"model": device_policy.resolve(cfg.model, where)})
+    (zerolm.parallel.auto.model_settings); the devices may be a TPU slice or GPUs compiled for ahead of time. An
+    attention they cannot run is a ConfigError."""
+    return cfg.model_copy(update={"model": auto.model_settings(cfg.model, auto.Where.of_mesh(mesh, cfg.zero.stage))})
 
 
 def build_step(cfg: Config, mesh: Mesh, rules=sharding.RULES) -> tuple[gpt_model.GPT, Zero, functools.partial]:
@@ -89,12 +87,6 @@ def live_outside(zero: Zero, micro_batch: int, seq_len: int, accum_steps: int) -
             "update": 0}
 
 
-# model.remat: auto tries these in turn and takes the first whose compiled step fits the device: the least
-# recomputed first (none rebuilds only LayerNorms and GELUs; dots_attention also XLA's attention scores;
-# dots runs the attention forward again; attention every weight matmul; full the whole block).
-REMAT_ORDER = ("none", "dots_attention", "dots", "attention", "full")
-
-
 @dataclasses.dataclass
 class BuiltStep:
     """The step built and compiled for a run's shapes (`build_and_compile`)."""
@@ -147,10 +139,10 @@ class SharedPrograms:
 def build_and_compile(cfg: Config, mesh: Mesh, limit: int | None, rules=sharding.RULES,
                       shared: SharedPrograms | None = None) -> BuiltStep:
     """`build_step` and `compile_step` (refusals kept) for the config's shapes. With model.remat auto, the
-    policies of REMAT_ORDER in turn until one's compiled peak fits `limit` (bytes per device; None: no limit,
+    policies of zerolm.parallel.auto.REMAT_ORDER in turn until one's compiled peak fits `limit` (bytes per device; None: no limit,
     so the first); if none does, the last (the caller's fit check says it does not fit). `shared`: a search's
     programs that the step's other shapes do not change (SharedPrograms; remat auto shares its own)."""
-    candidates = REMAT_ORDER if cfg.model.remat == "auto" else (cfg.model.remat,)
+    candidates = auto.remat_candidates(cfg.model.remat)
     tried: dict[str, int | None] = {}
     shared = shared if shared is not None else SharedPrograms()
     for remat in candidates:

@@ -5,7 +5,7 @@ compiler turns it into an all-reduce of the whole array: on v2/v3, and on v4 and
 host (docs/performance-notes.md has the measurements). There the same sum runs as two `psum_scatter`s
 over dp sub-groups ("two_stage"), which the compiler keeps as reduce-scatters, or as dp − 1 neighbour
 exchanges ("ring"). All three send a reduce-scatter's bytes and give each device its own block, in dp
-order; zerolm.parallel.zero's reduction calls the one `resolve_scatter` picks.
+order; zerolm.parallel.zero's reduction calls the one zerolm.parallel.auto.scatter picks (zero.scatter).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -21,30 +20,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
-from zerolm.core.hardware import chips_per_host, tpu_generation
 from zerolm.parallel.mesh import DP
-
-Scatter = Literal["auto", "collective", "ring", "two_stage"]
-
-
-def resolve_scatter(scatter: Scatter, mesh: Mesh) -> Scatter:
-    """How `reduce_scatter` runs on `mesh`; auto follows what the TPU compiler makes of a psum_scatter over
-    the whole dp axis (docs/performance-notes.md): an all-reduce of the whole on v2/v3, and on v4 and
-    later once the slice is beyond one host (more than 4 chips; 8 of the "lite" kinds, v5e/v6e). There it
-    takes two stages (`two_stage_reduce_scatter`), which the compiler keeps as reduce-scatters; the ring
-    where dp is prime on v2/v3. The collective everywhere else (CPU, GPU, one v4+ host)."""
-    if scatter != "auto":
-        return scatter
-    kind = mesh.devices.flat[0].device_kind
-    generation = tpu_generation(kind)
-    if generation is None:
-        return "collective"
-    old = generation in (2, 3)
-    if not old and mesh.devices.size <= chips_per_host(kind):
-        return "collective"
-    if two_stage_inner(mesh) > 1:
-        return "two_stage"
-    return "ring" if old else "collective"
 
 
 def _dp_per_host(mesh: Mesh) -> int:
@@ -66,7 +42,7 @@ def two_stage_inner(mesh: Mesh) -> int:
     return dp // smallest_factor
 
 
-def reduce_scatter(scatter: Scatter, dp: int, inner: int | None) -> Callable[[jax.Array, int], jax.Array]:
+def reduce_scatter(scatter: str, dp: int, inner: int | None) -> Callable[[jax.Array, int], jax.Array]:
     """`f(x, axis)`: x summed over dp and scattered along `axis` (tiled), as `scatter` (resolved) says."""
     if scatter == "two_stage":
         assert inner is not None

@@ -48,11 +48,11 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from zerolm.parallel import auto, sharded_grad, sharding
 from zerolm.parallel import scatter as scatter_lib
-from zerolm.parallel import sharded_grad, sharding
+from zerolm.parallel.auto import Scatter
 from zerolm.parallel.mesh import DP, TP
 from zerolm.parallel.optim import MasterWeights, ema_of, with_master_weights
-from zerolm.parallel.scatter import Scatter
 from zerolm.parallel.sharded_grad import GradSettings, LossFn, dropout_keys, sum_over_micro_batches
 from zerolm.parallel.sharding import from_views, is_layout, to_views
 
@@ -129,7 +129,7 @@ class Zero:
     and the parameters all-gathered in bfloat16 (half the bytes of each).
     `accumulate_dtype`: the dtype of each device's gradient accumulator over its micro-batches.
     `scatter` (reduce_scatter): "collective" (`lax.psum_scatter`), "two_stage" or "ring", the ways
-    zerolm.parallel.scatter knows; "auto" is `scatter.resolve_scatter`'s choice for the mesh (`self.scatter`
+    zerolm.parallel.scatter knows; "auto" is zerolm.parallel.auto.scatter's choice for the mesh (`self.scatter`
     holds the choice).
     `lr_schedule`: the optimizer's schedule, whose value each step's metrics report; `rules`: the logical-axis
     rule table (zerolm.parallel.sharding.RULES).
@@ -151,7 +151,7 @@ class Zero:
         self.table = table = sharding.Table(mesh, abstract_params, objective.logical_axes, tx, rules, stage)  # every sharding
         self.state_shardings = TrainState(step=table.replicated, params=table.param_shardings,
                                           opt_state=table.opt_shardings)
-        self.scatter = scatter_lib.resolve_scatter(settings.scatter, mesh)  # "collective", "two_stage" or "ring"
+        self.scatter = auto.scatter(settings.scatter, mesh)  # "collective", "two_stage" or "ring"
         self.scatter_inner = scatter_lib.two_stage_inner(mesh) if self.scatter == "two_stage" else None
         # Manual over dp; without tensor parallelism over the whole mesh: nothing is left for the partitioner
         # inside, where JAX cannot run a custom partitioner (cuDNN's attention has one) under a partly manual map.

@@ -18,6 +18,7 @@ assignment counts it (the planner's step peak, checked against `zerolm compile`)
 from __future__ import annotations
 
 from zerolm.model.attention import PALLAS_LANES
+from zerolm.parallel.auto import Where, scan_layers
 from zerolm.plan.spec import Model
 
 # Elements of the compute dtype per token and model width: what a block keeps for its backward pass
@@ -60,7 +61,7 @@ def activation_bytes(m: Model, micro: int, tp: int, remat: str, flash: bool) -> 
     return layers + 2 * sbh * e + loss
 
 
-def step_activation_bytes(m: Model, micro: int, tp: int, attention: str, accum_steps: int, platform: str = "tpu") -> int:
+def step_activation_bytes(m: Model, micro: int, attention: str, accum_steps: int, where: Where) -> int:
     """What zerolm's gradient program allocates for one micro-batch besides the model states, with the
     attention zerolm runs (`attention`), as counted in the TPU compiler's buffer assignment of zerolm's
     step (125m, v3; docs/performance-notes.md):
@@ -79,10 +80,8 @@ def step_activation_bytes(m: Model, micro: int, tp: int, attention: str, accum_s
     - the loss: the output layer's float32 gradient as it is summed and the embedding's (2·V·h·4),
       and a chunk's float32 logits with their gradient in the compute dtype (the micro-batch's, if
       smaller; without chunking, loss_chunk 0, autodiff keeps three float32 copies)."""
-    from zerolm.model.device_policy import resolve_scan_layers
-
-    scanned = resolve_scan_layers(m.scan_layers, platform, m.remat)  # the layer loop zerolm compiles there
-    b, t = micro, tp
+    scanned = scan_layers(m.scan_layers, where, m.remat)  # the layer loop zerolm compiles there
+    b, t, platform = micro, where.tp, where.platform
     s, h, a, e, L = m.seq_len, m.d_model, m.n_head, m.act_bytes, m.n_layer
     sbh = s * b * h
     # XLA's: the T×T probabilities and float32 scores. Pallas's kernel keeps its softmax statistics

@@ -61,14 +61,14 @@ def from_config(cfg, dp: int, tp: int) -> tuple[Model, Any]:
     from jax.sharding import AbstractMesh, AxisType
 
     from zerolm.model import decoder as gpt_model
-    from zerolm.model.device_policy import scan_layers_at_stage
+    from zerolm.parallel import auto
     from zerolm.parallel.mesh import DP, TP
     from zerolm.parallel.optim import make_optimizer
     from zerolm.parallel.sharding import Table, param_spec
 
     # What build_step builds, on no devices: only the parameters' shapes are read, which neither the
     # compute dtype, the attention nor the layer loop changes.
-    gpt = gpt_model.GPT(cfg.model.model_copy(update={"dtype": "float32", "attention": "xla", "scan_layers": True}))
+    gpt = gpt_model.GPT(auto.for_shapes(cfg.model))
     init_fn = functools.partial(gpt_model.init_params, gpt)
     abstract = jax.eval_shape(init_fn, jax.random.key(0))
     axes = gpt_model.logical_axes(gpt)
@@ -87,7 +87,8 @@ def from_config(cfg, dp: int, tp: int) -> tuple[Model, Any]:
                   param_bytes=2 if cfg.zero.precision == "mixed" else 4,
                   acc_bytes=2 if cfg.zero.accumulate_dtype == "bfloat16" else 4, attention=cfg.model.attention,
                   attention_block=cfg.model.attention_block, document_mask=cfg.model.document_mask,
-                  scan_layers=scan_layers_at_stage(cfg.model.scan_layers, cfg.zero.stage),
+                  scan_layers=cfg.model.scan_layers, dtype=cfg.model.dtype, position=cfg.model.position,
+                  attention_dropout=cfg.model.attention_dropout,
                   kv_heads=cfg.model.kv_heads, mlp_width=cfg.model.mlp_width, gated_mlp=cfg.model.mlp == "swiglu",
                   parallel_residual=cfg.model.parallel_residual, shared_norm=cfg.model.shared_norm,
                   residual_dropout=bool(cfg.model.residual_dropout),

@@ -9,6 +9,8 @@ from typing import Any
 
 from zerolm.core.hardware import Device, gpu_memory_fraction
 from zerolm.model.flops import flops_per_token
+from zerolm.parallel.auto import Where
+from zerolm.parallel.auto import attention as auto_attention
 from zerolm.plan.activations import activation_bytes, step_activation_bytes
 from zerolm.plan.describe import PlanReport
 from zerolm.plan.spec import PRECISIONS, STAGES, BytesPerParam, Model, Parallelism
@@ -78,14 +80,15 @@ class Planner:
         return self.attention != "xla"
 
     @property
-    def attention(self) -> str:
-        """The attention zerolm runs on this device preset (zerolm.model.device_policy.resolve_auto, the rule training
-        applies to its devices), or the config's."""
-        from zerolm.model.device_policy import resolve_auto
+    def where(self) -> Where:
+        """The device preset, the layout's tp and the config's ZeRO stage, as zerolm.parallel.auto reads them."""
+        return Where(self.device.platform, self.device.name, self.layout.tp, self.stage)
 
-        m = self.model
-        return resolve_auto("bfloat16" if m.act_bytes == 2 else "float32", m.attention, self.device.platform,
-                            self.device.name, m.seq_len, m.attention_block)[1]
+    @property
+    def attention(self) -> str:
+        """The attention zerolm runs on this device preset and layout: the rule a run applies to its devices
+        (zerolm.parallel.auto.attention), or the config's."""
+        return auto_attention(self.model, self.where)
 
     def step_peak(self, micro: int, stage: int = 1) -> dict[str, Any]:
         """zerolm's own step at ZeRO `stage` (at the config's precision), per device, by the rule `zerolm
@@ -130,8 +133,7 @@ class Planner:
                 "activation_bytes": acts, "fits": self.fits(programs[program])}
 
     def step_activation_bytes(self, micro: int) -> int:
-        return step_activation_bytes(self.model, micro, self.layout.tp, self.attention, self.layout.per_rank // micro,
-                                     self.device.platform)
+        return step_activation_bytes(self.model, micro, self.attention, self.layout.per_rank // micro, self.where)
 
     def micro_batches(self) -> list[int]:
         per_rank = self.layout.per_rank

@@ -44,10 +44,13 @@ class Model:
     source: str = ""
     param_bytes: int = 4  # of the working parameters (zero.precision: fp32 4, mixed 2)
     acc_bytes: int = 4  # of the gradient accumulator (zero.accumulate_dtype)
-    attention: str = "auto"  # model.attention (auto: the device's choice, as zerolm.model.device_policy.for_device)
+    attention: str = "auto"  # model.attention (auto: the device's choice, zerolm.parallel.auto.attention)
+    dtype: str = "auto"  # model.dtype
+    position: str = "learned"  # model.position (ALiBi keeps Pallas's attention away)
+    attention_dropout: float = 0.0  # model.attention_dropout (keeps the fused attentions away)
     attention_block: int = 512  # model.attention_block
     document_mask: bool = False  # model.document_mask: segment ids beside each layer's attention
-    # model.scan_layers (auto: the device's choice, zerolm.model.device_policy.resolve_scan_layers)
+    # model.scan_layers (auto: the device's and the stage's choice, zerolm.parallel.auto.scan_layers)
     scan_layers: bool | str = "auto"
 
     # The layer's layout where it is not GPT-2's (a config's model; zerolm.plan.build.from_config):
