@@ -22,9 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from zerolm.checkpoint.errors import CheckpointError
-from zerolm.checkpoint.meta import CheckpointMeta
-from zerolm.checkpoint.store import Checkpoints
-from zerolm.checkpoint.trained_model import opened_for
+from zerolm.checkpoint.trained_model import Opened, opened_for
 from zerolm.config.tree import Config
 
 KEY = "train.branch_from"
@@ -35,16 +33,8 @@ class SharedLogs(CheckpointError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Source:
-    """The checkpoint a branch starts from: its run's checkpoints (read only), the step, its record."""
-
-    checkpoints: Checkpoints
-    step: int
-    meta: CheckpointMeta
-
-    @property
-    def where(self) -> Any:
-        return self.checkpoints.directory / str(self.step)
+class Source(Opened):
+    """The checkpoint a branch starts from (read only), and where its run logs."""
 
     @property
     def log_dir(self) -> Path:
@@ -68,8 +58,8 @@ def opened(cfg: Config) -> Iterator[Source]:
     cannot be read, where it is at or past train.steps, or where the source's logging.dir is this run's."""
     path = cfg.train.branch_from
     assert path is not None
-    with opened_for(path, KEY) as (ckpts, step, meta):
-        source = Source(ckpts, step, meta)
+    with opened_for(path, KEY) as found:
+        source, step = Source(found.checkpoints, found.step, found.meta), found.step
         if step >= cfg.train.steps:
             raise CheckpointError(f"{KEY}: {source.where}: step {step} is not before train.steps {cfg.train.steps}: "
                                   f"a branch trains the steps after its source's ({step + 1}..train.steps)")

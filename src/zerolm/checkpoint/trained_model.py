@@ -133,8 +133,22 @@ def locate(path: str) -> tuple[Checkpoints, int]:
     raise CheckpointError(f"{path}: every checkpoint is damaged (see zerolm checkpoints {path})")
 
 
+@dataclasses.dataclass(frozen=True)
+class Opened:
+    """A checkpoint opened read only (`opened_for`): its run's checkpoints, its step and its record."""
+
+    checkpoints: Checkpoints
+    step: int
+    meta: CheckpointMeta
+
+    @property
+    def where(self) -> epath.Path:
+        """The step's directory."""
+        return self.checkpoints.directory / str(self.step)
+
+
 @contextlib.contextmanager
-def opened_for(path: str, key: str) -> Iterator[tuple[Checkpoints, int, CheckpointMeta]]:
+def opened_for(path: str, key: str) -> Iterator[Opened]:
     """The checkpoint a config key names (train.init_from, train.branch_from) and its metadata, opened read only
     and closed after; a problem is a CheckpointError naming `key`."""
     try:
@@ -147,7 +161,7 @@ def opened_for(path: str, key: str) -> Iterator[tuple[Checkpoints, int, Checkpoi
                 meta = ckpts.readable_meta(step)
             except CheckpointError as e:
                 raise CheckpointError(f"{key}: {e}") from None
-        yield ckpts, step, meta
+        yield Opened(ckpts, step, meta)
     finally:
         ckpts.close()
 

@@ -15,7 +15,6 @@ compiled (`check`). A checkpoint trained in mixed precision gives its bfloat16 w
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +29,7 @@ from zerolm.checkpoint.errors import CheckpointError
 from zerolm.checkpoint.meta import CheckpointMeta
 from zerolm.checkpoint.set_aside import move_aside
 from zerolm.checkpoint.store import Checkpoints, quiet_orbax
-from zerolm.checkpoint.trained_model import TOKENIZER_BESIDE, opened_for
+from zerolm.checkpoint.trained_model import TOKENIZER_BESIDE, Opened, opened_for
 from zerolm.config.tree import Config
 from zerolm.parallel import auto
 from zerolm.parallel.mesh import make_mesh
@@ -40,29 +39,17 @@ from zerolm.parallel.zero import TrainState, Zero
 KEY = "train.init_from"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Source:
-    checkpoints: Checkpoints
-    step: int
-    meta: CheckpointMeta
-
-    @property
-    def where(self) -> Any:
-        return self.checkpoints.directory / str(self.step)
-
-
 @contextlib.contextmanager
-def _opened(cfg: Config, data_id: dict) -> Iterator[_Source]:
+def _opened(cfg: Config, data_id: dict) -> Iterator[Opened]:
     """The checkpoint init_from names, checked against the run (CheckpointError naming train.init_from)."""
     path = cfg.train.init_from
     assert path is not None
-    with opened_for(path, KEY) as (ckpts, step, meta):
-        source = _Source(ckpts, step, meta)
+    with opened_for(path, KEY) as source:
         _check(cfg, source, data_id)
         yield source
 
 
-def _check(cfg: Config, source: _Source, data_id: dict) -> None:
+def _check(cfg: Config, source: Opened, data_id: dict) -> None:
     differs = parameter_differences(source.meta.model, cfg.model.model_dump())
     if differs:
         key, saved, wanted = differs[0]

@@ -295,7 +295,7 @@ def measure(location: str, ngrams: NgramSet, part: tuple[int, int] | None = None
     return result, []
 
 
-def run_data(config: dict[str, Any] | None, location: str | None) -> list[str]:
+def training_locations(config: dict[str, Any] | None, location: str | None) -> list[str]:
     """Where a run's training data is, as its checkpoint records it: each dataset of its mixture, or the one
     dataset it read (`location`)."""
     mixture = ((config or {}).get("data") or {}).get("mixture")

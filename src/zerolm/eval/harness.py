@@ -41,7 +41,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from zerolm.config.sampling import Sampling
 from zerolm.core.errors import UsageError
-from zerolm.data.contamination import run_data
+from zerolm.data.contamination import training_locations
 from zerolm.data.tokenizer import Tokenizer
 from zerolm.model.decoder import GPT
 from zerolm.model.generate import generate
@@ -126,7 +126,7 @@ class Loaded:
     tokenizer: Tokenizer
     checkpoints: str = ""  # the run's checkpoint directory ("" for a training run's live model)
     step: int = 0
-    data: tuple[str, ...] = ()  # where the run's training data is (zerolm.data.contamination.run_data)
+    data: tuple[str, ...] = ()  # where the run's training data is (zerolm.data.contamination.training_locations)
 
     @property
     def name(self) -> str:
@@ -158,7 +158,7 @@ def load_checkpoint(checkpoint: str, tokenizer: str | None = None) -> Loaded:
     model_run = restored.load(checkpoint)
     return Loaded(model_run.model, model_run.params, model_run.mesh, model_run.tokenizer(tokenizer),
                   str(model_run.where.parent), model_run.step,
-                  tuple(run_data(model_run.config, model_run.meta.dataset_location)))
+                  tuple(training_locations(model_run.config, model_run.meta.dataset_location)))
 
 
 @register_model("zerolm")

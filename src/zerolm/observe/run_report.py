@@ -239,7 +239,8 @@ def contamination_lines(files: RunFiles, tasks: list[str]) -> list[str]:
     if files.launches:
         locations = [d["location"] for d in files.launches[-1].data]
     else:
-        locations = contamination.run_data(files.config, files.checkpoint.dataset_location if files.checkpoint else None)
+        recorded = files.checkpoint.dataset_location if files.checkpoint else None
+        locations = contamination.training_locations(files.config, recorded)
     dirty = {name: t for name, t in contamination.dirty_fractions(locations).items() if name in tasks}
     if not dirty:
         return []

@@ -1,5 +1,6 @@
-"""One training run and what only it uses: the run opened and its loop with evaluation, tasks, samples and
-checkpoints as hooks (`trainer`), its data opened and checked (`run_data`), what it prints before its first
+"""One training run and what only it uses: the run top to bottom (`trainer`), opened (`opening`) and its steps
+with evaluation, tasks, samples, your own hooks and checkpoints between them (`loop`), its data opened and
+checked (`run_data`), what it prints before its first
 step (`preflight`), stopping at one step on SIGTERM or Ctrl-C (`preemption`), JAX's persistent compilation
 cache, and `zerolm launch-local`'s supervised processes.
 
