@@ -216,3 +216,37 @@ def test_remat_auto_takes_the_least_recomputed_policy_that_fits():
     assert sorted(n for n in alone if n in step - {"jit(grad_step)"}) == ["jit(_update)", "jit(to_views)"], alone
     taken = chosen.cfg.model.remat
     assert peaks[taken] <= limit and all(peaks[r] > limit for r in REMAT_ORDER[:REMAT_ORDER.index(taken)])
+
+
+def test_the_gpu_kernel_model_counts_the_steps_work_and_models_back_its_calibration():
+    """zerolm.compile.gpu_time on a small step compiled for one H100 (no remat, layers unrolled, cuDNN's attention):
+    its matmul kernels do the model's 6·N FLOPs per token (nothing recomputed), its attention kernels cuDNN's causal
+    forward and backward (half of 4 + 10 B·H·T·T·dh per layer and micro-step), every kernel together step_time's
+    count of the programs; calibrated on this step with a given split of a given time, it models that split back,
+    and a card with twice the bandwidth and the same rates takes less time where bytes bound the kernels."""
+    from zerolm.compile import gpu_time, step_time
+    from zerolm.model.decoder import count_params
+
+    devices = aot.target_devices(aot.parse_target("h100"))
+    cfg = load_config(TINY, [*SMALL, "mesh.dp=1", "train.global_batch_size=4", "train.micro_batch_size=2",
+                             "model.remat=none"], device_count=1)
+    built = build_and_compile(cfg, make_mesh(1, 1, devices), None)
+    assert built.cfg.model.attention == "cudnn" and not built.cfg.model.scan_layers
+    texts = built.compiled.texts
+    kernels = [k for text in texts.values() for k in gpu_time.kernels(text)]
+    work = {c: sum(k.runs * k.flops for k in kernels if k.klass == c) for c in gpu_time.CLASSES}
+    m, tokens = built.cfg.model, cfg.train.global_batch_size * cfg.model.seq_len
+    assert work["matmul"] == pytest.approx(6 * count_params(built.zero.abstract_params, matmul_only=True) * tokens,
+                                           rel=0.01)
+    B, T, dh = cfg.train.micro_batch_size, m.seq_len, m.head_dim
+    assert work["attention"] == (4 + 10) // 2 * B * m.n_head * T * T * dh * m.n_layer * cfg.accum_steps
+    assert sum(work.values()) == sum(step_time.flops(text).total for text in texts.values())
+    shares = {"matmul": 0.4, "attention": 0.2, "reduction": 0.25, "elementwise": 0.1, "copy": 0.05}
+    present = {c: s for c, s in shares.items() if any(k.klass == c for k in kernels)}
+    calibration = gpu_time.Calibration("tiny", (), 0.1, present, "this test")  # (above the bytes' floor)
+    card = gpu_time.calibrate(texts, "h100", 989e12, 3.35e12, calibration)
+    modeled = gpu_time.step(texts, card)
+    for klass, share in present.items():
+        assert modeled.seconds[klass] == pytest.approx(share * 0.1, rel=1e-3), klass
+    wider = gpu_time.Card("wider", 989e12, 6.7e12, card.reached, "")
+    assert gpu_time.step(texts, wider).seconds["reduction"] == pytest.approx(modeled.seconds["reduction"] / 2)

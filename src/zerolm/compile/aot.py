@@ -37,7 +37,7 @@ import numpy as np
 
 from zerolm.compile import bytes_moved as census_lib
 from zerolm.compile import collectives as comms
-from zerolm.compile import step_time
+from zerolm.compile import gpu_time, step_time
 from zerolm.config.tree import Config
 from zerolm.core.errors import ZerolmError, first_line
 from zerolm.core.hardware import GPU_TYPES, GPUS_PER_HOST, TPU_TYPES, gpu_memory_fraction, grid, preset
@@ -264,10 +264,19 @@ def compile_for(cfg: Config, target: Target, devices: list, *, census: bool = Fa
         step_model=(step_time.of_step(built, preset(device_preset)) if (device_preset := preset_for(target))
                     and not compiled.refused
                     else None),
+        gpu_step=_gpu_step(target, texts, len(devices)) if not compiled.refused else None,
         contexts=contexts,
         async_collectives=[{"program": name, "ops": list(a.ops), "in_loop": a.in_loop, "bytes": a.bytes,
                             "overlaps": list(a.overlaps)} for name, text in texts.items()
                            for a in comms.read_async(text)])
+
+
+def _gpu_step(target: Target, texts: dict[str, str], devices: int) -> gpu_time.GpuStep | None:
+    """A GPU target's step modeled kernel by kernel on its card, its collectives over the preset's links."""
+    if target.platform != "gpu":
+        return None
+    gpu = GPU_TYPES[target.generation]
+    return gpu_time.step(texts, gpu_time.card(gpu), preset(gpu.preset) if gpu.preset else None, devices)
 
 
 @dataclasses.dataclass
@@ -310,13 +319,16 @@ class CompileReport:
     step_model: step_time.StepModel | None = None
     # train.context_stages: each staged context's step compiled (steps, seq_len, rows per sample, peak, fits)
     contexts: list[dict] = dataclasses.field(default_factory=list)
+    # a GPU target's step modeled kernel by kernel (zerolm.compile.gpu_time; None: a TPU, or a refused program)
+    gpu_step: gpu_time.GpuStep | None = None
 
     def to_json(self) -> dict:
         return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
                 "collectives": [r.as_dict() for r in self.collectives],
                 "predicted": [p.to_json() for p in self.predicted],
                 "census": self.census.to_json() if self.census else None,
-                "step_model": self.step_model.to_json() if self.step_model else None}
+                "step_model": self.step_model.to_json() if self.step_model else None,
+                "gpu_step": self.gpu_step.to_json() if self.gpu_step else None}
 
 
 def _gib(n: int | None) -> str:
@@ -359,6 +371,8 @@ def describe(report: CompileReport) -> list[str]:
         lines.append(report.remat_choice)
     if report.step_model is not None:
         lines.append(report.step_model.describe())
+    if report.gpu_step is not None:
+        lines.append(report.gpu_step.describe())
     for c in report.contexts:
         lines.append(f"context stage, steps {c['steps']}: {c['seq_len']} tokens, {c['micro_rows']} rows per device per "
                      f"micro-step: peak {_gib(c['peak_bytes'])} per device"

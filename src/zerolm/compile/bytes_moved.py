@@ -59,7 +59,7 @@ class Census:
                 "rows": [dataclasses.asdict(r) for r in self.rows]}
 
 
-def _typed(instructions: list[Instruction]) -> list[Instruction]:
+def typed(instructions: list[Instruction]) -> list[Instruction]:
     """The instructions with each operand's type written out (the GPU compiler prints operands by name
     only): looked up among the computation's own results."""
     types = {ins.name: ins.result for ins in instructions}
@@ -92,7 +92,7 @@ def _fusion_bytes(ins: Instruction, fused: list[Instruction]) -> int:
     return sum(read) + written
 
 
-def _kind(ins: Instruction, comps: dict[str, list[Instruction]]) -> str:
+def kind_of(ins: Instruction, comps: dict[str, list[Instruction]]) -> str:
     if ins.opcode == "fusion":
         kind = _KIND.search(ins.attributes)
         called = _CALLS.search(ins.attributes)
@@ -108,7 +108,7 @@ def _kind(ins: Instruction, comps: dict[str, list[Instruction]]) -> str:
     return ins.opcode.removesuffix("-start")
 
 
-def _bytes(ins: Instruction, comps: dict[str, list[Instruction]]) -> int:
+def bytes_of(ins: Instruction, comps: dict[str, list[Instruction]]) -> int:
     if ins.opcode == "fusion" and (called := _CALLS.search(ins.attributes)):
         return _fusion_bytes(ins, comps.get(called.group(1), []))
     if ins.opcode == "dynamic-update-slice":
@@ -121,18 +121,18 @@ def _bytes(ins: Instruction, comps: dict[str, list[Instruction]]) -> int:
 def census(hlo_text: str) -> Census:
     """The census of one compiled program (its optimized HLO text)."""
     program = hlo.program(hlo_text)
-    comps = {name: _typed(instructions) for name, instructions in program.computations.items()}
+    comps = {name: typed(instructions) for name, instructions in program.computations.items()}
     rows: dict[str, Row] = {}
     for name in program.executed:
         times = program.runs.get(name)
         for ins in comps[name]:
             if ins.opcode in BOOKKEEPING or ins.opcode == "async-start":
                 continue
-            kind = _kind(ins, comps)
+            kind = kind_of(ins, comps)
             row = rows.setdefault(kind, Row(kind, 0, 0, 0))
             row.instructions += 1
             row.executions += round(times or 1)
-            row.bytes += round((times or 1) * _bytes(ins, comps))
+            row.bytes += round((times or 1) * bytes_of(ins, comps))
     return Census(sorted(rows.values(), key=lambda r: -r.bytes), program.unknown_loops)
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from zerolm.compile import collectives as compiled_collectives
 from zerolm.compile import hlo
@@ -155,6 +155,35 @@ class Flops:
     estimated_kernels: int = 0  # executions of Pallas kernels counted by their cost estimate or the flash formula
 
 
+class Counted(NamedTuple):
+    """One instruction's matmul FLOPs and how they were counted."""
+
+    flops: int
+    how: str  # "dot" (dots and convolutions, cuBLAS calls), "kernel" (cuDNN's attention by its shapes), "estimate"
+    # (a Pallas kernel by its cost estimate or the flash formula), "uncounted" (a matmul kernel whose FLOPs are not
+    # written), "" (no matmul)
+
+
+def instruction_flops(ins: hlo.Instruction, types: dict[str, str]) -> Counted:
+    """The matmul FLOPs of one instruction per execution (see the module docstring); `types` its computation's
+    results by name (the GPU compiler writes operands by name only)."""
+    if ins.opcode == "dot":
+        return Counted(_dot_flops(ins, types), "dot")
+    if ins.opcode == "convolution":
+        return Counted(_convolution_flops(ins, types), "dot")
+    if ins.opcode != "custom-call":
+        return Counted(0, "")
+    target = (_TARGET.search(ins.attributes) or _TARGET.search(" ".join(ins.operands)))
+    kind = target.group(1) if target else "?"
+    if "fmha" in kind:
+        return Counted(_fmha_flops(ins, kind), "kernel")
+    if ("cublas" in kind or "gemm" in kind) and _GEMM_CONTRACTING.search(ins.attributes):
+        return Counted(_gemm_flops(ins, types), "dot")
+    if kind == "tpu_custom_call" and (pallas := _pallas_flops(ins, types)) is not None:
+        return Counted(pallas, "estimate")
+    return Counted(0, "uncounted" if any(k in kind for k in _MATMUL_KERNELS) else "")
+
+
 def flops(hlo_text: str) -> Flops:
     """The matmul FLOPs one execution of a compiled program runs per device (see the module docstring)."""
     program = hlo.program(hlo_text)
@@ -165,25 +194,12 @@ def flops(hlo_text: str) -> Flops:
         times = program.runs.get(name, 1)
         found = 0
         for ins in instructions:
-            if ins.opcode == "dot":
-                found += _dot_flops(ins, types)
-            elif ins.opcode == "convolution":
-                found += _convolution_flops(ins, types)
-            elif ins.opcode == "custom-call":
-                target = (_TARGET.search(ins.attributes) or _TARGET.search(" ".join(ins.operands)))
-                kind = target.group(1) if target else "?"
-                if "fmha" in kind:
-                    attention = _fmha_flops(ins, kind)
-                    found += attention
-                    kernels += attention * (times or 1)
-                elif ("cublas" in kind or "gemm" in kind) and _GEMM_CONTRACTING.search(ins.attributes):
-                    found += _gemm_flops(ins, types)
-                elif kind == "tpu_custom_call" and (pallas := _pallas_flops(ins, types)) is not None:
-                    found += pallas
-                    kernels += pallas * (times or 1)
-                    estimated += round(times or 1)
-                elif any(k in kind for k in _MATMUL_KERNELS):
-                    uncounted += round(times or 1)
+            counted = instruction_flops(ins, types)
+            found += counted.flops
+            if counted.how in ("kernel", "estimate"):
+                kernels += counted.flops * (times or 1)
+            estimated += round(times or 1) if counted.how == "estimate" else 0
+            uncounted += round(times or 1) if counted.how == "uncounted" else 0
         if found and times is None:
             unknown += 1
         total += found * (times or 1)

@@ -152,8 +152,15 @@ class GpuType:
 
     def memory(self) -> int:
         """The device's memory in bytes, as the description states it (`device_memory_size`)."""
-        m = re.search(r"device_memory_size:\s*(\d+)", self.target_config())
-        assert m, self.spec
+        return self._number("device_memory_size")
+
+    def memory_bandwidth(self) -> float:
+        """The device memory's bandwidth in bytes/s, as the description states it (`memory_bandwidth`)."""
+        return float(self._number("memory_bandwidth"))
+
+    def _number(self, key: str) -> int:
+        m = re.search(rf"{key}:\s*(\d+)", self.target_config())
+        assert m, (self.spec, key)
         return int(m.group(1))
 
 
