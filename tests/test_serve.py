@@ -5,6 +5,7 @@ streams what `zerolm sample` prints and says so when the server dies; stop seque
 context, bad requests (4xx naming the field), a full queue (429), SIGTERM (answers in flight finish, exit 0)."""
 
 import concurrent.futures
+import json
 import os
 import re
 import signal
@@ -45,6 +46,10 @@ class Server:
         import openai
 
         return openai.OpenAI(base_url=self.api, api_key="none", max_retries=0, timeout=60)
+
+    def rss_mb(self) -> float:
+        status = open(f"/proc/{self.proc.pid}/status").read()
+        return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
 
     def stop(self, sig=signal.SIGTERM) -> int:
         if self.proc.poll() is None:
@@ -195,6 +200,33 @@ def test_a_bad_request_is_a_4xx_naming_its_field_and_the_server_goes_on(server, 
     assert error["param"] == param and error["message"].startswith(param), error
     assert httpx.post(f"{server.url}/v1/completions", content=b"{nope").status_code == 400
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+
+
+def test_a_huge_body_is_refused_before_it_is_read_and_health_answers_meanwhile(server):
+    import httpx
+
+    rss_before = server.rss_mb()
+    huge = json.dumps({"prompt": "word " * 2_000_000}).encode()  # 10 MB, 2 million tokens
+
+    def chunked():  # no Content-Length: refused as it passes the limit
+        yield from (huge[i:i + 65536] for i in range(0, len(huge), 65536))
+    long_text = json.dumps({"prompt": "word " * 200_000}).encode()  # under the limit, 200,000 tokens
+    for content, status, message in [(huge, 413, "the request body is larger than this server's limit of 1048576"),
+                                     (chunked(), 413, "the request body is larger than this server's limit"),
+                                     (long_text, 400, "prompt: 1000000 characters, more than the model's context")]:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            sent = time.perf_counter()
+            answer = pool.submit(httpx.post, f"{server.api}/completions", content=content, timeout=60,
+                                 headers={"Content-Type": "application/json"})
+            waits = []
+            while not waits or not answer.done():
+                start = time.perf_counter()
+                assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
+                waits.append(time.perf_counter() - start)
+            response, took = answer.result(), time.perf_counter() - sent
+        assert max(waits) < 1.0 and took < 2.0, (waits, took)
+        assert response.status_code == status and response.json()["error"]["message"].startswith(message)
+    assert server.rss_mb() - rss_before < 100
 
 
 def test_the_end_of_the_context_ends_a_completion(server):

@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="choices decoded together at most; more wait for a row (default: %(default)s)")
     parser.add_argument("--max-waiting", type=int, default=256, metavar="W",
                         help="choices waiting for a row at most; past it a request gets HTTP 429 (default: %(default)s)")
+    parser.add_argument("--max-body-bytes", type=int, default=None, metavar="B",
+                        help="the largest request body; a larger one gets HTTP 413 before it is read (default: 64 "
+                             "bytes a token of the context, 1 MiB at least)")
     parser.add_argument("--name", default=None,
                         help="the model's name in the API (default: the run's checkpoint directory's name)")
     parser.add_argument("--tokenizer", default=None, metavar="FILE",
@@ -48,7 +51,8 @@ def _listen(host: str, port: int) -> socket.socket:
 def run(args: argparse.Namespace) -> int:
     limit = 1 if args.max_tokens is None else args.max_tokens
     for flag, value, least in (("--port", args.port, 0), ("--max-rows", args.max_rows, 1),
-                               ("--max-waiting", args.max_waiting, 1), ("--max-tokens", limit, 1)):
+                               ("--max-waiting", args.max_waiting, 1), ("--max-tokens", limit, 1),
+                               ("--max-body-bytes", 1024 if args.max_body_bytes is None else args.max_body_bytes, 1024)):
         if value < least or (flag == "--port" and value > 65535):
             raise UsageError(f"{flag}: {value} is out of range")
     import jax
@@ -81,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
     def listening() -> None:
         print(f"serving {name} at {url}/ (OpenAI API: {url}/v1; Ctrl-C stops)", flush=True)
-    app.run(app.Served(engine, name, args.max_tokens), sock, listening)
+    app.run(app.Served(engine, name, args.max_tokens), sock, listening, args.max_body_bytes)
     print("stopped", file=sys.stderr)
     return 0
 

@@ -6,6 +6,7 @@ the sha256 of its file) that prepared datasets and checkpoints record.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import os
 from collections.abc import Sequence
@@ -82,6 +83,18 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return self._backend.decode([int(i) for i in ids])
+
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token can stand for (its bytes: every byte of a text is in one of
+        its tokens, and a character is a byte at least), so a text of more than n times this has more than n
+        tokens. None for a Hugging Face tokenizer that is not byte-level or normalizes the text first (it
+        may drop or merge characters: no such bound holds)."""
+        if self.kind == "tiktoken":
+            return max(len(token) for token in self._backend.token_byte_values())
+        if self._backend.normalizer is not None or "ByteLevel" not in repr(self._backend.pre_tokenizer):
+            return None
+        return max(len(token) for token in self._backend.get_vocab())  # byte-level: a character per byte
 
 
 def train_bpe(documents: Sequence[str], vocab_size: int) -> tokenizers.Tokenizer:

@@ -8,7 +8,9 @@
   lm-evaluation-harness's `local-completions` reads with `tokenizer_backend=remote`).
 
 A mistake in a request is a 4xx JSON error naming its field (OpenAI's shape); a full queue is 429. A client
-that goes away frees its rows at the next step.
+that goes away frees its rows at the next step. The event loop only moves bytes: a request's body is read up
+to a limit (zerolm.serve.guard), and decoded, checked and tokenized on a thread, so no request holds up
+another's answer or `/health`.
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ import jax
 import numpy as np
 import uvicorn
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from zerolm.serve import completions as api
 from zerolm.serve.engine import Busy, Engine, Failure, Job, Piece
+from zerolm.serve.guard import Guard, body_limit
 
 # Python hands the GIL between busy threads every 5 ms by default: the engine's thread, between two steps, would
 # wait that long for the HTTP thread each time it needs it (a step of a small model takes under a millisecond).
@@ -53,10 +58,14 @@ class Served:
         self.tokenizer = engine.tokenizer
 
     def jobs(self, request: api.Completion, sink: Callable[[Piece | Failure], None]) -> tuple[list[Job], int]:
-        """One job per prompt and choice; the prompts' tokens counted (usage)."""
+        """One job per prompt and choice; the prompts' tokens counted (usage). Run on a thread: it tokenizes."""
         if request.max_tokens is not None and request.max_tokens > self.max_tokens:
             raise api.RequestError(f"max_tokens: {request.max_tokens} is past this server's limit of {self.max_tokens}",
                                    "max_tokens")
+        if len(request.prompts) * request.n > self.engine.max_waiting:
+            raise api.RequestError(f"prompt: {len(request.prompts)} prompts (n={request.n} choices each) are more "
+                                   f"choices than this server queues ({self.engine.max_waiting}: --max-waiting)",
+                                   "prompt")
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(31)
         base, jobs, counted = jax.random.key(seed), [], 0
         for p, prompt in enumerate(request.prompts):
@@ -72,6 +81,12 @@ class Served:
         return jobs, counted
 
     def _prompt(self, prompt: str | list[int]) -> tuple[np.ndarray, str]:
+        longest = self.tokenizer.max_token_chars
+        if isinstance(prompt, str) and longest is not None and len(prompt) > longest * (self.context - 1):
+            # more tokens than the context holds, however it is split: refused without tokenizing it
+            raise api.RequestError(f"prompt: {len(prompt)} characters, more than the model's context of "
+                                   f"{self.context} tokens holds (a prompt may have at most {self.context - 1} "
+                                   f"tokens, of at most {longest} characters each)", "prompt")
         if isinstance(prompt, str):
             ids, text = self.tokenizer.encode(prompt), prompt
         else:
@@ -94,8 +109,12 @@ def _error(error: api.RequestError) -> JSONResponse:
 
 
 async def _body(request: Request) -> Any:
+    return await run_in_threadpool(_json, await request.body())
+
+
+def _json(body: bytes) -> Any:
     try:
-        return json.loads(await request.body())
+        return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise api.RequestError(f"the request body is not JSON: {e}") from None
 
@@ -106,14 +125,13 @@ def _deliver(items: list[tuple[Job, Piece | Failure]]) -> None:
 
 
 class Answer:
-    """One request's choices, assembled from the engine's pieces."""
+    """One request's choices, assembled from the engine's pieces. Made on a thread (`opened`): its prompts are
+    tokenized."""
 
-    def __init__(self, served: Served, request: api.Completion):
+    def __init__(self, served: Served, request: api.Completion, loop: asyncio.AbstractEventLoop):
         self.served, self.request = served, request
         self.queue: asyncio.Queue[Piece | Failure] = asyncio.Queue()
         if served.engine.post is None:  # each step's pieces, delivered on this loop at once
-            loop = asyncio.get_running_loop()
-
             def post(items: list[tuple[Job, Piece | Failure]]) -> None:
                 with contextlib.suppress(RuntimeError):  # the loop is gone: the server is stopping
                     loop.call_soon_threadsafe(_deliver, items)
@@ -121,6 +139,17 @@ class Answer:
         self.jobs, self.prompt_tokens = served.jobs(request, self.queue.put_nowait)
         self.open = len(self.jobs)
         self.tokens = [0] * len(self.jobs)
+
+    @classmethod
+    async def opened(cls, served: Served, body: bytes) -> Answer:
+        """A request's body decoded, checked and tokenized off the event loop (a long prompt takes a while)."""
+        def open_(loop: asyncio.AbstractEventLoop) -> Answer:
+            parsed = api.parse(_json(body), served.engine.max_rows)
+            if parsed.model not in (None, served.name):
+                raise api.RequestError(f"model: {parsed.model!r} is not served here (this server serves "
+                                       f"{served.name!r})", "model", 404, "model_not_found")
+            return cls(served, parsed, loop)
+        return await run_in_threadpool(open_, asyncio.get_running_loop())
 
     def start(self) -> None:
         try:
@@ -221,17 +250,12 @@ def _served(request: Request) -> Served:
 
 
 async def _completions(request: Request) -> Response:
-    served = _served(request)
     try:
-        parsed = api.parse(await _body(request), served.engine.max_rows)
-        if parsed.model not in (None, served.name):
-            raise api.RequestError(f"model: {parsed.model!r} is not served here (this server serves "
-                                   f"{served.name!r})", "model", 404, "model_not_found")
-        answer = Answer(served, parsed)
+        answer = await Answer.opened(_served(request), await request.body())
         answer.start()
     except api.RequestError as e:
         return _error(e)
-    if parsed.stream:
+    if answer.request.stream:
         return _streamed(answer)
     try:
         return await _whole(request, answer)
@@ -277,7 +301,7 @@ async def _tokenize(request: Request) -> Response:
     except api.RequestError as e:
         return _error(e)
     served = _served(request)
-    tokens = served.tokenizer.encode(body["prompt"]).tolist()
+    tokens = (await run_in_threadpool(served.tokenizer.encode, body["prompt"])).tolist()
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": served.context})
 
 
@@ -304,10 +328,11 @@ ROUTES = [Route("/", _page), Route("/health", _health), Route("/v1/models", _mod
           Route("/tokenize", _tokenize, methods=["POST"]), Route("/detokenize", _detokenize, methods=["POST"])]
 
 
-def create_app(served: Served) -> Starlette:
+def create_app(served: Served, max_body_bytes: int | None = None) -> ASGIApp:
+    """The app: its routes behind the guard (a body over `max_body_bytes`, default `body_limit`: 413)."""
     app = Starlette(routes=ROUTES, exception_handlers={HTTPException: _http_error})
     app.state.served = served
-    return app
+    return Guard(app, max_body_bytes or body_limit(served.context))
 
 
 class _Server(uvicorn.Server):
@@ -323,10 +348,10 @@ class _Server(uvicorn.Server):
             self.on_listening()
 
 
-def run(served: Served, sock: socket.socket, on_listening: Callable[[], None]) -> None:
+def run(served: Served, sock: socket.socket, on_listening: Callable[[], None], max_body_bytes: int | None = None) -> None:
     """Serves on `sock` until SIGTERM or Ctrl-C: then it stops taking connections, lets the answers in flight
     finish (GRACE_SECONDS at most) and stops the engine."""
-    config = uvicorn.Config(create_app(served), log_level="warning", access_log=False, lifespan="off",
+    config = uvicorn.Config(create_app(served, max_body_bytes), log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=GRACE_SECONDS)
     # uvicorn raises the signal that stopped it again once it has stopped: a stop asked for is a clean exit.
     for sig in (signal.SIGTERM, signal.SIGINT):
