@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -34,13 +35,18 @@ class Server:
     """`zerolm serve` in a subprocess, on a free port."""
 
     def __init__(self, checkpoint, *flags):
+        self.stderr = tempfile.NamedTemporaryFile("w+", suffix=".log")  # read while it runs
         self.proc = subprocess.Popen([sys.executable, "-m", "zerolm.cli", "serve", "--checkpoint", str(checkpoint),
                                       "--port", "0", *flags], env=env(1), cwd=REPO, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                     stdout=subprocess.PIPE, stderr=self.stderr)
         line = self.proc.stdout.readline()
         match = re.match(r"serving (\S+) at (http://\S+)/ \(OpenAI API: (\S+);", line)
-        assert match, (line, self.proc.stderr.read() if self.proc.poll() is not None else "")
+        assert match, (line, self.log())
         self.name, self.url, self.api = match.groups()
+
+    def log(self) -> str:
+        """What the server has written to its stderr."""
+        return open(self.stderr.name).read()
 
     def client(self):
         import openai
@@ -229,6 +235,27 @@ def test_a_huge_body_is_refused_before_it_is_read_and_health_answers_meanwhile(s
     assert server.rss_mb() - rss_before < 100
 
 
+@pytest.mark.parametrize("body, status, param, message", [
+    (b'{"prompt": "x", "seed": 1180591620717411303424}', 400, "seed", "seed: 1180591620717411303424 is not a 64-bit"),
+    (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, None,
+     "the request body is not JSON: Exceeds the limit (4300 digits) for integer string conversion"),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, "the request body is nested too deeply"),
+    (b'{"prompt": "And \\ud800 said"}', 400, "prompt", "prompt: holds a lone surrogate"),
+    (b'{"prompt": "x", "stop": "\\udfff"}', 400, "stop", "stop: holds a lone surrogate"),
+    (b'{"prompt": [5, 1180591620717411303424]}', 400, "prompt", "prompt: token ids must be in [0, 2048)"),
+    (b'{"prompt": "x", "max_tokens": 2, "top_k": 1099511627776}', 200, None, None),  # k past the vocabulary: all
+])
+def test_what_python_cannot_take_is_a_4xx_not_a_500_and_no_traceback(server, body, status, param, message):
+    import httpx
+
+    response = httpx.post(f"{server.api}/completions", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == status, response.text
+    if status != 200:
+        error = response.json()["error"]
+        assert error["param"] == param and error["message"].startswith(message), error
+    assert "Traceback" not in server.log() and "error:" not in server.log(), server.log()[-2000:]
+
+
 def test_the_end_of_the_context_ends_a_completion(server):
     import httpx
 
@@ -299,7 +326,7 @@ def test_sigterm_lets_the_answers_in_flight_finish_then_exits_0(alibi_run):
     reader.join()
     assert texts[-2:] == ["data: [DONE]", ""] or texts[-1] == "data: [DONE]"
     assert '"finish_reason": "length"' in "".join(texts)
-    assert "stopped" in s.proc.stderr.read()
+    assert "stopped" in s.log()
 
 
 def test_the_client_of_a_server_killed_mid_stream_gets_an_error_not_a_hang(alibi_run):

@@ -46,7 +46,8 @@ class Rule(NamedTuple):
     def of(sampling: Sampling) -> Rule:
         def f32(x):
             return jnp.asarray(x, jnp.float32)
-        return Rule(f32(sampling.temperature), jnp.asarray(sampling.top_k, jnp.int32), f32(sampling.top_p),
+        top_k = min(sampling.top_k, np.iinfo(np.int32).max)  # any k past the vocabulary keeps it all
+        return Rule(f32(sampling.temperature), jnp.asarray(top_k, jnp.int32), f32(sampling.top_p),
                     f32(sampling.typical_p), f32(sampling.repetition_penalty))
 
 

@@ -90,10 +90,10 @@ class Served:
         if isinstance(prompt, str):
             ids, text = self.tokenizer.encode(prompt), prompt
         else:
-            ids = np.asarray(prompt, np.int64)
-            if ids.size and (ids.min() < 0 or ids.max() >= self.tokenizer.vocab_size):
+            if prompt and not (0 <= min(prompt) and max(prompt) < self.tokenizer.vocab_size):
                 raise api.RequestError(f"prompt: token ids must be in [0, {self.tokenizer.vocab_size}) "
                                        f"(the tokenizer's vocabulary)", "prompt")
+            ids = np.asarray(prompt, np.int64)
             text = self.tokenizer.decode(ids)
         if ids.size == 0:  # a new document
             ids = np.asarray([self.tokenizer.eot_id])
@@ -109,14 +109,7 @@ def _error(error: api.RequestError) -> JSONResponse:
 
 
 async def _body(request: Request) -> Any:
-    return await run_in_threadpool(_json, await request.body())
-
-
-def _json(body: bytes) -> Any:
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise api.RequestError(f"the request body is not JSON: {e}") from None
+    return await run_in_threadpool(api.decoded, await request.body())
 
 
 def _deliver(items: list[tuple[Job, Piece | Failure]]) -> None:
@@ -144,7 +137,7 @@ class Answer:
     async def opened(cls, served: Served, body: bytes) -> Answer:
         """A request's body decoded, checked and tokenized off the event loop (a long prompt takes a while)."""
         def open_(loop: asyncio.AbstractEventLoop) -> Answer:
-            parsed = api.parse(_json(body), served.engine.max_rows)
+            parsed = api.parse(api.decoded(body), served.engine.max_rows)
             if parsed.model not in (None, served.name):
                 raise api.RequestError(f"model: {parsed.model!r} is not served here (this server serves "
                                        f"{served.name!r})", "model", 404, "model_not_found")

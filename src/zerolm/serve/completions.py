@@ -10,6 +10,8 @@ defines that zerolm does not implement is accepted only at its no-op value (`pre
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from typing import Any, Literal, cast
@@ -22,6 +24,8 @@ from zerolm.core.errors import UsageError
 from zerolm.model.generate import TOP_LOGPROBS
 
 MAX_STOP = 4  # stop sequences a request may give (OpenAI's limit)
+SEEDS = (-(1 << 63), (1 << 63) - 1)  # a seed is a 64-bit integer (what jax.random.key takes)
+SURROGATE = re.compile("[\ud800-\udfff]")
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
@@ -83,6 +87,38 @@ class Completion(BaseModel):
     stop: list[str]
 
 
+def decoded(body: bytes) -> Any:
+    """A request's JSON body; RequestError for one that is not JSON (an integer of more than Python's 4300
+    digits included), nested too deeply to read, or holding a lone surrogate (JSON's "\\ud800" escape is not
+    text: no tokenizer, and no UTF-8 answer, can take it), naming the field that holds it."""
+    try:
+        value = json.loads(body)
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply to read") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and an integer past Python's digit limit
+        raise RequestError(f"the request body is not JSON: {str(e).split('; use sys.')[0]}") from None
+    for field, held in (value.items() if isinstance(value, dict) else [(None, value)]):
+        if _surrogate(field) or _surrogate(held):
+            name = field if field is not None and not _surrogate(field) else None
+            raise RequestError(f"{name or 'the body'}: holds a lone surrogate (a \\ud800-\\udfff escape that is not "
+                               "half of a pair), which is not text", name)
+    return value
+
+
+def _surrogate(value: Any) -> bool:
+    """Whether any string in the JSON value (its keys included) holds a lone surrogate."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str) and not item.isascii() and SURROGATE.search(item):
+            return True
+        if isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            stack += item
+    return False
+
+
 def parse(body: Any, max_choices: int) -> Completion:
     """A request's JSON body, checked; RequestError naming the first field at fault."""
     if not isinstance(body, dict):
@@ -129,6 +165,8 @@ def _check(fields: _Fields, max_choices: int) -> None:
         raise RequestError(f"max_tokens: {fields.max_tokens} must be >= 0", "max_tokens")
     if fields.logprobs is not None and not 0 <= fields.logprobs <= TOP_LOGPROBS:
         raise RequestError(f"logprobs: {fields.logprobs} must be in [0, {TOP_LOGPROBS}]", "logprobs")
+    if fields.seed is not None and not SEEDS[0] <= fields.seed <= SEEDS[1]:
+        raise RequestError(f"seed: {fields.seed} is not a 64-bit integer (in [-2**63, 2**63 - 1])", "seed")
 
 
 def completion_id() -> str:

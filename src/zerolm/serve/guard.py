@@ -1,9 +1,13 @@
 """What a request must be before `zerolm serve`'s app reads it (an ASGI middleware, `Guard`): a body of at
 most `max_body_bytes` (413, OpenAI's JSON error naming the limit), refused by its `Content-Length`, or as
-soon as a body sent without one passes the limit, so a huge body is never read whole.
+soon as a body sent without one passes the limit, so a huge body is never read whole. A bug of zerolm's
+that escapes an endpoint is one line in the log and a JSON 500, not a traceback and a plain-text page.
 """
 
 from __future__ import annotations
+
+import sys
+import traceback
 
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
@@ -61,6 +65,13 @@ class Guard:
         except RequestError as error:  # the body's limit, raised while an endpoint read the body
             if not started:
                 await _respond(error, scope, receive, send)
+        except Exception as error:  # a bug of zerolm's: one line in the log, a JSON 500 to the client
+            where = traceback.extract_tb(error.__traceback__)[-1]
+            print(f"error: {scope['method']} {scope['path']}: {type(error).__name__}: {error} "
+                  f"({where.filename}:{where.lineno})", file=sys.stderr, flush=True)
+            if not started:
+                await _respond(RequestError("the server failed answering this request (see its log)", None, 500,
+                                            "server_error"), scope, receive, send)
 
 
 async def _respond(error: RequestError, scope: Scope, receive: Receive, send: Send) -> None:
