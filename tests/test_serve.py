@@ -196,6 +196,13 @@ def test_lm_eval_local_completions_against_the_server_gives_eval_tasks_numbers(a
     ({"prompt": "word " * 300}, 400, "prompt"),
     ({}, 400, "prompt"),
     ({"prompt": "x", "model": "not-this-one"}, 404, "model"),
+    ({"prompt": "x", "max_tokens": True}, 400, "max_tokens"),  # JSON's types, as OpenAI reads them
+    ({"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 5.0}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": True}, 400, "temperature"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "x", "echo": 1}, 400, "echo"),
+    ({"prompt": [1, True]}, 400, "prompt"),
 ])
 def test_a_bad_request_is_a_4xx_naming_its_field_and_the_server_goes_on(server, body, status, param):
     import httpx

@@ -3,9 +3,10 @@ checked field by field (a bad one is a `RequestError` naming it, as OpenAI's 400
 response, whole or as stream chunks.
 
 The fields OpenAI defines are read as OpenAI defines them (defaults included: `max_tokens` 16, `temperature`
-1); `top_k`, `typical_p` and `repetition_penalty` are read beside them, as vLLM reads them. A field OpenAI
-defines that zerolm does not implement is accepted only at its no-op value (`presence_penalty: 0`,
-`best_of` equal to `n`, ...), and refused otherwise, naming it; an unknown field is refused.
+1), of their JSON types only (no `"5"` for 5, no `true` for 1); `top_k`, `typical_p` and
+`repetition_penalty` are read beside them, as vLLM reads them. A field OpenAI defines that zerolm does not
+implement is accepted only at its no-op value (`presence_penalty: 0`, `best_of` equal to `n`, ...), and
+refused otherwise, naming it; an unknown field is refused.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ class RequestError(UsageError):
 
 
 class _Fields(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=False)
+    # strict, as OpenAI reads them: `true` is not a number, "5" not an integer, "yes" not a boolean (an integer
+    # is a number)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: Prompt
     model: str | None = None
