@@ -22,6 +22,7 @@ from runs import REPO, env, train, zerolm
 
 pytestmark = pytest.mark.slow  # a trained run and servers
 CONTEXT = 256  # served past the trained 32 tokens: the model's positions are ALiBi's
+ALLOWED = "http://allowed.example:3000"  # a site whose pages the shared server lets use it (--allow-origin)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(alibi_run):
-    s = Server(alibi_run / "ckpt", "--context", str(CONTEXT), "--max-tokens", "200")
+    s = Server(alibi_run / "ckpt", "--context", str(CONTEXT), "--max-tokens", "200", "--allow-origin", ALLOWED)
     yield s
     assert s.stop() == 0
 
@@ -211,7 +212,8 @@ def test_a_bad_request_is_a_4xx_naming_its_field_and_the_server_goes_on(server, 
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["message"].startswith(param), error
-    assert httpx.post(f"{server.url}/v1/completions", content=b"{nope").status_code == 400
+    assert httpx.post(f"{server.url}/v1/completions", content=b"{nope",
+                      headers={"Content-Type": "application/json"}).status_code == 400
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
 
 
@@ -261,6 +263,40 @@ def test_what_python_cannot_take_is_a_4xx_not_a_500_and_no_traceback(server, bod
         error = response.json()["error"]
         assert error["param"] == param and error["message"].startswith(message), error
     assert "Traceback" not in server.log() and "error:" not in server.log(), server.log()[-2000:]
+
+
+def test_a_page_of_another_site_cannot_use_the_server_through_its_visitors_browser(server):
+    import httpx
+
+    own = server.url.removeprefix("http://")  # 127.0.0.1:port
+    port = own.rsplit(":", 1)[1]
+    body = json.dumps({"prompt": "And", "max_tokens": 1})
+    for headers, status, message in [
+        # a "simple" request, which a browser sends another site without asking: from another site's page,
+        # through a name of its own pointed at 127.0.0.1 (DNS rebinding), as text
+        ({"Content-Type": "text/plain", "Origin": "http://evil.example", "Host": f"evil.example:{port}"}, 403,
+         f"Host 'evil.example:{port}' is not a name of this server"),
+        ({"Content-Type": "text/plain"}, 415, "Content-Type text/plain: a request's body is JSON"),
+        ({"Content-Type": "application/x-www-form-urlencoded"}, 415, "Content-Type application/x-www-form"),
+        ({"Content-Type": "application/json", "Origin": "http://evil.example"}, 403,
+         "Origin 'http://evil.example' is not this server's own"),
+        ({"Content-Type": "application/json", "Origin": "null"}, 403, "Origin 'null' is not this server's own"),
+        ({"Content-Type": "application/json", "Host": f"evil.example:{port}"}, 403, "Host 'evil.example:"),
+        ({"Content-Type": "application/json", "Origin": server.url}, 200, None),  # the server's own page
+        ({"Content-Type": "application/json; charset=utf-8", "Host": f"localhost:{port}"}, 200, None),
+        ({"Content-Type": "application/json", "Origin": ALLOWED}, 200, None),  # --allow-origin's
+    ]:
+        response = httpx.post(f"{server.api}/completions", content=body, headers=headers)
+        assert response.status_code == status, (headers, response.text)
+        if message is not None:
+            assert response.json()["error"]["message"].startswith(message), response.text
+    assert response.headers["access-control-allow-origin"] == ALLOWED  # its page may read the answer
+    preflight = {"Origin": ALLOWED, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type"}
+    assert httpx.options(f"{server.api}/completions", headers=preflight).status_code == 200
+    preflight["Origin"] = "http://evil.example"
+    assert httpx.options(f"{server.api}/completions", headers=preflight).status_code == 403
+    assert httpx.get(f"{server.url}/health", headers={"Host": "evil.example"}).status_code == 403
 
 
 def test_the_end_of_the_context_ends_a_completion(server):
@@ -353,6 +389,7 @@ def test_the_client_of_a_server_killed_mid_stream_gets_an_error_not_a_hang(alibi
     (["--port", "70000"], "error: --port: 70000 is out of range"),
     (["--context", "4096"], "--context: 4096 tokens is past the model's trained context of 32"),
     (["--host", "no.such.host.invalid"], "error: --host no.such.host.invalid --port 8000: cannot listen there"),
+    (["--allow-origin", "http://a.example,evil"], "error: --allow-origin: 'evil' is not an origin"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(trained_run, flags, message):
     proc = zerolm("serve", "--checkpoint", trained_run / "ckpt", *flags, expect=2, devices=1)
@@ -375,7 +412,7 @@ def test_a_full_queue_is_429_before_anything_runs(trained_run):
 
     model_run = load(str(trained_run / "ckpt"), jax.local_devices()[:1])
     engine = Engine(model_run.model, model_run.params, model_run.tokenizer(), (1, 2), max_waiting=2)  # not started
-    client = TestClient(create_app(Served(engine, "tiny")))
+    client = TestClient(create_app(Served(engine, "tiny")), base_url="http://localhost")
     assert client.get("/health").status_code == 503  # not ready: its engine has not started
     engine.waiting.extend([None, None])  # two choices wait for a row
     response = client.post("/v1/completions", json={"prompt": "And", "max_tokens": 3})

@@ -33,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=int, default=None, metavar="B",
                         help="the largest request body; a larger one gets HTTP 413 before it is read (default: 64 "
                              "bytes a token of the context, 1 MiB at least)")
+    parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                        help="a site whose web pages may use the server through their visitors' browsers, as "
+                             "scheme://host[:port] (repeatable, or a comma-separated list; *: any site). Without "
+                             "it, only the server's own page may, and only through the server's own names")
     parser.add_argument("--name", default=None,
                         help="the model's name in the API (default: the run's checkpoint directory's name)")
     parser.add_argument("--tokenizer", default=None, metavar="FILE",
@@ -61,6 +65,12 @@ def run(args: argparse.Namespace) -> int:
     from zerolm.core.storage import check
     from zerolm.serve import app
     from zerolm.serve.engine import BUCKETS, Engine
+    from zerolm.serve.guard import OriginError, origins
+
+    try:
+        allowed = origins(args.allow_origin)
+    except OriginError as e:
+        raise UsageError(f"--allow-origin: {e}") from None
 
     check(args.checkpoint, "--checkpoint")
     model_run = restored.load(args.checkpoint, jax.local_devices()[:1])
@@ -85,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
 
     def listening() -> None:
         print(f"serving {name} at {url}/ (OpenAI API: {url}/v1; Ctrl-C stops)", flush=True)
-    app.run(app.Served(engine, name, args.max_tokens), sock, listening, args.max_body_bytes)
+    served = app.Served(engine, name, args.max_tokens)
+    app.run(served, sock, listening, app.create_app(served, args.max_body_bytes, args.host, allowed))
     print("stopped", file=sys.stderr)
     return 0
 

@@ -321,11 +321,13 @@ ROUTES = [Route("/", _page), Route("/health", _health), Route("/v1/models", _mod
           Route("/tokenize", _tokenize, methods=["POST"]), Route("/detokenize", _detokenize, methods=["POST"])]
 
 
-def create_app(served: Served, max_body_bytes: int | None = None) -> ASGIApp:
-    """The app: its routes behind the guard (a body over `max_body_bytes`, default `body_limit`: 413)."""
+def create_app(served: Served, max_body_bytes: int | None = None, host: str = "127.0.0.1",
+               allowed: frozenset[str] = frozenset()) -> ASGIApp:
+    """The app: its routes behind the guard (zerolm.serve.guard: a body over `max_body_bytes`, default
+    `body_limit`, is 413; the server's names are `host`'s, its origins its own and `allowed`)."""
     app = Starlette(routes=ROUTES, exception_handlers={HTTPException: _http_error})
     app.state.served = served
-    return Guard(app, max_body_bytes or body_limit(served.context))
+    return Guard(app, max_body_bytes or body_limit(served.context), host, allowed)
 
 
 class _Server(uvicorn.Server):
@@ -341,10 +343,10 @@ class _Server(uvicorn.Server):
             self.on_listening()
 
 
-def run(served: Served, sock: socket.socket, on_listening: Callable[[], None], max_body_bytes: int | None = None) -> None:
-    """Serves on `sock` until SIGTERM or Ctrl-C: then it stops taking connections, lets the answers in flight
-    finish (GRACE_SECONDS at most) and stops the engine."""
-    config = uvicorn.Config(create_app(served, max_body_bytes), log_level="warning", access_log=False, lifespan="off",
+def run(served: Served, sock: socket.socket, on_listening: Callable[[], None], app: ASGIApp) -> None:
+    """Serves `app` (create_app's, for `served`) on `sock` until SIGTERM or Ctrl-C: then it stops taking
+    connections, lets the answers in flight finish (GRACE_SECONDS at most) and stops the engine."""
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=GRACE_SECONDS)
     # uvicorn raises the signal that stopped it again once it has stopped: a stop asked for is a clean exit.
     for sig in (signal.SIGTERM, signal.SIGINT):
