@@ -352,24 +352,37 @@ def chromium() -> str:
     pytest.fail("no chromium: `make install-test` installs Debian's (apt-get install chromium)")
 
 
-def test_sigterm_lets_the_answers_in_flight_finish_then_exits_0(alibi_run):
+def test_sigterm_lets_the_answers_in_flight_finish_ends_the_longer_with_an_error_then_exits_0(alibi_run):
     import httpx
+    import openai
 
-    s = Server(alibi_run / "ckpt", "--context", "4096")
+    s = Server(alibi_run / "ckpt", "--context", "4096", "--grace", "3")
+    longer = s.client().completions.create(model=s.name, prompt="And", max_tokens=4000, stream=True,
+                                           temperature=0)  # past the grace (greedy: no end-of-text before it)
+    drawn = [next(iter(longer)).choices[0].text]
     texts: list[str] = []
+    streaming = threading.Event()
 
-    def stream():
-        with httpx.stream("POST", f"{s.api}/completions", json={"prompt": "And", "max_tokens": 600, "stream": True,
+    def stream():  # 100 tokens, all but the first drawn after SIGTERM: within the grace
+        with httpx.stream("POST", f"{s.api}/completions", json={"prompt": "And", "max_tokens": 100, "stream": True,
                                                                 "temperature": 0}, timeout=60) as response:
-            texts.extend(response.iter_lines())
+            for line in response.iter_lines():
+                streaming.set()
+                texts.append(line)
     reader = threading.Thread(target=stream)
     reader.start()
-    time.sleep(1.0)
-    assert s.stop(signal.SIGTERM) == 0
+    assert streaming.wait(timeout=60)
+    s.proc.send_signal(signal.SIGTERM)
+    with pytest.raises(openai.APIError, match="the server stopped before this answer finished"):
+        drawn.extend(chunk.choices[0].text for chunk in longer)
+    assert s.proc.wait(timeout=60) == 0
     reader.join()
     assert texts[-2:] == ["data: [DONE]", ""] or texts[-1] == "data: [DONE]"
     assert '"finish_reason": "length"' in "".join(texts)
-    assert "stopped" in s.log()
+    assert len(drawn) > 10  # it was streaming when the grace ran out
+    log = s.log()
+    assert log.count("stopping: cut a streamed answer in flight") == 1 and "stopped" in log
+    assert "Traceback" not in log and "Cancel" not in log, log
 
 
 def test_the_client_of_a_server_killed_mid_stream_gets_an_error_not_a_hang(alibi_run):

@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=int, default=None, metavar="B",
                         help="the largest request body; a larger one gets HTTP 413 before it is read (default: 64 "
                              "bytes a token of the context, 1 MiB at least)")
+    parser.add_argument("--grace", type=float, default=30.0, metavar="S",
+                        help="on SIGTERM or Ctrl-C, how long the answers in flight may go on; those still going then "
+                             "end with an error their clients read (default: %(default)g s)")
     parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                         help="a site whose web pages may use the server through their visitors' browsers, as "
                              "scheme://host[:port] (repeatable, or a comma-separated list; *: any site). Without "
@@ -59,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
                                ("--max-body-bytes", 1024 if args.max_body_bytes is None else args.max_body_bytes, 1024)):
         if value < least or (flag == "--port" and value > 65535):
             raise UsageError(f"{flag}: {value} is out of range")
+    if not 0 <= args.grace < float("inf"):
+        raise UsageError(f"--grace: {args.grace:g} must be >= 0 seconds")
     import jax
 
     from zerolm.checkpoint import trained_model as restored
@@ -96,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     def listening() -> None:
         print(f"serving {name} at {url}/ (OpenAI API: {url}/v1; Ctrl-C stops)", flush=True)
     served = app.Served(engine, name, args.max_tokens)
-    app.run(served, sock, listening, app.create_app(served, args.max_body_bytes, args.host, allowed))
+    app.run(served, sock, listening, app.create_app(served, args.max_body_bytes, args.host, allowed), args.grace)
     print("stopped", file=sys.stderr)
     return 0
 

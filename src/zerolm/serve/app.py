@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import secrets
 import signal
 import socket
@@ -44,7 +45,7 @@ from zerolm.serve.guard import Guard, body_limit
 # Python hands the GIL between busy threads every 5 ms by default: the engine's thread, between two steps, would
 # wait that long for the HTTP thread each time it needs it (a step of a small model takes under a millisecond).
 SWITCH_INTERVAL_S = 1e-4
-GRACE_SECONDS = 30  # how long a stopping server lets the answers in flight finish
+CUT_SECONDS = 5.0  # after a stop's grace, how long the answers cut have to send their last event
 POLL_SECONDS = 0.5  # how often a whole (not streamed) answer's wait looks whether its client is still there
 
 
@@ -165,6 +166,10 @@ class Answer:
         return out
 
     def _taken(self, event: Piece | Failure) -> Piece:
+        if isinstance(event, Failure) and event.stopped:  # the server's grace for answers in flight ran out
+            print(f"stopping: cut a {'streamed' if self.request.stream else 'whole'} answer in flight after "
+                  f"{sum(self.tokens)} tokens", file=sys.stderr, flush=True)
+            raise api.RequestError(event.message, None, 503, "server_error")
         if isinstance(event, Failure):
             raise api.RequestError(event.message, None, 500, "server_error")
         self.tokens[event.choice] = event.drawn
@@ -331,11 +336,21 @@ def create_app(served: Served, max_body_bytes: int | None = None, host: str = "1
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, saying when it listens."""
+    """uvicorn's server, saying when it listens, and stopping the engine once a stop's grace is over: each
+    answer still in flight then ends with an error its client reads (a stream's last event), not a cut
+    connection."""
 
-    def __init__(self, config: uvicorn.Config, on_listening: Callable[[], None]):
+    def __init__(self, config: uvicorn.Config, on_listening: Callable[[], None], grace: float,
+                 on_grace_end: Callable[[], None]):
         super().__init__(config)
-        self.on_listening = on_listening
+        self.on_listening, self.grace, self.on_grace_end = on_listening, grace, on_grace_end
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        grace_end = asyncio.get_running_loop().call_later(self.grace, self.on_grace_end)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            grace_end.cancel()
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -343,16 +358,18 @@ class _Server(uvicorn.Server):
             self.on_listening()
 
 
-def run(served: Served, sock: socket.socket, on_listening: Callable[[], None], app: ASGIApp) -> None:
+def run(served: Served, sock: socket.socket, on_listening: Callable[[], None], app: ASGIApp,
+        grace: float) -> None:
     """Serves `app` (create_app's, for `served`) on `sock` until SIGTERM or Ctrl-C: then it stops taking
-    connections, lets the answers in flight finish (GRACE_SECONDS at most) and stops the engine."""
+    connections, lets the answers in flight finish (`grace` seconds at most; then each ends with an error)
+    and stops the engine."""
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=GRACE_SECONDS)
+                            timeout_graceful_shutdown=math.ceil(grace + CUT_SECONDS))
     # uvicorn raises the signal that stopped it again once it has stopped: a stop asked for is a clean exit.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
-        _Server(config, on_listening).run(sockets=[sock])
+        _Server(config, on_listening, grace, served.engine.halt).run(sockets=[sock])
     finally:
         served.engine.stop()

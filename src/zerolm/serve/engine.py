@@ -50,9 +50,10 @@ class Piece(NamedTuple):
 
 
 class Failure(NamedTuple):
-    """The engine could not finish a job (a bug of zerolm's, or the server stopping)."""
+    """The engine could not finish a job: a bug of zerolm's, or the server stopping (`stopped`)."""
 
     message: str
+    stopped: bool = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -105,10 +106,15 @@ class Engine:
     def start(self) -> None:
         self.thread.start()
 
-    def stop(self) -> None:
+    def halt(self) -> None:
+        """The engine stops after its turn, without waiting for it: every job in a row or waiting fails
+        (`Failure(stopped=True)`)."""
         with self.wake:
             self.stopping = True
             self.wake.notify()
+
+    def stop(self) -> None:
+        self.halt()
         self.thread.join()
 
     def submit(self, jobs: list[Job]) -> None:
@@ -154,7 +160,7 @@ class Engine:
                 self.batch, self.rows = empty(self.model, self.buckets[0]), [None] * self.buckets[0]
             self._flush()
         for job in list(self.waiting) + [j for j in self.rows if j is not None]:
-            self._emit(job, Failure("the server stopped"))
+            self._emit(job, Failure("the server stopped before this answer finished", stopped=True))
         self._flush()
 
     def _emit(self, job: Job, event: Piece | Failure) -> None:
