@@ -161,23 +161,62 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(alibi_run, serve
                zip(logprobs["top_logprobs"][1:], logprobs["token_logprobs"][1:], strict=True))
     assert body["choices"][0]["text"] == model_run.tokenizer().decode(ids)
 
+    # At the context's edge: a window of context + 1 tokens scored (nothing drawn), as `zerolm eval --tasks`
+    # scores its windows; one token more, or a token asked after a prompt as long as the context, is a 400 that
+    # says what lm-evaluation-harness needs.
+    ids = np.random.default_rng(0).integers(0, model_run.tokenizer().vocab_size, CONTEXT + 1).tolist()
+    model = model_run.at_context(CONTEXT, "context").model
+    logp = jax.nn.log_softmax(model.apply({"params": model_run.params}, np.asarray([ids[:-1]]))[0])
+    for prompt in (ids, ids[:-1]):
+        body = httpx.post(f"{server.api}/completions", json={"prompt": prompt, "max_tokens": 0, "echo": True,
+                                                             "logprobs": 1}).json()
+        scored = body["choices"][0]["logprobs"]["token_logprobs"]
+        assert len(scored) == len(prompt) and body["choices"][0]["finish_reason"] == "length", body
+        np.testing.assert_allclose(scored[1:], [float(logp[i - 1, prompt[i]]) for i in range(1, len(prompt))],
+                                   rtol=1e-4, atol=1e-5)
+    for prompt, max_tokens in ((ids + [5], 0), (ids[:-1], 1)):
+        response = httpx.post(f"{server.api}/completions", json={"prompt": prompt, "max_tokens": max_tokens,
+                                                                  "echo": True, "logprobs": 1})
+        assert response.status_code == 400 and response.json()["error"]["message"].startswith(
+            f"prompt: {len(prompt)} tokens, but the model's context is {CONTEXT} tokens"), response.text
+        assert f"pass it max_length={CONTEXT}" in response.json()["error"]["message"]
 
-def test_lm_eval_local_completions_against_the_server_gives_eval_tasks_numbers(alibi_run, server, monkeypatch):
+
+def test_lm_eval_local_completions_gives_zerolm_eval_tasks_numbers_on_every_document(alibi_run, server, monkeypatch):
+    """local-completions keeps a request's last max_length - 1 tokens (and asks for one token more, which it does
+    not score); `zerolm eval --tasks`, as the harness's hf backend, the last context + 1. At max_length = the
+    trained context + 2, which this ALiBi model served at CONTEXT takes, they score the same windows: every
+    document's numbers are equal, those both cut from the left included."""
     import lm_eval
 
-    from test_harness import LIMIT, TASKS, task_numbers
+    from test_harness import LIMIT, TASKS
     from zerolm.eval import downstream
     from zerolm.eval.harness import ZerolmLM
 
     for variable in (*downstream.OFFLINE, "DISABLE_MULTIPROC"):
         monkeypatch.setenv(variable, "1")
-    want = task_numbers(ZerolmLM(checkpoint=str(alibi_run / "ckpt")))
-    args = (f"base_url={server.api}/completions,model={server.name},tokenizer_backend=remote,max_length=32,"
-            "tokenized_requests=True,num_concurrent=4,max_retries=1")
+    lm = ZerolmLM(checkpoint=str(alibi_run / "ckpt"))
+    want = downstream.evaluate(lm, TASKS, downstream.task_manager(TASKS), limit=LIMIT, bootstrap_iters=0,
+                               log_samples=True)
+    args = (f"base_url={server.api}/completions,model={server.name},tokenizer_backend=remote,"
+            f"max_length={lm.max_length + 2},tokenized_requests=True,num_concurrent=4,max_retries=1")
     with downstream.no_git():
-        results = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=TASKS, limit=LIMIT,
-                                          task_manager=downstream.task_manager(TASKS), bootstrap_iters=0)
-    assert downstream.metrics(results) == pytest.approx(want, rel=1e-4)
+        got = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=TASKS, limit=LIMIT,
+                                      task_manager=downstream.task_manager(TASKS), bootstrap_iters=0, log_samples=True)
+    got_scores, want_scores = per_document(got), per_document(want)
+    assert got_scores.keys() == want_scores.keys() and len(want_scores) == LIMIT * len(TASKS)
+    for document, scores in want_scores.items():
+        assert got_scores[document] == pytest.approx(scores, rel=2e-6, abs=2e-5), document
+    cut = [args for task in ("zerolm_cloze", "zerolm_choice") for sample in want["samples"][task]
+           for args in sample["arguments"] if sum(len(lm.tok_encode(text)) for text in args) > lm.max_length + 1]
+    assert len(cut) > 10  # the context's edge reached: requests longer than the window, cut from the left
+
+
+def per_document(results) -> dict[tuple[str, int], list[float]]:
+    """Each document's log-likelihoods (one per request: a choice, a continuation, a text), by task and id."""
+    return {(task, sample["doc_id"]): [float(r[0] if isinstance(r, list | tuple) else r)
+                                       for r in sample["filtered_resps"]]
+            for task, samples in results["samples"].items() for sample in samples}
 
 
 @pytest.mark.parametrize("body, status, param", [

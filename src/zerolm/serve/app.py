@@ -70,9 +70,9 @@ class Served:
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(31)
         base, jobs, counted = jax.random.key(seed), [], 0
         for p, prompt in enumerate(request.prompts):
-            ids, text = self._prompt(prompt)
+            ids, text = self._prompt(prompt, scoring=request.max_tokens == 0)
             counted += ids.size
-            room = self.context - ids.size
+            room = max(0, self.context - ids.size)
             max_tokens = min(room, self.max_tokens if request.max_tokens is None else request.max_tokens)
             for c in range(request.n):
                 index = p * request.n + c
@@ -81,12 +81,15 @@ class Served:
                                 request.logprobs, sink))
         return jobs, counted
 
-    def _prompt(self, prompt: str | list[int]) -> tuple[np.ndarray, str]:
-        longest = self.tokenizer.max_token_chars
-        if isinstance(prompt, str) and longest is not None and len(prompt) > longest * (self.context - 1):
+    def _prompt(self, prompt: str | list[int], scoring: bool) -> tuple[np.ndarray, str]:
+        """A prompt's tokens and text. It may have context - 1 tokens (a token is drawn after them, from the
+        model's last position), or context + 1 when nothing is drawn (`scoring`, max_tokens 0: its last token
+        is scored from the last position's distribution), the windows `zerolm eval --tasks` scores."""
+        longest, most = self.tokenizer.max_token_chars, self.context + 1 if scoring else self.context - 1
+        if isinstance(prompt, str) and longest is not None and len(prompt) > longest * most:
             # more tokens than the context holds, however it is split: refused without tokenizing it
             raise api.RequestError(f"prompt: {len(prompt)} characters, more than the model's context of "
-                                   f"{self.context} tokens holds (a prompt may have at most {self.context - 1} "
+                                   f"{self.context} tokens holds (a prompt may have at most {most} "
                                    f"tokens, of at most {longest} characters each)", "prompt")
         if isinstance(prompt, str):
             ids, text = self.tokenizer.encode(prompt), prompt
@@ -98,9 +101,12 @@ class Served:
             text = self.tokenizer.decode(ids)
         if ids.size == 0:  # a new document
             ids = np.asarray([self.tokenizer.eot_id])
-        if ids.size >= self.context:
-            raise api.RequestError(f"prompt: {ids.size} tokens, but the model's context is {self.context} tokens, "
-                                   f"so a prompt may have at most {self.context - 1}", "prompt")
+        if ids.size > most:
+            raise api.RequestError(
+                f"prompt: {ids.size} tokens, but the model's context is {self.context} tokens, so a prompt may have "
+                f"at most {self.context - 1} ({self.context + 1} to score it with echo and max_tokens 0). "
+                f"lm-evaluation-harness's local-completions sends max_length - 1 tokens and asks for one more: "
+                f"pass it max_length={self.context} (at most)", "prompt")
         return ids.astype(np.int32), text
 
 

@@ -20,7 +20,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import numpy as np
@@ -29,7 +29,7 @@ from zerolm.config.sampling import Sampling
 from zerolm.core.errors import UsageError
 from zerolm.data.tokenizer import Tokenizer
 from zerolm.model.decoder import GPT
-from zerolm.model.generate import DRAWS, Arrival, Batch, Scores, admit, empty, padded, prefill, regroup, step
+from zerolm.model.generate import DRAWS, TOP_LOGPROBS, Arrival, Batch, Scores, admit, empty, padded, prefill, regroup, step
 from zerolm.serve.completions import FinishReason, Logprobs
 
 BUCKETS = (1, 8, 32)
@@ -203,12 +203,7 @@ class Engine:
     def _admit(self, job: Job) -> None:
         arrival = Arrival(job.prompt, job.sampling, job.key, job.echo)
         if job.max_tokens == 0:  # scores only (echo), or nothing
-            scores = None
-            if job.echo:
-                length = np.int32(job.prompt.size)
-                scores = prefill(self.model, self.params, padded(job.prompt, self.model.cfg.seq_len), length,
-                                 True).scores
-            self._echo(job, scores)
+            self._echo(job, self._scored(job.prompt) if job.echo else None)
             self._emit(job, Piece(job.index, "", None, "length", 0))
             return
         if None not in self.rows:
@@ -218,6 +213,23 @@ class Engine:
         self.rows[row] = job
         if job.echo:
             self._echo(job, prefilled.scores)
+
+    def _scored(self, prompt: np.ndarray) -> Scores:
+        """A prompt of up to seq_len + 1 tokens scored (echo, nothing drawn): the first seq_len by a prefill,
+        the one past them by the last position's next-token distribution, as `zerolm eval --tasks` scores a
+        window of seq_len + 1 tokens."""
+        T = self.model.cfg.seq_len
+        within = prompt[:T]
+        prefilled = prefill(self.model, self.params, padded(within, T), np.int32(within.size), True)
+        scores, logits_V = jax.device_get((prefilled.scores, prefilled.logits_V))
+        assert scores is not None
+        if prompt.size <= T:
+            return scores
+        logp_V = logits_V - np.logaddexp.reduce(logits_V)
+        top_N = np.argsort(-logp_V)[:TOP_LOGPROBS]
+        return Scores(*cast(Any, (np.append(scores.logprob_P, logp_V[prompt[T]]),  # on the host, as _echo reads it
+                                  np.vstack([scores.top_ids_PxN, top_N]),
+                                  np.vstack([scores.top_logprobs_PxN, logp_V[top_N]]))))
 
     def _echo(self, job: Job, scores: Scores | None) -> None:
         """The prompt's text first, with its tokens' scores (the first has none: nothing before it)."""
