@@ -454,6 +454,42 @@ def test_a_port_in_use_is_one_line_and_exit_2(server, alibi_run):
     assert proc.stderr.splitlines()[0].startswith(f"error: --host 127.0.0.1 --port {port}: cannot listen there")
 
 
+def test_nothing_compiles_once_the_engine_is_ready(trained_run):
+    """Every program a request runs is compiled before /health says ready: bursts of prompts of every bucket,
+    into batches of every row count, sampled and scored, add none (a compile under load stalls every row)."""
+    import threading
+
+    import jax
+
+    from zerolm.checkpoint.trained_model import load
+    from zerolm.config.sampling import Sampling
+    from zerolm.model import generate
+    from zerolm.serve.engine import Engine, Job
+
+    model_run = load(str(trained_run / "ckpt"), jax.local_devices()[:1])
+    engine = Engine(model_run.model, model_run.params, model_run.tokenizer(), (1, 8, 32))
+    engine.start()
+    engine.ready.wait()
+    programs = (generate.prefill, generate.insert, generate.step, generate.regroup)
+    compiled = [program._cache_size() for program in programs]
+    done = threading.Semaphore(0)
+
+    def job(i: int, n: int, new: int) -> Job:
+        def sink(event) -> None:
+            if getattr(event, "finish_reason", "failed") is not None:
+                done.release()
+        return Job(0, np.arange(1, n + 1, dtype=np.int32), "", Sampling(temperature=1.0), jax.random.key(i), new,
+                   [], False, None, sink)
+    rng = np.random.default_rng(0)
+    for burst in (1, 3, 16, 9, 40, 2):
+        jobs = [job(i, int(rng.integers(1, 32)), int(rng.integers(1, 12))) for i in range(burst)]
+        engine.submit(jobs)
+        for _ in jobs:
+            assert done.acquire(timeout=60)
+    engine.stop()
+    assert [program._cache_size() for program in programs] == compiled
+
+
 def test_a_full_queue_is_429_before_anything_runs(trained_run):
     import jax
     from starlette.testclient import TestClient

@@ -208,7 +208,9 @@ class Arrival(NamedTuple):
 def admit(model: GPT, params, batch: Batch, row: int, arrival: Arrival) -> tuple[Batch, Prefilled]:
     """A prompt prefilled into free row `row` of `batch`; the prefill (its scores with echo) beside."""
     length = np.int32(arrival.prompt.size)
-    prefilled = prefill(model, params, padded(arrival.prompt, model.cfg.seq_len), length, arrival.echo)
+    # echo by name, as every caller passes it: jit keys its compiled programs on how a static argument was
+    # passed too, and a program compiled for one spelling is compiled again for another
+    prefilled = prefill(model, params, padded(arrival.prompt, model.cfg.seq_len), length, echo=arrival.echo)
     rule = Rule.of(arrival.sampling)
     return insert(batch, np.int32(row), length, prefilled._replace(scores=None), rule, arrival.key), prefilled
 

@@ -133,10 +133,12 @@ class Engine:
         model, params, T = self.model, self.params, self.model.cfg.seq_len
         for bucket in sorted({padded(np.zeros(n, np.int32), T).size for n in range(1, T)}):
             prompt = np.zeros(bucket if bucket < T else T - 1, np.int32)
-            jax.block_until_ready(prefill(model, params, padded(prompt, T), np.int32(prompt.size)))
+            jax.block_until_ready(prefill(model, params, padded(prompt, T), np.int32(prompt.size), echo=False))
         arrival = Arrival(np.zeros(1, np.int32), Sampling(temperature=0), jax.random.key(0))
         for i, rows in enumerate(self.buckets):
-            batch, _ = admit(model, params, empty(model, rows), 0, arrival)
+            batch = empty(model, rows)
+            for _ in range(2):  # into a new batch, and into one a program returned: an array a program returns
+                batch, _ = admit(model, params, batch, 0, arrival)  # has a sharding of its own, compiled apart
             batch, _ = step(model, params, batch)
             for other in self.buckets[:i] + self.buckets[i + 1:i + 2]:  # shrinking to any, growing to the next
                 jax.block_until_ready(regroup(batch, np.zeros(other, np.int32)))
@@ -220,7 +222,7 @@ class Engine:
         window of seq_len + 1 tokens."""
         T = self.model.cfg.seq_len
         within = prompt[:T]
-        prefilled = prefill(self.model, self.params, padded(within, T), np.int32(within.size), True)
+        prefilled = prefill(self.model, self.params, padded(within, T), np.int32(within.size), echo=True)
         scores, logits_V = jax.device_get((prefilled.scores, prefilled.logits_V))
         assert scores is not None
         if prompt.size <= T:
