@@ -9,6 +9,10 @@ prompt, 96 new tokens, temperature 1, its own seed) for `--seconds`; tokens per 
 are the completion tokens every client received over the wall time, the time to the first token is each
 request's wait for its first streamed text (median and 90th percentile). The same clients, one request after
 another with a batch of one row (`--max-rows 1`), are the baseline: what batching adds.
+
+Short answers: 16 clients each ask for one completion of 16 (then 128) tokens at once, and the same 16
+requests are sent one after another (whole answers, each client on its own open connection); the wall time of
+each, the median of 5 tries. What serving them together gains where a request is mostly its prompt's prefill.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from markdown_block import write_block  # noqa: E402
 
 NEW_TOKENS = 96
+SHORT_CLIENTS = 16
+SHORT_TOKENS = (16, 128)
 
 
 def train(work: Path) -> Path:
@@ -91,6 +97,29 @@ def load(api: str, clients: int, seconds: float, stream: bool = True) -> dict:
             "ttft_p90_ms": 1e3 * float(np.nanpercentile(waits, 90)) if stream else None}
 
 
+def short_answers(api: str, tokens: int, tries: int = 5) -> dict:
+    """SHORT_CLIENTS completions of `tokens` tokens: all at once, and one after another (seconds, median)."""
+    clients = [httpx.Client(timeout=120) for _ in range(SHORT_CLIENTS)]
+
+    def ask(i: int) -> None:
+        body = {"prompt": "And God said unto Moses", "max_tokens": tokens, "temperature": 1.0, "seed": i}
+        clients[i].post(f"{api}/completions", json=body).raise_for_status()
+    together, one_by_one = [], []
+    with concurrent.futures.ThreadPoolExecutor(SHORT_CLIENTS) as pool:
+        list(pool.map(ask, range(SHORT_CLIENTS)))  # the connections opened, before timing
+        for _ in range(tries):
+            start = time.perf_counter()
+            for i in range(SHORT_CLIENTS):
+                ask(i)
+            one_by_one.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            list(pool.map(ask, range(SHORT_CLIENTS)))
+            together.append(time.perf_counter() - start)
+    for c in clients:
+        c.close()
+    return {"tokens": tokens, "together_s": float(np.median(together)), "one_by_one_s": float(np.median(one_by_one))}
+
+
 def step_alone(checkpoint: Path) -> dict[int, float]:
     """Tokens/s of the decoding program alone at each row count (every row drawing at temperature 1): what no
     server of this model on this machine can pass."""
@@ -123,7 +152,7 @@ def main() -> None:
     parser.add_argument("--machine", default="dev-cpu", help="the machine's name in the table's first line")
     parser.add_argument("--block", default="serve", help="the BENCHMARKS.md block to rewrite: <!-- BLOCK:begin -->")
     args = parser.parse_args()
-    rows = []
+    rows, short = [], []
     with tempfile.TemporaryDirectory() as work:
         checkpoint = train(Path(work))
         alone = step_alone(checkpoint)
@@ -135,16 +164,20 @@ def main() -> None:
                     for clients in (1, 8, 32):
                         rows.append({"server": label, "stream": stream, **load(api, clients, args.seconds, stream)})
                         print(json.dumps(rows[-1]), file=sys.stderr)
+                if not flags:
+                    for tokens in SHORT_TOKENS:
+                        short.append(short_answers(api, tokens))
+                        print(json.dumps(short[-1]), file=sys.stderr)
             finally:
                 proc.terminate()
                 proc.wait()
-    lines = table(rows, args, alone)
+    lines = table(rows, args, alone, short)
     print("\n".join(lines))
     if args.write:
         write_block(args.write, f"<!-- {args.block}:begin -->", f"<!-- {args.block}:end -->", lines)
 
 
-def table(rows: list[dict], args: argparse.Namespace, alone: dict[int, float]) -> list[str]:
+def table(rows: list[dict], args: argparse.Namespace, alone: dict[int, float], short: list[dict]) -> list[str]:
     import jax
 
     device = jax.local_devices()[0]
@@ -165,6 +198,11 @@ def table(rows: list[dict], args: argparse.Namespace, alone: dict[int, float]) -
     lines += ["", "The decoding program alone (`generate.step`, every row drawing, no server), the most any server of this "
               "model on this machine could give:", "", "| rows | tokens/s | × one row |", "|---:|---:|---:|"]
     lines += [f"| {rows} | {alone[rows]:.0f} | {alone[rows] / alone[1]:.1f} |" for rows in (1, 8, 32)]
+    lines += ["", f"Short answers: {SHORT_CLIENTS} clients, one completion each, at once and one after another (the "
+              "batched server; median of 5 tries):", "",
+              "| new tokens | at once | one after another | × |", "|---:|---:|---:|---:|"]
+    lines += [f"| {r['tokens']} | {1e3 * r['together_s']:.0f} ms | {1e3 * r['one_by_one_s']:.0f} ms | "
+              f"{r['one_by_one_s'] / r['together_s']:.1f} |" for r in short]
     return lines
 
 

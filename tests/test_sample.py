@@ -100,15 +100,39 @@ def test_rows_decode_as_they_would_alone_joining_leaving_and_regrouped(model_and
     assert got == alone
 
 
+def test_prompts_prefilled_together_decode_as_each_would_alone(model_and_params):
+    """Prompts of one bucket admitted in one prefill of 8 (5 of them padding, dropped), into rows of a batch in
+    any order, draw the tokens each draws alone; the rows no prompt was given stay free."""
+    model, params = model_and_params
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 100, n) for n in (3, 11, 16)]  # one bucket: 16
+    settings = [Sampling(temperature=0), Sampling(temperature=1.1, top_k=20, seed=4),
+                Sampling(temperature=0.8, typical_p=0.9, repetition_penalty=1.3, seed=6)]
+    alone = [generate(model, params, p, 12, s)[p.size:].tolist() for p, s in zip(prompts, settings, strict=True)]
+    arrivals = [sample.Arrival(p, s, jax.random.key(s.seed or 0)) for p, s in zip(prompts, settings, strict=True)]
+    rows = [5, 0, 2]
+    batch, _ = sample.admit_together(model, params, sample.empty(model, 8), rows, arrivals, width=8)
+    assert np.asarray(batch.position_R).tolist() == [11, 0, 16, 0, 0, 3, 0, 0]
+    got = [[], [], []]
+    for _ in range(3):
+        batch, drawn = sample.step(model, params, batch)
+        for i, row in enumerate(rows):
+            got[i] += np.asarray(drawn.token_R[:, row]).tolist()
+    assert got == alone
+
+
 def test_a_prefill_scores_the_prompt_as_the_full_forward_does(model_and_params):
     model, params = model_and_params
     prompt = np.random.default_rng(1).integers(0, 100, 11)
-    scores = sample.prefill(model, params, sample.padded(prompt, model.cfg.seq_len), np.int32(11), echo=True).scores
+    prompts_2xP = np.zeros((2, sample.bucket(11, model.cfg.seq_len)), np.int32)  # with another, shorter prompt
+    prompts_2xP[0, :11], prompts_2xP[1, :4] = prompt, [7, 7, 7, 7]
+    scores = sample.prefill(model, params, prompts_2xP, np.int32([11, 4]), echo=True).scores
     logp_TxV = jax.nn.log_softmax(model.apply({"params": params}, prompt[None])[0].astype(jnp.float32))
     want = [0.0] + [float(logp_TxV[p - 1, prompt[p]]) for p in range(1, 11)]
-    np.testing.assert_allclose(np.asarray(scores.logprob_P[:11]), want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(scores.top_ids_PxN[1:11, 0]), np.argmax(logp_TxV[:10], -1))
-    np.testing.assert_allclose(np.asarray(scores.top_logprobs_PxN[1:11, 0]), np.max(logp_TxV[:10], -1), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(scores.logprob_NxP[0, :11]), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(scores.top_ids_NxPxK[0, 1:11, 0]), np.argmax(logp_TxV[:10], -1))
+    np.testing.assert_allclose(np.asarray(scores.top_logprobs_NxPxK[0, 1:11, 0]), np.max(logp_TxV[:10], -1),
+                               rtol=1e-5)
 
 
 def rule(**kw):

@@ -1,12 +1,14 @@
 """Generation with a KV cache, for `zerolm sample`, training's samples, the harness and `zerolm serve`.
 
-A `Batch` is R rows that decode together, each its own sequence at its own position: a prompt is admitted
-into a free row (`admit`: `prefill` runs its positions once on a row of its own, `insert` puts it in the
-batch), then every `step` draws each row's next token and runs the model one position further on all rows
-at once, so a row can join or leave between any two steps (continuous batching), and `regroup` moves the
-rows held into a batch of another size. `prefill` is compiled once per prompt-length bucket (powers of
-two), the others once per row count, whatever the prompts, the number of new tokens or the sampling
-settings, which are traced values. A prefill can also score the prompt's own tokens (`Scores`: echo).
+A `Batch` is R rows that decode together, each its own sequence at its own position: prompts are admitted
+into free rows (`admit`: `prefill` runs their positions once, on rows of their own, `insert` puts them in
+the batch), then every `step` draws each row's next token and runs the model one position further on all
+rows at once, so a row can join or leave between any two steps (continuous batching), and `regroup` moves
+the rows held into a batch of another size. Prompts of one length bucket that arrive together are
+prefilled and inserted together (`admit_together`), in one call each. `prefill` is compiled once per
+prompt-length bucket (powers of two) and number of prompts, the others once per row count, whatever the
+prompts, the number of new tokens or the sampling settings, which are traced values. A prefill can also
+score the prompts' own tokens (`Scores`: echo).
 
 One sampler (`pick`) for every caller, with its settings in one record (zerolm.config.sampling.Sampling):
 the repetition penalty on the tokens the row holds, greedy at temperature 0, else temperature, top-k,
@@ -44,11 +46,17 @@ class Rule(NamedTuple):
 
     @staticmethod
     def of(sampling: Sampling) -> Rule:
-        def f32(x):
-            return jnp.asarray(x, jnp.float32)
-        top_k = min(sampling.top_k, np.iinfo(np.int32).max)  # any k past the vocabulary keeps it all
-        return Rule(f32(sampling.temperature), jnp.asarray(top_k, jnp.int32), f32(sampling.top_p),
-                    f32(sampling.typical_p), f32(sampling.repetition_penalty))
+        """One row's settings: scalars."""
+        return jax.tree.map(lambda column: column[0], Rule.rows([sampling]))
+
+    @staticmethod
+    def rows(samplings: list[Sampling]) -> Rule:
+        """One row's settings per sampling: (N,) arrays."""
+        def column(field: str) -> jax.Array:
+            return jnp.asarray([getattr(s, field) for s in samplings], jnp.float32)
+        top_k = [min(s.top_k, np.iinfo(np.int32).max) for s in samplings]  # any k past the vocabulary keeps it all
+        return Rule(column("temperature"), jnp.asarray(top_k, jnp.int32), column("top_p"), column("typical_p"),
+                    column("repetition_penalty"))
 
 
 def penalized(logits_V: jax.Array, seen_V: jax.Array, penalty: jax.Array) -> jax.Array:
@@ -144,55 +152,59 @@ def _forward(model: GPT, params, cache, tokens_RxS, start_R):
 
 
 class Scores(NamedTuple):
-    """A prompt's own tokens scored (echo): each position's log-probability of the token there given those
+    """N prompts' own tokens scored (echo): each position's log-probability of the token there given those
     before it (position 0: 0, nothing before it), and the TOP_LOGPROBS most likely tokens there with theirs."""
 
-    logprob_P: jax.Array
-    top_ids_PxN: jax.Array
-    top_logprobs_PxN: jax.Array
+    logprob_NxP: jax.Array
+    top_ids_NxPxK: jax.Array
+    top_logprobs_NxPxK: jax.Array
 
 
 class Prefilled(NamedTuple):
-    """A prompt run through the model on a row of its own: its cache, the next token's logits, the tokens it
-    holds, and (echo) its scores."""
+    """N prompts run through the model, each on a row of its own: their cache, each one's next-token logits,
+    the tokens each holds, and (echo) their scores."""
 
     cache: Any
-    logits_V: jax.Array
-    seen_V: jax.Array
+    logits_NxV: jax.Array
+    seen_NxV: jax.Array
     scores: Scores | None
 
 
 @functools.partial(jax.jit, static_argnames=("model", "echo"))
-def prefill(model: GPT, params, prompt_P: jax.Array, length: jax.Array, echo: bool = False) -> Prefilled:
-    """A prompt padded to a bucket (its first `length` tokens count) run once: compiled per bucket, whatever
-    the batch it joins."""
+def prefill(model: GPT, params, prompts_NxP: jax.Array, lengths_N: jax.Array, echo: bool = False) -> Prefilled:
+    """N prompts padded to one bucket (row n's first lengths_N[n] tokens count) run once, together: compiled
+    per bucket and N, whatever the batch they join."""
+    N, P = prompts_NxP.shape
     V = model.cfg.padded_vocab_size
-    x_1xPxD, cache = _forward(model, params, init_cache(model, 1), prompt_P[None], jnp.zeros(1, jnp.int32))
+    x_NxPxD, cache = _forward(model, params, init_cache(model, N), prompts_NxP, jnp.zeros(N, jnp.int32))
     embedding = output_embedding(params)
-    logits_V = output_logits(x_1xPxD[0, length - 1], embedding, model.cfg.vocab)
-    seen_V = jnp.zeros(V, bool).at[prompt_P].max(jnp.arange(prompt_P.shape[0]) < length)
+    logits_NxV = output_logits(x_NxPxD[jnp.arange(N), lengths_N - 1], embedding, model.cfg.vocab)
+    counted_NxP = jnp.arange(P) < lengths_N[:, None]
+    seen_NxV = jnp.zeros((N, V), bool).at[jnp.arange(N)[:, None], prompts_NxP].max(counted_NxP)
     scores = None
     if echo:
-        logp_PxV = jax.nn.log_softmax(output_logits(x_1xPxD[0], embedding, model.cfg.vocab))
-        top_logprobs, top_ids = lax.top_k(logp_PxV, TOP_LOGPROBS)
+        logp_NxPxV = jax.nn.log_softmax(output_logits(x_NxPxD, embedding, model.cfg.vocab))
+        top_logprobs, top_ids = lax.top_k(logp_NxPxV, TOP_LOGPROBS)
         # position p's token given those before it: row p - 1's distribution
-        logprob_P = jnp.take_along_axis(logp_PxV[:-1], prompt_P[1:, None], axis=1)[:, 0]
-        scores = Scores(jnp.concatenate([jnp.zeros(1), logprob_P]),
-                        jnp.concatenate([top_ids[:1], top_ids[:-1]]),
-                        jnp.concatenate([top_logprobs[:1], top_logprobs[:-1]]))
-    return Prefilled(cache, logits_V, seen_V, scores)
+        logprob_NxP = jnp.take_along_axis(logp_NxPxV[:, :-1], prompts_NxP[:, 1:, None], axis=2)[..., 0]
+        scores = Scores(jnp.concatenate([jnp.zeros((N, 1)), logprob_NxP], axis=1),
+                        jnp.concatenate([top_ids[:, :1], top_ids[:, :-1]], axis=1),
+                        jnp.concatenate([top_logprobs[:, :1], top_logprobs[:, :-1]], axis=1))
+    return Prefilled(cache, logits_NxV, seen_NxV, scores)
 
 
 @functools.partial(jax.jit, donate_argnames=("batch",))
-def insert(batch: Batch, row: jax.Array, length: jax.Array, prefilled: Prefilled, rule: Rule, key: jax.Array) -> Batch:
-    """A prefilled prompt of `length` tokens put in a free row: the row's next step draws the token after it."""
-    def put(full, one):
-        return lax.dynamic_update_index_in_dim(full, one, row, axis=0)
-    return Batch(jax.tree.map(lambda full, one: lax.dynamic_update_slice_in_dim(full, one, row, axis=1),
-                              batch.cache, prefilled.cache),
-                 put(batch.logits_RxV, prefilled.logits_V), put(batch.position_R, length),
-                 put(batch.seen_RxV, prefilled.seen_V),
-                 jax.tree.map(put, batch.rule, rule), put(batch.key_R, key), put(batch.drawn_R, jnp.int32(0)))
+def insert(batch: Batch, rows_N: jax.Array, lengths_N: jax.Array, prefilled: Prefilled, rule: Rule,
+           keys_N: jax.Array) -> Batch:
+    """N prefilled prompts put in free rows `rows_N` (a row past the batch's: a prompt that only pads the
+    prefill, dropped): each row's next step draws the token after its prompt."""
+    def put(full, some, axis=0):
+        index = (slice(None),) * axis + (rows_N,)
+        return full.at[index].set(some, mode="drop")
+    return Batch(jax.tree.map(lambda full, some: put(full, some, axis=1), batch.cache, prefilled.cache),
+                 put(batch.logits_RxV, prefilled.logits_NxV), put(batch.position_R, lengths_N),
+                 put(batch.seen_RxV, prefilled.seen_NxV), jax.tree.map(put, batch.rule, rule),
+                 put(batch.key_R, keys_N), put(batch.drawn_R, jnp.zeros_like(lengths_N)))
 
 
 class Arrival(NamedTuple):
@@ -207,12 +219,28 @@ class Arrival(NamedTuple):
 
 def admit(model: GPT, params, batch: Batch, row: int, arrival: Arrival) -> tuple[Batch, Prefilled]:
     """A prompt prefilled into free row `row` of `batch`; the prefill (its scores with echo) beside."""
-    length = np.int32(arrival.prompt.size)
+    return admit_together(model, params, batch, [row], [arrival])
+
+
+def admit_together(model: GPT, params, batch: Batch, rows: list[int], arrivals: list[Arrival],
+                   width: int | None = None) -> tuple[Batch, Prefilled]:
+    """Prompts of one length bucket, all with echo or none, prefilled together into free rows `rows` of
+    `batch`, in one call of each program (the prefill padded to `width` prompts, the count it is compiled
+    for: default, as many as there are); the prefill beside (its first len(arrivals) rows are theirs)."""
+    N, T = width or len(arrivals), model.cfg.seq_len
+    P = bucket(max(a.prompt.size for a in arrivals), T)
+    prompts_NxP, lengths_N = np.zeros((N, P), np.int32), np.ones(N, np.int32)
+    rows_N = np.full(N, batch.position_R.shape[0], np.int32)  # past the batch's rows: dropped
+    for n, (row, arrival) in enumerate(zip(rows, arrivals, strict=True)):
+        assert bucket(arrival.prompt.size, T) == P and arrival.echo == arrivals[0].echo
+        prompts_NxP[n, :arrival.prompt.size], lengths_N[n], rows_N[n] = arrival.prompt, arrival.prompt.size, row
     # echo by name, as every caller passes it: jit keys its compiled programs on how a static argument was
     # passed too, and a program compiled for one spelling is compiled again for another
-    prefilled = prefill(model, params, padded(arrival.prompt, model.cfg.seq_len), length, echo=arrival.echo)
-    rule = Rule.of(arrival.sampling)
-    return insert(batch, np.int32(row), length, prefilled._replace(scores=None), rule, arrival.key), prefilled
+    prefilled = prefill(model, params, prompts_NxP, lengths_N, echo=arrivals[0].echo)
+    samplings = [a.sampling for a in arrivals]
+    rule = Rule.rows(samplings + samplings[:1] * (N - len(arrivals)))
+    keys_N = jnp.stack([a.key for a in arrivals] + [arrivals[0].key] * (N - len(arrivals)))
+    return insert(batch, rows_N, lengths_N, prefilled._replace(scores=None), rule, keys_N), prefilled
 
 
 @jax.jit
@@ -250,12 +278,6 @@ def one_step(model: GPT, params, batch: Batch) -> tuple[Batch, Drawn]:
 def bucket(n: int, seq_len: int) -> int:
     """The padded prompt length: the next power of two (at least MIN_BUCKET), at most seq_len."""
     return min(seq_len, max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length()))
-
-
-def padded(prompt: np.ndarray, seq_len: int) -> np.ndarray:
-    out = np.zeros(bucket(prompt.size, seq_len), np.int32)
-    out[:prompt.size] = prompt
-    return out
 
 
 def generate(model: GPT, params, prompt_ids, max_new_tokens: int, sampling: Sampling | None = None,

@@ -276,12 +276,13 @@ async def _models(request: Request) -> Response:
 
 
 async def _health(request: Request) -> Response:
-    """200 once the engine is ready, with its rows in use, its queue, its steps and the most rows a step ran."""
+    """200 once the engine is ready, with its rows in use, its queue, its steps, the most rows a step ran and
+    its prefills (calls: prompts that arrive together share one)."""
     engine = _served(request).engine
     ready = engine.ready.is_set() and engine.thread.is_alive()
     return JSONResponse({"status": "ok" if ready else "starting", "rows": sum(j is not None for j in engine.rows),
-                         "waiting": len(engine.waiting), "steps": engine.steps, "peak_rows": engine.peak_rows},
-                        status_code=200 if ready else 503)
+                         "waiting": len(engine.waiting), "steps": engine.steps, "peak_rows": engine.peak_rows,
+                         "prefills": engine.prefills}, status_code=200 if ready else 503)
 
 
 async def _page(request: Request) -> Response:

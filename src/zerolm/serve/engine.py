@@ -2,7 +2,8 @@
 batching, zerolm.model.generate).
 
 A request is one `Job` per choice (its prompt, settings, key, stops). The engine admits waiting jobs into
-free rows between any two steps and drops a row the step its job ends (its stop sequence, the end-of-text
+free rows between any two steps (the prompts of one length bucket that wait together prefilled in one call,
+`TOGETHER` at a time) and drops a row the step its job ends (its stop sequence, the end-of-text
 token, `max_tokens` or the end of the context, or its client gone), so a short answer never waits for a
 long one. The batch runs at the fewest rows among `buckets` (1, 8 and 32 by default) that hold the jobs
 in it, moved between sizes by `regroup`: one client decodes one row, as `zerolm sample` does. Each job's
@@ -20,7 +21,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -29,10 +30,12 @@ from zerolm.config.sampling import Sampling
 from zerolm.core.errors import UsageError
 from zerolm.data.tokenizer import Tokenizer
 from zerolm.model.decoder import GPT
-from zerolm.model.generate import DRAWS, TOP_LOGPROBS, Arrival, Batch, Scores, admit, empty, padded, prefill, regroup, step
+from zerolm.model.generate import DRAWS, TOP_LOGPROBS, Arrival, Batch, admit_together, bucket, empty, prefill, regroup, step
 from zerolm.serve.completions import FinishReason, Logprobs
 
 BUCKETS = (1, 8, 32)
+TOGETHER = 8  # prompts of one length bucket that arrive together are prefilled this many to a call
+TOGETHER_TOKENS = 512  # ... up to this length; a longer prompt's prefill is work enough on its own
 
 
 class Busy(UsageError):
@@ -47,6 +50,15 @@ class Piece(NamedTuple):
     logprobs: Logprobs | None
     finish_reason: FinishReason = None
     drawn: int = 0  # the job's tokens drawn so far (usage)
+
+
+class Scored(NamedTuple):
+    """One prompt's scores (echo), on the host: each position's log-probability, its most likely tokens and
+    theirs (zerolm.model.generate.Scores, one row of it)."""
+
+    logprob_P: np.ndarray
+    top_ids_PxK: np.ndarray
+    top_logprobs_PxK: np.ndarray
 
 
 class Failure(NamedTuple):
@@ -95,8 +107,9 @@ class Engine:
         # called from the engine's thread.
         self.post: Callable[[list[tuple[Job, Piece | Failure]]], Any] | None = None
         self.outbox: list[tuple[Job, Piece | Failure]] = []
-        self.steps = 0  # steps run, and the most rows any ran with: for tests and the benchmark
+        self.steps = 0  # steps run, the most rows any ran with, prefills run: for tests and the benchmark
         self.peak_rows = 0
+        self.prefills = 0
         self.thread = threading.Thread(target=self._run, name="zerolm-engine", daemon=True)
 
     @property
@@ -126,19 +139,32 @@ class Engine:
             self.waiting.extend(jobs)
             self.wake.notify()
 
+    @property
+    def together(self) -> int:
+        """How many prompts one prefill takes, when more than one arrive together."""
+        return min(TOGETHER, self.max_rows)
+
     def warm(self) -> None:
         """Every program a request can run compiled before the server says it is ready (echo's prefills
-        aside): each prompt bucket's prefill, each row count's insert and step, each regroup the engine makes.
-        A compile under load would stall every row for its length."""
+        aside): each prompt bucket's prefill, alone and (short prompts) `together`, each row count's insert
+        of one prompt and of `together` and its step, each regroup the engine makes. A compile under load
+        would stall every row for its length."""
         model, params, T = self.model, self.params, self.model.cfg.seq_len
-        for bucket in sorted({padded(np.zeros(n, np.int32), T).size for n in range(1, T)}):
-            prompt = np.zeros(bucket if bucket < T else T - 1, np.int32)
-            jax.block_until_ready(prefill(model, params, padded(prompt, T), np.int32(prompt.size), echo=False))
-        arrival = Arrival(np.zeros(1, np.int32), Sampling(temperature=0), jax.random.key(0))
+
+        def arrival(n: int) -> Arrival:
+            return Arrival(np.zeros(n, np.int32), Sampling(temperature=0), jax.random.key(0))
+        for size in sorted({bucket(n, T) for n in range(1, T)}):
+            prompt = arrival(min(size, T - 1))
+            for width in {1, self.together if size <= TOGETHER_TOKENS else 1}:
+                jax.block_until_ready(prefill(model, params, np.zeros((width, size), np.int32),
+                                              np.full(width, prompt.prompt.size, np.int32), echo=False))
         for i, rows in enumerate(self.buckets):
             batch = empty(model, rows)
-            for _ in range(2):  # into a new batch, and into one a program returned: an array a program returns
-                batch, _ = admit(model, params, batch, 0, arrival)  # has a sharding of its own, compiled apart
+            for width in {1, self.together if self.together <= rows else 1}:
+                # into a new batch, and into one a program returned (an array a program returns has a sharding
+                # of its own, which its compiled insert is for)
+                for _ in range(2):
+                    batch, _ = admit_together(model, params, batch, [0], [arrival(1)], width)
             batch, _ = step(model, params, batch)
             for other in self.buckets[:i] + self.buckets[i + 1:i + 2]:  # shrinking to any, growing to the next
                 jax.block_until_ready(regroup(batch, np.zeros(other, np.int32)))
@@ -187,9 +213,22 @@ class Engine:
         return taken
 
     def _turn(self, arrivals: list[Job]) -> None:
+        T, groups = self.model.cfg.seq_len, collections.defaultdict(list)
         for job in arrivals:
-            if not job.cancelled.is_set():
-                self._admit(job)
+            if job.cancelled.is_set():
+                continue
+            if job.max_tokens == 0:  # scores only (echo), or nothing
+                self._echo(job, self._scored(job.prompt) if job.echo else None)
+                self._emit(job, Piece(job.index, "", None, "length", 0))
+            elif job.echo:  # alone: its scores are the whole vocabulary's at each of its positions
+                self._admit([job], 1)
+            else:
+                groups[bucket(job.prompt.size, T)].append(job)
+        for size, group in groups.items():
+            most = self.together if size <= TOGETHER_TOKENS else 1
+            for start in range(0, len(group), most):
+                some = group[start:start + most]
+                self._admit(some, 1 if len(some) == 1 else most)
         if any(self.rows):
             self.batch, drawn = step(self.model, self.params, self.batch)
             self.steps += DRAWS
@@ -202,43 +241,45 @@ class Engine:
                         self.rows[row] = held = None
         self._fit()
 
-    def _admit(self, job: Job) -> None:
-        arrival = Arrival(job.prompt, job.sampling, job.key, job.echo)
-        if job.max_tokens == 0:  # scores only (echo), or nothing
-            self._echo(job, self._scored(job.prompt) if job.echo else None)
-            self._emit(job, Piece(job.index, "", None, "length", 0))
-            return
-        if None not in self.rows:
+    def _admit(self, jobs: list[Job], width: int) -> None:
+        """Jobs of one prompt bucket (an echo's alone) into free rows, prefilled in one call of `width` prompts;
+        the batch grown first, a row count at a time, if they do not fit."""
+        while sum(job is None for job in self.rows) < len(jobs):
             self._resize(next(b for b in self.buckets if b > len(self.rows)))
-        row = self.rows.index(None)
-        self.batch, prefilled = admit(self.model, self.params, self.batch, row, arrival)
-        self.rows[row] = job
-        if job.echo:
-            self._echo(job, prefilled.scores)
+        rows = [row for row, held in enumerate(self.rows) if held is None][:len(jobs)]
+        arrivals = [Arrival(job.prompt, job.sampling, job.key, job.echo) for job in jobs]
+        self.batch, prefilled = admit_together(self.model, self.params, self.batch, rows, arrivals, width)
+        self.prefills += 1
+        for row, job in zip(rows, jobs, strict=True):
+            self.rows[row] = job
+        if jobs[0].echo:
+            scores = jax.device_get(prefilled.scores)
+            for n, job in enumerate(jobs):
+                self._echo(job, Scored(scores.logprob_NxP[n], scores.top_ids_NxPxK[n], scores.top_logprobs_NxPxK[n]))
 
-    def _scored(self, prompt: np.ndarray) -> Scores:
+    def _scored(self, prompt: np.ndarray) -> Scored:
         """A prompt of up to seq_len + 1 tokens scored (echo, nothing drawn): the first seq_len by a prefill,
         the one past them by the last position's next-token distribution, as `zerolm eval --tasks` scores a
         window of seq_len + 1 tokens."""
         T = self.model.cfg.seq_len
         within = prompt[:T]
-        prefilled = prefill(self.model, self.params, padded(within, T), np.int32(within.size), echo=True)
-        scores, logits_V = jax.device_get((prefilled.scores, prefilled.logits_V))
-        assert scores is not None
+        prompt_1xP = np.zeros((1, bucket(within.size, T)), np.int32)
+        prompt_1xP[0, :within.size] = within
+        prefilled = prefill(self.model, self.params, prompt_1xP, np.asarray([within.size], np.int32), echo=True)
+        scores, logits_V = jax.device_get((prefilled.scores, prefilled.logits_NxV[0]))
+        scored = Scored(scores.logprob_NxP[0], scores.top_ids_NxPxK[0], scores.top_logprobs_NxPxK[0])
         if prompt.size <= T:
-            return scores
+            return scored
         logp_V = logits_V - np.logaddexp.reduce(logits_V)
-        top_N = np.argsort(-logp_V)[:TOP_LOGPROBS]
-        return Scores(*cast(Any, (np.append(scores.logprob_P, logp_V[prompt[T]]),  # on the host, as _echo reads it
-                                  np.vstack([scores.top_ids_PxN, top_N]),
-                                  np.vstack([scores.top_logprobs_PxN, logp_V[top_N]]))))
+        top_K = np.argsort(-logp_V)[:TOP_LOGPROBS]
+        return Scored(np.append(scored.logprob_P, logp_V[prompt[T]]), np.vstack([scored.top_ids_PxK, top_K]),
+                      np.vstack([scored.top_logprobs_PxK, logp_V[top_K]]))
 
-    def _echo(self, job: Job, scores: Scores | None) -> None:
+    def _echo(self, job: Job, scored: Scored | None) -> None:
         """The prompt's text first, with its tokens' scores (the first has none: nothing before it)."""
         logprobs = None
-        if job.logprobs is not None and scores is not None:
-            s = jax.device_get(scores)
-            logprobs = self._logprobs(job, job.prompt, s.logprob_P, s.top_ids_PxN, s.top_logprobs_PxN)
+        if job.logprobs is not None and scored is not None:
+            logprobs = self._logprobs(job, job.prompt, *scored)
             logprobs.token_logprobs[0] = logprobs.top_logprobs[0] = None
         self._emit(job, Piece(job.index, job.prompt_text, logprobs))
         job.sent, job.offset = 0, len(job.prompt_text)
