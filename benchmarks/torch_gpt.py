@@ -7,7 +7,9 @@ to a multiple of 128 as zerolm pads it), the shape read from zerolm's YAML confi
 with the settings a PyTorch user would reach for:
 - `torch.compile` (default mode; `--compile-mode` tries others, `--no-compile` turns it off);
 - bfloat16 autocast over float32 master weights, TF32 for what stays float32;
-- `F.scaled_dot_product_attention(is_causal=True)`, which takes the flash-attention kernel;
+- `F.scaled_dot_product_attention(is_causal=True)` on the flash-attention kernel alone (the other kernels
+  switched off, so a run that cannot take flash fails rather than timing another; `--sdpa default` leaves
+  PyTorch's choice);
 - fused AdamW (`fused=True`), weight decay on matrices and embeddings only, global-norm clipping
   at 1.0, the same gradient accumulation (micro-batch × accumulation steps) as zerolm's run.
 Tokens are uniform random ids below the vocabulary (GPT-2's 50257 by default) (dense compute time does not depend on them).
@@ -97,12 +99,19 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--compile-mode", default="default", help="torch.compile mode (default: %(default)s)")
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--sdpa", choices=("flash", "default"), default="flash",
+                   help="flash: attention on the flash kernel only; default: PyTorch's choice (default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (default: %(default)s)")
     args = p.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
+    if args.sdpa == "flash":  # flash or an error: no other kernel to fall back to
+        torch.backends.cuda.enable_math_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_flash_sdp(True)
     shape = load_shape(args.config, args.seq_len, args.vocab_size)
     T = shape["seq_len"]
     dev = torch.device(args.device)
@@ -151,7 +160,7 @@ def main() -> None:
               "step_s": step_s, "tokens_per_s": tokens_per_s, "first_step_s": first,
               "mfu": tokens_per_s * fpt / peak.flops if peak else None,
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "loss": float(loss) * args.accum,
-              "sdpa_flash": torch.backends.cuda.flash_sdp_enabled()}
+              "sdpa": args.sdpa, "sdpa_flash": torch.backends.cuda.flash_sdp_enabled()}
     print(json.dumps(result), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result) + "\n")
