@@ -117,9 +117,14 @@ def parse_candidate(text: str) -> tuple[str, int]:
     return remat, int(micro)
 
 
-def train_through_zerolm(args, cand: dict, workdir: Path, tag: str = "") -> dict:
-    """`zerolm train` in a subprocess; step times and memory from its metrics.jsonl, cuDNN attention
-    calls from its dumped gradient program."""
+def run_command(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+
+
+def train_through_zerolm(args, cand: dict, workdir: Path, tag: str = "", run=run_command) -> dict:
+    """`zerolm train` in a subprocess, started by `run(cmd, env)` (default: run to its end; a caller may time-limit
+    or watch it); step times and memory from its metrics.jsonl, cuDNN attention calls from its dumped gradient
+    program."""
     run_dir = workdir / f"{cand['config']}-{cand['remat']}-{cand['micro']}{tag}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a --workdir used before must not resume (and re-read) its old run
     sets = [*overrides(args, cand["micro"], cand["remat"]), f"train.steps={args.steps}",
@@ -133,9 +138,8 @@ def train_through_zerolm(args, cand: dict, workdir: Path, tag: str = "") -> dict
                         "--xla_dump_hlo_module_re=.*grad_step.*".strip()}
     env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "zerolm.cli", "train", "--config",
-                           str(REPO / "configs" / f"{cand['config']}.yaml"), *[a for s in sets for a in ("--set", s)]],
-                          capture_output=True, text=True, env=env, cwd=REPO)
+    proc = run([sys.executable, "-m", "zerolm.cli", "train", "--config", str(REPO / "configs" / f"{cand['config']}.yaml"),
+                *[a for s in sets for a in ("--set", s)]], env)
     wall = time.perf_counter() - t
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "train.log").write_text(proc.stdout + "\n" + proc.stderr)
