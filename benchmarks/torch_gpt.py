@@ -116,7 +116,8 @@ def main() -> None:
     T = shape["seq_len"]
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
-    model = GPT(**shape).to(dev)
+    with dev:  # built and initialised on its device, not on the CPU and then copied
+        model = GPT(**shape)
     decay = [q for n, q in model.named_parameters() if q.dim() >= 2]
     no_decay = [q for n, q in model.named_parameters() if q.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
