@@ -13,22 +13,39 @@
 #       serve = one call for a 15-minute lease: `zerolm serve` under load (benchmarks/serve.py, the tiny model,
 #           10 s a point), then 125m at none/16 and none/32 and 1_3b at none/8 (no structure timing, no
 #           profile), each under its own limit, with the card's temperature and throttle counters before and
-#           after.
+#           after;
+#       side = one call for a 15-minute lease, done in under 9 minutes: zerolm against PyTorch on the same
+#           card (benchmarks/side_by_side.py): 125m and 1_3b, each zerolm, PyTorch, zerolm, PyTorch at the same
+#           global batch (125m: micro-batch 32 × 2 accumulation steps on both sides; 1_3b: 16 × 2; no remat),
+#           11 steps timed after 4, PyTorch under torch.compile's default mode; each run under its own limit
+#           and all in a 480 s budget (the whole stopped at 510 s); the card's clocks, temperature, power and
+#           throttle counters around each run; zerolm ÷ PyTorch per pair. Through the device tool:
+#           `bash benchmarks/gpu_session.sh side`, timeout_s 600, carrying .whl. DRY_RUN=1 runs it on a CPU
+#           machine (the tiny config at tiny shapes, both sides, no nvidia-smi needed), in under a minute.
 # The candidates are what fits an 80 GB H100 by XLA's GPU compiler (compiled on the CPU machine for an
 # H100, 2026-11-25, with the unrolled layer loop and the block that keeps only matmul and attention outputs:
 # 125m none/32 and 1_3b none/16 fit 59.3 GiB; `zerolm compile --target h100` says so before any GPU time).
 # Results go to OUT_DIR (default: $OUT, else runs/gpu): JSON lines, markdown tables, the profile
-# summary and the whole log. Python packages the machine lacks are installed from .whl/ when present
-# (benchmarks/gpu_env.sh).
+# summary, nvidia-smi's reports and the whole log. Python packages the machine lacks are installed from
+# .whl/ when present (benchmarks/gpu_env.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
-part=${1:?usage: gpu_session.sh a|b|c|lease|serve [OUT_DIR]}
+part=${1:?usage: [DRY_RUN=1] gpu_session.sh a|b|c|lease|serve|side [OUT_DIR]}
 out=${2:-${OUT:-runs/gpu}}
 mkdir -p "$out"
 exec > >(tee -a "$out/log-$part.txt") 2>&1
 
-source benchmarks/gpu_env.sh
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+if [ -n "${DRY_RUN:-}" ]; then  # this machine's Python and packages, on its CPU
+  [ "$part" = side ] || { echo "DRY_RUN: only the side part has a dry run"; exit 2; }
+  export JAX_PLATFORMS=cpu PYTHONUNBUFFERED=1
+else
+  source benchmarks/gpu_env.sh
+fi
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+else
+  echo "no nvidia-smi"
+fi
 python3 -c 'import jax, flax, optax, orbax.checkpoint as o, torch; print("jax", jax.__version__, "flax", flax.__version__,
   "optax", optax.__version__, "orbax", o.__version__, "torch", torch.__version__, jax.devices())'
 work=/dev/shm/zerolm-mfu
@@ -96,6 +113,10 @@ case $part in
     timeout 150 bash -c 'mfu 1_3b 1_3b --candidates none:8 --steps 10 --warmup 3 --no-structure' \
       || echo "1_3b part stopped at its limit"
     throttle
+    ;;
+  side)
+    if [ -n "${DRY_RUN:-}" ]; then args=(--dry-run); else args=(--workdir "$work/side"); fi
+    timeout 510 python3 benchmarks/side_by_side.py --out "$out" "${args[@]}" || echo "side part: stopped or failed"
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -107,3 +107,65 @@ def test_make_bench_runs_the_zero_step_benchmark(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split("|")[1].strip() for line in proc.stdout.splitlines() if line.startswith("| ")][1:]
     assert rows == ["all_reduce", "reduce_scatter", "naive"], proc.stdout
+
+
+def test_gpu_session_side_part_dry_run_pairs_zerolm_with_pytorch_on_cpu(tmp_path):
+    """`DRY_RUN=1 bash benchmarks/gpu_session.sh side`: both sides really train (the tiny config at tiny shapes,
+    PyTorch uncompiled), zerolm then PyTorch twice, each pair's ratio printed; no nvidia-smi here is said, not
+    fatal; the JSON lines, the tables between their markers, and the same tables again from the lines alone."""
+    import json
+
+    out = tmp_path / "out"
+    env = {**os.environ, "DRY_RUN": "1", "XLA_FLAGS": cpu_flags(1),
+           "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}  # python3: this interpreter
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_session.sh"), "side", str(out)], capture_output=True,
+                          text=True, cwd=tmp_path, env=env, timeout=300)
+    assert proc.returncode == 0 and "part side done" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = (out / "log-side.txt").read_text()
+    assert "nvidia-smi: not found" in log and "tiny pair 1: zerolm ÷ PyTorch" in log and "tiny pair 2: zerolm ÷ PyTorch" in log
+    rows = [json.loads(line) for line in (out / "side.jsonl").read_text().splitlines()]
+    assert [(r["pair"], r["side"]) for r in rows] == [(1, "zerolm"), (1, "pytorch"), (2, "zerolm"), (2, "pytorch")]
+    for r in rows:
+        assert r.get("error") is None and r["step_s"] > 0 and r["card_before"] is None and r["mfu"] is None, r
+        assert r["global_batch"] == r["micro"] * r["accum"] == 4 and r["tokens_per_s"] == 4 * 64 / r["step_s"]
+    assert {r["compile"] for r in rows} == {"XLA", "off"} and rows[1]["sdpa"] == "flash"
+    table = (out / "side.md").read_text()
+    assert table.startswith("<!-- side_by_side:cpu:begin -->\n`python benchmarks/side_by_side.py --dry-run`")
+    pairs = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines() if line.startswith("| tiny |")]
+    assert [p[1] for p in pairs] == ["1", "2"]
+    for p, (z, t) in zip(pairs, [rows[0:2], rows[2:4]], strict=True):
+        assert float(p[-1]) == round(z["tokens_per_s"] / t["tokens_per_s"], 3)
+    again = tmp_path / "again"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "side_by_side.py"), "--from", str(out / "side.jsonl"),
+                           "--out", str(again)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (again / "side.md").read_text() == table
+
+
+def test_side_by_side_reads_the_cards_throttle_reasons_and_counters():
+    """nvidia-smi's PERFORMANCE report, as drivers print it: the active reasons, and the counters (µs) in seconds."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from side_by_side import performance, throttled
+
+    report = """
+GPU 00000000:00:1E.0
+    Performance State                     : P0
+    Clocks Event Reasons
+        Idle                              : Not Active
+        SW Power Cap                      : Active
+        HW Slowdown                       : Not Active
+            HW Thermal Slowdown           : Not Active
+        SW Thermal Slowdown               : Not Active
+    Clocks Event Reasons Counters
+        SW Power Capping                  : 9700000 us
+        Sync Boost                        : 0 us
+        SW Thermal Slowdown               : 172000000 us
+        HW Thermal Slowdown               : 0 us
+    Sparse Operation Mode                 : N/A
+"""
+    active, counters = performance(report)
+    assert active == ["SW Power Cap"]
+    assert counters == {"SW Power Capping": 9.7, "Sync Boost": 0.0, "SW Thermal Slowdown": 172.0, "HW Thermal Slowdown": 0.0}
+    before = {"counters_s": {**counters, "SW Power Capping": 0.0}}
+    assert throttled(before, {"counters_s": counters}) == {"SW Power Capping": 9.7}
+    assert throttled(None, {"counters_s": counters}) is None
