@@ -70,12 +70,9 @@ def run(args: argparse.Namespace) -> int:
     from zerolm.core.storage import check
     from zerolm.serve import app
     from zerolm.serve.engine import BUCKETS, Engine
-    from zerolm.serve.guard import OriginError, origins
+    from zerolm.serve.guard import origins
 
-    try:
-        allowed = origins(args.allow_origin)
-    except OriginError as e:
-        raise UsageError(f"--allow-origin: {e}") from None
+    allowed = origins(args.allow_origin)  # (OriginError: one line naming --allow-origin)
 
     check(args.checkpoint, "--checkpoint")
     model_run = restored.load(args.checkpoint, jax.local_devices()[:1])

@@ -29,6 +29,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from zerolm.core.errors import UsageError
 from zerolm.serve.completions import RequestError
 
 ANY = "*"  # --allow-origin's every origin (and every Host)
@@ -41,8 +42,8 @@ def body_limit(context: int) -> int:
     return max(1 << 20, 64 * context)
 
 
-class OriginError(ValueError):
-    """An `--allow-origin` value that is not an origin."""
+class OriginError(UsageError):
+    """An `--allow-origin` value that is not an origin (one line naming the flag)."""
 
 
 def origins(values: Iterable[str]) -> frozenset[str]:
@@ -53,7 +54,8 @@ def origins(values: Iterable[str]) -> frozenset[str]:
         parts = urlsplit(value)
         if value != ANY and (parts.scheme not in ("http", "https") or not parts.hostname
                              or parts.path.strip("/") or parts.query or parts.fragment):
-            raise OriginError(f"{value!r} is not an origin (scheme://host[:port], as http://localhost:3000) or *")
+            raise OriginError(f"--allow-origin: {value!r} is not an origin (scheme://host[:port], as "
+                              "http://localhost:3000) or *")
         out.add(value if value == ANY else f"{parts.scheme}://{parts.netloc}".lower())
     return frozenset(out)
 
