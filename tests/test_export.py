@@ -13,12 +13,14 @@ import pytest
 
 from runs import snapshot, train, zerolm
 from zerolm.checkpoint import trained_model as restored
+from zerolm.config.model import ModelConfig
 from zerolm.config.sampling import Sampling
 from zerolm.data.tokenizer import EOT, from_file, train_bpe
 from zerolm.hf import export
 from zerolm.hf import layouts as hf_layouts
 from zerolm.model import decoder as gpt_model
 from zerolm.model.generate import generate
+from zerolm.parallel.auto import for_device
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -63,7 +65,8 @@ def sharp(model_run, scale=5, **settings):
     """The run's model with `settings` changed and random parameters with large weights (as in test_sample):
     it continues with tokens that depend on the ones before them (16 steps of training repeat one token).
     ×5 keeps float32's rounding (about 1e-5 in the logits) well under the tolerance; ×30 can reach it."""
-    model = gpt_model.GPT(model_run.model.cfg.model_copy(update=settings))
+    asked = {**model_run.model.cfg.model_dump(), "n_kv_head": "auto", "mlp_hidden": "auto", **settings}
+    model = gpt_model.GPT(for_device(ModelConfig.model_validate(asked)))  # its auto shapes follow the new settings
     params = jax.tree.map(lambda p: p * scale if p.ndim >= 2 else p, gpt_model.init_params(model, jax.random.key(3)))
     return restored.Restored(model, params, model_run.meta, model_run.step, model_run.where, model_run.mesh)
 

@@ -45,8 +45,11 @@ def parameter_differences(saved_model: dict, model_config: dict, *, besides: tup
     """(key, saved value, config value) of each model setting that differs and makes other parameters
     (not one of _COMPUTE_ONLY, nor of `besides`), in the config's key order."""
     # A key differs where it is written differently and means different shapes (auto and the number it resolves
-    # to are the same; two autos are, whatever a differing key makes of them: that key is named instead).
+    # to are the same). Where the config leaves a key auto, what it resolves to follows other keys: a difference
+    # there is named only where no key the config sets differs (a checkpoint records the number a run resolved).
     saved, wanted = resolved_shape(saved_model), resolved_shape(model_config)
-    return [(k, saved_model.get(k), v) for k, v in model_config.items()
-            if saved_model.get(k) != v and saved.get(k) != wanted.get(k) and k not in _COMPUTE_ONLY
-            and k not in besides]
+    differing = [(k, saved_model.get(k), v) for k, v in model_config.items()
+                 if saved_model.get(k) != v and saved.get(k) != wanted.get(k) and k not in _COMPUTE_ONLY
+                 and k not in besides]
+    explicit = [d for d in differing if d[2] != "auto"]
+    return explicit or differing
