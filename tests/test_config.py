@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pydantic
 import pytest
@@ -190,6 +191,17 @@ def test_an_unknown_key_in_a_mixture_entry_is_the_whole_line():
         f"{TINY} (--set data.mixture): data.mixture.0.bogus: unknown key"
 
 
+def test_where_tensorboard_writes_and_a_directory_without_it_is_one_line():
+    cfg = load_config(TINY, ["logging.tensorboard=true"])
+    assert cfg.tensorboard_dir == str(Path("runs") / "tiny" / "tensorboard")  # beside metrics.jsonl and the profile
+    assert load_config(TINY, ["logging.tensorboard=true", "logging.tensorboard_dir=gs://b/tb"]).tensorboard_dir == \
+        "gs://b/tb"
+    assert load_config(TINY).tensorboard_dir is None
+    assert _error(TINY, ["logging.tensorboard_dir=gs://b/tb"]) == (
+        f"{TINY} (--set logging.tensorboard_dir): logging.tensorboard_dir: gs://b/tb is set and logging.tensorboard "
+        "is false, which writes no TensorBoard events; set logging.tensorboard=true, or logging.tensorboard_dir=null")
+
+
 def test_a_misspelled_key_is_named_before_the_key_it_leaves_missing():
     assert _error(TINY, ["data.mixture=[{dataset: default, weight: 1}, {dataset: default, wieght: 0.3}]"]) == \
         f"{TINY} (--set data.mixture): data.mixture.1.wieght: unknown key [and 1 more problem(s)]"
@@ -197,7 +209,7 @@ def test_a_misspelled_key_is_named_before_the_key_it_leaves_missing():
 
 def test_a_checkpoints_config_from_before_the_model_settings_validates_as_today():
     """A mixture checkpoint's data is opened again from its config: one saved before model.position, model.bias,
-    the activation, dropout, train.init_from, the lr schedules and the eval section existed reads them as they were
+    the activation, dropout, train.init_from, the lr schedules, the eval section and TensorBoard existed reads them as they were
     then (BEFORE_RECORDED)."""
     from zerolm.checkpoint.meta import CheckpointMeta
     from zerolm.config.tree import Config
@@ -209,6 +221,7 @@ def test_a_checkpoints_config_from_before_the_model_settings_validates_as_today(
         del old["train"][key]
     del old["eval"]
     del old["zero"]["tpu_async_collectives"]
+    del old["logging"]["tensorboard"], old["logging"]["tensorboard_dir"]
     meta = CheckpointMeta(step=1, time=0.0, config=old, dp=1, accum_steps=1, dataset={}, tokens_seen=0, loss=None,
                           wandb_id="x")
     cfg = Config.model_validate(meta.full_config)
@@ -216,3 +229,4 @@ def test_a_checkpoints_config_from_before_the_model_settings_validates_as_today(
     assert (cfg.train.schedule, cfg.train.decay_steps, cfg.train.decay_shape) == ("cosine", None, "linear")
     assert cfg.eval == load_config(TINY).eval and cfg.eval.tasks == ()
     assert cfg.zero.tpu_async_collectives == "off"  # zerolm set no libtpu flags then
+    assert (cfg.logging.tensorboard, cfg.logging.tensorboard_dir) == (False, None)  # nor TensorBoard events

@@ -26,6 +26,7 @@ BEFORE_RECORDED: dict[str, dict[str, Any]] = {
     "train": {"init_from": None, "schedule": "cosine", "decay_steps": None, "decay_shape": "linear",
               "branch_from": None, "ema": None, "context_stages": [], "context_rows": "split"},
     "eval": {"tasks": [], "every": None, "limit": None, "include_path": None},
+    "logging": {"tensorboard": False, "tensorboard_dir": None},
 }
 
 

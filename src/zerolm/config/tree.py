@@ -201,6 +201,8 @@ class LoggingConfig(_Section):
     wandb_project: str
     every: int = PositiveInt  # progress-bar refresh, in steps; metrics.jsonl gets every step
     profile: str | None = Field(pattern=r"^\d+-\d+$")  # "A-B": a jax.profiler trace of steps A..B
+    tensorboard: bool  # metrics.jsonl's numbers as TensorBoard scalars too (zerolm.observe.tensorboard)
+    tensorboard_dir: str | None  # where they go: null = <logging.dir>/tensorboard; a local path or gs://
 
     @property
     def profile_steps(self) -> tuple[int, int] | None:
@@ -217,6 +219,14 @@ class LoggingConfig(_Section):
             if not 1 <= first <= last:
                 raise ValueError(f"{value!r}: expected FIRST-LAST steps with 1 <= FIRST <= LAST")
         return value
+
+    @model_validator(mode="after")
+    def _tensorboard_dir_needs_tensorboard(self) -> LoggingConfig:
+        if self.tensorboard_dir is not None and not self.tensorboard:
+            raise _KeyError("logging.tensorboard_dir", f"{self.tensorboard_dir} is set and logging.tensorboard is "
+                            "false, which writes no TensorBoard events; set logging.tensorboard=true, or "
+                            "logging.tensorboard_dir=null", related=("logging.tensorboard",))
+        return self
 
 
 class SampleConfig(Sampling):
@@ -334,6 +344,14 @@ class Config(_Section):
     @property
     def log_dir(self) -> Path:
         return Path(self.logging.dir) if self.logging.dir else Path("runs") / self.name
+
+    @property
+    def tensorboard_dir(self) -> str | None:
+        """Where the run's TensorBoard scalars go (logging.tensorboard_dir, else <logging.dir>/tensorboard), or None
+        without logging.tensorboard."""
+        if not self.logging.tensorboard:
+            return None
+        return self.logging.tensorboard_dir or str(self.log_dir / "tensorboard")
 
     def with_values(self, values: dict[str, Any]) -> Config:
         """A copy with the values of these dotted keys (`{"model.vocab_size": 50257}`; a section's whole dict

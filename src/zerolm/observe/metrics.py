@@ -1,4 +1,5 @@
-"""Training metrics: one JSON object per step in <logging.dir>/metrics.jsonl, mirrored to wandb.
+"""Training metrics: one JSON object per step in <logging.dir>/metrics.jsonl, mirrored to wandb and, with
+`logging.tensorboard`, to TensorBoard scalars (zerolm.observe.tensorboard).
 
 `step` is the number of optimizer steps taken, as in messages and checkpoint names: the line of
 step s holds the loss of the s-th update, and the checkpoint of step s the state after it. A run
@@ -34,6 +35,7 @@ import numpy as np
 from zerolm.core.errors import ZerolmError
 from zerolm.core.exitcodes import EXIT_NONFINITE
 from zerolm.observe.mfu import Accounting
+from zerolm.observe.tensorboard import TensorBoardWriter
 
 
 class NonFiniteError(ZerolmError):
@@ -59,26 +61,39 @@ class WandbRun:
 
 class MetricsWriter:
     def __init__(self, log_dir: Path, wandb_run: WandbRun, resume_step: int = 0, enabled: bool | None = None,
-                 say=print):
-        """`say` prints a notice (wandb logging offline for want of credentials)."""
+                 *, tensorboard: str | None = None, say=print):
+        """`tensorboard`: the directory TensorBoard's scalars go to (logging.tensorboard), or None; `say` prints a
+        notice (wandb logging offline for want of credentials)."""
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self._wandb = None
+        self._tensorboard: TensorBoardWriter | None = None
         if not self.enabled:
             return
         log_dir.mkdir(parents=True, exist_ok=True)
         self.path = log_dir / "metrics.jsonl"
         _drop_after(self.path, resume_step)
         self._file = self.path.open("a")
+        if tensorboard is not None:
+            self._tensorboard = TensorBoardWriter(tensorboard, first_step=resume_step + 1)
         self._wandb, self._env_before = start_wandb(log_dir, wandb_run, say)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        values = {k: float(v) for k, v in metrics.items()}
+        record = {"step": step, **values}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.write(step, values)
         if self._wandb is not None:
             self._wandb.log(record, step=step)
+
+    def flush(self) -> None:
+        """Return once everything written so far is where it goes (metrics.jsonl is at each row; TensorBoard's
+        events are written behind the loop): before a checkpoint, so that a resume from it finds its steps."""
+        if self._tensorboard is not None:
+            self._tensorboard.flush()
 
     def write_text(self, step: int, key: str, text: str) -> None:
         """Text (a generated sample) to wandb, as preformatted HTML; metrics.jsonl holds numbers only."""
@@ -92,6 +107,8 @@ class MetricsWriter:
         if self.enabled:
             self._file.close()
             finish_wandb(self._wandb, self._env_before)
+            if self._tensorboard is not None:
+                self._tensorboard.close()
 
 
 def start_wandb(log_dir: Path, wandb_run: WandbRun, say=print) -> tuple[Any, dict[str, str | None]]:

@@ -89,7 +89,7 @@ class StepLoop:
             # at_last=False: the run's last sample is its closing line
             hooks.append(Hook(cfg.sample.every, functools.partial(self.sample, writer, bar), at_last=False))
         hooks.extend(self.user_hooks)
-        hooks.append(Hook(cfg.checkpoint.every, functools.partial(self.save, emitter), at_stop=True))
+        hooks.append(Hook(cfg.checkpoint.every, functools.partial(self.save, writer, emitter), at_stop=True))
         return hooks
 
     def evaluate(self, bar, step: int, state: TrainState, stopping: bool) -> dict[str, float]:
@@ -124,7 +124,9 @@ class StepLoop:
             bar.write(f"step {step}: sample: {text}", file=self.opened.out)
         return {}
 
-    def save(self, emitter: StepMetrics, step: int, state: TrainState, stopping: bool) -> dict[str, float]:
+    def save(self, writer: MetricsWriter, emitter: StepMetrics, step: int, state: TrainState,
+             stopping: bool) -> dict[str, float]:
+        writer.flush()  # every row up to this step is logged everywhere before the checkpoint can be resumed from
         t0 = time.perf_counter()
         self.start.checkpoints.save(state, self.checkpoint_meta(step, emitter.summary().get("loss")), wait=stopping)
         return {"save_s": time.perf_counter() - t0}  # the step waits this long for it
@@ -153,7 +155,7 @@ class StepLoop:
         wandb_run = WandbRun(cfg.logging.wandb_project, cfg.name, self.start.wandb_id, cfg.logging.wandb,
                              {**cfg.model_dump(), "run": run_facts(cfg, opened.zero, opened.accounting)})
         writer = MetricsWriter(cfg.log_dir, wandb_run, resume_step=start, enabled=self.is_main,
-                               say=lambda line: print(line, file=opened.out, flush=True))
+                               tensorboard=cfg.tensorboard_dir, say=lambda line: print(line, file=opened.out, flush=True))
         held.callback(writer.close)
         bar = tqdm(total=cfg.train.steps, initial=start, desc=cfg.name, unit="step", disable=not self.is_main,
                    file=opened.out, dynamic_ncols=True, mininterval=0.5)
@@ -191,6 +193,7 @@ class StepLoop:
                     if numbers := hook.fn(step, state, stopping):
                         writer.write(step, numbers)
                         summary.update(numbers)
+                writer.flush()  # (the save's own row too, written after the save began)
                 emitter.restart_clock()  # the next step's time is its own, not this host work's
             profiler.after(step, state)
             if stopping or (step == cfg.train.steps and preemption.stopped()):

@@ -51,7 +51,8 @@ def check_storage(cfg: Config) -> str | None:
     otherwise). Returns the line that says which credentials gs:// is reached with, if that needs saying."""
     places = {"checkpoint.dir": cfg.checkpoint_dir, "data.dataset": cfg.data.dataset, "train.init_from":
               cfg.train.init_from or "", "train.branch_from": cfg.train.branch_from or "",
-              "train.compilation_cache": compilation_cache.directory(cfg.train.compilation_cache) or ""}
+              "train.compilation_cache": compilation_cache.directory(cfg.train.compilation_cache) or "",
+              "logging.tensorboard_dir": cfg.logging.tensorboard_dir or ""}
     storage.check(cfg.logging.dir or "", "logging.dir", local_only=LOCAL_LOGS)  # (cfg.log_dir is a local Path)
     for what, location in places.items():
         storage.check(location, what, read_only=what == "data.dataset")
