@@ -138,6 +138,10 @@ def test_what_cannot_be_a_branch_is_refused_in_one_line_before_compiling(root, s
         (branch_from, f"logging.dir={root / 'logs' / 'source'}"):
             f"train.branch_from: {at}: logging.dir {root / 'logs' / 'source'} is the source run's: a branch writes its own "
             "logs; give it its own (set name, or logging.dir)",
+        (branch_from, "logging.tensorboard=true", f"logging.tensorboard_dir={root / 'logs' / 'source' / 'tensorboard'}"):
+            f"train.branch_from: {at}: logging.tensorboard_dir {root / 'logs' / 'source' / 'tensorboard'} is the source "
+            "run's: a branch writes its own logs (and would hide the source's steps after its own first there); give it "
+            "its own, or null for <logging.dir>/tensorboard",
         (branch_from, "train.steps=8"):
             f"train.branch_from: {at}: step 8 is not before train.steps 8: a branch trains the steps after its "
             "source's (9..train.steps)",

@@ -23,7 +23,7 @@ from typing import Any
 
 from zerolm.checkpoint.errors import CheckpointError
 from zerolm.checkpoint.trained_model import Opened, opened_for
-from zerolm.config.tree import Config
+from zerolm.config.tree import Config, place
 
 KEY = "train.branch_from"
 
@@ -41,6 +41,12 @@ class Source(Opened):
         """The source run's logging.dir as its config names it, from this working directory."""
         logging, name = self.meta.config.get("logging", {}), self.meta.config["name"]
         return Path(os.path.abspath(logging.get("dir") or Path("runs") / name))
+
+    @property
+    def tensorboard_dir(self) -> str:
+        """Where the source run's TensorBoard events go, or would go with logging.tensorboard (before the key
+        existed: nowhere, but <logging.dir>/tensorboard is still the source's)."""
+        return self.meta.config.get("logging", {}).get("tensorboard_dir") or str(self.log_dir / "tensorboard")
 
     def record(self) -> dict[str, Any]:
         """What the branch's checkpoints and launches record of where it started (CheckpointMeta.branched_from):
@@ -66,6 +72,10 @@ def opened(cfg: Config) -> Iterator[Source]:
         if Path(os.path.abspath(cfg.log_dir)) == source.log_dir:
             raise SharedLogs(f"{KEY}: {source.where}: logging.dir {cfg.log_dir} is the source run's: a branch "
                              "writes its own logs; give it its own (set name, or logging.dir)")
+        if cfg.tensorboard_dir is not None and place(cfg.tensorboard_dir) == place(source.tensorboard_dir):
+            raise SharedLogs(f"{KEY}: {source.where}: logging.tensorboard_dir {cfg.tensorboard_dir} is the source "
+                             "run's: a branch writes its own logs (and would hide the source's steps after its own "
+                             "first there); give it its own, or null for <logging.dir>/tensorboard")
         yield source
 
 

@@ -318,8 +318,8 @@ class Config(_Section):
         source = self.train.branch_from
         if source is None:
             return self
-        own = _place(self.checkpoint_dir)
-        if own in (_place(source), _place(source).rsplit("/", 1)[0]):
+        own = place(self.checkpoint_dir)
+        if own in (place(source), place(source).rsplit("/", 1)[0]):
             raise _KeyError("train.branch_from", f"{source} is in this run's own checkpoint.dir {self.checkpoint_dir}: "
                             "a branch writes its checkpoints and logs apart from its source's; give it its own "
                             "(set name, or checkpoint.dir and logging.dir)",
@@ -375,7 +375,7 @@ def _check_context_stages(train: TrainConfig, seq_len: int) -> None:
                             "truncate", related=("train.context_rows", "model.seq_len"))
 
 
-def _place(location: str) -> str:
+def place(location: str) -> str:
     """A directory's name to compare: a gs:// URL as written, a local path made absolute; no trailing slash."""
     return location.rstrip("/") if "://" in location else os.path.normpath(os.path.abspath(location))
 
