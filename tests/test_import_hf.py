@@ -323,7 +323,7 @@ def test_import_hf_outside_the_repository_takes_the_packaged_defaults(tmp_path, 
     out = capsys.readouterr().out
     assert f"--tokenizer {tmp_path / 'ckpt' / 'tokenizer.json'} --seq-len 32 --out DATA" in out
     assert f"continue it: zerolm train --config {DEFAULTS} --set model.n_layer=2 --set 'name=my run' " in out
-    assert restored.load("ckpt", jax.local_devices()[:1]).tokenizer().eot == "<|endoftext|>"
+    assert restored.load("ckpt", jax.local_devices()[:1]).tokenizer().eot_text == "<|endoftext|>"
 
 
 def test_a_set_of_a_model_key_the_import_takes_is_refused(tmp_path, capsys):

@@ -14,6 +14,7 @@ from conftest import small_config
 from test_model_options import LLAMA
 from zerolm.config.sampling import Sampling
 from zerolm.config.section import ConfigError
+from zerolm.model import block, rotary
 from zerolm.model import decoder as gpt_model
 from zerolm.model.attention import Bias, alibi_slopes, causal_attention
 from zerolm.model.generate import generate
@@ -29,14 +30,14 @@ def test_rotary_turns_each_pair_by_its_position_times_its_frequency():
     angle = positions[:, :, None, None] * theta ** (-2 * np.arange(K // 2) / K)
     turned = z * np.exp(1j * angle)
     want = np.concatenate([turned.real, turned.imag], axis=-1)
-    np.testing.assert_allclose(gpt_model.rotary(jnp.asarray(x), jnp.asarray(positions), theta), want, atol=1e-5)
+    np.testing.assert_allclose(rotary.rotary(jnp.asarray(x), jnp.asarray(positions), theta), want, atol=1e-5)
 
 
 def test_rmsnorm_divides_by_the_root_mean_square_and_scales():
     cfg = small_config("model.norm=rmsnorm", "model.norm_eps=1e-3").model
     x = np.random.default_rng(0).normal(size=(2, 3, 32)).astype(np.float32)
     scale = np.random.default_rng(1).normal(size=32).astype(np.float32)
-    got = gpt_model.norm(cfg, jnp.float32, "n").apply({"params": {"scale": scale}}, x)
+    got = block.norm(cfg, jnp.float32, "n").apply({"params": {"scale": scale}}, x)
     np.testing.assert_allclose(got, x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-3) * scale, rtol=1e-5)
 
 
@@ -134,4 +135,4 @@ def test_an_imported_tokenizers_end_of_text_is_its_own(eot):
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1}, unk_token="a"))
     tok.add_special_tokens(["<s>", eot])
     loaded = from_bytes("tokenizer.json", tok.to_str().encode())
-    assert (loaded.eot_id, loaded.eot) == (3, eot)
+    assert (loaded.eot_id, loaded.eot_text) == (3, eot)

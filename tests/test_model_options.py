@@ -64,7 +64,7 @@ def test_alibi_has_no_position_table_and_no_bias_has_no_biases():
 def test_the_parallel_residual_changes_the_function_and_a_shared_norm_has_no_ln_2():
     """The same weights: the parallel block's logits differ from the sequential block's; GPT-NeoX's (a norm each)
     reads ln_2, GPT-J's (one norm) has none, and computes NeoX's with ln_2 set to ln_1, gradients too (GPT-J's
-    input projections make their input's gradient in one matmul of their own: decoder.projections)."""
+    input projections make their input's gradient in one matmul of their own: projections.projections)."""
     tokens = np.random.default_rng(0).integers(0, 100, (2, 16))
 
     def logits(params, *sets, grad=False):

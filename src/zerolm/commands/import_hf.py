@@ -61,8 +61,10 @@ def run(args: argparse.Namespace, out=None) -> int:
 def _differing(model, done) -> dict[str, Any]:
     """The imported model's settings that the config's model (resolved, `auto` as a run resolves it with the
     imported tokenizer) does not already have."""
-    as_imported = model.model_copy(update={k: done.settings[k] for k in ("mlp", "d_model", "n_head")})
-    resolved = {"mlp_hidden": as_imported.mlp_width, "n_kv_head": model.kv_heads,
+    from zerolm.config.model import resolved_shape
+
+    as_imported = resolved_shape({**model.model_dump(), **{k: done.settings[k] for k in ("mlp", "d_model", "n_head")}})
+    resolved = {"mlp_hidden": as_imported["mlp_hidden"], "n_kv_head": resolved_shape(model.model_dump())["n_kv_head"],
                 "eot_id": done.tokenizer.eot_id if model.eot_id == "auto" else model.eot_id,
                 "vocab_size": done.tokenizer.vocab_size if model.vocab_size == "auto" else model.vocab_size}
     imported = {**done.settings, "n_kv_head": done.settings["n_kv_head"] if done.settings["n_kv_head"] != "auto"

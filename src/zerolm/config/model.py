@@ -130,33 +130,27 @@ class ModelConfig(_Section):
         return self  # (whether Pallas's blocks fit the sequence: zerolm.parallel.auto.unrunnable_attention)
 
     @property
-    def kv_heads(self) -> int:
-        return self.n_head if self.n_kv_head == "auto" else self.n_kv_head
-
-    @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
 
     @property
-    def mlp_width(self) -> int:
-        """model.mlp_hidden, resolved."""
-        return mlp_width(self.mlp, self.d_model, self.mlp_hidden)
-
-    @property
-    def eot(self) -> int:
-        """model.eot_id, resolved (ValueError while it is still 'auto')."""
-        if self.eot_id == "auto":
-            raise ValueError("model.eot_id is still 'auto': resolve it with the tokenizer first")
-        return self.eot_id
-
-    @property
-    def vocab(self) -> int:
-        """model.vocab_size, resolved (ValueError while it is still 'auto')."""
-        if self.vocab_size == "auto":
-            raise ValueError("model.vocab_size is still 'auto': resolve it with the tokenizer first")
-        return self.vocab_size
-
-    @property
     def padded_vocab_size(self) -> int:
-        """Vocabulary rounded up to a multiple of 128, for aligned matmuls; padded logits are masked."""
-        return 128 * math.ceil(self.vocab / 128)
+        """Vocabulary rounded up to a multiple of 128, for aligned matmuls; padded logits are masked (ValueError while
+        it is still 'auto')."""
+        if self.vocab_size == "auto":
+            raise ValueError("model.vocab_size is still 'auto': the data's tokenizer resolves it first")
+        return 128 * math.ceil(self.vocab_size / 128)
+
+
+class ResolvedModelConfig(ModelConfig):
+    """A `model:` section with its `auto`s made concrete for where the model runs (zerolm.parallel.auto.model_settings):
+    what the model (zerolm.model.decoder.GPT) takes. The end-of-text id may stay auto where nothing reads it (no
+    document mask)."""
+
+    vocab_size: int
+    n_kv_head: int
+    mlp_hidden: int
+    dtype: Literal["float32", "bfloat16", "float16"]
+    attention: Literal["xla", "cudnn", "pallas", "blockwise"]
+    remat: Literal["none", "full", "dots", "attention", "dots_attention"]
+    scan_layers: bool

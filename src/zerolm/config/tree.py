@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ModelWrapValidatorHandler, ValidationInfo, field_validator, model_validator
 
-from zerolm.config.model import ModelConfig, tp_split_problem
+from zerolm.config.model import ModelConfig, resolved_shape, tp_split_problem
 from zerolm.config.sampling import Sampling
 from zerolm.config.section import PositiveInt, _KeyError, set_dotted
 from zerolm.config.section import Section as _Section
@@ -299,7 +299,8 @@ class Config(_Section):
                             f"but there are {device_count} devices")
         tp = self.mesh.tp
         m = self.model
-        if (why := tp_split_problem(m.n_head, m.mlp_width, tp, m.kv_heads)) is not None:
+        shape = resolved_shape(m.model_dump())  # n_kv_head and mlp_hidden, auto or not, as numbers
+        if (why := tp_split_problem(m.n_head, shape["mlp_hidden"], tp, shape["n_kv_head"])) is not None:
             key = next(k for k in ("n_kv_head", "n_head", "mlp_hidden") if f"model.{k}" in why)
             raise _KeyError("mesh.tp", f"tp={tp} {why}", related=(f"model.{key}",))
         _check_context_stages(self.train, m.seq_len)

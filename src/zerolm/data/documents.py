@@ -101,7 +101,7 @@ class Reader:
         self.dataset = PreparedDataset(location)
         self.split = self.dataset.split("train")
         self.segments = segments(self.dataset.manifest)
-        self.eot = self.dataset.manifest.tokenizer.eot_id
+        self.eot_id = self.dataset.manifest.tokenizer.eot_id
         self.pieces = pieces
 
     @functools.cached_property
@@ -130,17 +130,17 @@ class Reader:
         """The pieces of the documents the item owns, in order."""
         seg = self.segments[item.segment]
         chunk = self.tokens(item.segment, item.shard)
-        if item.shard > 0 and self._last_token(seg, item.shard - 1) != self.eot:
-            eots = np.flatnonzero(chunk == self.eot)
+        if item.shard > 0 and self._last_token(seg, item.shard - 1) != self.eot_id:
+            eots = np.flatnonzero(chunk == self.eot_id)
             if not len(eots):
                 return  # the middle of a document that started before this shard
             chunk = chunk[eots[0] + 1:]
         builder = _Builder(self.pieces)
-        yield from builder.add(chunk, self.eot)
+        yield from builder.add(chunk, self.eot_id)
         for position in range(item.shard + 1, len(seg.shards) + (seg.leftover is not None)):
             if not builder.under_way:
                 return
-            yield from builder.add(self.tokens(item.segment, position), self.eot, first_only=True)
+            yield from builder.add(self.tokens(item.segment, position), self.eot_id, first_only=True)
         yield from builder.finish()
 
     def _last_token(self, seg: Segment, position: int) -> int:

@@ -53,7 +53,7 @@ class Tokenizer:
             raise TokenizerError(f"{where or f'tokenizer {name}'}: has no end-of-text token (none of "
                                  f"{', '.join(END_OF_TEXT)})")
         self.eot_id: int = eot_id
-        self.eot: str = backend.id_to_token(eot_id) if kind == "hf" else EOT  # the end-of-text token's text
+        self.eot_text: str = backend.id_to_token(eot_id) if kind == "hf" else EOT  # the end-of-text token's text
 
     @property
     def identity(self) -> dict:

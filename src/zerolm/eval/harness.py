@@ -267,7 +267,7 @@ class ZerolmLM(TemplateLM):
             tokens = generate(self.loaded.model, self.loaded.params, prompt, max_new, Sampling(temperature=temperature),
                               self.eot_token_id)
             text = self.tok_decode(tokens[max(len(prompt), 1):])
-            for stop in [*until, self.zerolm_tokenizer.eot]:
+            for stop in [*until, self.zerolm_tokenizer.eot_text]:
                 if stop:
                     text = text.split(stop)[0]
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)

@@ -123,8 +123,8 @@ def export(model_run, tokenizer: Tokenizer, out, overwrite: bool = False, contex
         hf_tokenizer(tokenizer).save(str(partial / "tokenizer.json"))
         (partial / "tokenizer_config.json").write_text(json.dumps({
             "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": declared.seq_len,
-            "bos_token": tokenizer.eot, "eos_token": tokenizer.eot, "unk_token": tokenizer.eot, "add_prefix_space": False,
-            "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+            "bos_token": tokenizer.eot_text, "eos_token": tokenizer.eot_text, "unk_token": tokenizer.eot_text,
+            "add_prefix_space": False, "clean_up_tokenization_spaces": False}, indent=2) + "\n")
         (partial / "generation_config.json").write_text(json.dumps({
             "bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id}, indent=2) + "\n")
         _as_umask_allows(partial)

@@ -34,6 +34,7 @@ from zerolm.core.errors import ZerolmError
 from zerolm.data.tokenizer import Tokenizer, TokenizerError, from_file
 from zerolm.hf import config_keys as hf_keys
 from zerolm.hf.layouts import GPT2, LLAMA, MPT, NEOX, Layout, zerolm_params
+from zerolm.parallel import auto
 
 TOKENIZER = TOKENIZER_BESIDE  # the imported tokenizer, in the checkpoint's directory
 
@@ -183,7 +184,7 @@ def import_hf(directory: Path, cfg: Config, out: str, overwrite: bool = False, s
     model = {**cfg.model.model_dump(), **settings, "mlp_hidden": settings.get("mlp_hidden", "auto")}
     cfg = cfg.with_values({"model": model, "checkpoint.dir": out})
     tensors = {_RENAMED.get(hf["model_type"], {}).get(k, k): v for k, v in read_tensors(directory).items()}
-    params = zerolm_params(tensors, cfg.model, layout)
+    params = zerolm_params(tensors, auto.for_shapes(cfg.model), layout)
     origin = Origin({"tokenizer_sha256": tokenizer.sha256, "tokenizer": tokenizer.identity,
                      "imported_from": str(directory.absolute())}, None, tokenizer=tokenizer.file_bytes)
     where = save_start(cfg, params, target, origin, say)

@@ -43,7 +43,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from zerolm.config.model import ModelConfig
+from zerolm.config.model import ResolvedModelConfig
 from zerolm.core.errors import ZerolmError
 from zerolm.data.tokenizer import Tokenizer
 from zerolm.model import decoder as gpt_model
@@ -59,8 +59,8 @@ class Op(NamedTuple):
     (of that shape) back. `part`: transformers' tensor is part `part` of zerolm's axis 1 (zerolm's tensor is
     its parts stacked there, in order; `shape` is then a part's)."""
 
-    to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
-    from_hf: Callable[[np.ndarray, tuple[int, ...], ModelConfig], np.ndarray]
+    to_hf: Callable[[np.ndarray, ResolvedModelConfig], np.ndarray]
+    from_hf: Callable[[np.ndarray, tuple[int, ...], ResolvedModelConfig], np.ndarray]
     part: int | None = None
 
 
@@ -75,7 +75,7 @@ LINEAR = Op(lambda x, cfg: x.T, lambda y, shape, cfg: y.T.reshape(shape))
 QKV_LINEAR = Op(lambda x, cfg: x.reshape(x.shape[0], -1).T, lambda y, shape, cfg: y.T.reshape(shape))
 
 
-def _by_head(x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+def _by_head(x: np.ndarray, cfg: ResolvedModelConfig) -> np.ndarray:
     """c_attn's (d, 3, H·K) kernel as (H, 3, K, d), or its (3, H·K) bias as (H, 3, K)."""
     H, K = cfg.n_head, cfg.head_dim
     if x.ndim == 2:
@@ -97,7 +97,7 @@ def _linear_part(i: int) -> Op:
     return Op(lambda x, cfg: x[:, i].T, lambda y, shape, cfg: y.T.reshape(shape), part=i)
 
 
-def _every_two(cfg: ModelConfig, inverse: bool = False) -> np.ndarray:
+def _every_two(cfg: ResolvedModelConfig, inverse: bool = False) -> np.ndarray:
     """The order of a head's K dimensions that turns zerolm's rotary pairs (i, i + K/2), rotate-half's, into GPT-J's
     (2i, 2i + 1), rotate-every-two's, with the same frequency i (or back, `inverse`): a query and a key permuted
     alike have the same dot product."""
@@ -134,7 +134,7 @@ class Layout:
     # grouped-query one); a parameter no tensor takes is refused (hf_state_dict).
     globals: tuple[Tensor, ...]  # the parameters outside the blocks
     layers: tuple[Tensor, ...]  # each block's, stacked along zerolm's leading layer axis
-    config: Callable[[ModelConfig, Tokenizer], dict]  # its config.json
+    config: Callable[[ResolvedModelConfig, Tokenizer], dict]  # its config.json
     # The other model settings it holds: model.<key> -> (the value it needs, how transformers' class computes).
     requires: tuple[tuple[str, object, str], ...] = (
         ("norm", "layernorm", "LayerNorms"), ("mlp", "gelu", "a GELU MLP"),
@@ -143,10 +143,10 @@ class Layout:
         ("parallel_residual", False, "a sequential block (the MLP reads the attention's output)"))
     # Tensors transformers' class has and zerolm's model computes without: written as these values (GPT-J's output
     # layer's bias, zeros), and on import refused unless they are these.
-    fixed: Callable[[ModelConfig], dict[str, np.ndarray]] = lambda cfg: {}
+    fixed: Callable[[ResolvedModelConfig], dict[str, np.ndarray]] = lambda cfg: {}
 
 
-def _gpt2_config(cfg: ModelConfig, tokenizer: Tokenizer) -> dict:
+def _gpt2_config(cfg: ResolvedModelConfig, tokenizer: Tokenizer) -> dict:
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
             "n_positions": cfg.seq_len, "n_embd": cfg.d_model, "n_layer": cfg.n_layer,
             "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new",
@@ -155,7 +155,7 @@ def _gpt2_config(cfg: ModelConfig, tokenizer: Tokenizer) -> dict:
             "bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id, "dtype": "float32"}
 
 
-def _mpt_config(cfg: ModelConfig, tokenizer: Tokenizer) -> dict:
+def _mpt_config(cfg: ResolvedModelConfig, tokenizer: Tokenizer) -> dict:
     return {"architectures": ["MptForCausalLM"], "model_type": "mpt", "vocab_size": cfg.vocab_size,
             "d_model": cfg.d_model, "n_heads": cfg.n_head, "n_layers": cfg.n_layer, "expansion_ratio": 4,
             "max_seq_len": cfg.seq_len, "no_bias": True, "learned_pos_emb": False, "layer_norm_epsilon": cfg.norm_eps,
@@ -189,10 +189,10 @@ MPT = Layout(
 
 
 
-def _llama_config(cfg: ModelConfig, tokenizer: Tokenizer) -> dict:
+def _llama_config(cfg: ResolvedModelConfig, tokenizer: Tokenizer) -> dict:
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_width, "num_hidden_layers": cfg.n_layer,
-            "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+            "hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_hidden, "num_hidden_layers": cfg.n_layer,
+            "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.head_dim,
             "hidden_act": "silu", "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
             "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rope_theta": cfg.rope_theta,
             "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": cfg.tie_embeddings,
@@ -222,11 +222,11 @@ LLAMA = Layout(
 HF_GELU = {"gelu_tanh": "gelu_new", "gelu": "gelu"}  # model.activation -> transformers' name of that GELU
 
 
-def _neox_config(cfg: ModelConfig, tokenizer: Tokenizer) -> dict:
+def _neox_config(cfg: ResolvedModelConfig, tokenizer: Tokenizer) -> dict:
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": 1.0}
     return {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
-            "intermediate_size": cfg.mlp_width, "hidden_act": HF_GELU[cfg.activation],
+            "intermediate_size": cfg.mlp_hidden, "hidden_act": HF_GELU[cfg.activation],
             "max_position_embeddings": cfg.seq_len, "layer_norm_eps": cfg.norm_eps,
             "use_parallel_residual": cfg.parallel_residual, "rope_parameters": rope, "rotary_pct": 1.0,
             "rotary_emb_base": cfg.rope_theta, "attention_bias": True, "hidden_dropout": 0.0, "attention_dropout": 0.0,
@@ -256,10 +256,10 @@ NEOX = Layout(
               ("shared_norm", False, "a norm before each branch")))
 
 
-def _gptj_config(cfg: ModelConfig, tokenizer: Tokenizer) -> dict:
+def _gptj_config(cfg: ResolvedModelConfig, tokenizer: Tokenizer) -> dict:
     return {"architectures": ["GPTJForCausalLM"], "model_type": "gptj", "vocab_size": cfg.vocab_size,
             "n_positions": cfg.seq_len, "n_embd": cfg.d_model, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
-            "rotary_dim": cfg.head_dim, "n_inner": cfg.mlp_width, "activation_function": HF_GELU[cfg.activation],
+            "rotary_dim": cfg.head_dim, "n_inner": cfg.mlp_hidden, "activation_function": HF_GELU[cfg.activation],
             "layer_norm_epsilon": cfg.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
             "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": 0.02, "use_cache": True,
             "bos_token_id": tokenizer.eot_id, "eos_token_id": tokenizer.eot_id, "dtype": "float32"}
@@ -286,10 +286,10 @@ GPTJ = Layout(
               ("n_kv_head", "auto", "as many key/value heads as query heads"),
               ("bias", False, "no biases in its attention"),
               ("rope_theta", 10000.0, "rotary embeddings of base 10000")),
-    fixed=lambda cfg: {"lm_head.bias": np.zeros(cfg.vocab, np.float32)})
+    fixed=lambda cfg: {"lm_head.bias": np.zeros(cfg.vocab_size, np.float32)})
 
 
-def _layout(cfg: ModelConfig) -> tuple[Layout, str]:
+def _layout(cfg: ResolvedModelConfig) -> tuple[Layout, str]:
     """The layout a model's settings pick, and those settings in words."""
     if cfg.position == "learned":
         return GPT2, "model.position: learned"
@@ -302,7 +302,7 @@ def _layout(cfg: ModelConfig) -> tuple[Layout, str]:
     return NEOX, "model.position: rope, LayerNorms and a GELU MLP"
 
 
-def layout_for(cfg: ModelConfig) -> Layout:
+def layout_for(cfg: ResolvedModelConfig) -> Layout:
     """The layout a model exports to; ExportError for a model it cannot hold exactly."""
     layout, picked = _layout(cfg)
     why = f"a model with {picked} exports to transformers' {layout.architecture}"
@@ -312,7 +312,7 @@ def layout_for(cfg: ModelConfig) -> Layout:
     if cfg.bias and not layout.biases:
         raise ExportError(f"model.bias: true: {why}, which has no biases; train with model.bias: false")
     for key, value, what in layout.requires:
-        have = ("auto" if cfg.kv_heads == cfg.n_head else cfg.n_kv_head) if key == "n_kv_head" else getattr(cfg, key)
+        have = ("auto" if cfg.n_kv_head == cfg.n_head else cfg.n_kv_head) if key == "n_kv_head" else getattr(cfg, key)
         if have != value:
             raise ExportError(f"model.{key}: {_yaml(getattr(cfg, key))}: {why}, which has {what}; train with "
                               f"model.{key}: {_yaml(value)}")
@@ -324,7 +324,7 @@ def _yaml(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def hf_state_dict(params, cfg: ModelConfig, layout: Layout) -> dict[str, np.ndarray]:
+def hf_state_dict(params, cfg: ResolvedModelConfig, layout: Layout) -> dict[str, np.ndarray]:
     """zerolm's parameter tree as the layout's float32 tensors (numpy, contiguous). `cfg`: the model's,
     resolved for a device (as `GPT` takes it)."""
     p = {k: np.asarray(v) for k, v in flatten(params).items()}
@@ -341,7 +341,7 @@ def hf_state_dict(params, cfg: ModelConfig, layout: Layout) -> dict[str, np.ndar
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
 
-def zerolm_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, layout: Layout) -> dict:
+def zerolm_params(tensors: dict[str, np.ndarray], cfg: ResolvedModelConfig, layout: Layout) -> dict:
     """transformers' tensors (by name) as zerolm's parameter tree for `cfg` (hf_state_dict's inverse): each
     parameter read through its table entries' inverses, parts stacked in order, float32; the vocabulary's
     padding rows zeros. ExportError names a tensor that is missing or of another size, or one no parameter
@@ -384,7 +384,7 @@ def zerolm_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, layout: Layo
     return unflatten(params)
 
 
-def _fixed_read(tensors: dict[str, np.ndarray], cfg: ModelConfig, layout: Layout) -> set[str]:
+def _fixed_read(tensors: dict[str, np.ndarray], cfg: ResolvedModelConfig, layout: Layout) -> set[str]:
     """The layout's `fixed` tensors among `tensors`, each the value zerolm's model computes with (ExportError
     naming one that is not: GPT-J's output layer with a bias zerolm's does not have)."""
     found = set()
@@ -415,7 +415,7 @@ def unflatten(flat: dict) -> dict:
     return tree
 
 
-def _zero_biases(cfg: ModelConfig, present: set[str]) -> dict[str, np.ndarray]:
+def _zero_biases(cfg: ResolvedModelConfig, present: set[str]) -> dict[str, np.ndarray]:
     """Zeros for each parameter the same model with biases has beyond `present` (what a bias-free layer adds)."""
     biased = gpt_model.GPT(auto.for_shapes(cfg.model_copy(update={"bias": True})))
     shapes = jax.eval_shape(functools.partial(gpt_model.init_params, biased), jax.random.key(0))

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Literal, NamedTuple, cast
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -105,59 +105,92 @@ class Bias(NamedTuple):
 NO_BIAS = Bias()
 
 
-def causal_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array, implementation: str,
+class Positions(NamedTuple):
+    """Where queries and keys sit: in training one sequence, both (T,) from 0; decoding each row's queries at its own
+    positions (B, S) and the keys of a KV cache at theirs (T,), a query seeing the keys at or before it (what a row
+    left past its query is never read)."""
+
+    queries: jax.Array  # (S,) or (B, S)
+    keys_T: jax.Array
+
+
+def causal_attention(q_BxTxHxK: jax.Array, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.Array, implementation: str,
                      block: int = BLOCK, bias: Bias = NO_BIAS) -> jax.Array:
-    """softmax(q kᵀ/√K [+ ALiBi's bias]) v over the keys at or before each query [of its own segment]."""
+    """softmax(q kᵀ/√K [+ ALiBi's bias]) v over the keys at or before each query [of its own segment], by
+    `implementation`; G = key/value heads, each read by H / G query heads."""
     segment_ids_BxT, slopes_H, dropout = bias
     T = q_BxTxHxK.shape[1]
-    if implementation == "xla" and dropout is not None:
-        return checkpoint_name(_xla_with_dropout(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias), SAVED[0])
-    if implementation in ("xla", "cudnn"):
+    if implementation == "xla":
+        positions_T = jnp.arange(T)
+        visible = positions_T[None, :] <= positions_T[:, None]
+        if segment_ids_BxT is not None:
+            visible = visible & same_segment(segment_ids_BxT, segment_ids_BxT)[:, :, None]
+        k_BxGxTxK, v_BxGxTxK = (x.transpose(0, 2, 1, 3) for x in (k_BxTxGxK, v_BxTxGxK))
+        return checkpoint_name(attend(q_BxTxHxK, k_BxGxTxK, v_BxGxTxK, visible, bias,
+                                      Positions(positions_T, positions_T)), SAVED[0])
+    if implementation == "cudnn":
         same_Bx1xTxT = None
-        if segment_ids_BxT is not None:  # XLA's applies it as a mask, cuDNN's as an additive bias
+        if segment_ids_BxT is not None:  # cuDNN's takes it as an additive bias
             same_Bx1xTxT = same_segment(segment_ids_BxT, segment_ids_BxT)
         alibi_1xHxTxT = None
         if slopes_H is not None:  # one (1, H, T, T) bias for the whole batch
             alibi_1xHxTxT = alibi_bias(slopes_H, jnp.arange(T), jnp.arange(T)).astype(q_BxTxHxK.dtype)
         return checkpoint_name(jax.nn.dot_product_attention(
-            q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias=alibi_1xHxTxT, mask=same_Bx1xTxT, is_causal=True,
-            implementation=cast(Literal["xla", "cudnn"], implementation)), SAVED[0])
+            q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, bias=alibi_1xHxTxT, mask=same_Bx1xTxT, is_causal=True,
+            implementation="cudnn"), SAVED[0])
     if implementation == "blockwise":
-        return blockwise_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias, block_size(T, block))
+        return blockwise_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, bias, block_size(T, block))
     if slopes_H is not None or dropout is not None:
         raise ValueError("ALiBi and attention dropout run in the xla and blockwise attentions (ALiBi also in cudnn), "
                          "not in pallas's kernel")
     if implementation == "pallas":
         # The kernel takes as many key/value heads as query heads: grouped ones are repeated for it.
-        groups = q_BxTxHxK.shape[2] // k_BxTxHxK.shape[2]
-        k_BxTxHxK, v_BxTxHxK = (jnp.repeat(x, groups, axis=2) if groups > 1 else x for x in (k_BxTxHxK, v_BxTxHxK))
+        groups = q_BxTxHxK.shape[2] // k_BxTxGxK.shape[2]
+        k_BxTxHxK, v_BxTxHxK = (jnp.repeat(x, groups, axis=2) if groups > 1 else x for x in (k_BxTxGxK, v_BxTxGxK))
         q, k, v = (x.transpose(0, 2, 1, 3) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK))  # the kernel's (B, H, T, K)
         return pallas_attention(q, k, v, segment_ids_BxT, block_size(q_BxTxHxK.shape[1], block)).transpose(0, 2, 1, 3)
     raise ValueError(f"unknown attention implementation {implementation!r}; one of {', '.join(IMPLEMENTATIONS)}")
 
 
-def _xla_with_dropout(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, bias: Bias):
-    """XLA's attention written out, with the probabilities' dropout (jax.nn.dot_product_attention has none):
-    each sample's (H, T, T) mask from its key, the layer and the site (zerolm.model.dropout.keep)."""
-    from zerolm.model import dropout as dropout_lib
+def cached_attention(q_BxSxHxK: jax.Array, k_BxGxTxK: jax.Array, v_BxGxTxK: jax.Array, positions: Positions,
+                     slopes_H: jax.Array | None = None) -> jax.Array:
+    """Decoding: the queries of each row's new positions over the row's KV cache (laid out (B, G, T, K), as the
+    products read it: no copy transposed); XLA's attention, `attend`, with the keys each query sees by position."""
+    visible_BxSxT = positions.keys_T[None, None, :] <= positions.queries[:, :, None]
+    return attend(q_BxSxHxK, k_BxGxTxK, v_BxGxTxK, visible_BxSxT[:, None, None], Bias(None, slopes_H), positions)
 
-    segment_ids_BxT, slopes_H, dropout = bias
-    assert dropout is not None
-    keys_B, layer, rate = dropout
-    B, T, H, K = q_BxTxHxK.shape
-    G = k_BxTxHxK.shape[2]  # key/value heads: query head h reads key/value head h // (H / G)
-    q_BxTxGxRxK = q_BxTxHxK.reshape(B, T, G, H // G, K)
-    s = jnp.einsum("btgrk,bsgk->bgrts", q_BxTxGxRxK, k_BxTxHxK, preferred_element_type=jnp.float32)
-    s = s.reshape(B, H, T, T) / math.sqrt(K)
-    if slopes_H is not None:
-        s = s + alibi_bias(slopes_H, jnp.arange(T), jnp.arange(T))
-    visible = jnp.tril(jnp.ones((T, T), bool))[None, None]
-    if segment_ids_BxT is not None:
-        visible = visible & same_segment(segment_ids_BxT, segment_ids_BxT)
+
+def attend(q_BxSxHxK: jax.Array, k_BxGxTxK: jax.Array, v_BxGxTxK: jax.Array, visible: jax.Array, bias: Bias,
+           positions: Positions) -> jax.Array:
+    """XLA's attention written out, the one that training's `xla`, its evaluation and decoding all run: float32
+    scores scaled by 1/√K, ALiBi's bias (`with_alibi`), the keys a query may not see at _MASKED, the softmax, and
+    in training the probabilities' dropout (each sample's (H, S, T) mask from its key, the layer and the site:
+    zerolm.model.dropout.keep). `visible` broadcasts to (B, G, H/G, S, T)."""
+    B, S, H, K = q_BxSxHxK.shape
+    G = k_BxGxTxK.shape[1]  # query head h reads key/value head h // (H / G)
+    q_BxGxRxSxK = q_BxSxHxK.reshape(B, S, G, H // G, K).transpose(0, 2, 3, 1, 4)
+    s = jnp.einsum("bgrsk,bgtk->bgrst", q_BxGxRxSxK, k_BxGxTxK, preferred_element_type=jnp.float32) / math.sqrt(K)
+    s = with_alibi(s.reshape(B, H, S, -1), bias.slopes_H, positions).reshape(s.shape)
     p = jax.nn.softmax(jnp.where(visible, s, _MASKED), axis=-1)
-    p = dropout_lib.drop(p, keys_B, rate, layer, dropout_lib.ATTENTION_PROBS).reshape(B, G, H // G, T, T)
-    out = jnp.einsum("bgrts,bsgk->btgrk", p.astype(v_BxTxHxK.dtype), v_BxTxHxK).astype(q_BxTxHxK.dtype)
-    return out.reshape(B, T, H, K)
+    if bias.dropout is not None:
+        from zerolm.model import dropout as dropout_lib
+
+        keys_B, layer, rate = bias.dropout
+        p = dropout_lib.drop(p.reshape(B, H, S, -1), keys_B, rate, layer, dropout_lib.ATTENTION_PROBS).reshape(p.shape)
+    out = jnp.einsum("bgrst,bgtk->bgrsk", p.astype(v_BxGxTxK.dtype), v_BxGxTxK)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, S, H, K).astype(q_BxSxHxK.dtype)
+
+
+def with_alibi(scores_BxHxSxT: jax.Array, slopes_H: jax.Array | None, positions: Positions) -> jax.Array:
+    """The scores plus ALiBi's bias (`alibi_bias`) where the model has slopes; as they are otherwise. The one way
+    an attention applies it: XLA's and decoding's over all their keys, the blockwise attention block by block
+    (cuDNN's takes the bias itself)."""
+    if slopes_H is None:
+        return scores_BxHxSxT
+    if positions.queries.ndim == 1:
+        return scores_BxHxSxT + alibi_bias(slopes_H, positions.queries, positions.keys_T)
+    bias_BxHxSxT = jax.vmap(alibi_bias, (None, 0, None))(slopes_H, positions.queries, positions.keys_T)[:, 0]
+    return scores_BxHxSxT + bias_BxHxSxT
 
 
 def _dropped(p, bias: Bias, i, j):
@@ -206,8 +239,9 @@ def _scores(q_BxGxRCxK, k_BxGxCxK, i, j, block, bias: Bias = NO_BIAS):
     s = s / math.sqrt(q_BxGxRCxK.shape[-1])
     queries, keys = i * block + jnp.tile(jnp.arange(block), groups), j * block + jnp.arange(block)
     if slopes_H is not None:  # each row's head's: heads (G, R), rows (R, block) of a key/value head's group
-        bias_1xHxCxC = alibi_bias(slopes_H, queries[:block], keys)
-        s = s + bias_1xHxCxC.reshape(1, G, groups * block, block)
+        B = s.shape[0]
+        s = with_alibi(s.reshape(B, G * groups, block, block), slopes_H, Positions(queries[:block], keys)).reshape(
+            s.shape)
     visible = queries[:, None] >= keys[None, :]
     if segs_NxBxC is not None:
         visible = visible & same_segment(jnp.tile(segs_NxBxC[i], (1, groups)), segs_NxBxC[j])

@@ -28,7 +28,8 @@ from jax import lax
 
 from zerolm.config.sampling import Sampling
 from zerolm.core.errors import UsageError
-from zerolm.model.decoder import GPT, Decoding, init_cache, output_embedding, output_logits
+from zerolm.model.block import Decoding
+from zerolm.model.decoder import GPT, init_cache, output_embedding, output_logits
 
 MIN_BUCKET = 16
 DRAWS = 4  # tokens each row draws per call of `step`
@@ -178,12 +179,12 @@ def prefill(model: GPT, params, prompts_NxP: jax.Array, lengths_N: jax.Array, ec
     V = model.cfg.padded_vocab_size
     x_NxPxD, cache = _forward(model, params, init_cache(model, N), prompts_NxP, jnp.zeros(N, jnp.int32))
     embedding = output_embedding(params)
-    logits_NxV = output_logits(x_NxPxD[jnp.arange(N), lengths_N - 1], embedding, model.cfg.vocab)
+    logits_NxV = output_logits(x_NxPxD[jnp.arange(N), lengths_N - 1], embedding, model.cfg.vocab_size)
     counted_NxP = jnp.arange(P) < lengths_N[:, None]
     seen_NxV = jnp.zeros((N, V), bool).at[jnp.arange(N)[:, None], prompts_NxP].max(counted_NxP)
     scores = None
     if echo:
-        logp_NxPxV = jax.nn.log_softmax(output_logits(x_NxPxD, embedding, model.cfg.vocab))
+        logp_NxPxV = jax.nn.log_softmax(output_logits(x_NxPxD, embedding, model.cfg.vocab_size))
         top_logprobs, top_ids = lax.top_k(logp_NxPxV, TOP_LOGPROBS)
         # position p's token given those before it: row p - 1's distribution
         logprob_NxP = jnp.take_along_axis(logp_NxPxV[:, :-1], prompts_NxP[:, 1:, None], axis=2)[..., 0]
@@ -269,7 +270,7 @@ def one_step(model: GPT, params, batch: Batch) -> tuple[Batch, Drawn]:
     drawn = Drawn(token_R, jnp.take_along_axis(logp_RxV, token_R[:, None], axis=1)[:, 0], top_ids, top_logprobs)
     T = model.cfg.seq_len
     x_Rx1xD, cache = _forward(model, params, batch.cache, token_R[:, None], jnp.minimum(batch.position_R, T - 1))
-    logits_RxV = output_logits(x_Rx1xD[:, 0], output_embedding(params), model.cfg.vocab)
+    logits_RxV = output_logits(x_Rx1xD[:, 0], output_embedding(params), model.cfg.vocab_size)
     seen_RxV = batch.seen_RxV.at[jnp.arange(token_R.shape[0]), token_R].set(True)
     return batch._replace(cache=cache, logits_RxV=logits_RxV, position_R=batch.position_R + 1, seen_RxV=seen_RxV,
                           drawn_R=batch.drawn_R + 1), drawn

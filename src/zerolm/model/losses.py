@@ -106,7 +106,7 @@ def token_losses(model: GPT, params, tokens_BxT1: jax.Array) -> jax.Array:
     if not chunk or chunk >= targets_BxT.size:
         return token_cross_entropy(_apply(model, params, inputs_BxT), targets_BxT)
     x_BxTxD = _apply(model, params, inputs_BxT, hidden_only=True)
-    return chunked_token_cross_entropy(x_BxTxD, output_embedding(params), targets_BxT, model.cfg.vocab, chunk)
+    return chunked_token_cross_entropy(x_BxTxD, output_embedding(params), targets_BxT, model.cfg.vocab_size, chunk)
 
 
 def _apply(model: GPT, params, inputs_BxT: jax.Array, **kw) -> jax.Array:

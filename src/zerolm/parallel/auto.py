@@ -26,7 +26,7 @@ from typing import Literal, Protocol
 import jax
 from jax.sharding import Mesh
 
-from zerolm.config.model import ModelConfig, mlp_width
+from zerolm.config.model import ModelConfig, ResolvedModelConfig, mlp_width
 from zerolm.config.section import ConfigError
 from zerolm.core.hardware import chips_per_host, tpu_generation
 from zerolm.model.attention import PALLAS_LANES, block_size, pallas_available, pallas_fits
@@ -146,29 +146,34 @@ def unrunnable_attention(model: ModelConfig, where: Where) -> str | None:
     return None
 
 
-def model_settings(model: ModelConfig, where: Where) -> ModelConfig:
-    """`model` with every `auto` but its vocabulary's (the data's: `vocabulary`) made concrete for `where`:
-    n_kv_head, mlp_hidden, dtype, attention, scan_layers, and remat (where no compile chooses it: the first of
-    REMAT_ORDER, the least recomputed; a step compiled with remat auto tries them in turn, `remat_candidates`).
-    ConfigError for an attention it cannot run there."""
+def model_settings(model: ModelConfig, where: Where) -> ResolvedModelConfig:
+    """`model` with every `auto` made concrete for `where`, its vocabulary already the data's (`vocabulary`): n_kv_head,
+    mlp_hidden, dtype, attention, scan_layers, and remat (where no compile chooses it: the first of REMAT_ORDER, the
+    least recomputed; a step compiled with remat auto tries them in turn, `remat_candidates`). ConfigError for an
+    attention it cannot run there, or a document mask without the data's end-of-text id."""
     if (why := unrunnable_attention(model, where)) is not None:
         raise ConfigError(why)
-    return model.model_copy(update={
+    if model.vocab_size == "auto":
+        raise ValueError("model.vocab_size is still auto: the data's tokenizer resolves it first (`vocabulary`)")
+    if model.document_mask and model.eot_id == "auto":
+        raise ConfigError("model.eot_id: auto, and model.document_mask needs the end-of-text id: the dataset's "
+                          "tokenizer gives it where a run reads its data; set it to compile or plan without data")
+    return ResolvedModelConfig.model_validate({**model.model_dump(), **{
         "n_kv_head": model.n_head if model.n_kv_head == "auto" else model.n_kv_head,
         "mlp_hidden": mlp_width(model.mlp, model.d_model, model.mlp_hidden),
         "dtype": dtype(model.dtype, where), "attention": attention(model, where),
         "scan_layers": scan_layers(model.scan_layers, where, model.remat),
-        "remat": remat_candidates(model.remat)[0]})
+        "remat": remat_candidates(model.remat)[0]}})
 
 
-def for_device(model: ModelConfig, device: jax.Device | None = None) -> ModelConfig:
+def for_device(model: ModelConfig, device: jax.Device | None = None) -> ResolvedModelConfig:
     """`model_settings` for one device (default: this process's first), no tensor parallelism, stage 1: a model
     outside the step (evaluation, sampling, serving, tests), which takes no gradient, so every remat policy
     computes the same."""
     return model_settings(model, Where.of(device))
 
 
-def for_shapes(model: ModelConfig) -> ModelConfig:
+def for_shapes(model: ModelConfig) -> ResolvedModelConfig:
     """`model` resolved as on a CPU: for its parameters' shapes and names, which no device changes."""
     return model_settings(model, Where("cpu"))
 

@@ -36,8 +36,9 @@ def build_step(cfg: Config, mesh: Mesh, rules=sharding.RULES) -> tuple[gpt_model
     """The model, its ZeRO step (zero.stage) on `mesh` and its init function, as the config says (vocab resolved;
     the model's `auto` settings resolved for the mesh: `resolved`). `rules`: the logical-axis rule table
     (zerolm.parallel.sharding)."""
-    cfg = resolved(cfg, mesh)
-    model = gpt_model.GPT(cfg.model)
+    model_cfg = auto.model_settings(cfg.model, auto.Where.of_mesh(mesh, cfg.zero.stage))
+    cfg = cfg.model_copy(update={"model": model_cfg})
+    model = gpt_model.GPT(model_cfg)
     init_fn = functools.partial(gpt_model.init_params, model)
     tx, schedule = make_optimizer(cfg.train)
     objective = Objective(functools.partial(losses.lm_loss, model), jax.eval_shape(init_fn, jax.random.key(0)),

@@ -68,7 +68,8 @@ def from_config(cfg, dp: int, tp: int) -> tuple[Model, Any]:
 
     # What build_step builds, on no devices: only the parameters' shapes are read, which neither the
     # compute dtype, the attention nor the layer loop changes.
-    gpt = gpt_model.GPT(auto.for_shapes(cfg.model))
+    shapes = auto.for_shapes(cfg.model)
+    gpt = gpt_model.GPT(shapes)
     init_fn = functools.partial(gpt_model.init_params, gpt)
     abstract = jax.eval_shape(init_fn, jax.random.key(0))
     axes = gpt_model.logical_axes(gpt)
@@ -89,7 +90,7 @@ def from_config(cfg, dp: int, tp: int) -> tuple[Model, Any]:
                   attention_block=cfg.model.attention_block, document_mask=cfg.model.document_mask,
                   scan_layers=cfg.model.scan_layers, dtype=cfg.model.dtype, position=cfg.model.position,
                   attention_dropout=cfg.model.attention_dropout,
-                  kv_heads=cfg.model.kv_heads, mlp_width=cfg.model.mlp_width, gated_mlp=cfg.model.mlp == "swiglu",
+                  kv_heads=shapes.n_kv_head, mlp_width=shapes.mlp_hidden, gated_mlp=cfg.model.mlp == "swiglu",
                   parallel_residual=cfg.model.parallel_residual, shared_norm=cfg.model.shared_norm,
                   residual_dropout=bool(cfg.model.residual_dropout),
                   matmul_params=gpt_model.count_params(abstract, matmul_only=True))

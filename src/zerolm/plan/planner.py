@@ -15,6 +15,7 @@ from zerolm.plan.activations import activation_bytes, step_activation_bytes
 from zerolm.plan.describe import PlanReport
 from zerolm.plan.spec import PRECISIONS, STAGES, BytesPerParam, Model, Parallelism
 from zerolm.plan.timing import StepTime, bucketed, ring_time, tree_time
+from zerolm.plan.traffic import tp_all_reduces
 
 # A micro-batch fits when its planned peak, this much larger, fits the device: the planner's step peak
 # is a model of the compiler's, which under-counts the compiled peak by up to 15.8% of the planned one
@@ -153,7 +154,6 @@ class Planner:
         compute = model_flops_token * (4 / 3 if remat else 1) * tokens_device / (d.flops * self.efficiency)
         # Megatron's tensor parallelism: all-reduces of the activations, 2 forward and 2 backward per layer (one
         # forward again with full remat; the parallel residual's fewer), every micro-step.
-        from zerolm.model.decoder import tp_all_reduces
 
         per_layer = tp_all_reduces(m.parallel_residual, m.shared_norm, m.residual_dropout).per_layer(remat)
         act = micro * m.seq_len * m.d_model * m.act_bytes

@@ -8,7 +8,7 @@ import functools
 import math
 
 from zerolm.config.load import load_config
-from zerolm.config.model import tp_split_problem
+from zerolm.config.model import resolved_shape, tp_split_problem
 from zerolm.config.tree import Config
 from zerolm.core.hardware import preset
 from zerolm.data.context import ContextPlan
@@ -68,7 +68,8 @@ def planner_for(request: PlanRequest) -> Planner:
     request.check()
     cfg = load_config(request.config, list(request.sets)) if request.config is not None else None
     tp = request.tp or (cfg.mesh.tp if cfg else 1)
-    if cfg is not None and (why := tp_split_problem(cfg.model.n_head, cfg.model.mlp_width, tp, cfg.model.kv_heads)):
+    shape = resolved_shape(cfg.model.model_dump()) if cfg is not None else {}
+    if cfg is not None and (why := tp_split_problem(cfg.model.n_head, shape["mlp_hidden"], tp, shape["n_kv_head"])):
         raise PlanError(f"--tp: {tp} {why} of {request.config}")
     dp = request.dp or (cfg.mesh.dp if cfg and cfg.mesh.dp != "auto" else max(1, device.per_node // tp))
     global_batch = request.global_batch or (cfg.train.global_batch_size if cfg else 256)

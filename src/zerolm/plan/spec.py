@@ -58,7 +58,7 @@ class Model:
     mlp_width: int = 0  # the MLP's hidden units; 0: 4·d_model
     gated_mlp: bool = False  # model.mlp: swiglu (a gate beside the up projection)
     # model.parallel_residual, model.shared_norm, and whether model.residual_dropout is on: how many all-reduces
-    # tensor parallelism makes per layer (zerolm.model.decoder.tp_all_reduces)
+    # tensor parallelism makes per layer (zerolm.plan.traffic.tp_all_reduces)
     parallel_residual: bool = False
     shared_norm: bool = False
     residual_dropout: bool = False

@@ -5,8 +5,32 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 from zerolm.parallel.mesh import DP, TP, axis_names, axis_share
+
+
+class TPReductions(NamedTuple):
+    """The activations (B, T, d_model) that tensor parallelism all-reduces per block and micro-step in training."""
+
+    forward: int
+    rerun: int  # of the forward pass's, those full remat runs again: the ones whose result the backward pass reads
+    backward: int
+
+    def per_layer(self, full_remat: bool) -> int:
+        return self.forward + (self.rerun if full_remat else 0) + self.backward
+
+
+def tp_all_reduces(parallel_residual: bool, shared_norm: bool, residual_dropout: bool) -> TPReductions:
+    """The sequential block's: its two row-parallel outputs forward, of which full remat reruns the attention's (the
+    MLP reads it; the MLP's output only joins the residual), and its two norms' input gradients backward
+    (Megatron's 2 + 2). The parallel residual's: one forward (the branches summed before the reduction; two with
+    residual dropout, each branch's output dropped with its own mask after its own reduction), none rerun (its
+    output only joins the residual), and backward one with a shared norm (one input projection), two with a norm
+    each (each norm's input gradient)."""
+    if not parallel_residual:
+        return TPReductions(2, 1, 2)
+    return TPReductions(2 if residual_dropout else 1, 0, 1 if shared_norm else 2)
 
 
 @dataclasses.dataclass
@@ -45,7 +69,7 @@ class CountedStep:
     accum: int  # accumulation steps (micro-batches per device and step)
     activation: int = 0  # bytes of one micro-batch's activations (B × T × d_model): what tp all-reduces
     n_layer: int = 0
-    # Activations a layer all-reduces over tp per micro-step (zerolm.model.decoder.tp_all_reduces): the sequential
+    # Activations a layer all-reduces over tp per micro-step (`tp_all_reduces`): the sequential
     # block's 2 forward and 2 backward (Megatron's), 5 with full remat; fewer for the parallel residual's.
     tp_per_layer: int = 4
     param_bytes: int = 4  # the parameters' dtype: 4, or 2 in mixed precision
@@ -164,7 +188,6 @@ def step_predictions(cfg, model, zero) -> list[Prediction]:
     resolved for the mesh's devices)."""
     import jax.numpy as jnp
 
-    from zerolm.model.decoder import tp_all_reduces
 
     m = cfg.model
     activation = cfg.train.micro_batch_size * m.seq_len * m.d_model * jnp.dtype(model.cfg.dtype).itemsize

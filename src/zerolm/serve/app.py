@@ -294,7 +294,7 @@ async def _page(request: Request) -> Response:
 async def _tokenizer_info(request: Request) -> Response:
     served = _served(request)
     tok = served.tokenizer
-    return JSONResponse({"eos_token": tok.eot, "bos_token": None, "pad_token": None,
+    return JSONResponse({"eos_token": tok.eot_text, "bos_token": None, "pad_token": None,
                          "model_max_length": served.context, "vocab_size": tok.vocab_size})
 
 

@@ -43,7 +43,7 @@ def describe_step(built: BuiltStep, accounting: Accounting, memory: str | None, 
         lines.append(flags.line())
     if built.cfg.model.document_mask:
         m = built.cfg.model
-        lines.append(f"documents: attention stays inside each document of a sample (end-of-text {m.eot}), "
+        lines.append(f"documents: attention stays inside each document of a sample (end-of-text {m.eot_id}), "
                      f"positions {'restart per document' if m.document_positions == 'restart' else 'continue'}")
     texts = built.compiled.texts
     try:
