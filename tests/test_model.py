@@ -129,3 +129,17 @@ def test_param_names_follow_hugging_face_gpt2():
     # Stacked over the 2 layers; (d, 3, d) = (embed, qkv, heads), which reshapes to GPT-2's (d, 3·d).
     assert abstract["h"]["attn"]["c_attn"]["kernel"].shape == (2, 32, 3, 32)
     assert gpt_model.count_params(abstract) == sum(x.size for x in jax.tree.leaves(abstract))
+
+
+def test_the_one_pass_log_sum_exp_and_target_are_the_plain_ones():
+    """losses.lse_and_target, the fused loss's one read of each chunk's logits: jax.nn.logsumexp and the target's
+    logit as a gather give the same numbers, with the vocabulary's padding at output_logits' -1e30 and logits far
+    apart (the online combination rescales the running sum as its maximum grows)."""
+    from zerolm.model.losses import lse_and_target
+
+    logits = jax.random.normal(jax.random.key(0), (64, 1000)) * jnp.linspace(0.1, 40.0, 64)[:, None]
+    logits = logits.at[:, 900:].set(-1e30)
+    targets = jax.random.randint(jax.random.key(1), (64,), 0, 900)
+    lse, target = jax.jit(lse_and_target)(logits, targets)
+    np.testing.assert_allclose(lse, jax.nn.logsumexp(logits, axis=-1), rtol=1e-6)
+    np.testing.assert_array_equal(target, jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0])
