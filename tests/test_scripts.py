@@ -22,7 +22,10 @@ GPU = sorted((REPO / "benchmarks").glob("*.sh"))  # the GPU session and the envi
 FAKE = """#!/usr/bin/env bash
 printf '%s\\0' "$(basename "$0")" "$@" >> "$FAKE_LOG"; printf '\\036' >> "$FAKE_LOG"
 if [[ "$(basename "$0")" == gcloud && "$*" == *" describe "* ]]; then
-  if [[ -f "$FAKE_DIR/created" ]]; then echo READY; else echo "${FAKE_STATE:-}"; fi
+  if [[ -f "$FAKE_DIR/created" && "$*" == *queued-resources* ]]; then echo ACTIVE
+  elif [[ -f "$FAKE_DIR/created" ]]; then echo READY
+  else echo "${FAKE_STATE:-}"
+  fi
 fi
 if [[ "$(basename "$0")" == gcloud && "$*" == *"queued-resources create"* ]]; then touch "$FAKE_DIR/created"; fi
 if [[ "$(basename "$0")" == srun ]]; then exit "${FAKE_EXIT:-0}"; fi
@@ -90,6 +93,9 @@ def test_create_launch_logs_stop_delete(fake):
     proc, calls = fake(REPO / "tpu_scripts" / "create.sh", *create, "--wait-timeout", "0")
     assert proc.returncode == 0 and calls == expected[:1]
 
+    # One slice is what it was: --slices 1 prints exactly the commands above.
+    assert dry(REPO / "tpu_scripts" / "create.sh", *create, "--slices", "1") == expected
+
     launch = ["--name", "slice-1", "--zone", "europe-west4-a", "--config", "configs/1_3b.yaml", "--checkpoint-dir",
               "gs://bucket/run 1", "--set", "train.steps=100", "--skip-compile-check"]
     proc, calls = fake(REPO / "tpu_scripts" / "launch.sh", *launch)
@@ -110,6 +116,22 @@ def test_create_launch_logs_stop_delete(fake):
     proc, calls = fake(REPO / "tpu_scripts" / "delete.sh", "--name", "slice-1", "--project", "p")
     assert calls == [["gcloud", "compute", "tpus", "queued-resources", "delete", "slice-1", "--zone=us-central2-b",
                       "--project=p", "--force", "--quiet"]]
+
+
+def test_create_makes_n_slices_one_queued_resource(fake):
+    create = ["--name", "lm", "--zone", "europe-west4-a", "--accelerator-type", "v4-32", "--spot", "--slices", "2"]
+    expected = [["gcloud", "compute", "tpus", "queued-resources", "create", "lm", "--zone=europe-west4-a",
+                 "--node-count=2", "--node-prefix=lm",  # the nodes lm-0 and lm-1, provisioned together
+                 "--accelerator-type=v4-32", "--runtime-version=tpu-ubuntu2204-base", "--spot"],
+                # ... and it returns once the queued resource is ACTIVE: every node of every slice is up
+                ["gcloud", "compute", "tpus", "queued-resources", "describe", "lm", "--zone=europe-west4-a",
+                 "--format=value(state.state)"]]
+    assert dry(REPO / "tpu_scripts" / "create.sh", *create) == expected
+    proc, calls = fake(REPO / "tpu_scripts" / "create.sh", *create)
+    assert proc.returncode == 0 and calls == expected
+    proc, calls = fake(REPO / "tpu_scripts" / "create.sh", *create[:-1], "0")
+    assert proc.returncode == 2 and calls == []
+    assert proc.stderr.strip() == "error: create.sh: --slices must be a positive number of slices, got '0'"
 
 
 def test_setup_clones_and_installs_from_the_requirements_file(fake):

@@ -8,6 +8,7 @@ DRY_RUN=0
 NAME=""
 ZONE="${ZEROLM_TPU_ZONE:-us-central2-b}"
 PROJECT="${ZEROLM_TPU_PROJECT:-}"
+SLICES=1
 
 # Print the script's header comment (the lines after the shebang that start with '#') as its help.
 usage() {
@@ -48,6 +49,11 @@ require_name() {
   [[ -n "$NAME" ]] || die "--name is required (the TPU VM / queued resource name)"
 }
 
+# For a script that takes --slices N: N must be a positive number.
+require_slices() {
+  [[ "$SLICES" =~ ^[1-9][0-9]*$ ]] || die "--slices must be a positive number of slices, got '$SLICES'"
+}
+
 # run CMD...: run it, or with --dry-run print it, quoted so that it can be pasted into a shell.
 run() {
   if [[ "$DRY_RUN" == 1 ]]; then
@@ -74,23 +80,37 @@ on_workers() {
   run gcloud compute tpus tpu-vm ssh "$NAME" "${LOCATION[@]}" --worker="$1" --command="$2"
 }
 
-# wait_until_ready TIMEOUT_S: poll the slice until its TPU VM is READY (a queued resource is provisioned
-# asynchronously, spot capacity can take a while). With --dry-run, print the poll once.
-wait_until_ready() {
+# state_query: STATE_QUERY, the gcloud command that prints the run's state, and READY_STATE, the state
+# it has once every host is up: one slice's TPU VM READY; N slices' queued resource ACTIVE (all its
+# nodes provisioned).
+state_query() {
   location
+  if [[ "$SLICES" == 1 ]]; then
+    STATE_QUERY=(gcloud compute tpus tpu-vm describe "$NAME" "${LOCATION[@]}" --format='value(state)')
+    READY_STATE=READY
+  else
+    STATE_QUERY=(gcloud compute tpus queued-resources describe "$NAME" "${LOCATION[@]}" --format='value(state.state)')
+    READY_STATE=ACTIVE
+  fi
+}
+
+# wait_until_ready TIMEOUT_S: poll until the run's TPU VMs are up (READY_STATE: a queued resource is
+# provisioned asynchronously, spot capacity can take a while). With --dry-run, print the poll once.
+wait_until_ready() {
+  state_query
   if [[ "$DRY_RUN" == 1 ]]; then
-    run gcloud compute tpus tpu-vm describe "$NAME" "${LOCATION[@]}" --format='value(state)'
+    run "${STATE_QUERY[@]}"
     return
   fi
   local deadline=$((SECONDS + $1)) state=""
   while true; do
-    state="$(gcloud compute tpus tpu-vm describe "$NAME" "${LOCATION[@]}" --format='value(state)' 2>/dev/null || true)"
-    [[ "$state" == READY ]] && return
+    state="$("${STATE_QUERY[@]}" 2>/dev/null || true)"
+    [[ "$state" == "$READY_STATE" ]] && return
     if (( SECONDS >= deadline )); then
-      echo "error: $(basename "$0"): $NAME is not READY after $1 s (state: ${state:-not created yet}); see: gcloud compute tpus queued-resources describe $NAME ${LOCATION[*]}" >&2
+      echo "error: $(basename "$0"): $NAME is not $READY_STATE after $1 s (state: ${state:-not created yet}); see: gcloud compute tpus queued-resources describe $NAME ${LOCATION[*]}" >&2
       exit 1
     fi
-    echo "$(basename "$0"): waiting for $NAME to be READY (state: ${state:-not created yet})" >&2
+    echo "$(basename "$0"): waiting for $NAME to be $READY_STATE (state: ${state:-not created yet})" >&2
     sleep 30
   done
 }
