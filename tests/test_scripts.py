@@ -164,6 +164,33 @@ def test_setup_on_a_worker_fails_in_one_line_when_the_commit_cannot_be_fetched(t
                                         "push it, or pass --ref")
 
 
+def test_setup_stop_logs_and_delete_reach_every_slice(fake):
+    """With --slices N, the queued resource's nodes NAME-0 ... NAME-(N-1): one ssh per node, every worker of
+    each; the same flags without --slices (or with --slices 1) reach the TPU VM NAME as before."""
+    ssh = ["gcloud", "compute", "tpus", "tpu-vm", "ssh"]
+    setup = ["--name", "lm", "--repo", "https://example.org/zerolm.git", "--ref", "v1.2"]
+    (one,) = dry(REPO / "tpu_scripts" / "setup.sh", *setup)
+    assert dry(REPO / "tpu_scripts" / "setup.sh", *setup, "--slices", "1") == [one]
+    assert dry(REPO / "tpu_scripts" / "setup.sh", *setup, "--slices", "2") == [
+        [*ssh, "lm-0", *one[6:]], [*ssh, "lm-1", *one[6:]]]
+    proc, calls = fake(REPO / "tpu_scripts" / "setup.sh", *setup, "--slices", "2")
+    assert proc.returncode == 0 and calls == dry(REPO / "tpu_scripts" / "setup.sh", *setup, "--slices", "2")
+
+    stop = ["--worker=all", "--command=pkill -TERM -f '[z]erolm train' || true"]
+    proc, calls = fake(REPO / "tpu_scripts" / "stop.sh", "--name", "lm", "--slices", "3")
+    assert proc.returncode == 0 and calls == [[*ssh, f"lm-{i}", "--zone=us-central2-b", *stop] for i in range(3)]
+
+    logs = ["--command=tail -n 100 -F $HOME/zerolm-125m.log"]
+    assert dry(REPO / "tpu_scripts" / "logs.sh", "--name", "lm", "--slices", "2") == [
+        [*ssh, "lm-0", "--zone=us-central2-b", "--worker=0", *logs]]  # slice 0's worker 0: the run's process 0
+    assert dry(REPO / "tpu_scripts" / "logs.sh", "--name", "lm", "--slices", "2", "--slice", "1", "--worker", "3") == [
+        [*ssh, "lm-1", "--zone=us-central2-b", "--worker=3", *logs]]
+
+    # The queued resource takes all its nodes with it.
+    assert dry(REPO / "tpu_scripts" / "delete.sh", "--name", "lm", "--slices", "2") == [
+        ["gcloud", "compute", "tpus", "queued-resources", "delete", "lm", "--zone=us-central2-b", "--force", "--quiet"]]
+
+
 def test_setup_refuses_a_commit_that_was_never_pushed(fake, tmp_path):
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
@@ -200,6 +227,10 @@ def test_relaunch_recreates_a_preempted_slice_and_resumes(fake, tmp_path):
      "error: launch.sh: --checkpoint-dir must be a gs:// path that every worker can reach (got '/local/dir')"),
     ("logs.sh", ["--name", "s", "--worker", "x"], "error: logs.sh: --worker must be a worker number, got 'x'"),
     ("stop.sh", ["--name", "s", "--force"], "error: stop.sh: unknown parameter: --force (see stop.sh --help)"),
+    ("logs.sh", ["--name", "s", "--slices", "2", "--slice", "2"],
+     "error: logs.sh: --slice must be a slice number below --slices 2, got '2'"),
+    ("setup.sh", ["--name", "s", "--repo", "r", "--slices", "-1"],
+     "error: setup.sh: --slices must be a positive number of slices, got '-1'"),
 ])
 def test_bad_parameters_are_one_line(fake, script, args, message):
     proc, calls = fake(REPO / "tpu_scripts" / script, *args)

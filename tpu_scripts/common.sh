@@ -37,14 +37,6 @@ common_arg() {
   esac
 }
 
-# For a script with no parameters of its own.
-only_common_args() {
-  while [[ $# -gt 0 ]]; do
-    common_arg "$@" || shift $?
-  done
-  require_name
-}
-
 require_name() {
   [[ -n "$NAME" ]] || die "--name is required (the TPU VM / queued resource name)"
 }
@@ -52,6 +44,20 @@ require_name() {
 # For a script that takes --slices N: N must be a positive number.
 require_slices() {
   [[ "$SLICES" =~ ^[1-9][0-9]*$ ]] || die "--slices must be a positive number of slices, got '$SLICES'"
+}
+
+# The TPU VMs of the run, in slice order: one slice is the TPU VM NAME; N slices are the nodes of the
+# queued resource NAME, which gcloud names NAME-0 ... NAME-(N-1) (create.sh gives NAME as their prefix).
+nodes() {
+  NODES=()
+  if [[ "$SLICES" == 1 ]]; then
+    NODES=("$NAME")
+  else
+    local i
+    for ((i = 0; i < SLICES; i++)); do
+      NODES+=("$NAME-$i")
+    done
+  fi
 }
 
 # run CMD...: run it, or with --dry-run print it, quoted so that it can be pasted into a shell.
@@ -74,10 +80,19 @@ location() {
   fi
 }
 
-# on_workers WORKER COMMAND: run a shell command on one worker (0, 1, ...) or on all of them.
-on_workers() {
+# on_node NODE WORKER COMMAND: run a shell command on one worker (0, 1, ...) of one TPU VM, or on all of them.
+on_node() {
   location
-  run gcloud compute tpus tpu-vm ssh "$NAME" "${LOCATION[@]}" --worker="$1" --command="$2"
+  run gcloud compute tpus tpu-vm ssh "$1" "${LOCATION[@]}" --worker="$2" --command="$3"
+}
+
+# on_workers WORKER COMMAND: the same, on every slice of the run.
+on_workers() {
+  local node
+  nodes
+  for node in "${NODES[@]}"; do
+    on_node "$node" "$1" "$2"
+  done
 }
 
 # state_query: STATE_QUERY, the gcloud command that prints the run's state, and READY_STATE, the state

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Set up every worker of a slice: the repository at a ref, a virtual environment with a Python that
-# zerolm supports (the TPU images' own python3 is older: uv, from PyPI, installs one), the same
-# requirements file as everywhere else, and JAX's TPU runtime.
+# Set up every worker of a slice (of every slice, with --slices N): the repository at a ref, a virtual
+# environment with a Python that zerolm supports (the TPU images' own python3 is older: uv, from PyPI,
+# installs one), the same requirements file as everywhere else, and JAX's TPU runtime.
 #
-#   tpu_scripts/setup.sh --name NAME [--repo URL] [--ref REF]
+#   tpu_scripts/setup.sh --name NAME [--repo URL] [--ref REF] [--slices N]
 #
-#   --name NAME         the TPU VM (required)
+#   --name NAME         the TPU VM, or the queued resource of --slices N (required)
 #   --zone ZONE         default: $ZEROLM_TPU_ZONE or us-central2-b
 #   --project PROJECT   default: $ZEROLM_TPU_PROJECT or gcloud's configured project
 #   --repo URL          git repository to clone on each worker (default: this checkout's origin)
@@ -13,6 +13,8 @@
 #                       --repo: the workers fetch it from there)
 #   --dir DIR           where on each worker (default: zerolm, in the home directory)
 #   --python VERSION    the venv's Python, installed by uv (default: 3.11)
+#   --slices N          as create.sh: the nodes NAME-0 ... NAME-(N-1), each set up alike (default: 1, the
+#                       TPU VM NAME)
 #   --dry-run           print the gcloud commands instead of running them
 #   -h, --help          this help
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -30,10 +32,12 @@ while [[ $# -gt 0 ]]; do
     --ref) need "$@"; REF="$2"; shift 2 ;;
     --dir) need "$@"; DIR="$2"; shift 2 ;;
     --python) need "$@"; PYTHON="$2"; shift 2 ;;
+    --slices) need "$@"; SLICES="$2"; shift 2 ;;
     *) common_arg "$@" || shift $? ;;
   esac
 done
 require_name
+require_slices
 [[ -n "$REPO" ]] || die "--repo is required: this checkout has no origin remote to default to"
 [[ "$PYTHON" =~ ^3\.[0-9]+$ ]] || die "--python must be a version like 3.11, got '$PYTHON'"
 if [[ -z "$REF" ]]; then
