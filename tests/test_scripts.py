@@ -7,6 +7,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,9 @@ GPU = sorted((REPO / "benchmarks").glob("*.sh"))  # the GPU session and the envi
 FAKE = """#!/usr/bin/env bash
 printf '%s\\0' "$(basename "$0")" "$@" >> "$FAKE_LOG"; printf '\\036' >> "$FAKE_LOG"
 if [[ "$(basename "$0")" == gcloud && "$*" == *" describe "* ]]; then
-  if [[ -f "$FAKE_DIR/created" && "$*" == *queued-resources* ]]; then echo ACTIVE
+  if [[ "$*" == *networkEndpoints* ]]; then echo 10.130.0.7  # a worker's internal address
+  elif [[ "$*" == *acceleratorType* ]]; then echo v4-32
+  elif [[ -f "$FAKE_DIR/created" && "$*" == *queued-resources* ]]; then echo ACTIVE
   elif [[ -f "$FAKE_DIR/created" ]]; then echo READY
   else echo "${FAKE_STATE:-}"
   fi
@@ -107,6 +110,7 @@ def test_create_launch_logs_stop_delete(fake):
     assert remote.startswith("cd zerolm && nohup setsid .venv/bin/zerolm train --distributed --config configs/1_3b.yaml "
                              "--set checkpoint.dir=gs://bucket/run\\ 1 --set train.steps=100 ")
     assert remote.endswith("> $HOME/zerolm-1_3b.log 2>&1 < /dev/null &")
+    assert dry(REPO / "tpu_scripts" / "launch.sh", *launch, "--slices", "1") == calls  # one slice: as before
 
     for script, tail in (("logs.sh", ["--worker=0", "--command=tail -n 100 -F $HOME/zerolm-125m.log"]),
                          ("stop.sh", ["--worker=all", "--command=pkill -TERM -f '[z]erolm train' || true"])):
@@ -132,6 +136,70 @@ def test_create_makes_n_slices_one_queued_resource(fake):
     proc, calls = fake(REPO / "tpu_scripts" / "create.sh", *create[:-1], "0")
     assert proc.returncode == 2 and calls == []
     assert proc.stderr.strip() == "error: create.sh: --slices must be a positive number of slices, got '0'"
+
+
+def test_launch_on_n_slices_joins_them_with_the_megascale_environment(fake, tmp_path):
+    launch = ["--name", "lm", "--zone", "europe-west4-a", "--config", "configs/1_3b.yaml", "--checkpoint-dir",
+              "gs://bucket/lm", "--set", "train.steps=100", "--skip-compile-check", "--slices", "2"]
+    proc, calls = fake(REPO / "tpu_scripts" / "launch.sh", *launch)
+    assert proc.returncode == 0, proc.stderr
+    # Slice 0's worker 0, process 0 of the run, is the coordinator: its address is read once ...
+    assert calls[0] == ["gcloud", "compute", "tpus", "tpu-vm", "describe", "lm-0", "--zone=europe-west4-a",
+                        "--format=value(networkEndpoints[0].ipAddress)"]
+    # ... and a dry run, which reads nothing, is given it: the same commands.
+    assert calls[1:] == dry(REPO / "tpu_scripts" / "launch.sh", *launch, "--coordinator", "10.130.0.7")
+    assert len(calls) == 3  # one ssh per slice, to every worker of its node
+    for slice_id, call in enumerate(calls[1:]):
+        assert call[:8] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", f"lm-{slice_id}", "--zone=europe-west4-a",
+                            "--worker=all"]
+        remote = call[8].removeprefix("--command=")
+        assert remote.startswith(f"cd zerolm && MEGASCALE_COORDINATOR_ADDRESS=10.130.0.7:8080 MEGASCALE_NUM_SLICES=2 "
+                                 f"MEGASCALE_SLICE_ID={slice_id} MEGASCALE_PORT=8080 nohup setsid .venv/bin/zerolm train "
+                                 "--distributed --config configs/1_3b.yaml --set checkpoint.dir=gs://bucket/lm "
+                                 "--set mesh.slices=2 --set train.steps=100 ")
+        assert remote.endswith("> $HOME/zerolm-1_3b.log 2>&1 < /dev/null &")
+    assert "tpu_scripts/logs.sh --name lm --zone europe-west4-a --slices 2 --run-name 1_3b" in proc.stdout
+
+    # The compile check compiles for one slice (read from the first node); mesh.slices goes to the run only.
+    proc, checked = fake(REPO / "tpu_scripts" / "launch.sh", *launch[:-3], "--slices", "2", ZEROLM="echo")
+    assert proc.returncode == 0 and checked[0][3:6] == ["tpu-vm", "describe", "lm-0"] and checked[1:] == calls
+    assert proc.stderr.strip() == "compile --config configs/1_3b.yaml --target v4-32 --set train.steps=100"
+
+    # What a worker of slice 1 makes of it: the training process gets the environment and the flags.
+    worker = tmp_path / "worker"
+    (worker / "zerolm" / ".venv" / "bin").mkdir(parents=True)
+    zerolm = worker / "zerolm" / ".venv" / "bin" / "zerolm"
+    zerolm.write_text('#!/usr/bin/env bash\n{ env | grep ^MEGASCALE_ | sort; printf "%s\\n" "$@"; } > "$HOME/seen.tmp"\n'
+                      'mv "$HOME/seen.tmp" "$HOME/seen"\n')
+    zerolm.chmod(stat.S_IRWXU)
+    subprocess.run(["bash", "-c", calls[2][8].removeprefix("--command=")], cwd=worker, check=True,
+                   env={**os.environ, "HOME": str(worker)})
+    seen = worker / "seen"
+    for _ in range(100):  # detached: wait for it
+        if seen.exists():
+            break
+        time.sleep(0.05)
+    assert seen.read_text().splitlines() == [
+        "MEGASCALE_COORDINATOR_ADDRESS=10.130.0.7:8080", "MEGASCALE_NUM_SLICES=2", "MEGASCALE_PORT=8080",
+        "MEGASCALE_SLICE_ID=1", "train", "--distributed", "--config", "configs/1_3b.yaml", "--set",
+        "checkpoint.dir=gs://bucket/lm", "--set", "mesh.slices=2", "--set", "train.steps=100"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dry-run"], "--dry-run needs --coordinator ADDRESS with --slices 2 (slice 0's worker 0; read from lm-0 with "
+                    "gcloud describe otherwise)"),
+    (["--set", "mesh.slices=2"], "--set mesh.slices=2: pass --slices N instead (launch.sh sets mesh.slices=N for "
+                                 "the N slices it launches on)"),
+])
+def test_launch_on_n_slices_bad_parameters_are_one_line(fake, args, message):
+    # Refused before the compile check (ZEROLM=false would fail it with another message).
+    proc, calls = fake(REPO / "tpu_scripts" / "launch.sh", "--name", "lm", "--checkpoint-dir", "gs://b/r",
+                       "--accelerator-type", "v4-32", "--slices", "2", *args, ZEROLM="false")
+    assert proc.returncode == 2 and calls == [] and proc.stderr.strip() == f"error: launch.sh: {message}"
+    proc, calls = fake(REPO / "tpu_scripts" / "launch.sh", "--name", "lm", "--checkpoint-dir", "gs://b/r",
+                       "--skip-compile-check", "--coordinator", "10.0.0.1")
+    assert proc.returncode == 2 and calls == [] and proc.stderr.strip() == (
+        "error: launch.sh: --coordinator is for --slices N > 1 (a slice's workers find their coordinator themselves)")
 
 
 def test_setup_clones_and_installs_from_the_requirements_file(fake):
