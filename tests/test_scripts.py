@@ -316,19 +316,46 @@ def test_slurm_script_runs_srun_and_requeues_on_preemption(fake, exit_code, requ
     assert (calls[1:] == [["scontrol", "requeue", "4242"]]) == requeued and len(calls) == 1 + requeued
 
 
-def test_stop_command_stops_training_and_not_itself():
-    """stop.sh's remote command, run by a shell as a worker would: it ends a `zerolm train` process and exits 0
-    (a pattern that matched the shell's own command line killed the shell: exit 143)."""
-    import subprocess
-    import time
+def stop_as_a_worker(tmp_path, *stop_args, ignores_sigterm=False):
+    """stop.sh's remote command (from its dry run), run by a shell as a worker would, beside a process named as
+    a training process is. Both run in a PID namespace of their own, so that the command's pkill and pgrep see
+    them and nothing else of the machine that runs the tests. Returns the command's exit status and stderr, and
+    the training process's."""
+    if subprocess.run(["unshare", "-r", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode:
+        pytest.skip("needs a PID namespace (unshare -r --pid): the command would signal this machine's processes")
+    (line,) = dry(REPO / "tpu_scripts" / "stop.sh", "--name", "s", *stop_args)
+    (tmp_path / "remote.sh").write_text(line[-1].removeprefix("--command="))
+    # As sshd runs it: bash -c COMMAND, the command on its command line. The script's own command line (bash FILE)
+    # names no training process; the subshell becomes the one that does.
+    (tmp_path / "worker.sh").write_text(f"""
+( {'trap "" TERM; ' if ignores_sigterm else ''}exec -a "zerolm train --distributed" sleep 30 ) &
+training=$!
+sleep 0.3
+bash -c "$(cat {tmp_path / 'remote.sh'})" 2> {tmp_path / 'stderr'}; echo "stop $?" > {tmp_path / 'status'}
+kill -KILL $training 2>/dev/null; wait $training; echo "training $?" >> {tmp_path / 'status'}
+""")
+    subprocess.run(["unshare", "-r", "--pid", "--fork", "--mount-proc", "bash", str(tmp_path / "worker.sh")],
+                   capture_output=True, timeout=60, check=True)
+    status = dict(line.split() for line in (tmp_path / "status").read_text().splitlines())
+    return int(status["stop"]), (tmp_path / "stderr").read_text(), int(status["training"])
 
-    script = (REPO / "tpu_scripts" / "stop.sh").read_text()
-    remote = script.split('on_workers all "', 1)[1].split('"', 1)[0]
-    dummy = subprocess.Popen(["bash", "-c", 'exec -a "zerolm train --distributed" sleep 60'])
-    time.sleep(0.3)
-    proc = subprocess.run(["bash", "-c", remote], capture_output=True, text=True, timeout=30)
-    assert proc.returncode == 0, proc
-    assert dummy.wait(timeout=10) == -15  # SIGTERM reached it
+
+def test_stop_command_stops_training_and_not_itself(tmp_path):
+    """It ends a `zerolm train` process and exits 0 (a pattern that matched the shell's own command line killed
+    the shell: exit 143)."""
+    stop, _, training = stop_as_a_worker(tmp_path)
+    assert stop == 0 and training == 143  # SIGTERM reached it
+
+
+def test_stop_waits_until_training_has_exited(tmp_path):
+    """With --wait S it returns once the training processes are gone (the save they make on SIGTERM done), so
+    that a relaunch can start the run again; one that outlives S fails the worker's command in one line."""
+    started = time.monotonic()
+    stop, _, training = stop_as_a_worker(tmp_path, "--wait", "20")
+    assert stop == 0 and training == 143 and time.monotonic() - started < 10
+    stop, stderr, training = stop_as_a_worker(tmp_path, "--wait", "1", ignores_sigterm=True)
+    assert stop == 1 and training == 137  # still there after 1 s: the test's own SIGKILL ended it
+    assert re.fullmatch(r"error: stop.sh: \S+: the training processes still run 1 s after SIGTERM", stderr.strip())
 
 
 ZEROLM = {"ZEROLM": f"{sys.executable} -m zerolm.cli"}
