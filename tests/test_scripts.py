@@ -27,7 +27,7 @@ if [[ "$(basename "$0")" == gcloud && "$*" == *" describe "* ]]; then
   elif [[ "$*" == *acceleratorType* ]]; then echo v4-32
   elif [[ -f "$FAKE_DIR/created" && "$*" == *queued-resources* ]]; then echo ACTIVE
   elif [[ -f "$FAKE_DIR/created" ]]; then echo READY
-  else echo "${FAKE_STATE:-}"
+  else echo "${FAKE_STATE:-}"; if [[ -n "${FAKE_COMES_UP:-}" ]]; then touch "$FAKE_DIR/created"; fi
   fi
 fi
 if [[ "$(basename "$0")" == gcloud && "$*" == *"queued-resources create"* ]]; then touch "$FAKE_DIR/created"; fi
@@ -282,10 +282,68 @@ def test_relaunch_recreates_a_preempted_slice_and_resumes(fake, tmp_path):
     assert "--spot" in calls[2] and "--accelerator-type=v4-64" in calls[2]
     assert "zerolm train --distributed --config configs/760m.yaml --set checkpoint.dir=gs://b/r" in calls[5][-1]
     assert "relaunch: s is PREEMPTED; creating it again" in proc.stderr
+    assert dry(REPO / "tpu_scripts" / "relaunch.sh", *args, "--slices", "1") == dry(
+        REPO / "tpu_scripts" / "relaunch.sh", *args) == calls  # one slice: as before
     # A slice still READY: only the launch, which resumes from the latest checkpoint.
     (tmp_path / "created").unlink()
     proc, calls = fake(REPO / "tpu_scripts" / "relaunch.sh", *args, FAKE_STATE="READY")
     assert proc.returncode == 0 and [" ".join(c[3:5]) for c in calls] == ["tpu-vm describe", "tpu-vm ssh"]
+
+
+def test_relaunch_restarts_every_slice_from_the_latest_checkpoint(fake, tmp_path):
+    """N slices are one run: whatever one slice went through, the run starts again on all of them (and resumes
+    from the latest checkpoint on gs://)."""
+    args = ["--name", "lm", "--slices", "2", "--accelerator-type", "v4-32", "--spot", "--repo", "https://example.org/z.git",
+            "--config", "configs/760m.yaml", "--checkpoint-dir", "gs://b/r", "--skip-compile-check"]
+    relaunch = REPO / "tpu_scripts" / "relaunch.sh"
+
+    def steps(calls):
+        return [f"{' '.join(c[3:5])} {c[5]}" for c in calls]
+
+    # A preempted spot slice: the queued resource is SUSPENDED, its nodes gone. Delete it, create it again,
+    # set up both slices, and launch on both with the new slice 0's address.
+    proc, calls = fake(relaunch, *args, FAKE_STATE="SUSPENDED")
+    assert proc.returncode == 0, proc.stderr
+    assert steps(calls) == ["queued-resources describe lm", "queued-resources delete lm", "queued-resources create lm",
+                            "queued-resources describe lm", "tpu-vm ssh lm-0", "tpu-vm ssh lm-1",  # setup
+                            "tpu-vm describe lm-0", "tpu-vm ssh lm-0", "tpu-vm ssh lm-1"]  # slice 0's address, launch
+    assert "--node-count=2" in calls[2] and "--spot" in calls[2]
+    for slice_id, call in enumerate(calls[7:]):
+        assert f"MEGASCALE_SLICE_ID={slice_id} " in call[-1] and "--set mesh.slices=2 " in call[-1]
+        assert "zerolm train --distributed --config configs/760m.yaml --set checkpoint.dir=gs://b/r" in call[-1]
+    assert "relaunch: lm is SUSPENDED; creating it again" in proc.stderr
+    # Its dry run shows the same steps, the address given.
+    assert dry(relaunch, *args, "--coordinator", "10.130.0.7") == calls[:6] + calls[7:]
+
+    # Every slice still up (a run that lost a process, say): stop what is left of it on every slice, wait until
+    # it has exited, and launch on every slice.
+    proc, calls = fake(relaunch, *args)  # created above: ACTIVE
+    assert proc.returncode == 0, proc.stderr
+    assert steps(calls) == ["queued-resources describe lm", "tpu-vm ssh lm-0", "tpu-vm ssh lm-1",  # stop, and wait
+                            "tpu-vm describe lm-0", "tpu-vm ssh lm-0", "tpu-vm ssh lm-1"]
+    assert all(c[-1].startswith("--command=pkill -TERM -f '[z]erolm train' || true; for _ in $(seq 300)")
+               for c in calls[1:3])
+    assert "relaunch: lm is ACTIVE; stopping the run on every slice" in proc.stderr
+
+    # On its way up (spot capacity not there yet): wait for it, set up, launch; nothing is deleted.
+    (tmp_path / "created").unlink()
+    proc, calls = fake(relaunch, *args, FAKE_STATE="WAITING_FOR_RESOURCES", FAKE_COMES_UP="1")
+    assert proc.returncode == 0, proc.stderr
+    assert steps(calls) == ["queued-resources describe lm", "queued-resources describe lm",  # ... ACTIVE
+                            "tpu-vm ssh lm-0", "tpu-vm ssh lm-1", "tpu-vm describe lm-0", "tpu-vm ssh lm-0",
+                            "tpu-vm ssh lm-1"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--coordinator", "10.0.0.1"], "--coordinator is for --dry-run only: a relaunch reads slice 0's address once "
+                                    "the slices are up"),
+    (["--dry-run"], "--dry-run needs --coordinator ADDRESS with --slices 2 (the address launch.sh would read from "
+                    "slice 0)"),
+])
+def test_relaunch_n_slices_bad_parameters_are_one_line(fake, args, message):
+    proc, calls = fake(REPO / "tpu_scripts" / "relaunch.sh", "--name", "lm", "--slices", "2", "--checkpoint-dir",
+                       "gs://b/r", *args)
+    assert proc.returncode == 2 and calls == [] and proc.stderr.strip() == f"error: relaunch.sh: {message}"
 
 
 @pytest.mark.parametrize("script, args, message", [
