@@ -12,6 +12,9 @@
    one step at a time, each waited for (`jax.block_until_ready`), on random batches: its median. This is the
    independent count: the loop's median over it is what the loop costs beyond the step (its data, its
    metrics, its progress bar), and should be at most 1.05.
+3. With `--wall`, the loop by the wall clock alone, which no clock of zerolm's takes part in: `zerolm train` run
+   twice more, for `--steps` and for `--warmup` steps, and the difference of the two processes' wall times over
+   the difference of their steps (start, compile and exit cancel out), against the step alone's mean.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def logged_times(args, work: Path) -> list[float]:
-    sets = [*args.set, f"train.steps={args.steps}", f"train.schedule_steps={max(args.steps, 100)}",
-            "train.warmup_steps=1", f"train.eval_every={10 * args.steps}", f"checkpoint.every={10 * args.steps}",
+def logged_times(args, work: Path, steps: int | None = None) -> list[float]:
+    """Each step's logged step_time_s of a `zerolm train` of `steps` (default --steps)."""
+    steps = steps or args.steps
+    sets = [*args.set, f"train.steps={steps}", f"train.schedule_steps={max(args.steps, 100)}",
+            "train.warmup_steps=1", f"train.eval_every={10 * steps}", f"checkpoint.every={10 * steps}",
             "sample.tokens=0", "logging.wandb=disabled", f"logging.dir={work / 'log'}", f"checkpoint.dir={work / 'ckpt'}"]
     env = {**os.environ, "WANDB_MODE": "disabled", "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices}"}
@@ -43,6 +48,17 @@ def logged_times(args, work: Path) -> list[float]:
     return [r["step_time_s"] for r in records if "step_time_s" in r]
 
 
+def wall_per_step(args) -> float:
+    """The loop's wall time per step: two `zerolm train` processes, of --steps and of --warmup steps."""
+    walls = []
+    for steps in (args.warmup, args.steps):
+        with tempfile.TemporaryDirectory() as work:
+            t = time.perf_counter()
+            logged_times(args, Path(work), steps)
+            walls.append(time.perf_counter() - t)
+    return (walls[1] - walls[0]) / (args.steps - args.warmup)
+
+
 def step_alone(args) -> list[float]:
     """The step run alone in this process (started with the same device count), each step waited for."""
     import jax
@@ -50,7 +66,7 @@ def step_alone(args) -> list[float]:
 
     sys.path.insert(0, str(REPO / "tests"))
     from helpers import to_accum_layout
-    from zerolm.config.tree import load_config
+    from zerolm.config.load import load_config
     from zerolm.parallel.build import build_step
     from zerolm.parallel.mesh import make_mesh
 
@@ -79,20 +95,24 @@ def main() -> None:
     p.add_argument("--devices", type=int, default=1, help="CPU devices (default: %(default)s)")
     p.add_argument("--steps", type=int, default=60, help="steps of each (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of each median (default: %(default)s)")
+    p.add_argument("--wall", action="store_true", help="also the loop's wall time per step (two more runs)")
     args = p.parse_args()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     with tempfile.TemporaryDirectory() as work:
         logged = logged_times(args, Path(work))[args.warmup:]
+    wall = wall_per_step(args) if args.wall else None
     alone = step_alone(args)[args.warmup:]
     median, alone_median = statistics.median(logged), statistics.median(alone)
     print(f"`python benchmarks/step_clock.py --devices {args.devices} --steps {args.steps}"
-          + "".join(f" --set {s}" for s in args.set) + "`\n")
-    print("| logged median (ms) | smallest / median | largest / median | step alone, median (ms) | loop / step alone |")
-    print("|---:|---:|---:|---:|---:|")
+          + "".join(f" --set {s}" for s in args.set) + (" --wall" if args.wall else "") + "`\n")
+    print("| logged median (ms) | smallest / median | largest / median | step alone, median (ms) | loop / step alone |"
+          + (" loop's wall per step (ms) | ÷ step alone's mean |" if wall else ""))
+    print("|---:|---:|---:|---:|---:|" + ("---:|---:|" if wall else ""))
     print(f"| {median * 1e3:.1f} | {min(logged) / median:.2f} | {max(logged) / median:.2f} | {alone_median * 1e3:.1f} "
-          f"| {median / alone_median:.3f} |")
+          f"| {median / alone_median:.3f} |"
+          + (f" {wall * 1e3:.1f} | {wall / statistics.mean(alone):.3f} |" if wall else ""))
 
 
 if __name__ == "__main__":
