@@ -84,14 +84,16 @@ def small_config(*overrides: str, device_count: int = 8):
     return load_config(TINY, [*base, *overrides], device_count=device_count)
 
 
-def small_step(*overrides: str, dp: int = 8, tp: int = 1, devices=None, device_count: int | None = None, **kw):
-    """(cfg, model, zero, init_fn): small_config's step on a (dp, tp) mesh, built as training builds it
-    (zerolm.parallel.build.build_step; `kw`: its other arguments, e.g. rules)."""
+def small_step(*overrides: str, dp: int = 8, tp: int = 1, slices: int = 1, devices=None, device_count: int | None = None,
+               **kw):
+    """(cfg, model, zero, init_fn): small_config's step on a (dp, tp) mesh (a (slice, dp, tp) one with `slices`),
+    built as training builds it (zerolm.parallel.build.build_step; `kw`: its other arguments, e.g. rules)."""
     from zerolm.parallel.build import build_step
     from zerolm.parallel.mesh import make_mesh
 
-    cfg = small_config(*overrides, f"mesh.tp={tp}", device_count=device_count or dp * tp)
-    mesh = make_mesh(dp, tp, devices if devices is not None else jax.devices()[:dp * tp])
+    n = slices * dp * tp
+    cfg = small_config(*overrides, f"mesh.tp={tp}", f"mesh.slices={slices}", device_count=device_count or n)
+    mesh = make_mesh(dp, tp, devices if devices is not None else jax.devices()[:n], slices)
     model, zero, init_fn = build_step(cfg, mesh, **kw)
     return cfg, model, zero, init_fn
 

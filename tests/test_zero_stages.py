@@ -17,16 +17,18 @@ STEPS = 3
 MICRO = ("train.micro_batch_size=2",)  # 16 sequences per step: 2 accumulation steps on dp 4 and 8
 
 
-def run(stage: int, *sets: str, dp: int = 8, tp: int = 1):
+def run(stage: int, *sets: str, dp: int = 8, tp: int = 1, slices: int = 1):
     """STEPS AdamW steps of the same data from the same init: (losses, parameters as numpy, the last state)."""
-    cfg, _, zero, init_fn = small_step(f"zero.stage={stage}", "train.global_batch_size=16", *MICRO, *sets, dp=dp, tp=tp)
+    cfg, _, zero, init_fn = small_step(f"zero.stage={stage}", "train.global_batch_size=16", *MICRO, *sets, dp=dp, tp=tp,
+                                       slices=slices)
     state = zero.init(init_fn, jax.random.key(0))
     rng = np.random.default_rng(0)
     A, M, T1 = cfg.accum_steps, cfg.train.micro_batch_size, cfg.model.seq_len + 1
+    ranks = slices * dp
     got = []
     for _ in range(STEPS):
-        rows = rng.integers(0, cfg.model.vocab_size, (dp * A * M, T1)).astype(np.int32)
-        batch = jax.device_put(to_accum_layout(rows, dp, A, M), zero.table.batch_sharding)
+        rows = rng.integers(0, cfg.model.vocab_size, (ranks * A * M, T1)).astype(np.int32)
+        batch = jax.device_put(to_accum_layout(rows, ranks, A, M), zero.table.batch_sharding)
         state, metrics = zero.step(state, batch)
         got.append(float(metrics["loss"]))
     return got, [np.asarray(x, np.float32) for x in jax.tree.leaves(jax.device_get(state.params))], state
@@ -112,3 +114,45 @@ def test_each_stages_collectives_sit_where_the_design_says():
     assert two[("update", "all-gather", False)] == one[("update", "all-gather", False)]
     assert set(three) == {("grad", "all-gather", True), ("grad", "all-gather", False), rs(True), rs(False)}
     assert (three[rs(True)], three[rs(False)]) == (two[rs(True)], two[rs(False)])
+
+
+def test_two_slices_step_like_one_slice_of_the_same_batch():
+    """(slice 2, dp 4) — Multislice's mesh on 8 devices, the slices given as halves of them: stages 1 and 3 take
+    the same steps as dp 8 on the same global batch (the reduce-scatter inside a slice, then the blocks averaged
+    across the slices: only the float32 summation order differs)."""
+    flat = run(1)
+    for stage in (1, 3):
+        assert_same(run(stage, dp=4, slices=2), flat, rtol=1e-5)
+
+
+@pytest.mark.slow  # a sweep of the sharded step over layouts
+@pytest.mark.parametrize("precision", ["fp32", "mixed"])
+def test_two_slices_with_tensor_parallelism_step_like_one_slice(precision):
+    """(slice 2, dp 2, tp 2) against (dp 4, tp 2), at every stage; with dropout too (its masks follow each
+    sample's row in the global batch, whichever slice reads it)."""
+    sets = (f"zero.precision={precision}", "model.residual_dropout=0.1")
+    flat = run(1, *sets, dp=4, tp=2)
+    for stage in (1, 2, 3):
+        assert_same(run(stage, *sets, dp=2, tp=2, slices=2), flat, rtol=1e-5 if precision == "fp32" else 2e-2)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_across_slices_each_device_all_reduces_its_block_once_per_step(stage):
+    """What crosses slices: one all-reduce of each device's block of the gradient (1/dp of it), after the loop, at
+    every stage (not per micro-step, not the whole gradient); every other collective stays inside a slice (over dp),
+    but the loss's 4 bytes. As `zerolm plan` counts them."""
+    report = comms.report(small_config(f"zero.stage={stage}", "mesh.slices=2", *MICRO), jax.devices()[:8])
+    across = [c for c in report.collectives if "slice" in c.axes]
+    block = [c for c in across if c.bytes > 4]
+    assert [(c.program, c.op, c.in_loop, c.axes) for c in block] == [("grad", "all-reduce", False, ("slice",))]
+    gradient = sum(4 * x.size for x in jax.tree.leaves(report_params(stage)))
+    assert block[0].bytes_per_run == pytest.approx(gradient / 4, rel=0.01)  # 1/dp, padding aside
+    assert all(c.bytes <= 4 for c in across if c not in block)
+    assert all(set(c.axes) <= {"dp"} for c in report.collectives if "slice" not in c.axes and c.bytes > 4)
+    for p in report.predicted:
+        assert (p.found_bytes, p.found_bytes_per_step) == (p.bytes, p.bytes_per_step) or p.within, p
+
+
+def report_params(stage):
+    cfg, _, zero, _ = small_step(f"zero.stage={stage}", *MICRO, dp=4, slices=2)
+    return zero.abstract_params

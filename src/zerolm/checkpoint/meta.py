@@ -27,6 +27,7 @@ BEFORE_RECORDED: dict[str, dict[str, Any]] = {
               "branch_from": None, "ema": None, "context_stages": [], "context_rows": "split"},
     "eval": {"tasks": [], "every": None, "limit": None, "include_path": None},
     "logging": {"tensorboard": False, "tensorboard_dir": None},
+    "mesh": {"slices": 1},
 }
 
 
@@ -92,6 +93,11 @@ class CheckpointMeta:
     def stage(self) -> int:
         """zero.stage (1 before stages 2 and 3 existed): with dp and tp, what the optimizer state is laid out for."""
         return int({**BEFORE_RECORDED["zero"], **self.config.get("zero", {})}["stage"])
+
+    @property
+    def slices(self) -> int:
+        """mesh.slices (1 before Multislice): the slices it was trained on, each holding the (dp, tp) layout."""
+        return int({**BEFORE_RECORDED["mesh"], **self.config.get("mesh", {})}["slices"])
 
     @property
     def tokenizer_sha256(self) -> str:

@@ -228,6 +228,8 @@ def _say_resumed(cfg: Config, meta: CheckpointMeta, where, say, branched: bool =
         say(f"  lr schedule: {saved_schedule} -> {schedule}{kept}")
     if saved_train["lr"] != train["lr"]:
         say(f"  train.lr: {saved_train['lr']:g} -> {train['lr']:g}")
+    if meta.slices != cfg.mesh.slices:
+        say(f"  slices changed: {meta.slices} -> {cfg.mesh.slices}; the optimizer state laid out again on each slice")
     if meta.accum_steps != cfg.accum_steps or meta.dp != cfg.dp:
         say(f"  device count changed: dp {meta.dp} -> {cfg.dp}; accumulation steps recomputed "
             f"{meta.accum_steps} -> {cfg.accum_steps} (same global batch of {cfg.train.global_batch_size})")

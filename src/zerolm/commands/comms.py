@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     if args.devices is not None and args.devices <= 0:
         raise UsageError(f"--devices: {args.devices} is not positive")
     cfg = load_config(args.config, args.set)
-    wanted = args.devices or (cfg.dp * cfg.mesh.tp if cfg.mesh.dp != "auto" else None)
+    wanted = args.devices or (cfg.device_count if cfg.mesh.dp != "auto" else None)
     devices = _devices(wanted)
     cfg = load_planned(args.config, args.set, device_count=len(devices))
     result = comms.report(cfg, devices, args.step)

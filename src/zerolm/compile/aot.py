@@ -218,7 +218,7 @@ def compile_for(cfg: Config, target: Target, devices: list, *, census: bool = Fa
                 shared: SharedPrograms | None = None) -> CompileReport:
     """Compile `cfg`'s step (vocab resolved, mesh dp × tp = the slice's devices) for `target`; `shared`: the
     programs of a search's earlier compiles that this one's shapes do not change (SharedPrograms)."""
-    mesh = make_mesh(cfg.dp, cfg.mesh.tp, devices)
+    mesh = make_mesh(cfg.dp, cfg.mesh.tp, devices, cfg.mesh.slices)
     usable = usable_bytes(target, devices[0])
     built = build_and_compile(cfg, mesh, usable, shared=shared)  # model.remat auto: the least recomputed that fits
     cfg, model, zero, compiled = built.cfg, built.model, built.zero, built.compiled

@@ -342,7 +342,7 @@ def report(cfg, devices: list[jax.Device], step: str = "zerolm") -> CommsReport:
     from zerolm.parallel.build import build_step, compile_step
     from zerolm.parallel.mesh import make_mesh
 
-    mesh = make_mesh(cfg.dp, cfg.mesh.tp, devices)
+    mesh = make_mesh(cfg.dp, cfg.mesh.tp, devices, cfg.mesh.slices)
     model, zero, _ = build_step(cfg, mesh)
     micro, seq, accum = cfg.train.micro_batch_size, cfg.model.seq_len, cfg.accum_steps
     if step == "naive":
@@ -400,6 +400,13 @@ def describe_report(r: CommsReport) -> list[str]:
         else:
             where = f"INSIDE the accumulation loop: every micro-step ({n_inside} HLO collective(s) in loops)"
         lines.append("gradient reduction over dp: " + where)
+    across = [c for c in r.collectives if "slice" in c.axes and c.program in ("grad", "step") and c.bytes > 4]
+    if across:
+        looped = sum(c.count for c in across if c.in_loop)
+        sent = sum(c.bytes_per_run or 0 for c in across)
+        lines.append("gradient reduction across slices: " + (
+            f"once per step, after the loop: {sent:,} bytes per device (its block of the gradient)" if not looped
+            else f"INSIDE a loop ({looped} HLO collective(s)): {sent:,} bytes per device per step"))
     return lines
 
 

@@ -103,7 +103,7 @@ def compile_plan(config: str, sets: list[str], target: aot.Target, devices: list
     devices = devices or aot.target_devices(target)
     usable = usable if usable is not None else aot.usable_bytes(target, devices[0])
     cfg = load_planned(config, sets, device_count=len(devices))
-    built = build_and_compile(cfg, make_mesh(cfg.dp, cfg.mesh.tp, devices), usable, shared=shared)
+    built = build_and_compile(cfg, make_mesh(cfg.dp, cfg.mesh.tp, devices, cfg.mesh.slices), usable, shared=shared)
     peak = step_peak(built.compiled, built.zero, built.cfg)
     m = None if built.compiled.refused else step_time.of_step(built, preset(preset_for(target) or ""))
     attention = built.model.cfg.attention

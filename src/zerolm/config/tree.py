@@ -119,8 +119,13 @@ class TrainConfig(_Section):
 
 
 class MeshConfig(_Section):
-    dp: int | Literal["auto"]  # "auto": every device not used by tp
+    # Data parallel inside a slice: the ZeRO split (zerolm.parallel.sharding). "auto": every device of a slice not
+    # used by tp. The batch's rows are split over slices x dp.
+    dp: int | Literal["auto"]
     tp: int = PositiveInt
+    # TPU slices joined by the data-center network (Multislice): data parallel across them, the ZeRO state
+    # replicated on each, one all-reduce of each device's gradient shard across them per step (zerolm.parallel.zero).
+    slices: int = PositiveInt
 
     @model_validator(mode="after")
     def _positive(self) -> MeshConfig:
@@ -283,20 +288,30 @@ class Config(_Section):
         mesh = data.get("mesh") if isinstance(data, dict) else None
         if device_count is None or not isinstance(mesh, dict) or mesh.get("dp") != "auto":
             return data
-        tp = mesh.get("tp", 1)
-        if not (isinstance(tp, int) and tp > 0):
-            return data  # the field's own check names it
-        if device_count % tp:
-            raise _KeyError("mesh.tp", f"tp={tp} does not divide the {device_count} devices")
-        return {**data, "mesh": {**mesh, "dp": device_count // tp}}
+        tp, slices = mesh.get("tp", 1), mesh.get("slices", 1)
+        if not (isinstance(tp, int) and tp > 0 and isinstance(slices, int) and slices > 0):
+            return data  # the fields' own checks name them
+        if device_count % slices:
+            raise _KeyError("mesh.slices", f"{slices} slices do not divide the {device_count} devices")
+        per_slice = device_count // slices
+        if per_slice % tp:
+            raise _KeyError("mesh.tp", f"tp={tp} does not divide the {per_slice} devices"
+                            + (f" of each of {slices} slices" if slices > 1 else ""))
+        return {**data, "mesh": {**mesh, "dp": per_slice // tp}}
 
     @model_validator(mode="after")
     def _batch_and_mesh(self, info: ValidationInfo) -> Config:
         device_count = (info.context or {}).get("device_count")
-        dp = self.mesh.dp
-        if device_count is not None and dp * self.mesh.tp != device_count:
-            raise _KeyError("mesh.dp", f"dp × tp = {dp} × {self.mesh.tp} = {dp * self.mesh.tp}, "
-                            f"but there are {device_count} devices")
+        dp, slices = self.mesh.dp, self.mesh.slices
+        if device_count is not None and dp * self.mesh.tp * slices != device_count:
+            if slices == 1:
+                raise _KeyError("mesh.dp", f"dp × tp = {dp} × {self.mesh.tp} = {dp * self.mesh.tp}, "
+                                f"but there are {device_count} devices")
+            if device_count % slices:
+                raise _KeyError("mesh.slices", f"{slices} slices do not divide the {device_count} devices")
+            raise _KeyError("mesh.dp", f"dp × tp = {dp} × {self.mesh.tp} = {dp * self.mesh.tp} devices, but each "
+                            f"of the {slices} slices has {device_count // slices}: dp and tp are the mesh inside one "
+                            "slice (dp may not cross a slice)", related=("mesh.slices",))
         tp = self.mesh.tp
         m = self.model
         shape = resolved_shape(m.model_dump())  # n_kv_head and mlp_hidden, auto or not, as numbers
@@ -305,11 +320,13 @@ class Config(_Section):
             raise _KeyError("mesh.tp", f"tp={tp} {why}", related=(f"model.{key}",))
         _check_context_stages(self.train, m.seq_len)
         if dp != "auto":
-            per_step = self.train.micro_batch_size * dp
+            per_step = self.train.micro_batch_size * dp * slices
             if self.train.global_batch_size % per_step:
+                ways = "dp" if slices == 1 else "slices × dp"
+                factors = f"{dp}" if slices == 1 else f"{slices} × {dp}"
                 raise _KeyError("train.global_batch_size",
-                                f"{self.train.global_batch_size} is not divisible by micro_batch_size × dp = "
-                                f"{self.train.micro_batch_size} × {dp} = {per_step}")
+                                f"{self.train.global_batch_size} is not divisible by micro_batch_size × {ways} = "
+                                f"{self.train.micro_batch_size} × {factors} = {per_step}")
         return self
 
     @model_validator(mode="after")
@@ -335,8 +352,17 @@ class Config(_Section):
         return self.mesh.dp
 
     @property
+    def data_ranks(self) -> int:
+        """The batch's split: data parallel inside a slice times the slices."""
+        return self.dp * self.mesh.slices
+
+    @property
+    def device_count(self) -> int:
+        return self.data_ranks * self.mesh.tp
+
+    @property
     def accum_steps(self) -> int:
-        return self.train.global_batch_size // (self.train.micro_batch_size * self.dp)
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.data_ranks)
 
     @property
     def checkpoint_dir(self) -> str:

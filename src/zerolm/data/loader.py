@@ -5,7 +5,8 @@ epoch). No shuffle buffer holds state, so the sample at stream position p is a p
 p). Optimizer step s takes positions [s·G, (s+1)·G). The global batch of a step is therefore fixed,
 whatever the number of hosts, and resuming at step s needs only s.
 
-Layout, for the accumulation scan: (accum, dp · micro, seq_len + 1), sharded P(None, 'dp'); with a staged
+Layout, for the accumulation scan: (accum, dp · micro, seq_len + 1), sharded P(None, 'dp') (with several slices,
+dp is slices × dp, sharded P(None, ('slice', 'dp')): data rank d is slice d // dp's dp index d % dp); with a staged
 context (zerolm.data.context), each device's rows cut to the step's context. Device
 d's rows are the contiguous block [d·A·m, (d+1)·A·m) of the step's G rows, split into A micro-batches
 of m. Each process reads only the rows of its own devices. On a (dp, tp) mesh with tp > 1, only tp = 0
@@ -31,7 +32,7 @@ from zerolm.data.mixture import MixedSplit
 from zerolm.data.order import VERSION as ORDER_VERSION
 from zerolm.data.shards import DataError, Split
 from zerolm.parallel import sharding
-from zerolm.parallel.mesh import DP, TP, host_reads, this_host_has_first
+from zerolm.parallel.mesh import TP, data_axes, data_ranks, host_reads, this_host_has_first
 
 
 class BatchLoader:
@@ -44,7 +45,7 @@ class BatchLoader:
                              f"global batch of {global_batch_size}; use a smaller train.global_batch_size or more data")
         self.split, self.mesh = split, mesh
         self.G, self.micro = global_batch_size, micro_batch_size
-        self.dp, self.tp = mesh.shape[DP], mesh.shape[TP]
+        self.dp, self.tp = data_ranks(mesh), mesh.shape[TP]  # dp: the data ranks, slices × dp
         self.accum = global_batch_size // (micro_batch_size * self.dp)
         self.order = split.order(seed, order)
         self.shape = (self.accum, self.dp * self.micro, split.T1)
@@ -61,7 +62,7 @@ class BatchLoader:
         self._devices = [(d, (idx[0].start or 0, (idx[2].start or 0) // self.micro))
                          for d, idx in self._staging.addressable_devices_indices_map(self._staged_shape).items()
                          if idx is not None]
-        self.reads = this_host_has_first(mesh, DP)  # a host at tp = 0 loads data
+        self.reads = this_host_has_first(mesh, data_axes(mesh))  # a host at tp = 0 loads data
         self._read_blocks = sorted({dp for _, (tp, dp) in self._devices if tp == 0})
         assert (self.reads, len(self._read_blocks)) == host_reads(mesh)
 

@@ -45,7 +45,7 @@ from zerolm.data.contamination import training_locations
 from zerolm.data.tokenizer import Tokenizer
 from zerolm.model.decoder import GPT
 from zerolm.model.generate import generate
-from zerolm.parallel.mesh import DP
+from zerolm.parallel.mesh import data_ranks
 from zerolm.parallel.sharding import rows as row_sharding
 
 DEFAULT_BATCH = 8  # rows per batch when the harness says "auto" or nothing
@@ -80,7 +80,7 @@ class Scorer:
 
     def __init__(self, model: GPT, params, mesh: jax.sharding.Mesh, batch_rows: int):
         self.model, self.params, self.mesh = model, params, mesh
-        dp = mesh.shape[DP]
+        dp = data_ranks(mesh)
         self.batch_rows = -(-batch_rows // dp) * dp
         self.lengths = lengths(model.cfg.seq_len)
         self.rows_sharding = row_sharding(mesh)

@@ -10,23 +10,76 @@ from typing import NamedTuple, TypeVar
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from zerolm.core.errors import ZerolmError, first_line
 from zerolm.core.exitcodes import EXIT_PEER_LOST
 
 T = TypeVar("T")
 
-DP = "dp"  # data parallel: batch rows and the ZeRO-1 optimizer-state shards
+SLICE = "slice"  # across TPU slices (the data-center network): batch rows only, the ZeRO state replicated
+DP = "dp"  # data parallel inside a slice: batch rows and the ZeRO optimizer-state shards
 TP = "tp"  # tensor parallel: attention heads and the MLP width (Megatron), see zerolm.parallel.sharding
 
 
-def make_mesh(dp: int, tp: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (dp, tp) mesh. Auto axis types, so jit's sharding propagation (the reshard and update) works."""
+def make_mesh(dp: int, tp: int = 1, devices: Sequence[jax.Device] | None = None, slices: int = 1) -> Mesh:
+    """A (dp, tp) mesh; with several slices a (slice, dp, tp) one, each slice's (dp, tp) laid out on that slice's
+    devices alone (`slice_groups`), so that dp and tp never cross a slice. Auto axis types, so jit's sharding
+    propagation (the reshard and update) works."""
     devices = list(devices) if devices is not None else jax.devices()
-    if dp * tp != len(devices):
-        raise ValueError(f"mesh dp × tp = {dp} × {tp} needs {dp * tp} devices, got {len(devices)}")
-    return jax.make_mesh((dp, tp), (DP, TP), axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
+    if slices * dp * tp != len(devices):
+        raise ValueError(f"mesh {'' if slices == 1 else 'slices × '}dp × tp = "
+                         f"{'' if slices == 1 else f'{slices} × '}{dp} × {tp} needs {slices * dp * tp} devices, "
+                         f"got {len(devices)}")
+    if slices == 1:
+        return jax.make_mesh((dp, tp), (DP, TP), axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
+    grids = [jax.make_mesh((dp, tp), (DP, TP), axis_types=(AxisType.Auto, AxisType.Auto), devices=group).devices
+             for group in slice_groups(devices, slices)]
+    return Mesh(np.stack(grids), (SLICE, DP, TP), axis_types=(AxisType.Auto,) * 3)
+
+
+class SliceError(ZerolmError):
+    """The devices cannot be grouped into `mesh.slices` slices: one line naming the key."""
+
+
+def slice_groups(devices: Sequence[jax.Device], slices: int) -> list[list[jax.Device]]:
+    """The devices of each slice, in slice order. A TPU device knows its slice (`slice_index`, Multislice);
+    elsewhere (CPU, GPU: a test or a cluster taken as slices) the processes in order, in `slices` equal
+    consecutive groups (`zerolm launch-local --slices N` starts them so, each told its slice in
+    MEGASCALE_SLICE_ID as a TPU VM of slice N is), or, in one process, its devices in equal consecutive groups."""
+    if all(hasattr(d, "slice_index") for d in devices):
+        found = sorted({d.slice_index for d in devices})
+        if len(found) != slices:
+            raise SliceError(f"mesh.slices: {slices}, but the devices are in {len(found)} slice(s) "
+                             f"({', '.join(map(str, found))}); set mesh.slices to {len(found)}")
+        groups = [[d for d in devices if d.slice_index == index] for index in found]
+    else:
+        processes = sorted({d.process_index for d in devices})
+        if len(processes) > 1:
+            if len(processes) % slices:
+                raise SliceError(f"mesh.slices: {slices} slices do not divide the run's {len(processes)} processes "
+                                 "(each slice is a whole number of processes)")
+            per = len(processes) // slices
+            groups = [[d for d in devices if processes.index(d.process_index) // per == k] for k in range(slices)]
+        else:
+            per = len(devices) // slices
+            ordered = sorted(devices, key=lambda d: d.id)
+            groups = [ordered[k * per:(k + 1) * per] for k in range(slices)]
+    if len({len(g) for g in groups}) != 1:
+        raise SliceError(f"mesh.slices: the {slices} slices hold different numbers of devices "
+                         f"({', '.join(str(len(g)) for g in groups)})")
+    return groups
+
+
+def data_axes(mesh: Mesh | AbstractMesh) -> str | tuple[str, str]:
+    """The mesh axes a batch's rows are split over: dp, or (slice, dp) with slices (slice-major: data rank
+    slice · dp + dp index)."""
+    return (SLICE, DP) if SLICE in mesh.axis_names else DP
+
+
+def data_ranks(mesh: Mesh | AbstractMesh) -> int:
+    """How many ways a batch's rows are split: slices × dp."""
+    return mesh.shape[DP] * mesh.shape.get(SLICE, 1)
 
 
 def _coords(mesh: Mesh, process_index: int | None = None):
@@ -35,12 +88,14 @@ def _coords(mesh: Mesh, process_index: int | None = None):
     return [(c, d) for c, d in np.ndenumerate(mesh.devices) if d.process_index == me]
 
 
-def this_host_has_first(mesh: Mesh, axis: str, process_index: int | None = None) -> bool:
-    """Does this host hold a device at position 0 along every axis other than `axis` (docs/design.md, "Mesh helpers")?
+def this_host_has_first(mesh: Mesh, axis: str | tuple[str, ...], process_index: int | None = None) -> bool:
+    """Does this host hold a device at position 0 along every axis other than `axis` (one or several; docs/design.md,
+    "Mesh helpers")?
 
-    `this_host_has_first(mesh, DP)`: this host holds a tp = 0 device, so it is one that loads data.
+    `this_host_has_first(mesh, data_axes(mesh))`: this host holds a tp = 0 device, so it is one that loads data.
     """
-    others = [i for i, name in enumerate(mesh.axis_names) if name != axis]
+    axes = (axis,) if isinstance(axis, str) else axis
+    others = [i for i, name in enumerate(mesh.axis_names) if name not in axes]
     return any(all(c[i] == 0 for i in others) for c, _ in _coords(mesh, process_index))
 
 
@@ -77,11 +132,12 @@ def host_reads(mesh: Mesh, process_index: int | None = None) -> HostReads:
     """What this host reads on a (dp, tp) mesh (docs/design.md, "Data on a (dp, tp) mesh").
 
     Only devices at tp = 0 are fed from storage; a host reads `micro_batch × accum × dp_blocks` rows of
-    each step, one block per distinct dp index it holds at tp = 0. Hosts with none feed zeros and receive
-    the real rows over the tp axis.
+    each step, one block per distinct data rank ((slice, dp) index) it holds at tp = 0. Hosts with none feed
+    zeros and receive the real rows over the tp axis.
     """
-    dp_axis, tp_axis = mesh.axis_names.index(DP), mesh.axis_names.index(TP)
-    blocks = len({c[dp_axis] for c, _ in _coords(mesh, process_index) if c[tp_axis] == 0})
+    tp_axis = mesh.axis_names.index(TP)
+    data = [i for i, name in enumerate(mesh.axis_names) if name != TP]
+    blocks = len({tuple(c[i] for i in data) for c, _ in _coords(mesh, process_index) if c[tp_axis] == 0})
     return HostReads(blocks > 0, blocks)
 
 

@@ -6,6 +6,10 @@ into which the backward pass reduce-scatters that layer's gradient; stage 3 stor
 block and all-gathers a layer's where the model uses it (`_gather`), whose transpose reduce-scatters. The
 other leaves reduce once after the loop, as at stage 1. `sum_over_micro_batches` is the micro-batch loop
 both this program and stage 1's run.
+
+With several slices (`mesh.slices`) every reduction above stays inside a slice, over dp; each device's block
+of the step's gradient, summed over the micro-batches, is then all-reduced across the slices once, after the
+loop (`across_slices`): the data-center network carries 1/dp of the gradient a step, whatever the accumulation.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from zerolm.model import dropout as dropout_lib
-from zerolm.parallel.mesh import DP
+from zerolm.parallel.mesh import DP, SLICE
 from zerolm.parallel.sharding import is_layout
 
 # (params, tokens_BxT1, layer_params) -> scalar loss; `layer_params`: what each layer of the model applies
@@ -37,11 +41,12 @@ def grad_program(table, loss_fn: LossFn, how: GradSettings, reduce_scatter, manu
     param_in = jax.tree.map(lambda s, lay, ps: lay.dp_spec if s else P(*[None] * len(ps)), table.dp_split,
                             table.layouts, table.param_specs, is_leaf=is_layout)
     grad_out = jax.tree.map(lambda lay: lay.dp_spec, table.layouts, is_leaf=is_layout)
+    across: Callable[[jax.Array], jax.Array] = functools.partial(across_slices, slices=table.slices)
     if table.tp > 1 and jnp.dtype(how.out_dtype) == jnp.bfloat16 and table.mesh.devices.flat[0].platform == "cpu":
-        # XLA's CPU compiler aborts on a bfloat16 reduce-scatter in a map manual over dp alone ("Invalid
-        # binary instruction opcode copy", jax 0.10): there, and only there, it runs in float32.
-        reduce_scatter = _in_float32(reduce_scatter)
-    each = _Accumulation(table, loss_fn, how.acc_dtype, how.out_dtype, reduce_scatter, how.dropout_seed)
+        # XLA's CPU compiler aborts on a bfloat16 reduce-scatter or all-reduce in a map manual over dp (and slice)
+        # alone ("Invalid binary instruction opcode copy", jax 0.10): there, and only there, they run in float32.
+        reduce_scatter, across = _in_float32(reduce_scatter), _in_float32(across)
+    each = _Accumulation(table, loss_fn, how, reduce_scatter, across)
     accumulate = jax.shard_map(functools.partial(_accumulate, how=each), mesh=table.mesh,
                                in_specs=(param_in, table.batch_sharding.spec, P()), out_specs=(grad_out, P()),
                                axis_names=manual)
@@ -53,10 +58,12 @@ def grad_program(table, loss_fn: LossFn, how: GradSettings, reduce_scatter, manu
     return grad_step
 
 
-def sum_over_micro_batches(loss_fn: Callable, params, zeros, batch_AxMxT1, keys_of: Callable | None = None):
+def sum_over_micro_batches(loss_fn: Callable, params, zeros, batch_AxMxT1, keys_of: Callable | None = None,
+                           data: Axes = DP):
     """Σ over the micro-batches (a scan) of the loss and of its gradient with respect to `params`, each
     gradient added into `zeros`' accumulator in the accumulator's dtype. `keys_of(a)`: micro-batch a's
-    samples' dropout keys (zerolm.model.dropout.row_keys), handed to the loss; None: no dropout."""
+    samples' dropout keys (zerolm.model.dropout.row_keys), handed to the loss; None: no dropout. `data`:
+    the axes the batch's rows vary over."""
     def micro_step(carry, inputs):
         grad_acc, loss_acc = carry
         a, tokens_MxT1 = inputs
@@ -65,25 +72,45 @@ def sum_over_micro_batches(loss_fn: Callable, params, zeros, batch_AxMxT1, keys_
         grad_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_acc, grads)
         return (grad_acc, loss_acc + loss), None
 
-    loss_zero = lax.pcast(jnp.zeros((), jnp.float32), DP, to="varying")
+    loss_zero = vary(jnp.zeros((), jnp.float32), data)
     (grads, loss), _ = lax.scan(micro_step, (zeros, loss_zero), (jnp.arange(batch_AxMxT1.shape[0]), batch_AxMxT1))
     return grads, loss
 
 
-def dropout_keys(seed: int | None, step: jax.Array, batch_AxMxT1: jax.Array) -> Callable | None:
-    """Inside the grad program's map over dp: micro-batch a -> its samples' dropout keys, each from the
-    sample's row in the step's global batch (this device's block of rows: zerolm.data.loader's layout), so
-    the same on any number of devices. None without dropout (`seed` None)."""
+def dropout_keys(seed: int | None, step: jax.Array, batch_AxMxT1: jax.Array, data: Axes = DP) -> Callable | None:
+    """Inside the grad program's map over the data axes `data`: micro-batch a -> its samples' dropout keys, each
+    from the sample's row in the step's global batch (this device's block of rows: zerolm.data.loader's layout),
+    so the same on any number of devices and slices. None without dropout (`seed` None)."""
     if seed is None:
         return None
     A, M = batch_AxMxT1.shape[:2]
-    first = lax.axis_index(DP) * A * M
+    first = lax.axis_index(data) * A * M
     return lambda a: dropout_lib.row_keys(seed, step, first + a * M, M)
 
 
-def _in_float32(reduce_scatter: Callable[[jax.Array, int], jax.Array]) -> Callable[[jax.Array, int], jax.Array]:
-    """`reduce_scatter` run in float32, its result cast back (`grad_program` says where)."""
-    return lambda x, axis: reduce_scatter(x.astype(jnp.float32), axis).astype(x.dtype)
+Axes = str | tuple[str, ...]  # one mesh axis, or several (the batch's: dp, or (slice, dp))
+
+
+def vary(x: jax.Array, axes: Axes) -> jax.Array:
+    """`x` typed as varying over `axes` (those it is not already varying over), inside a map manual over them:
+    what the gradient of a value used with the batch's rows must be, else its transpose sums it over them on
+    every micro-step."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # (jax 0.10; `vma` before it)
+    already = manual.varying if manual is not None else aval.vma
+    missing = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a not in already)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def across_slices(x: jax.Array, slices: int) -> jax.Array:
+    """Inside a map manual over the slice axis: the mean of `x` over the slices, one all-reduce over the
+    data-center network (nothing with one slice)."""
+    return x if slices == 1 else lax.psum(x, SLICE) / slices
+
+
+def _in_float32(reduction: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """`reduction` (x, ...) run in float32, its result cast back (`grad_program` says where)."""
+    return lambda x, *args: reduction(x.astype(jnp.float32), *args).astype(x.dtype)
 
 
 def _gather(axis: int, reduce_scatter: Callable[[jax.Array, int], jax.Array]) -> Callable[[jax.Array], jax.Array]:
@@ -139,11 +166,12 @@ def _layer_params(stage: int, layouts, in_layers, stacked, reduce_scatter) -> Ca
 @dataclasses.dataclass(frozen=True)
 class GradSettings:
     """How a grad program accumulates: in `acc_dtype`, handing the gradient on in `out_dtype` (the parameters'),
-    with dropout keys from `dropout_seed` (None: the model has no dropout)."""
+    with dropout keys from `dropout_seed` (None: the model has no dropout), over the batch's axes `data`."""
 
     acc_dtype: Any
     out_dtype: Any
     dropout_seed: int | None = None
+    data: Axes = DP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +180,9 @@ class _Accumulation:
 
     table: Any  # the step's zerolm.parallel.sharding.Table: its stage, layouts, and which leaves reduce in the loop
     loss_fn: LossFn
-    acc_dtype: Any  # the accumulator's
-    out_dtype: Any  # the gradient's: the parameters' dtype
+    grad: GradSettings  # the accumulator's dtype, the gradient's (the parameters'), dropout's seed, the batch's axes
     reduce_scatter: Callable[[jax.Array, int], jax.Array]  # zerolm.parallel.scatter's, over dp
-    dropout_seed: int | None  # the run's seed when the model has dropout, else None
+    across: Callable[[jax.Array], jax.Array]  # the mean over the slices (`across_slices`)
 
 
 def _accumulate(params, batch_AxMxT1, step, *, how: _Accumulation):
@@ -169,15 +196,15 @@ def _accumulate(params, batch_AxMxT1, step, *, how: _Accumulation):
     LayerNorm; a layer's few leaves that no dp-splittable axis has) reduce as in ZeRO-1: each device sums its
     own gradient of them over the micro-batches, then one reduce-scatter after the loop; ZeRO-3 gathers those
     it stores split once (`Table.dp_split`), before the loop."""
-    table, reduce_scatter, out_dtype = how.table, how.reduce_scatter, how.out_dtype
+    table, reduce_scatter, out_dtype, data = how.table, how.reduce_scatter, how.grad.out_dtype, how.grad.data
     stage, layouts, in_layers, dp = table.stage, table.layouts, table.in_loop, table.dp
-    varying = functools.partial(lax.pcast, axis_name=DP, to="varying")
+    varying = functools.partial(vary, axes=data)
     hook = _layer_params(stage, layouts, in_layers, table.stacked, reduce_scatter)
 
     def before_loop(u, split, lay, p):
-        if u:  # a layer's block (ZeRO-3: varying already, gathered in the loop) or whole (ZeRO-2)
-            return p if stage == 3 else varying(p)
-        return lax.all_gather(p, DP, axis=lay.scatter_dim, tiled=True) if split else varying(p)
+        if u:  # a layer's block (ZeRO-3: gathered in the loop) or whole (ZeRO-2)
+            return varying(p)
+        return varying(lax.all_gather(p, DP, axis=lay.scatter_dim, tiled=True) if split else p)
 
     params = jax.tree.map(before_loop, in_layers, table.dp_split, layouts, params, is_leaf=is_layout)
 
@@ -198,17 +225,18 @@ def _accumulate(params, batch_AxMxT1, step, *, how: _Accumulation):
         return how.loss_fn(model_params, tokens_MxT1, layer_params=hook, **kw)
 
     accum = batch_AxMxT1.shape[0]
-    acc_dtype = how.acc_dtype
+    acc_dtype = how.grad.acc_dtype
     zeros = jax.tree.map(lambda u, lay: block_zeros(lay, acc_dtype) if u else varying(jnp.zeros(lay.shape, acc_dtype)),
                          in_layers, layouts, is_leaf=is_layout)
     grads, loss = sum_over_micro_batches(loss_of, diff, zeros, batch_AxMxT1,
-                                         dropout_keys(how.dropout_seed, step, batch_AxMxT1))
+                                         dropout_keys(how.grad.dropout_seed, step, batch_AxMxT1, data), data)
 
     def after_loop(u, lay, g):
-        if u:
-            return (g / (dp * accum)).astype(out_dtype)
+        if u:  # this slice's sum, reduce-scattered in the loop; the slices' mean of it
+            return how.across((g / (dp * accum)).astype(out_dtype))
         # In the parameters' dtype, as ZeRO-1 reduces (bfloat16 in mixed precision).
-        return reduce_scatter(lay.to_view((g / accum).astype(out_dtype)), lay.scatter_dim) / dp
+        block = reduce_scatter(lay.to_view((g / accum).astype(out_dtype)), lay.scatter_dim) / dp
+        return how.across(block)
 
     grads = jax.tree.map(after_loop, in_layers, layouts, grads, is_leaf=is_layout)
-    return grads, {"loss": lax.pmean(loss / accum, DP)}
+    return grads, {"loss": lax.pmean(loss / accum, data)}

@@ -14,8 +14,10 @@
   ZeRO-2 keeps the gradient in the same layout; ZeRO-3 the parameters too, where the layout keeps the
   parameter's shape (the other leaves, a few biases and LayerNorm scales, stay whole over dp). Both never
   split the stacked layers' `layers` axis, so that each layer reduces (and gathers) its own slice.
-- **Batches**: rows over `dp`, replicated over `tp`; the loader's staging array adds a leading `tp`
-  axis (only tp = 0 devices read: docs/design.md, "Data on a (dp, tp) mesh").
+- **Batches**: rows over `dp` (over `slice` and `dp` with several slices), replicated over `tp`; the loader's
+  staging array adds a leading `tp` axis (only tp = 0 devices read: docs/design.md, "Data on a (dp, tp) mesh").
+- **Slices** (`mesh.slices`): every sharding above names `dp` and `tp` alone, so parameters, gradients and the
+  optimizer state are replicated across slices, each slice holding the whole ZeRO state split over its own dp.
 - **Checkpoints**: the restore target of a state saved on another (dp, tp), and the repacking of the
   leaves whose layout shape depends on dp·tp.
 """
@@ -33,7 +35,7 @@ import optax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerolm.parallel.mesh import DP, TP
+from zerolm.parallel.mesh import DP, SLICE, TP, data_axes
 
 PyTree = Any
 
@@ -157,18 +159,18 @@ def abstract_views(layouts: PyTree, abstract_params: PyTree) -> PyTree:
 
 
 def batch(mesh: Mesh | AbstractMesh) -> NamedSharding:
-    """(accum, rows, tokens): rows split over dp, replicated over tp."""
-    return NamedSharding(mesh, P(None, DP))
+    """(accum, rows, tokens): rows split over dp (slices × dp), replicated over tp."""
+    return NamedSharding(mesh, P(None, data_axes(mesh)))
 
 
 def batch_staging(mesh: Mesh | AbstractMesh) -> NamedSharding:
     """(tp, accum, rows, tokens): the loader's staging array, where tp = 0 devices hold the read rows."""
-    return NamedSharding(mesh, P(TP, None, DP))
+    return NamedSharding(mesh, P(TP, None, data_axes(mesh)))
 
 
 def rows(mesh: Mesh | AbstractMesh) -> NamedSharding:
     """(rows, ...): evaluation batches."""
-    return NamedSharding(mesh, P(DP))
+    return NamedSharding(mesh, P(data_axes(mesh)))
 
 
 class Table:
@@ -181,7 +183,9 @@ class Table:
     def __init__(self, mesh: Mesh | AbstractMesh, abstract_params: PyTree, logical_axes: PyTree | None,
                  tx: optax.GradientTransformation, rules=RULES, stage: int = 1):
         self.mesh, self.tx, self.abstract_params, self.stage = mesh, tx, abstract_params, stage
-        self.dp, self.tp = mesh.shape[DP], mesh.shape[TP]
+        self.dp, self.tp = mesh.shape[DP], mesh.shape[TP]  # dp: inside a slice, the ZeRO split
+        self.slices = mesh.shape.get(SLICE, 1)
+        self.data = data_axes(mesh)  # the batch rows' axes: dp, or (slice, dp)
         if logical_axes is None:
             if self.tp > 1:
                 raise ValueError("tensor parallelism needs the parameters' logical axes")
@@ -221,14 +225,14 @@ class Table:
     def reduction(self, grad_reduce: str) -> tuple[PyTree, PyTree, PyTree]:
         """The gradient step's reduction, manual over dp and tp: (tp_local, in_specs, out_specs).
 
-        Per-device gradients arrive stacked on a leading dp axis. A leaf is `tp_local` when its gradient
-        is reduced as this device's tp block (a tp-split leaf, unless reduce_scatter blockifies it); the
-        others arrive whole over tp. They leave in the optimizer-state layout (reduce_scatter) or in the
-        parameters' own sharding (all_reduce)."""
+        Per-device gradients arrive stacked on a leading axis over the data ranks (slices × dp). A leaf is
+        `tp_local` when its gradient is reduced as this device's tp block (a tp-split leaf, unless
+        reduce_scatter blockifies it); the others arrive whole over tp. They leave in the optimizer-state
+        layout (reduce_scatter) or in the parameters' own sharding (all_reduce)."""
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
         tp_local = jax.tree.map(lambda lay: lay.tp_axis is not None and (lay.axis is not None or grad_reduce == "all_reduce"),
                                 self.layouts, is_leaf=is_layout)
-        in_specs = jax.tree.map(lambda local, s: P(DP, *(s if local else [None] * len(s))), tp_local,
+        in_specs = jax.tree.map(lambda local, s: P(self.data, *(s if local else [None] * len(s))), tp_local,
                                 self.param_specs, is_leaf=is_spec)
         out_specs = (self.param_specs if grad_reduce == "all_reduce"
                      else jax.tree.map(lambda lay: lay.spec, self.layouts, is_leaf=is_layout))

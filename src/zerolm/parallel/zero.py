@@ -26,6 +26,12 @@ One optimizer step is three compiled programs, whatever the stage (`zero.stage`)
    donated) and the new parameters come back in their own sharding: whole over dp at stages 1 and 2 (the
    step's all-gather), in the layout at stage 3 (no gather: the next forward pass gathers).
 
+With several slices (`mesh.slices`, a (slice, dp, tp) mesh) all of this runs inside each slice, over its dp; the
+batch's rows are split over slice and dp, and the one reduction becomes the reduce-scatter inside the slice
+followed by an all-reduce of each device's block across the slices, over the data-center network (1/dp of the
+gradient, once a step at every stage: zerolm.parallel.sharded_grad.across_slices). The update then runs alike
+on every slice, on the same reduced gradient, and gathers the parameters inside each slice.
+
 Each device holds 1/(dp·tp) of the optimizer state, plus padding (zerolm.parallel.sharding.Layout). In mixed
 precision (`precision="mixed"`) the parameters are bfloat16, the float32 master weights sit in the
 optimizer state (zerolm.parallel.optim.MasterWeights), the reductions and the all-gathers run in bfloat16, and the
@@ -51,9 +57,9 @@ from jax.sharding import PartitionSpec as P
 from zerolm.parallel import auto, sharded_grad, sharding
 from zerolm.parallel import scatter as scatter_lib
 from zerolm.parallel.auto import Scatter
-from zerolm.parallel.mesh import DP, TP
+from zerolm.parallel.mesh import DP, SLICE, TP
 from zerolm.parallel.optim import MasterWeights, ema_of, with_master_weights
-from zerolm.parallel.sharded_grad import GradSettings, LossFn, dropout_keys, sum_over_micro_batches
+from zerolm.parallel.sharded_grad import Axes, GradSettings, LossFn, across_slices, dropout_keys, sum_over_micro_batches, vary
 from zerolm.parallel.sharding import from_views, is_layout, to_views
 
 if TYPE_CHECKING:
@@ -155,9 +161,9 @@ class Zero:
         self.scatter_inner = scatter_lib.two_stage_inner(mesh) if self.scatter == "two_stage" else None
         # Manual over dp; without tensor parallelism over the whole mesh: nothing is left for the partitioner
         # inside, where JAX cannot run a custom partitioner (cuDNN's attention has one) under a partly manual map.
-        manual = frozenset(mesh.axis_names) if table.tp == 1 else frozenset({DP})
+        manual = frozenset(mesh.axis_names) if table.tp == 1 else frozenset({DP}) | ({SLICE} & set(mesh.axis_names))
         self.dropout = objective.dropout_seed is not None
-        how = GradSettings(jnp.dtype(settings.accumulate_dtype), self.param_dtype, objective.dropout_seed)
+        how = GradSettings(jnp.dtype(settings.accumulate_dtype), self.param_dtype, objective.dropout_seed, table.data)
         if stage == 1:
             grad_step = self._stage1(objective.loss_fn, how, manual)
         else:  # zerolm.parallel.sharded_grad: each layer's gradient reduce-scattered inside the layers' loop
@@ -179,17 +185,17 @@ class Zero:
         """(params, batch[, step]) -> (gradient, metrics): accumulate locally, then the one reduction over dp
         (`step`: the state's, which dropout's keys are drawn with)."""
         table, mesh = self.table, self.mesh
-        # (1) accumulate: per-device gradients come out stacked on a leading dp axis.
-        stacked = jax.tree.map(lambda _: P(DP), table.param_specs, is_leaf=lambda x: isinstance(x, P))
+        # (1) accumulate: per-device gradients come out stacked on a leading axis over the data ranks.
+        stacked = jax.tree.map(lambda _: P(table.data), table.param_specs, is_leaf=lambda x: isinstance(x, P))
         accumulate = jax.shard_map(functools.partial(_accumulate, loss_fn=loss_fn, how=how), mesh=mesh,
-                                   in_specs=(P(), table.batch_sharding.spec, P()), out_specs=(stacked, P(DP)),
+                                   in_specs=(P(), table.batch_sharding.spec, P()), out_specs=(stacked, P(table.data)),
                                    axis_names=manual)
-        # (2) reduce: manual over dp and tp, each device reducing its own tp block (sharding.Table.reduction).
+        # (2) reduce: manual over the whole mesh, each device reducing its own tp block (sharding.Table.reduction).
         tp_local, in_specs, out_specs = table.reduction(self.grad_reduce)
         reduction = _Reduction(table.layouts, tp_local, self.grad_reduce, table.dp, table.tp, self.scatter,
-                               self.scatter_inner)
-        reduce = jax.shard_map(functools.partial(_reduce, how=reduction), mesh=mesh, in_specs=(in_specs, P(DP)),
-                               out_specs=(out_specs, P()))
+                               self.scatter_inner, table.slices, table.data)
+        reduce = jax.shard_map(functools.partial(_reduce, how=reduction), mesh=mesh,
+                               in_specs=(in_specs, P(table.data)), out_specs=(out_specs, P()))
 
         def grad_step(params, batch, step=None):  # the name its compiled programs (and the compilation cache) carry
             return reduce(*accumulate(params, batch, jnp.zeros((), jnp.int32) if step is None else step))
@@ -205,7 +211,7 @@ class Zero:
         table = self.table
         return StepInputs(
             params=sharding.with_shardings(self.working_params, table.param_shardings),
-            batch=jax.ShapeDtypeStruct((accum_steps, table.dp * micro_batch, seq_len + 1), jnp.int32,
+            batch=jax.ShapeDtypeStruct((accum_steps, table.slices * table.dp * micro_batch, seq_len + 1), jnp.int32,
                                        sharding=table.batch_sharding),
             views=sharding.with_shardings(sharding.abstract_views(table.layouts, self.working_params),
                                           table.view_shardings),
@@ -287,11 +293,11 @@ def _accumulate(params, batch_AxMxT1, step, *, loss_fn: LossFn, how: GradSetting
     acc_dtype, out_dtype = how.acc_dtype, how.out_dtype
     # Without the cast, the gradient of a replicated (unvarying) input picks up an implicit psum
     # on every micro-step, and the result comes out dp times too large.
-    varying = functools.partial(lax.pcast, axis_name=DP, to="varying")
+    varying = functools.partial(vary, axes=how.data)
     params = jax.tree.map(varying, params)
     zeros = jax.tree.map(lambda p: varying(jnp.zeros(p.shape, acc_dtype)), params)
     grads, loss = sum_over_micro_batches(loss_fn, params, zeros, batch_AxMxT1,
-                                         dropout_keys(how.dropout_seed, step, batch_AxMxT1))
+                                         dropout_keys(how.dropout_seed, step, batch_AxMxT1, how.data), how.data)
     accum = batch_AxMxT1.shape[0]
     return jax.tree.map(lambda g: (g / accum).astype(out_dtype)[None], grads), (loss / accum)[None]
 
@@ -307,20 +313,24 @@ class _Reduction:
     tp: int
     scatter: Scatter  # how a reduce-scatter runs: one `psum_scatter`, two over dp sub-groups, or a ring
     inner: int | None  # two_stage's inner group (zerolm.parallel.scatter.two_stage_inner), else None
+    slices: int = 1
+    data: Axes = DP  # the batch rows' axes: dp, or (slice, dp)
 
 
 def _reduce(grads, loss, *, how: _Reduction):
     """The one reduction over dp, on each device's own tp block: pmean, or a reduce-scatter into the layout
-    (`how.scatter`: one `psum_scatter`, two over dp sub-groups, or dp − 1 neighbour exchanges)."""
+    (`how.scatter`: one `psum_scatter`, two over dp sub-groups, or dp − 1 neighbour exchanges). With several
+    slices, inside each: the reduce-scatter's block is then averaged across the slices (`across_slices`);
+    all_reduce averages the whole gradient over slices and dp together."""
     dp, tp = how.dp, how.tp
     grads = jax.tree.map(lambda g: g[0], grads)
-    loss = lax.pmean(loss[0], DP)
+    loss = lax.pmean(loss[0], how.data)
     if how.grad_reduce == "all_reduce":
-        return lax.pmean(grads, DP), {"loss": loss}
+        return lax.pmean(grads, how.data), {"loss": loss}
     reduce_scatter = scatter_lib.reduce_scatter(how.scatter, dp, how.inner)
 
     def scatter_leaf(lay, local, g):
-        view = reduce_scatter(lay.to_view(g), lay.scatter_dim) / dp
+        view = across_slices(reduce_scatter(lay.to_view(g), lay.scatter_dim) / dp, how.slices)
         if local or tp == 1:
             return view
         # Whole over tp here (tp-replicated or blockified): keep this tp device's share of the dp block.

@@ -7,7 +7,7 @@ import dataclasses
 import math
 from typing import NamedTuple
 
-from zerolm.parallel.mesh import DP, TP, axis_names, axis_share
+from zerolm.parallel.mesh import DP, SLICE, TP, axis_names, axis_share
 
 
 class TPReductions(NamedTuple):
@@ -98,11 +98,21 @@ def predicted_collectives(table, step: CountedStep) -> list[Prediction]:
     also all-gathers those layers' leaves inside the loop, twice per micro-step (for the forward pass, and
     again for the backward pass: remat runs each layer again; XLA drops the second gather of a leaf the
     backward pass does not read, hence `within`), the other leaves it stores split once, before the loop;
-    and the update gathers only the leaves stored whole over dp."""
+    and the update gathers only the leaves stored whole over dp.
+
+    With several slices (`table.slices`) all of that stays inside a slice; across the slices, at every stage, one
+    all-reduce of each device's gradient block (its share of the optimizer layout), once per step after the loop
+    (`slice` alone); the loss's over slice and dp; grad_reduce all_reduce's over both."""
     dp, tp, accum, activation = table.dp, table.tp, step.accum, step.activation
     t = _tally(table, step.grad_reduce, accum, step.param_bytes)
     # Over one device, nothing to reduce.
-    rows = [] if dp == 1 else _reductions(t, step.grad_reduce, step.scatter, dp, step.inner)
+    rows = [] if dp * table.slices == 1 else _reductions(t, step.grad_reduce, step.scatter, dp, step.inner)
+    if table.slices > 1:
+        data = [SLICE, DP] if dp > 1 else [SLICE]
+        rows = [Prediction(p.program, p.op, data, p.in_loop, p.bytes, p.bytes_per_step)
+                if p.op == "all-reduce" and p.span == [DP] else p for p in rows if dp > 1 or p.op == "all-reduce"]
+        if step.grad_reduce == "reduce_scatter":
+            rows.append(Prediction("grad", "all-reduce", [SLICE], False, t.shard, t.shard))
     over = None if tp > 1 else [DP]
     if t.layer_gathers[0]:  # stage 3's layers: a layer's per instruction, twice per micro-step each
         once, per_step = t.layer_gathers
@@ -128,6 +138,7 @@ class _Tally:
     layer_gathers: list[int] = dataclasses.field(default_factory=lambda: [0, 0])  # stage 3: the layers' all-gathers
     top: int = 0  # stage 3: the other leaves stored split, gathered before the loop
     gathered: int = 0  # the update's all-gather: the leaves stored whole over dp
+    shard: int = 0  # each device's block of the whole gradient: what slices all-reduce across the data-center network
 
 
 def _tally(table, grad_reduce: str, accum: int, param_bytes: int) -> _Tally:
@@ -145,6 +156,7 @@ def _tally(table, grad_reduce: str, accum: int, param_bytes: int) -> _Tally:
         whole = (math.prod(lay.view_shape) if lay.axis is None else lay.size // split) * param_bytes
         block = math.prod(lay.view_shape) * param_bytes // dp // (tp if local else 1)
         t.grads += lay.size * param_bytes // split
+        t.shard += block
         if layers:
             t.in_loop[0] += block // lay.shape[0]
             t.in_loop[1] += block * accum

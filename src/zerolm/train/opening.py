@@ -99,7 +99,7 @@ def open_run(cfg: Config, held: contextlib.ExitStack, out=sys.stdout, credential
     """Open `cfg`'s run: its eval.tasks and data (checked), the directories' locks (held by `held`), whatever
     refuses the start without a compiled step (zerolm.checkpoint.resume.check_before_compiling), then the step built and
     compiled for its shapes and checked to fit, the evaluators and the sampler; the header said on the way."""
-    mesh = make_mesh(cfg.dp, cfg.mesh.tp)
+    mesh = make_mesh(cfg.dp, cfg.mesh.tp, slices=cfg.mesh.slices)
     say: Say = (lambda line: print(line, file=out, flush=True)) if is_first_host(mesh) else (lambda line: None)
     if credentials:
         say(credentials)
@@ -173,7 +173,7 @@ def _evaluator(cfg: Config, model: GPT, zero: Zero, data: RunData, say: Say) -> 
         say(f"note: evaluating on all {n_val} validation samples (train.eval_sequences asks for "
             f"{cfg.train.eval_sequences})")
     return make_evaluator(functools.partial(losses.token_losses, model), zero.table.param_shardings,
-                          zero.table.row_sharding, data.val.head(n_val), cfg.dp * cfg.train.micro_batch_size)
+                          zero.table.row_sharding, data.val.head(n_val), cfg.data_ranks * cfg.train.micro_batch_size)
 
 
 def _sampler(cfg: Config, model: GPT, data: RunData) -> Callable[[Any], str] | None:

@@ -30,7 +30,7 @@ def run_facts(cfg: Config, zero: Zero, accounting: Accounting) -> dict[str, Any]
     """What metrics.jsonl's header and wandb's run config record of the run beside its config."""
     return {"params": count_params(zero.abstract_params), "devices": jax.device_count(),
             "device_kind": accounting.device_kind, "processes": jax.process_count(),
-            "mesh": {"dp": cfg.dp, "tp": cfg.mesh.tp}, "accum_steps": cfg.accum_steps,
+            "mesh": {"dp": cfg.dp, "tp": cfg.mesh.tp, "slices": cfg.mesh.slices}, "accum_steps": cfg.accum_steps,
             "tokens_per_step": cfg.train.global_batch_size * cfg.model.seq_len,
             "flops_per_token": accounting.flops_per_token, "zerolm_version": zerolm.__version__}
 
@@ -85,8 +85,9 @@ def _sizes(built: BuiltStep, accounting: Accounting) -> list[str]:
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     scatter = f" ({zero.scatter})" if cfg.zero.grad_reduce == "reduce_scatter" and zero.scatter != "collective" else ""
     mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+    slices = f"slices={cfg.mesh.slices} × " if cfg.mesh.slices > 1 else ""
     return [f"zerolm: {cfg.name}: {count_params(zero.abstract_params) / 1e6:.2f}M params, {jax.device_count()} "
-            f"{accounting.device_kind} device(s) in {jax.process_count()} process(es), mesh dp={cfg.dp} "
+            f"{accounting.device_kind} device(s) in {jax.process_count()} process(es), mesh {slices}dp={cfg.dp} "
             f"tp={cfg.mesh.tp}, {cfg.accum_steps} accumulation step(s) of {cfg.train.micro_batch_size} sequence(s) "
             f"per device, {cfg.train.global_batch_size} sequences = {tokens:,} tokens per step, "
             f"ZeRO-{zero.stage}, grad_reduce={cfg.zero.grad_reduce}{scatter}, precision={cfg.zero.precision}, "
@@ -94,6 +95,7 @@ def _sizes(built: BuiltStep, accounting: Accounting) -> list[str]:
             *_stage_trade(zero.stage, cfg.accum_steps),
             f"per device: params {mib(shard_bytes(params))}, gradient accumulator {mib(accumulator)}, optimizer state "
             f"{mib(shard_bytes(opt))} (1/{cfg.dp * cfg.mesh.tp} of it, plus padding"
+            + (f"; each of the {cfg.mesh.slices} slices holds all of it" if cfg.mesh.slices > 1 else "")
             + (", master weights included" if zero.mixed else "")
             + (", the params' moving average (train.ema) included" if cfg.train.ema is not None else "")
             + "); activations not counted",
