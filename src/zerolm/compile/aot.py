@@ -121,12 +121,26 @@ def _quiet_libtpu(target: Target) -> None:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
-def target_devices(target: Target) -> list:
-    """The slice's or host's devices, from the compiler's topology description (no TPU or GPU needed)."""
-    return _gpu_devices(target) if target.platform == "gpu" else _tpu_devices(target)
+# Cloud TPU Multislice is "only supported on Cloud TPU v4 and later" (https://cloud.google.com/tpu/docs/multislice-introduction).
+_NO_MULTISLICE = ("v2", "v3")
 
 
-def _tpu_devices(target: Target) -> list:
+def target_devices(target: Target, slices: int = 1) -> list:
+    """The slice's or host's devices, from the compiler's topology description (no TPU or GPU needed); `slices` > 1:
+    the devices of that many slices of a TPU target joined by the data-center network (Cloud TPU Multislice), slice
+    by slice (each device's `slice_index` says which). The compiler builds one program per slice: a collective's
+    replica groups stay inside a slice, and what crosses slices is a host transfer (zerolm.compile.collectives.read_dcn)."""
+    if slices < 1:
+        raise TargetError(f"--slices: {slices}: a run spans at least one slice")
+    if slices > 1 and target.platform != "tpu":
+        raise TargetError(f"--slices {slices}: {target.name} is a GPU target; Multislice joins TPU slices (a "
+                          "multi-host GPU cluster is dp over hosts: compile one host's share)")
+    if slices > 1 and target.generation in _NO_MULTISLICE:
+        raise TargetError(f"--slices {slices}: {target.name}: Cloud TPU Multislice joins slices of TPU v4 and later")
+    return _gpu_devices(target) if target.platform == "gpu" else _tpu_devices(target, slices)
+
+
+def _tpu_devices(target: Target, slices: int = 1) -> list:
     _quiet_libtpu(target)
     from jax.experimental import topologies
 
@@ -135,16 +149,17 @@ def _tpu_devices(target: Target) -> list:
     except ImportError:
         raise CompilerUnavailable("libtpu is not installed, so the TPU compiler cannot run here: "
                                   "pip install -e '.[tpu]' (libtpu pinned to this jax's version)") from None
+    many = f" × {slices} slices" if slices > 1 else ""
     try:
         topology = topologies.get_topology_desc(platform="tpu", topology_name=target.topology,
                                                 chip_config_name=target.chip_config,
-                                                chips_per_host_bounds=(2, 2, 1), num_slices=1)
+                                                chips_per_host_bounds=(2, 2, 1), num_slices=slices)
     except Exception as e:  # libtpu's own error, e.g. a version that does not know the generation
-        raise CompilerUnavailable(f"libtpu cannot describe {target.name} ({target.topology}): "
+        raise CompilerUnavailable(f"libtpu cannot describe {target.name}{many} ({target.topology}): "
                                   f"{first_line(e)}") from None
-    if len(topology.devices) != target.devices:
-        raise CompilerUnavailable(f"libtpu describes {target.name} with {len(topology.devices)} devices, "
-                                  f"not {target.devices}")
+    if len(topology.devices) != target.devices * slices:
+        raise CompilerUnavailable(f"libtpu describes {target.name}{many} with "
+                                  f"{len(topology.devices)} devices, not {target.devices * slices}")
     return list(topology.devices)
 
 
