@@ -9,6 +9,7 @@ import importlib.util
 import pytest
 
 from zerolm.compile import aot
+from zerolm.compile import collectives as comms
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not installed (pip install -e '.[tpu]'): no TPU compiler here")
@@ -33,3 +34,101 @@ def test_two_slices_are_their_devices_slice_by_slice_and_one_slice_is_as_before(
     assert [d.slice_index for d in _devices(2)] == [0] * 8 + [1] * 8
     assert [d.id for d in _devices(1)] == list(range(8))
     assert not hasattr(_devices(1)[0], "slice_index")  # the single-slice description, unchanged
+
+
+# The programs below run on a (slice, dp) mesh of v5e-8 slices, each device holding a [1, 1024, 256] bf16 block.
+WHOLE = 1024 * 256 * 2  # one device's block, bytes
+SHARD = WHOLE // 8  # its 1/8 after a reduce-scatter over the slice's 8 devices
+
+
+def _compiled(body, slices: int) -> str:
+    """`body` under shard_map over a (slice, dp) mesh of `slices` v5e-8 slices, compiled by libtpu: one slice's program."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import mesh_utils
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    devices = _devices(slices)
+    grid = (mesh_utils.create_hybrid_device_mesh((1, 8), (slices, 1), devices) if slices > 1
+            else np.array(devices).reshape(1, 8))
+    mesh = Mesh(grid, ("slice", "dp"))
+    spec = P(("slice", "dp"))
+    x = jax.ShapeDtypeStruct((8 * slices, 1024, 256), jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+    step = jax.shard_map(lambda b: body(b[0])[None], mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+    return jax.jit(step).lower(x).compile().as_text()
+
+
+def _hierarchical(x):
+    """An all-reduce over both slices as a ZeRO step over slices does it: reduce-scatter inside the slice, the shard
+    all-reduced across slices, gathered again inside the slice."""
+    from jax import lax
+
+    shard = lax.psum_scatter(x, "dp", scatter_dimension=0, tiled=True)
+    return lax.all_gather(lax.psum(shard, "slice"), "dp", axis=0, tiled=True)
+
+
+def _in_a_loop(x):
+    """The cross-slice all-reduce of the shard three times, in a loop the compiler keeps."""
+    from jax import lax
+
+    shard = lax.psum_scatter(x, "dp", scatter_dimension=0, tiled=True)
+    return lax.fori_loop(0, 3, lambda i, s: lax.psum(s, "slice") * 0.5, shard)
+
+
+@needs_libtpu
+def test_a_cross_slice_all_reduce_is_one_dcn_transfer_of_each_devices_shard_apart_from_the_ici_collectives():
+    text = _compiled(_hierarchical, 2)
+    ops = comms.read(text)
+    assert sorted(c.op for c in ops) == ["all-gather", "reduce-scatter"]
+    # one program per slice: every replica group is the slice's own 8 devices
+    assert all(c.groups == (frozenset(range(8)),) for c in ops)
+    (transfer,) = comms.read_dcn(text)  # the send; its recv and the two -dones are not counted again
+    assert (transfer.kind, transfer.bytes, transfer.runs, transfer.in_loop, transfer.slices) == \
+        ("ALL_REDUCE", SHARD, 1, False, 2)
+    assert comms.link_bytes(text) == comms.LinkBytes(ici=SHARD + WHOLE, dcn=SHARD)
+
+
+@needs_libtpu
+def test_a_transfer_in_a_loop_runs_its_trip_count_times():
+    text = _compiled(_in_a_loop, 2)
+    (transfer,) = comms.read_dcn(text)
+    assert (transfer.kind, transfer.bytes, transfer.runs, transfer.in_loop) == ("ALL_REDUCE", SHARD, 3, True)
+    assert comms.link_bytes(text) == comms.LinkBytes(ici=SHARD, dcn=3 * SHARD)
+
+
+@needs_libtpu
+def test_one_slice_sends_nothing_over_dcn():
+    text = _compiled(_hierarchical, 1)
+    assert comms.read_dcn(text) == []
+    assert comms.link_bytes(text) == comms.LinkBytes(ici=SHARD + WHOLE, dcn=0)
+
+
+@needs_libtpu
+@pytest.mark.parametrize("collective, kind, sent", [
+    ("all_gather", "ALL_GATHER", WHOLE),  # its own block; it receives both slices' (2 × WHOLE)
+    ("psum_scatter", "REDUCE_SCATTER", WHOLE),  # the whole block it reduces; it receives its half
+    ("psum", "ALL_REDUCE", WHOLE)])  # over the slices alone: no reduce-scatter inside the slice first
+def test_each_collective_over_the_slice_axis_alone_is_a_transfer_of_its_kind(collective, kind, sent):
+    from jax import lax
+
+    body = {"all_gather": lambda x: lax.all_gather(x, "slice", axis=0, tiled=True)[:1024],
+            "psum_scatter": lambda x: lax.psum_scatter(x, "slice", scatter_dimension=0, tiled=True),
+            "psum": lambda x: lax.psum(x, "slice")}[collective]
+    text = _compiled(body, 2)
+    assert [(t.kind, t.bytes) for t in comms.read_dcn(text)] == [(kind, sent)]
+    assert comms.read(text) == []  # nothing inside the slice
+
+
+@needs_libtpu
+def test_a_flat_psum_over_both_slices_and_dp_still_crosses_slices_and_is_counted():
+    """The control: one psum over ("slice", "dp"), all 16 devices of both slices. The compiler splits it itself:
+    an all-reduce of the whole block inside the slice, each device's 1/8 of it all-reduced across slices, and an
+    all-gather inside the slice. The DCN transfer is found, with the shard's bytes (not the whole block's)."""
+    from jax import lax
+
+    text = _compiled(lambda x: lax.psum(x, ("slice", "dp")), 2)
+    assert sorted(c.op for c in comms.read(text)) == ["all-gather", "all-reduce"]
+    assert [(t.kind, t.bytes) for t in comms.read_dcn(text)] == [("ALL_REDUCE", SHARD)]
+    assert comms.link_bytes(text) == comms.LinkBytes(ici=2 * WHOLE, dcn=SHARD)
