@@ -41,6 +41,7 @@ WHOLE = 1024 * 256 * 2  # one device's block, bytes
 SHARD = WHOLE // 8  # its 1/8 after a reduce-scatter over the slice's 8 devices
 
 
+@functools.cache  # once per program: JAX's persistent cache cannot hand a deviceless compile back
 def _compiled(body, slices: int) -> str:
     """`body` under shard_map over a (slice, dp) mesh of `slices` v5e-8 slices, compiled by libtpu: one slice's program."""
     import jax
@@ -132,3 +133,14 @@ def test_a_flat_psum_over_both_slices_and_dp_still_crosses_slices_and_is_counted
     assert sorted(c.op for c in comms.read(text)) == ["all-gather", "all-reduce"]
     assert [(t.kind, t.bytes) for t in comms.read_dcn(text)] == [("ALL_REDUCE", SHARD)]
     assert comms.link_bytes(text) == comms.LinkBytes(ici=2 * WHOLE, dcn=SHARD)
+
+
+@needs_libtpu
+def test_the_bytes_census_counts_a_send_as_one_read_of_its_buffer_and_a_recv_as_one_write():
+    """A send returns (its buffer, a context, a token): counting operands and result read the shard twice."""
+    from zerolm.compile import bytes_moved
+
+    rows = {r.kind: r for r in bytes_moved.census(_compiled(_in_a_loop, 2)).rows}
+    assert (rows["send"].executions, rows["send"].bytes) == (3, 3 * SHARD)
+    assert (rows["recv"].executions, rows["recv"].bytes) == (3, 3 * SHARD)
+    assert "send-done" not in rows and "recv-done" not in rows

@@ -1,16 +1,17 @@
 """Where a compiled program's bytes go: a census of the kernels it runs, read from its optimized HLO.
 
-Every instruction a device runs as a kernel (a fusion, a custom call such as a cuBLAS GEMM or cuDNN's
-attention, a copy, a collective, ...) is counted once per execution of the program: inside a while loop, times
-the loop's trip count, as zerolm.compile.hlo counts it for every reader (the FLOPs of zerolm.compile.step_time
-too: a causal key-block loop at its mean trip count; a loop whose trip count is unknown counts once, and the
-census says so). Its bytes are what it reads and writes: its operands and its result, except where XLA works on a
-slice of a buffer in place: a dynamic-update-slice (alone, or at the root of a fusion, into one of the
-fusion's parameters) writes only its update and does not read the buffer it updates; a slice or a
-dynamic-slice reads only its slice. Bookkeeping (parameters, constants, tuples, bitcasts, the loops themselves) moves
-nothing. It is a rough measure, the roofline's: what a kernel reuses from a cache, or reads twice, is not
-seen. Without a profiler, it shows the copies, the slices of stacked buffers and the reductions a step
-spends its memory bandwidth on (`zerolm compile --census`; benchmarks/census.py compares layer loops).
+Every instruction a device runs as a kernel (a fusion, a custom call such as a cuBLAS GEMM or cuDNN's attention, a
+copy, a collective, ...) is counted once per execution of the program: inside a while loop, times the loop's trip
+count, as zerolm.compile.hlo counts it for every reader (the FLOPs of zerolm.compile.step_time too: a causal key-block
+loop at its mean trip count; a loop whose trip count is unknown counts once, and the census says so). Its bytes are
+what it reads and writes: its operands and its result, except where XLA works on a slice of a buffer in place: a
+dynamic-update-slice (alone, or at the root of a fusion, into one of the fusion's parameters) writes only its update
+and does not read the buffer it updates; a slice or a dynamic-slice reads only its slice; a `send` to the host
+(Multislice's transfers between slices, zerolm.compile.collectives.read_dcn) reads its buffer and a `recv` writes its
+own, not the tuples they return. Bookkeeping (parameters, constants, tuples, bitcasts, the loops themselves) moves
+nothing. It is a rough measure, the roofline's: what a kernel reuses from a cache, or reads twice, is not seen.
+Without a profiler, it shows the copies, the slices of stacked buffers and the reductions a step spends its memory
+bandwidth on (`zerolm compile --census`; benchmarks/census.py compares layer loops).
 """
 
 from __future__ import annotations
@@ -115,6 +116,10 @@ def bytes_of(ins: Instruction, comps: dict[str, list[Instruction]]) -> int:
         return 2 * array_bytes(ins.operands[1])
     if ins.opcode in ("slice", "dynamic-slice"):
         return 2 * array_bytes(ins.result)
+    if ins.opcode == "send":  # (its buffer, a context, a token): the buffer again, not a second write
+        return sum(array_bytes(op) for op in ins.operands)
+    if ins.opcode == "recv":  # the buffer it fills, the first of (buffer, context, token); its operand is a token
+        return array_bytes(m.group(0)) if (m := hlo.ARRAY.search(ins.result)) else 0
     return sum(array_bytes(op) for op in ins.operands) + array_bytes(ins.result)
 
 
