@@ -1,5 +1,7 @@
-"""Cloud TPU Multislice as the TPU compiler writes it: the devices of N slices (aot.target_devices), compiled ahead of
-time by libtpu for 2 × v5e-8 (no TPU needed)."""
+"""Cloud TPU Multislice as the TPU compiler writes it, compiled ahead of time by libtpu for 2 × v5e-8 (no TPU needed):
+the devices of N slices (aot.target_devices), the transfers between slices read apart from the collectives inside one
+(zerolm.compile.collectives.read_dcn, link_bytes), and their time at a device's share of its host's data-center
+network (zerolm.core.hardware.dcn_bw, zerolm.compile.step_time.dcn_s)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ import importlib.util
 
 import pytest
 
-from zerolm.compile import aot
+from zerolm.compile import aot, step_time
 from zerolm.compile import collectives as comms
+from zerolm.core import hardware
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not installed (pip install -e '.[tpu]'): no TPU compiler here")
@@ -144,3 +147,29 @@ def test_the_bytes_census_counts_a_send_as_one_read_of_its_buffer_and_a_recv_as_
     assert (rows["send"].executions, rows["send"].bytes) == (3, 3 * SHARD)
     assert (rows["recv"].executions, rows["recv"].bytes) == (3, 3 * SHARD)
     assert "send-done" not in rows and "recv-done" not in rows
+
+
+@pytest.mark.parametrize("kind, per_device", [
+    ("TPU v4", 200e9 / 8 / 4),  # a host's 200 Gbit/s (the scaling book's typical figure) over its 4 chips
+    ("TPU v5 lite", 2 * 100e9 / 8 / 8),  # 2 x 100 Gbit/s NICs over 8 chips: 25 Gbit/s, the pod's 6.4 Tbit/s / 256
+    ("TPU v5p", 50e9 / 8),  # 50 Gbit/s per chip, as Cloud TPU states it
+    ("TPU v6 lite", 4 * 200e9 / 8 / 8),  # 4 x 200 Gbit/s NICs over 8 chips: the pod's 25.6 Tbit/s / 256
+    ("TPU v3", None), ("H100", None)])  # no Multislice
+def test_each_devices_dcn_bandwidth_is_its_share_of_its_hosts_nics(kind, per_device):
+    assert hardware.dcn_bw(kind) == per_device
+
+
+def test_dcn_bytes_are_charged_at_the_devices_share_of_the_hosts_network():
+    # MaxText's 1.3B model on 2 x v5e-64: 0.046 GB per device per step over DCN, 14.7 ms at 3.125 GB/s
+    assert step_time.dcn_s(0.046e9, hardware.preset("v5e")) == pytest.approx(0.01472)
+    assert step_time.dcn_s(0.046e9, hardware.preset("v5p")) == pytest.approx(0.00736)
+    assert step_time.dcn_s(0, hardware.preset("h100")) == 0.0
+    with pytest.raises(ValueError, match="h100 states no data-center network bandwidth"):
+        step_time.dcn_s(1, hardware.preset("h100"))
+
+
+@needs_libtpu
+def test_a_programs_dcn_bytes_are_charged_apart_from_its_collectives():
+    text = _compiled(_in_a_loop, 2)
+    v5e = hardware.preset("v5e")
+    assert step_time.dcn_s(comms.link_bytes(text).dcn, v5e) == pytest.approx(3 * SHARD / 3.125e9)

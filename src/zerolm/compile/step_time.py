@@ -246,6 +246,21 @@ def comms(hlo_text: str, device: Device, devices: int) -> Comms:
     return Comms(round(total), round(exposed), seconds)
 
 
+def dcn_s(dcn_bytes: float, device: Device) -> float:
+    """Seconds to send `dcn_bytes` per device to other slices over the data-center network, at the device's share of
+    its host's NICs (`Device.dcn_bw`: the host's bytes/s, one direction, over the devices it holds; the host's figure
+    is what Cloud TPU states, zerolm.core.hardware). The bytes are zerolm.compile.collectives' convention, each
+    transfer's send operand (`LinkBytes.dcn`), charged once at that rate: no latency, nothing overlapped, and no ring
+    factor (an ALL_REDUCE between 2 slices sends its operand once each way; over S slices a ring would send 2(S−1)/S
+    of it)."""
+    if not dcn_bytes:
+        return 0.0
+    if device.dcn_bw is None:
+        raise ValueError(f"{device.name} states no data-center network bandwidth: its devices are not joined "
+                         "across slices (Cloud TPU Multislice is TPU v4 and later)")
+    return dcn_bytes / device.dcn_bw
+
+
 @dataclasses.dataclass(frozen=True)
 class StepModel:
     """A compiled step's modeled time per optimizer step, per device (see the module docstring)."""

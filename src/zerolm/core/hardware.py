@@ -1,8 +1,9 @@
 """The accelerators zerolm knows, in one table: what every other module asks about a device.
 
 - `CHIPS`: each accelerator kind as JAX names its devices (`device_kind`): its platform, its peak dense
-  bfloat16 FLOP/s per JAX device (zerolm.observe.mfu's MFU), and for TPUs the generation, JAX devices per chip
-  and chips per host (zerolm.parallel.scatter's rule for slices beyond one host);
+  bfloat16 FLOP/s per JAX device (zerolm.observe.mfu's MFU), and for TPUs the generation, JAX devices per chip,
+  chips per host (zerolm.parallel.scatter's rule for slices beyond one host) and, from v4 on, one host's
+  data-center network bandwidth (what Multislice's transfers between slices share: `dcn_bw`);
 - `TPU_TYPES`: the Cloud TPU accelerator types (`v3-32`, `v5litepod-16`, ...) as libtpu describes their
   slices (zerolm.compile.aot), and `grid`, the chip grid of a slice;
 - `PRESETS`: one device as the planner counts it (zerolm.plan): memory, peak, the links between devices.
@@ -43,6 +44,9 @@ class Chip:
     generation: int | None = None  # TPU generation
     devices_per_chip: int = 1  # JAX devices per chip: 2 on TPU v2/v3 (a device per TensorCore)
     chips_per_host: int = 0  # TPU: chips one host of a slice holds
+    # TPU v4 on: bytes/s, one direction, of one host's data-center network (its NICs), which its chips share; how
+    # Multislice's slices reach each other (zerolm.compile.collectives.read_dcn). Sources at each row.
+    dcn_host_bw: float | None = None
 
 
 # The first match wins, so the more specific names come first.
@@ -51,15 +55,24 @@ CHIPS: tuple[Chip, ...] = (
          2, 2, 4),
     Chip("TPU v3", "tpu", 61.5e12, "Cloud TPU v3: 123 TFLOP/s per chip, 2 TensorCores = 2 JAX devices; " + _CLOUD_TPU,
          3, 2, 4),
-    Chip("TPU v4", "tpu", 275e12, "Cloud TPU v4: 275 TFLOP/s per chip (one megacore device); " + _CLOUD_TPU, 4, 1, 4),
+    # DCN: Cloud TPU states none for v4; "DCN bandwidth is typically around 2.5e10 bytes / second per host"
+    # (How to Scale Your Model, https://jax-ml.github.io/scaling-book/tpus/), i.e. 200 Gbit/s.
+    Chip("TPU v4", "tpu", 275e12, "Cloud TPU v4: 275 TFLOP/s per chip (one megacore device); " + _CLOUD_TPU, 4, 1, 4,
+         dcn_host_bw=25e9),
+    # DCN: "Per-host NIC configuration: 2 x 100 Gbps NIC" (the v5e column of https://cloud.google.com/tpu/docs/v6e);
+    # the v5e page's "Data center network bandwidth per Pod: 6.4 Tbps" is the same 200 Gbit/s for each of 32 hosts.
     Chip("TPU v5 lite", "tpu", 197e12, "Cloud TPU v5e: 197 TFLOP/s per chip; https://cloud.google.com/tpu/docs/v5e",
-         5, 1, 8),
+         5, 1, 8, dcn_host_bw=2 * 100e9 / 8),
+    # DCN: "Data center network (DCN) bandwidth per chip (Gbps): 50" (https://cloud.google.com/tpu/docs/v5p), for the
+    # 4 chips of a host 200 Gbit/s.
     Chip("TPU v5p", "tpu", 459e12, "Cloud TPU v5p: 459 TFLOP/s per chip; https://cloud.google.com/tpu/docs/v5p",
-         5, 1, 4),
+         5, 1, 4, dcn_host_bw=4 * 50e9 / 8),
     Chip("TPU v5", "tpu", 459e12, "Cloud TPU v5p: 459 TFLOP/s per chip; https://cloud.google.com/tpu/docs/v5p",
-         5, 1, 4),
+         5, 1, 4, dcn_host_bw=4 * 50e9 / 8),
+    # DCN: "Per-host NIC configuration: 4 x 200 Gbps NIC" (https://cloud.google.com/tpu/docs/v6e; its "Data center
+    # network bandwidth per Pod: 25.6 Tbps" is 800 Gbit/s for each of 32 hosts).
     Chip("TPU v6 lite", "tpu", 918e12, "Cloud TPU v6e: 918 TFLOP/s per chip; https://cloud.google.com/tpu/docs/v6e",
-         6, 1, 8),
+         6, 1, 8, dcn_host_bw=4 * 200e9 / 8),
     Chip("A100", "gpu", 312e12, "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16"),
     Chip("H100 PCIe", "gpu", 756e12, "NVIDIA H100 datasheet: 756 TFLOP/s dense BF16 (PCIe)"),
     Chip("H100", "gpu", 989e12, "NVIDIA H100 datasheet: 989 TFLOP/s dense BF16 (SXM)"),
@@ -85,6 +98,15 @@ def tpu_generation(device_kind: str) -> int | None:
     preset's name ("v3-core" → 3); None for anything else."""
     m = re.match(r"tpu\s*v?(\d+)|v(\d+)", device_kind.strip().lower())
     return int(m.group(1) or m.group(2)) if m else None
+
+
+def dcn_bw(device_kind: str) -> float | None:
+    """One JAX device's share of its host's data-center network, bytes/s in one direction: the host's NICs
+    (`Chip.dcn_host_bw`) over the JAX devices the host holds; None where the table has no figure (before TPU v4, GPUs)."""
+    row = chip(device_kind)
+    if row is None or row.dcn_host_bw is None:
+        return None
+    return row.dcn_host_bw / (row.chips_per_host * row.devices_per_chip)
 
 
 def chips_per_host(device_kind: str) -> int:
@@ -204,6 +226,9 @@ class Device:
     # what `zerolm compile` checks against. None (GPUs, whose memory is XLA's description of them, as the
     # GPU compiler's): memory × --memory-fraction, else JAX's allocator share (gpu_memory_fraction).
     usable: float | None = None
+    # bytes/s, one direction, per device, between slices over the data-center network (Multislice; `dcn_bw`); None:
+    # no Multislice (TPU v3, GPUs)
+    dcn_bw: float | None = None
 
     def describe(self) -> str:
         return (f"{self.name}: {self.memory / GiB:.1f} GiB, {self.flops / 1e12:.1f} TFLOP/s bf16, links "
@@ -223,6 +248,12 @@ def _peak(kind: str) -> float:
     return row.flops
 
 
+def _dcn(kind: str) -> float:
+    share = dcn_bw(kind)
+    assert share is not None, kind
+    return share
+
+
 PRESETS: dict[str, Device] = {d.name: d for d in [
     # v3: 2 TensorCores per chip, each a JAX device with half the chip's 32 GiB HBM and 123 TFLOP/s; the
     # chip has 4 ICI links of 656 Gbit/s (Jouppi et al., CACM 63(7) 2020, "A Domain-Specific Supercomputer
@@ -236,13 +267,14 @@ PRESETS: dict[str, Device] = {d.name: d for d in [
     # ISCA 2023, "TPU v4: An Optically Reconfigurable Supercomputer"), the convention in which the v5e and
     # v5p docs' 1600 and 4800 Gbit/s are half their bidirectional GB/s: so 300 GB/s one direction.
     Device("v4", "tpu", 32 * GiB, _peak("TPU v4"), 300e9, 300e9, 4096, **_TPU_LAT,
-           source=_TPU_DOCS + "v4 (32 GiB, 275 TFLOP/s per chip); ICI per Jouppi et al. 2023", usable=33017561088),
+           source=_TPU_DOCS + "v4 (32 GiB, 275 TFLOP/s per chip); ICI per Jouppi et al. 2023", usable=33017561088,
+           dcn_bw=_dcn("TPU v4")),
     Device("v5e", "tpu", 16 * GiB, _peak("TPU v5 lite"), 400e9 / 2, 400e9 / 2, 256, **_TPU_LAT,
            source=_TPU_DOCS + "v5e (16 GiB, 197 TFLOP/s, ICI 400 GB/s bidirectional per chip, 256-chip pod)",
-           usable=16911433728),
+           usable=16911433728, dcn_bw=_dcn("TPU v5 lite")),
     Device("v5p", "tpu", 95 * GiB, _peak("TPU v5p"), 1200e9 / 2, 1200e9 / 2, 8960, **_TPU_LAT,
            source=_TPU_DOCS + "v5p (95 GiB, 459 TFLOP/s, ICI 1200 GB/s bidirectional per chip, 8960-chip pod)",
-           usable=102800042229),
+           usable=102800042229, dcn_bw=_dcn("TPU v5p")),
     Device("a100", "gpu", GPU_TYPES["a100-80g"].memory(), _peak("A100"), 600e9 / 2, 200e9 / 8, 8, **_GPU_LAT,
            source="NVIDIA A100 datasheet (80 GB SXM, 312 TFLOP/s bf16, NVLink 600 GB/s bidirectional); "
                   "DGX A100: one 200 Gbit/s HDR InfiniBand NIC per GPU"),
