@@ -173,3 +173,13 @@ def test_a_programs_dcn_bytes_are_charged_apart_from_its_collectives():
     text = _compiled(_in_a_loop, 2)
     v5e = hardware.preset("v5e")
     assert step_time.dcn_s(comms.link_bytes(text).dcn, v5e) == pytest.approx(3 * SHARD / 3.125e9)
+
+
+@needs_libtpu
+def test_the_step_model_counts_dcn_bytes_apart_and_times_only_the_collectives_inside_the_slice():
+    """The host sends are no collective of the program: the ring times cover the reduce-scatter and the gather alone
+    (as on one slice), and the DCN bytes are counted apart, neither ignored nor folded into the ICI bytes."""
+    v5e = hardware.preset("v5e")
+    two, one = (step_time.comms(_compiled(_hierarchical, n), v5e, 8) for n in (2, 1))
+    assert (two.bytes, two.exposed_s, two.dcn_bytes) == (one.bytes, one.exposed_s, SHARD)
+    assert one.dcn_bytes == 0 and two.bytes == SHARD + WHOLE

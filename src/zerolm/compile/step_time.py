@@ -23,6 +23,10 @@ For each compiled program of the step (grad, reshard, update; zerolm.compile.aot
   are taken as hidden behind that compute; the rest, synchronous ones in full, are exposed and cost a ring's
   time over their replica group at the device's link bandwidth (zerolm.plan.timing.ring_time: latency
   plus (n−1)/n of the buffer per pass, two passes for an all-reduce).
+- **Transfers between slices** (Cloud TPU Multislice: the host sends zerolm.compile.collectives.read_dcn reads) are
+  not collectives of the program and never enter the ring times above: their bytes per device per step are counted
+  apart (`Comms.dcn_bytes`), and `dcn_s` charges them at the data-center network's rate; the step's time does not
+  include them yet.
 
 Modeled step time = Σ programs (FLOPs / peak + exposed collectives' time). Assumptions, so what it is: a
 lower bound that ranks plans rather than a prediction. Every matmul runs at the chip's dense bf16 peak
@@ -211,6 +215,7 @@ class Comms:
     bytes: int  # every collective's result bytes per device, times its runs
     exposed_bytes: int  # those not hidden behind compute the schedule puts between start and done
     exposed_s: float  # the exposed ones at the device's link bandwidth (ring_time over each replica group)
+    dcn_bytes: int = 0  # sent to other slices per device (collectives.read_dcn, times its runs): none of the above
 
 
 _RING_OPS = {"all-reduce": "all-reduce", "reduce-scatter": "reduce-scatter", "all-gather": "all-gather"}
@@ -243,7 +248,8 @@ def comms(hlo_text: str, device: Device, devices: int) -> Comms:
             continue
         exposed += c.bytes * times
         seconds += _collective_s(device, c, devices) * times
-    return Comms(round(total), round(exposed), seconds)
+    dcn = sum(t.bytes * (t.runs or 1) for t in compiled_collectives.read_dcn(hlo_text))
+    return Comms(round(total), round(exposed), seconds, round(dcn))
 
 
 def dcn_s(dcn_bytes: float, device: Device) -> float:
