@@ -32,6 +32,10 @@ def make_mesh(dp: int, tp: int = 1, devices: Sequence[jax.Device] | None = None,
                          f"{'' if slices == 1 else f'{slices} × '}{dp} × {tp} needs {slices * dp * tp} devices, "
                          f"got {len(devices)}")
     if slices == 1:
+        found = {d.slice_index for d in devices if hasattr(d, "slice_index")}
+        if len(found) > 1:  # dp would cross the slices: every ZeRO collective over the data-center network
+            raise SliceError(f"mesh.slices: 1, but the devices are in {len(found)} slices (Multislice); set "
+                             f"mesh.slices to {len(found)}: dp and tp stay inside a slice")
         return jax.make_mesh((dp, tp), (DP, TP), axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
     grids = [jax.make_mesh((dp, tp), (DP, TP), axis_types=(AxisType.Auto, AxisType.Auto), devices=group).devices
              for group in slice_groups(devices, slices)]
@@ -43,11 +47,12 @@ class SliceError(ZerolmError):
 
 
 def slice_groups(devices: Sequence[jax.Device], slices: int) -> list[list[jax.Device]]:
-    """The devices of each slice, in slice order. A TPU device knows its slice (`slice_index`, Multislice);
+    """The devices of each slice, in slice order. A TPU device knows its slice (`slice_index`, Multislice; a TPU
+    of one slice has no `slice_index` in the compiler's description and 0 on a VM);
     elsewhere (CPU, GPU: a test or a cluster taken as slices) the processes in order, in `slices` equal
     consecutive groups (`zerolm launch-local --slices N` starts them so, each told its slice in
     MEGASCALE_SLICE_ID as a TPU VM of slice N is), or, in one process, its devices in equal consecutive groups."""
-    if all(hasattr(d, "slice_index") for d in devices):
+    if all(d.platform == "tpu" and hasattr(d, "slice_index") for d in devices):  # (a CPU device's is always 0)
         found = sorted({d.slice_index for d in devices})
         if len(found) != slices:
             raise SliceError(f"mesh.slices: {slices}, but the devices are in {len(found)} slice(s) "
@@ -61,6 +66,7 @@ def slice_groups(devices: Sequence[jax.Device], slices: int) -> list[list[jax.De
                                  "(each slice is a whole number of processes)")
             per = len(processes) // slices
             groups = [[d for d in devices if processes.index(d.process_index) // per == k] for k in range(slices)]
+            _check_told_slice(processes, per)
         else:
             per = len(devices) // slices
             ordered = sorted(devices, key=lambda d: d.id)
@@ -69,6 +75,18 @@ def slice_groups(devices: Sequence[jax.Device], slices: int) -> list[list[jax.De
         raise SliceError(f"mesh.slices: the {slices} slices hold different numbers of devices "
                          f"({', '.join(str(len(g)) for g in groups)})")
     return groups
+
+
+def _check_told_slice(processes: list[int], per: int) -> None:
+    """A process told its slice (MEGASCALE_SLICE_ID, as a TPU VM of that slice and `zerolm launch-local --slices`
+    are) must be in that slice's group of consecutive processes."""
+    import os
+
+    told, me = os.environ.get("MEGASCALE_SLICE_ID"), jax.process_index()
+    if told is not None and me in processes and told.strip().isdigit() and int(told) != processes.index(me) // per:
+        raise SliceError(f"mesh.slices: process {me} is told it is in slice {told} (MEGASCALE_SLICE_ID), but the "
+                         f"slices are {len(processes) // per} groups of {per} consecutive processes: it would be in "
+                         f"slice {processes.index(me) // per}")
 
 
 def data_axes(mesh: Mesh | AbstractMesh) -> str | tuple[str, str]:

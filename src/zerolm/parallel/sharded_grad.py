@@ -239,4 +239,4 @@ def _accumulate(params, batch_AxMxT1, step, *, how: _Accumulation):
         return how.across(block)
 
     grads = jax.tree.map(after_loop, in_layers, layouts, grads, is_leaf=is_layout)
-    return grads, {"loss": lax.pmean(loss / accum, data)}
+    return grads, {"loss": across_slices(lax.pmean(loss / accum, DP), table.slices)}

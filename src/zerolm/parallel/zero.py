@@ -320,13 +320,13 @@ class _Reduction:
 def _reduce(grads, loss, *, how: _Reduction):
     """The one reduction over dp, on each device's own tp block: pmean, or a reduce-scatter into the layout
     (`how.scatter`: one `psum_scatter`, two over dp sub-groups, or dp − 1 neighbour exchanges). With several
-    slices, inside each: the reduce-scatter's block is then averaged across the slices (`across_slices`);
-    all_reduce averages the whole gradient over slices and dp together."""
+    slices, inside each: the reduce-scatter's block (all_reduce: the whole gradient) is then averaged across the
+    slices (`across_slices`), and the loss with it."""
     dp, tp = how.dp, how.tp
     grads = jax.tree.map(lambda g: g[0], grads)
-    loss = lax.pmean(loss[0], how.data)
+    loss = across_slices(lax.pmean(loss[0], DP), how.slices)  # as the gradient goes: inside a slice, then across
     if how.grad_reduce == "all_reduce":
-        return lax.pmean(grads, how.data), {"loss": loss}
+        return across_slices(lax.pmean(grads, DP), how.slices), {"loss": loss}
     reduce_scatter = scatter_lib.reduce_scatter(how.scatter, dp, how.inner)
 
     def scatter_leaf(lay, local, g):

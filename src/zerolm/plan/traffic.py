@@ -101,18 +101,16 @@ def predicted_collectives(table, step: CountedStep) -> list[Prediction]:
     and the update gathers only the leaves stored whole over dp.
 
     With several slices (`table.slices`) all of that stays inside a slice; across the slices, at every stage, one
-    all-reduce of each device's gradient block (its share of the optimizer layout), once per step after the loop
-    (`slice` alone); the loss's over slice and dp; grad_reduce all_reduce's over both."""
+    all-reduce of each device's gradient block (its share of the optimizer layout; with grad_reduce all_reduce
+    the whole gradient) and the loss's 4 bytes, once per step after the loop (over `slice` alone)."""
     dp, tp, accum, activation = table.dp, table.tp, step.accum, step.activation
     t = _tally(table, step.grad_reduce, accum, step.param_bytes)
     # Over one device, nothing to reduce.
     rows = [] if dp * table.slices == 1 else _reductions(t, step.grad_reduce, step.scatter, dp, step.inner)
-    if table.slices > 1:
-        data = [SLICE, DP] if dp > 1 else [SLICE]
-        rows = [Prediction(p.program, p.op, data, p.in_loop, p.bytes, p.bytes_per_step)
-                if p.op == "all-reduce" and p.span == [DP] else p for p in rows if dp > 1 or p.op == "all-reduce"]
-        if step.grad_reduce == "reduce_scatter":
-            rows.append(Prediction("grad", "all-reduce", [SLICE], False, t.shard, t.shard))
+    if table.slices > 1:  # then across the slices, once: the block (all_reduce: the whole gradient) and the loss
+        rows = [p for p in rows if dp > 1]
+        across = (t.shard if step.grad_reduce == "reduce_scatter" else t.grads) + 4
+        rows.append(Prediction("grad", "all-reduce", [SLICE], False, across, across))
     over = None if tp > 1 else [DP]
     if t.layer_gathers[0]:  # stage 3's layers: a layer's per instruction, twice per micro-step each
         once, per_step = t.layer_gathers

@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from zerolm.core.exitcodes import EXIT_PEER_LOST, EXIT_PREEMPTED
 from zerolm.core.interrupts import die_with_parent
@@ -61,10 +62,20 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
-def launch(processes: int, devices: int, train_args: list[str], log_dir: Path, grace: float = 3.0,
-           out=sys.stdout) -> int:
-    """Run `zerolm train TRAIN_ARGS` as `processes` processes of `devices` CPU devices each; their logs
-    go to `log_dir` (the run's logging.dir). Returns the launch's exit code (module docstring)."""
+class Processes(NamedTuple):
+    """What launch-local starts: `processes` of `devices` CPU devices each, in `slices` groups (slices)."""
+
+    processes: int
+    devices: int
+    slices: int = 1
+
+
+def launch(layout: Processes, train_args: list[str], log_dir: Path, grace: float = 3.0, out=sys.stdout) -> int:
+    """Run `zerolm train TRAIN_ARGS` as `layout.processes` processes of `layout.devices` CPU devices each; their logs
+    go to `log_dir` (the run's logging.dir). With several slices, process i is told its slice, i // (processes /
+    slices), as a TPU VM of that slice is (MEGASCALE_SLICE_ID, MEGASCALE_NUM_SLICES;
+    zerolm.parallel.mesh.slice_groups checks it). Returns the launch's exit code (module docstring)."""
+    processes, devices, slices = layout
     log_dir.mkdir(parents=True, exist_ok=True)
     earlier = " (the last launch's: process-*.log.1)" if _rotate_logs(log_dir) else ""
     port = _free_port()
@@ -76,7 +87,9 @@ def launch(processes: int, devices: int, train_args: list[str], log_dir: Path, g
         cmd = [sys.executable, "-m", "zerolm.cli", "train", *train_args, "--coordinator", f"127.0.0.1:{port}",
                "--num-processes", str(processes), "--process-id", str(i)]
         log = (log_dir / f"process-{i}.log").open("w")
-        proc = subprocess.Popen(cmd, env=env, stdout=log,
+        told = {"MEGASCALE_SLICE_ID": str(i // (processes // slices)), "MEGASCALE_NUM_SLICES": str(slices)} \
+            if slices > 1 else {}
+        proc = subprocess.Popen(cmd, env={**env, **told}, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True,  # own process group: Ctrl-C reaches the launcher only
                                 preexec_fn=die_with_parent)
@@ -85,7 +98,8 @@ def launch(processes: int, devices: int, train_args: list[str], log_dir: Path, g
     done = threading.Event()
     pump = threading.Thread(target=_follow, args=(log_dir / "process-0.log", out, done), daemon=True)
     pump.start()
-    print(f"launch-local: {processes} process(es) × {devices} CPU device(s), coordinator 127.0.0.1:{port}, "
+    grouped = f" in {slices} slices" if slices > 1 else ""
+    print(f"launch-local: {processes} process(es){grouped} × {devices} CPU device(s), coordinator 127.0.0.1:{port}, "
           f"pids {' '.join(str(p.pid) for p in procs)}; logs in {log_dir}/process-*.log{earlier}", file=sys.stderr, flush=True)
 
     def forward(signum, frame):
