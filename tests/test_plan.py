@@ -162,7 +162,7 @@ def test_plan_cli_json_and_text():
     assert set(report["stages"]) == {"0", "1", "2", "3"}
     for row in report["stages"].values():
         assert {"params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "total_bytes"} <= set(row)
-    assert report["layout"] == {"dp": 4, "tp": 1, "devices": 4, "global_batch": 32}
+    assert report["layout"] == {"dp": 4, "tp": 1, "slices": 1, "devices": 4, "global_batch": 32}
     # The advice points at the compiler's fastest plan for this config on this slice (4 v5p chips: v5p-8).
     assert report["fastest_command"] == f"zerolm compile --config {TINY} --target v5p-8 --fastest --set mesh.dp=4"
     text = zerolm("plan", "--params", "6.7e9", "--device", "a100", "--dp", "8", "--precision", "mixed").stdout

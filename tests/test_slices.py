@@ -2,8 +2,11 @@
 whose processes are grouped as slices giving what one slice gives. The step's own equalities and collectives
 are in test_zero_stages.py; the compiled multi-slice TPU step's data-center-network bytes in test_dcn.py."""
 
+import importlib.util
+import json
 import shutil
 import subprocess
+import sys
 from types import SimpleNamespace
 
 import jax
@@ -153,3 +156,65 @@ def test_kill_9_of_one_slice_stops_every_slice_and_a_relaunch_resumes_bit_identi
     launched_slices(tmp_path, slices=2, processes=2, devices=4)
     assert losses(tmp_path) == reference  # bit-identical to the uninterrupted two-slice run
 
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu is not installed (pip install -e '.[tpu]'): no TPU compiler here")
+
+
+def compiled_for_two_slices(*sets: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "zerolm.cli", "compile", "--config", str(TINY), "--target", "v5e-8",
+                           "--slices", "2", "--json", "--set", "train.global_batch_size=64", *[
+                               a for s in sets for a in ("--set", s)]],
+                          capture_output=True, text=True, cwd=REPO, timeout=900,
+                          env={k: v for k, v in env().items() if k != "XLA_FLAGS"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+@needs_libtpu
+@pytest.mark.slow  # four TPU compiles
+@pytest.mark.parametrize("stage", [1, 3])
+def test_compiled_for_two_tpu_slices_only_each_devices_block_crosses_once_per_step(stage):
+    """`zerolm compile --target v5e-8 --slices 2`: libtpu compiles one program per slice, every collective inside it
+    (over dp); what crosses slices (its Megascale transfers, read as DCN) is one all-reduce of each device's block of
+    the gradient and the loss, after the loop, the planner's count to the compiler's padding; the same bytes at one
+    accumulation step and at two; the modeled step charges them at the DCN rate."""
+    one, two = (compiled_for_two_slices(f"zero.stage={stage}", f"train.micro_batch_size={micro}") for micro in (4, 2))
+    assert (one["accum_steps"], two["accum_steps"], one["slices"], one["mesh"]) == (1, 2, 2, {"slice": 2, "dp": 8,
+                                                                                              "tp": 1})
+    for r in (one, two):
+        dcn = [c for c in r["collectives"] if c["link"] == "dcn"]
+        assert {(c["program"], c["op"], c["in_loop"], tuple(c["span"])) for c in dcn} == {
+            ("grad", "all-reduce", False, ("slice",))}
+        assert all("slice" not in c["axes"] for c in r["collectives"] if c["link"] == "ici")
+        assert r["dcn_bytes_per_device_per_step"] == sum(c["bytes_per_run"] for c in dcn)
+        predicted = next(p for p in r["predicted"] if p["span"] == ["slice"])
+        assert predicted["bytes_per_step"] == pytest.approx(r["dcn_bytes_per_device_per_step"], rel=0.01)
+        assert r["step_model"]["dcn_bytes"] == r["dcn_bytes_per_device_per_step"] and r["step_model"]["dcn_s"] > 0
+    assert one["dcn_bytes_per_device_per_step"] == two["dcn_bytes_per_device_per_step"]  # not per micro-step
+    planned = plan_json("--config", str(TINY), "--device", "v5e", "--dp", "8", "--slices", "2", "--global-batch", "64",
+                        "--set", f"zero.stage={stage}", "--json")  # `zerolm plan`'s count, before any compile
+    assert planned["step"]["dcn_bytes"] == pytest.approx(one["dcn_bytes_per_device_per_step"], rel=0.01)
+
+
+def plan_json(*args: str, expect=0) -> dict | str:
+    proc = subprocess.run([sys.executable, "-m", "zerolm.cli", "plan", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=300, env=env())
+    assert proc.returncode == expect, proc.stderr[-3000:]
+    return json.loads(proc.stdout) if expect == 0 else proc.stderr
+
+
+def test_the_planner_charges_each_devices_block_across_slices_at_the_dcn_rate():
+    """`zerolm plan --slices N`: the batch over slices × dp, the memory of one slice's ZeRO, and across slices each
+    device's block of the gradient (the whole over dp: 1/dp of it) at the device's share of its host's DCN."""
+    args = ("--config", str(TINY), "--device", "v5e", "--dp", "8", "--global-batch", "64", "--micro-batch", "2",
+            "--json")
+    one, two = plan_json(*args), plan_json(*args, "--slices", "2")
+    assert (two["layout"]["slices"], two["layout"]["devices"], one["step"]["dcn_bytes"]) == (2, 16, 0)
+    assert two["stages"]["1"]["total_bytes"] == one["stages"]["1"]["total_bytes"]  # a slice holds it all, as one does
+    grads = two["stages"]["0"]["grads_bytes"]  # whole over dp: what a device reduces
+    assert two["step"]["dcn_bytes"] == round(grads / 8)
+    assert two["step"]["dcn_s"] == pytest.approx(two["step"]["dcn_bytes"] / two["device"]["dcn_bw"])
+    stderr = plan_json("--config", str(TINY), "--device", "h100", "--slices", "2", expect=2)
+    assert stderr.strip() == ("error: --slices: 2, but h100 devices are not joined across slices (Cloud TPU "
+                              "Multislice: v4, v5e, v5p)")

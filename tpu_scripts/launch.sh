@@ -17,7 +17,8 @@
 # Before it spends anything on the slice, it compiles the step for the slice's accelerator type here
 # (`zerolm compile`, the TPU compiler run ahead of time, no TPU needed) and refuses a setting that does
 # not fit, with the compiler's line (peak vs usable memory per device) and its exit code (4). With
-# --slices N it compiles for one slice of the N (the compiler here describes one slice).
+# --slices N it compiles the step for the N slices (`zerolm compile --slices N`: each device's bytes over
+# the data-center network too).
 #
 #   tpu_scripts/launch.sh --name NAME --config configs/1_3b.yaml --checkpoint-dir gs://BUCKET/RUN [--set K=V ...] [--slices N]
 #
@@ -92,7 +93,9 @@ if [[ "$COMPILE_CHECK" == 1 ]]; then
   fi
   read -r -a zerolm <<< "${ZEROLM:-zerolm}"
   status=0
-  "${zerolm[@]}" compile --config "$CONFIG" --target "$ACCELERATOR_TYPE" "${SETS[@]}" >&2 || status=$?
+  slices_flag=()
+  [[ "$SLICES" == 1 ]] || slices_flag=(--slices "$SLICES")
+  "${zerolm[@]}" compile --config "$CONFIG" --target "$ACCELERATOR_TYPE" "${slices_flag[@]}" "${SETS[@]}" >&2 || status=$?
   if [[ "$status" != 0 ]]; then
     echo "error: launch.sh: not launched: the step does not compile and fit on $ACCELERATOR_TYPE (zerolm compile exit $status, above); change the config, or pass --skip-compile-check" >&2
     exit "$status"

@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a TPU accelerator type as gcloud names it: v2-8, v3-8, v3-32, v4-64, v5litepod-16 "
                              "(or v5e-16), v5p-128, v6e-64, ...; or an NVIDIA GPU: h100, h100-pcie, h200, a100-80g, "
                              "a100-80g-pcie, b200, and NAME-N for N of them in one host (h100-8)")
+    parser.add_argument("--slices", type=int, default=None, metavar="N",
+                        help="compile for N slices of TYPE joined by the data-center network (Cloud TPU Multislice, "
+                             "v4 and later; sets mesh.slices): the report gives each device's bytes over DCN and ICI")
     parser.add_argument("--census", action="store_true",
                         help="also print where the step's bytes go: each kind of kernel, its executions and bytes")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
@@ -49,10 +52,17 @@ def run(args: argparse.Namespace) -> int:
 
     target = aot.parse_target(args.target)
     platforms.no_device_needed()  # libtpu and XLA's GPU compiler compile for the target under JAX's CPU backend
+    if args.slices is not None:
+        if args.slices < 1:
+            raise ConfigError(f"--slices: {args.slices} is not a positive number of slices")
+        args.set = [*args.set, f"mesh.slices={args.slices}"]
     cfg = load_config(args.config, args.set)
+    slices = cfg.mesh.slices
     if cfg.mesh.dp != "auto" and cfg.dp * cfg.mesh.tp != target.devices:
         raise ConfigError(f"mesh: dp × tp = {cfg.dp} × {cfg.mesh.tp} = {cfg.dp * cfg.mesh.tp} devices, but "
-                          f"{target.name} has {target.devices} (set mesh.dp=auto, or match the slice)")
+                          f"{target.name} has {target.devices}" + (" (a slice's: mesh.dp is the dp inside one)"
+                                                                   if slices > 1 else "")
+                          + " (set mesh.dp=auto, or match the slice)")
     if target.devices % cfg.mesh.tp:
         raise ConfigError(f"mesh.tp: {cfg.mesh.tp} does not divide the {target.devices} devices of {target.name}")
     if args.fastest:
@@ -66,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
             flush=True))
         print_report(found, args.json, advice.describe)
         return 0 if found.largest is not None else EXIT_DOES_NOT_FIT
-    cfg = load_planned(args.config, args.set, device_count=target.devices)
-    devices = aot.target_devices(target)
+    cfg = load_planned(args.config, args.set, device_count=target.devices * slices)
+    devices = aot.target_devices(target, slices)
     report = aot.compile_for(cfg, target, devices, census=args.census)
     print_report(report, args.json, aot.describe)
     return 0 if report.fits else EXIT_DOES_NOT_FIT

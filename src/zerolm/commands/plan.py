@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "v3-core, v3-chip, v4, v5e, v5p, a100, h100, h200")
     where.add_argument("--dp", type=int, help="data-parallel size (default: the config's mesh.dp, else one node)")
     where.add_argument("--tp", type=int, help="tensor-parallel size (default: the config's mesh.tp, else 1)")
+    where.add_argument("--slices", type=int, help="TPU slices joined by the data-center network, dp × tp inside each "
+                                                  "(Multislice; default: the config's mesh.slices, else 1)")
     where.add_argument("--global-batch", type=int, help="sequences per step (default: the config's, else 256)")
     where.add_argument("--micro-batch", type=int, help="sequences per device per micro-step for the memory table "
                                                        "(default: the config's, else 1)")
@@ -72,6 +74,6 @@ def run(args: argparse.Namespace) -> int:
         sets = [*args.set, *([f"mesh.dp={args.dp}"] if args.dp else []),
                 *([f"train.global_batch_size={args.global_batch}"] if args.global_batch else [])]
         report = dataclasses.replace(report, fastest_command=fastest_command(
-            args.config, sets, planner.device.name, planner.layout.devices))
+            args.config, sets, planner.device.name, planner.layout.devices, planner.layout.slices))
     print_report(report, args.json, describe)
     return 0

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import os
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -138,6 +139,13 @@ def target_devices(target: Target, slices: int = 1) -> list:
     if slices > 1 and target.generation in _NO_MULTISLICE:
         raise TargetError(f"--slices {slices}: {target.name}: Cloud TPU Multislice joins slices of TPU v4 and later")
     return _gpu_devices(target) if target.platform == "gpu" else _tpu_devices(target, slices)
+
+
+def run_devices(target: Target, config: str, sets: Sequence[str]) -> list:
+    """The devices a run of `config` (with `sets`) has on `target`: its mesh.slices slices of it."""
+    from zerolm.config.load import load_config
+
+    return target_devices(target, load_config(config, list(sets)).mesh.slices)
 
 
 def _tpu_devices(target: Target, slices: int = 1) -> list:
@@ -256,6 +264,7 @@ def compile_for(cfg: Config, target: Target, devices: list, *, census: bool = Fa
         row["compile_s"] = round(compiled.seconds[name], 2)
         report_programs[name] = row
     texts = compiled.texts
+    links = sum((comms.link_bytes(t) for t in texts.values()), comms.LinkBytes())
     rows = comms.traffic(texts, dict(mesh.shape))
     predicted = step_predictions(cfg, model, zero)
     comms.compare(rows, predicted)
@@ -280,7 +289,8 @@ def compile_for(cfg: Config, target: Target, devices: list, *, census: bool = Fa
                     and not compiled.refused
                     else None),
         gpu_step=_gpu_step(target, texts, len(devices)) if not compiled.refused else None,
-        contexts=contexts,
+        contexts=contexts, slices=cfg.mesh.slices,
+        ici_bytes_per_device_per_step=links.ici, dcn_bytes_per_device_per_step=links.dcn,
         async_collectives=[{"program": name, "ops": list(a.ops), "in_loop": a.in_loop, "bytes": a.bytes,
                             "overlaps": list(a.overlaps)} for name, text in texts.items()
                            for a in comms.read_async(text)])
@@ -336,6 +346,11 @@ class CompileReport:
     contexts: list[dict] = dataclasses.field(default_factory=list)
     # a GPU target's step modeled kernel by kernel (zerolm.compile.gpu_time; None: a TPU, or a refused program)
     gpu_step: gpu_time.GpuStep | None = None
+    slices: int = 1  # mesh.slices: the target's slices joined by the data-center network
+    # bytes each device sends per step over its slice's own links (ICI: the collectives' results) and to other slices
+    # (DCN: the Multislice transfers' sends; 0 on one slice), zerolm.compile.collectives.link_bytes
+    ici_bytes_per_device_per_step: int = 0
+    dcn_bytes_per_device_per_step: int = 0
 
     def to_json(self) -> dict:
         return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
@@ -356,7 +371,8 @@ _SCATTER = {"collective": "", "ring": " (as a ring of collective-permutes)",
 
 def describe(report: CompileReport) -> list[str]:
     r = report.to_json()
-    lines = [f"compile: {r['config']} for {r['target']} ({r['topology']}, {r['devices']} × {r['device_kind']}), "
+    lines = [f"compile: {r['config']} for {'' if r['slices'] == 1 else str(r['slices']) + ' × '}{r['target']} "
+             f"({r['topology']}, {r['devices']} × {r['device_kind']}), "
              f"mesh {' × '.join(f'{k}={v}' for k, v in r['mesh'].items())}, micro-batch {r['micro_batch']} × "
              f"{r['accum_steps']} accumulation step(s), remat {r['remat']}, layers "
              f"{'in a scan' if r['scan_layers'] else 'unrolled'}, attention {r['attention']}, "
@@ -370,6 +386,10 @@ def describe(report: CompileReport) -> list[str]:
                      + (f"   the compiler: {p['error']}" if p["error"] else ""))
     lines.append("  (peak = arguments + outputs + temporaries - aliased + what lives outside the program: the "
                  "optimizer state during grad, it and the gradient during reshard; the update takes the old parameters, donated)")
+    if r["slices"] > 1:
+        lines.append(f"{r['slices']} slices of {r['target']}: per device per step, "
+                     f"{r['dcn_bytes_per_device_per_step'] / 1e9:.4f} GB to other slices over the data-center network "
+                     f"(DCN) and {r['ici_bytes_per_device_per_step'] / 1e9:.4f} GB over its slice's ICI")
     lines.append("collectives per step (bytes per device, per HLO instruction):")
     lines += ["  " + line for line in comms.describe(report.collectives, list(r["programs"]))]
     for p in report.predicted:

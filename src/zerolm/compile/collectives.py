@@ -336,6 +336,7 @@ class Traffic:
     count: int
     bytes: int  # result bytes per device, summed over the `count` collectives
     bytes_per_run: int | None  # ... each times it runs per program execution (loops' trip counts); None: unknown
+    link: str = "ici"  # "dcn": transfers between slices (`read_dcn`: each its send's operand bytes), over `slice`
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -347,15 +348,26 @@ class Traffic:
 
 
 def traffic(texts: dict[str, str], mesh_shape: dict[str, int]) -> list[Traffic]:
+    """The programs' collectives grouped by (program, op, span, in a loop). On a mesh with a `slice` axis compiled
+    for TPU slices, libtpu builds one program per slice: its collectives' replica groups number one slice's devices
+    (read against the mesh less its slice axis), and what crosses slices are `read_dcn`'s transfers, rows over
+    `slice` of link "dcn"; compiled as one program (the CPU) the slice axis is a mesh axis like the others."""
+    per_slice = "slice" in mesh_shape and any(read_dcn(t) for t in texts.values())
+    shape = {k: v for k, v in mesh_shape.items() if k != "slice"} if per_slice else mesh_shape
     rows: dict[tuple, list] = collections.defaultdict(lambda: [0, 0, 0])
+
+    def add(key, nbytes, runs):
+        rows[key][0] += 1
+        rows[key][1] += nbytes
+        rows[key][2] = None if rows[key][2] is None or runs is None else rows[key][2] + nbytes * runs
+
     for program, text in texts.items():
         for c in read(text):
-            key = (program, c.op, axes_label(c, mesh_shape), c.in_loop)
-            rows[key][0] += 1
-            rows[key][1] += c.bytes
-            rows[key][2] = None if rows[key][2] is None or c.runs is None else rows[key][2] + c.bytes * c.runs
-    return [Traffic(p, op, span, in_loop, count, nbytes, per_run)
-            for (p, op, span, in_loop), (count, nbytes, per_run) in sorted(rows.items(), key=lambda kv: (
+            add((program, c.op, axes_label(c, shape), c.in_loop, "ici"), c.bytes, c.runs)
+        for t in read_dcn(text):
+            add((program, t.kind.lower().replace("_", "-"), ("slice",), t.in_loop, "dcn"), t.bytes, t.runs)
+    return [Traffic(p, op, span, in_loop, count, nbytes, per_run, link)
+            for (p, op, span, in_loop, link), (count, nbytes, per_run) in sorted(rows.items(), key=lambda kv: (
                 _order(kv[0][0]), kv[0][3], kv[0][1], kv[0][2]))]
 
 
@@ -371,7 +383,8 @@ def describe(rows: list[Traffic], programs=PROGRAMS) -> list[str]:
         if not mine:
             lines.append(f"{program}: no collective")
             continue
-        parts = [f"{r.count} {r.op} over {'+'.join(r.span) or 'no axis'} ({_mib(r.bytes)}) "
+        parts = [f"{r.count} {r.op} over {'+'.join(r.span) or 'no axis'}{' (DCN)' if r.link == 'dcn' else ''} "
+                 f"({_mib(r.bytes)}) "
                  + ("INSIDE a loop: every micro-step" if r.in_loop else "once per step") for r in mine]
         lines.append(f"{program}: " + "; ".join(parts))
     return lines
@@ -490,7 +503,8 @@ def describe_report(r: CommsReport) -> list[str]:
         looped = sum(c.count for c in across if c.in_loop)
         sent = sum(c.bytes_per_run or 0 for c in across)
         lines.append("gradient reduction across slices: " + (
-            f"once per step, after the loop: {sent:,} bytes per device (its block of the gradient)" if not looped
+            f"once per step, after the loop: {sent:,} bytes per device (its block of the gradient, and the loss)"
+            if not looped
             else f"INSIDE a loop ({looped} HLO collective(s)): {sent:,} bytes per device per step"))
     return lines
 

@@ -83,7 +83,7 @@ def _planned_bytes(config: str, sets: list[str], target: aot.Target, dp: int, tp
         cfg = load_planned(config, [*sets, f"mesh.dp={dp}", f"mesh.tp={tp}", "train.micro_batch_size=1",
                                     f"model.remat={'none' if remat == 'none' else 'full'}"])
         model, factory = from_config(cfg, dp, tp)
-        planner = Planner(model, factory, device, Parallelism(dp, tp, cfg.train.global_batch_size),
+        planner = Planner(model, factory, device, Parallelism(dp, tp, cfg.train.global_batch_size, cfg.mesh.slices),
                           PlanSettings(cfg.zero.precision, stage=stage))
         return planner.memory(stage, micro)["total_bytes"]
 
@@ -100,7 +100,7 @@ def compile_plan(config: str, sets: list[str], target: aot.Target, devices: list
     from zerolm.parallel.build import build_and_compile, step_peak
     from zerolm.parallel.mesh import make_mesh
 
-    devices = devices or aot.target_devices(target)
+    devices = devices or aot.run_devices(target, config, sets)
     usable = usable if usable is not None else aot.usable_bytes(target, devices[0])
     cfg = load_planned(config, sets, device_count=len(devices))
     built = build_and_compile(cfg, make_mesh(cfg.dp, cfg.mesh.tp, devices, cfg.mesh.slices), usable, shared=shared)
@@ -121,12 +121,12 @@ def search(config: str, sets: list[str], target: aot.Target, *, stages=STAGES, r
     if preset_for(target) is None:
         raise NoPreset(f"--fastest: the planner has no device preset for {target.name} (its peak and links time "
                        "the step); targets with one: TPU v3, v4, v5e, v5p; h100, h200, a100-80g")
-    devices = aot.target_devices(target)
+    devices = aot.run_devices(target, config, sets)
     usable = aot.usable_bytes(target, devices[0])
     base = load_planned(config, [*sets, "train.micro_batch_size=1"], device_count=len(devices))
     dp, tp = base.dp, base.mesh.tp
     advised = planned(config, [*sets, f"mesh.dp={dp}", "train.micro_batch_size=1"], target, dp, tp)
-    micros = _micro_batches(base.train.global_batch_size // dp, advised)
+    micros = _micro_batches(base.train.global_batch_size // base.data_ranks, advised)
     planned_bytes = _planned_bytes(config, sets, target, dp, tp)
     found: list[Candidate] = []
     pruned = 0

@@ -49,7 +49,7 @@ def planned(config: str, sets: list[str], target: aot.Target, dp: int, tp: int) 
         return None
     cfg = load_planned(config, [*sets, f"mesh.dp={dp}", f"mesh.tp={tp}", "train.micro_batch_size=1"])
     model, factory = from_config(cfg, dp, tp)
-    planner = Planner(model, factory, preset(name), Parallelism(dp, tp, cfg.train.global_batch_size),
+    planner = Planner(model, factory, preset(name), Parallelism(dp, tp, cfg.train.global_batch_size, cfg.mesh.slices),
                       PlanSettings(cfg.zero.precision, stage=cfg.zero.stage))
     fitting = [b for b in planner.micro_batches() if planner.step_peak(b, cfg.zero.stage)["fits"]]
     return max(fitting) if fitting else None
@@ -61,10 +61,10 @@ def search(config: str, sets: list[str], target: aot.Target,
     """The largest micro-batch of `config` (with `sets`) whose step the compiler fits on `target`.
     `on_compile(micro, report)` is called after each compile; `known` gives results already compiled
     (micro-batch -> {"peak_bytes", "fits", "accum_steps"}: benchmarks/plan_vs_compile.py's cache)."""
-    devices = aot.target_devices(target)
+    devices = aot.run_devices(target, config, sets)
     base = load_planned(config, [*sets, "train.micro_batch_size=1"], device_count=len(devices))
     dp, tp = base.dp, base.mesh.tp
-    per_rank = base.train.global_batch_size // dp
+    per_rank = base.train.global_batch_size // base.data_ranks
     candidates = [b for b in range(1, per_rank + 1) if per_rank % b == 0]
     advised = planned(config, [*sets, f"mesh.dp={dp}", "train.micro_batch_size=1"], target, dp, tp)
     compiled: dict[int, dict[str, Any]] = {}
@@ -115,13 +115,15 @@ def compile_target(preset: str, devices: int) -> str | None:
     return None
 
 
-def fastest_command(config: str, sets: Sequence[str], preset: str, devices: int) -> str | None:
-    """The `zerolm compile --fastest` of `config` (with `sets`) on `devices` of `preset`: what `zerolm plan`
-    points at for the fastest plan that fits, by the compiler (zerolm.compile.fastest_plan); None without a target."""
-    target = compile_target(preset, devices)
+def fastest_command(config: str, sets: Sequence[str], preset: str, devices: int, slices: int = 1) -> str | None:
+    """The `zerolm compile --fastest` of `config` (with `sets`) on `devices` of `preset` in all (`slices` slices of
+    them): what `zerolm plan` points at for the fastest plan that fits, by the compiler (zerolm.compile.fastest_plan);
+    None without a target."""
+    target = compile_target(preset, devices // slices)
     if target is None:
         return None
-    return shlex.join(["zerolm", "compile", "--config", config, "--target", target, "--fastest",
+    return shlex.join(["zerolm", "compile", "--config", config, "--target", target,
+                       *(["--slices", str(slices)] if slices > 1 else []), "--fastest",
                        *(a for kv in sets for a in ("--set", kv))])
 
 

@@ -25,14 +25,15 @@ For each compiled program of the step (grad, reshard, update; zerolm.compile.aot
   plus (n−1)/n of the buffer per pass, two passes for an all-reduce).
 - **Transfers between slices** (Cloud TPU Multislice: the host sends zerolm.compile.collectives.read_dcn reads) are
   not collectives of the program and never enter the ring times above: their bytes per device per step are counted
-  apart (`Comms.dcn_bytes`), and `dcn_s` charges them at the data-center network's rate; the step's time does not
-  include them yet.
+  apart (`Comms.dcn_bytes`), and `dcn_s` charges them at the data-center network's rate (zerolm.core.hardware's
+  per-host figures, a device's share), none hidden: the cross-slice all-reduce sits between the gradient and the
+  update.
 
-Modeled step time = Σ programs (FLOPs / peak + exposed collectives' time). Assumptions, so what it is: a
-lower bound that ranks plans rather than a prediction. Every matmul runs at the chip's dense bf16 peak
-(float32 matmuls too); everything else (elementwise work, normalisation, the optimizer, memory traffic,
-kernel launches) is free; a hidden collective is entirely hidden, an exposed one overlaps nothing. Its
-error against steps measured on an H100 is stated in docs/planning.md (benchmarks/step_time.py).
+Modeled step time = Σ programs (FLOPs / peak + exposed collectives' time + transfers between slices' time).
+Assumptions, so what it is: a lower bound that ranks plans rather than a prediction. Every matmul runs at the
+chip's dense bf16 peak (float32 matmuls too); everything else (elementwise work, normalisation, the optimizer,
+memory traffic, kernel launches) is free; a hidden collective is entirely hidden, an exposed one overlaps
+nothing. Its error against steps measured on an H100 is stated in docs/planning.md (benchmarks/step_time.py).
 """
 
 from __future__ import annotations
@@ -275,8 +276,9 @@ class StepModel:
     comms: dict[str, Comms]
     peak_flops: float  # of one device
     tokens_per_step: int  # all devices together
-    devices: int
+    devices: int  # of every slice
     model_flops_per_token: float  # zerolm.observe.mfu's 6·N + 12·L·d·T
+    dcn_s: float = 0.0  # the transfers between slices (`dcn_s` of their bytes)
 
     @property
     def compute_s(self) -> float:
@@ -288,7 +290,12 @@ class StepModel:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.comm_s
+        return self.compute_s + self.comm_s + self.dcn_s
+
+    @property
+    def dcn_bytes(self) -> int:
+        """Bytes each device sends to other slices per step (0 on one slice)."""
+        return sum(c.dcn_bytes for c in self.comms.values())
 
     @property
     def flops_per_token(self) -> float:
@@ -332,7 +339,8 @@ class StepModel:
     def to_json(self) -> dict:
         return {"compute_s": self.compute_s, "comm_s": self.comm_s, "step_s": self.step_s,
                 "flops_per_token": self.flops_per_token, "flops_ratio": self.flops_ratio,
-                "exposed_bytes": self.exposed_bytes, "sent_bytes": self.sent_bytes, "tokens_per_s": self.tokens_per_s,
+                "exposed_bytes": self.exposed_bytes, "sent_bytes": self.sent_bytes, "dcn_s": self.dcn_s,
+                "dcn_bytes": self.dcn_bytes, "tokens_per_s": self.tokens_per_s,
                 "mfu": self.mfu, "uncounted_kernels": self.uncounted_kernels,
                 "programs": {name: {**dataclasses.asdict(self.flops[name]), **dataclasses.asdict(self.comms[name])}
                              for name in self.flops}}
@@ -340,9 +348,11 @@ class StepModel:
     def describe(self) -> str:
         missing = (f"; {self.uncounted_kernels} kernel runs (custom calls) not counted"
                    if self.uncounted_kernels else "")
+        dcn = (f" + {self.dcn_s:.3f} s between slices ({self.dcn_bytes / 1e9:.3f} GB per device over the "
+               "data-center network)" if self.dcn_bytes else "")
         return (f"modeled step {self.step_s:.3f} s = {self.compute_s:.3f} s of matmuls at "
                 f"{self.peak_flops / 1e12:.0f} TFLOP/s + {self.comm_s:.3f} s of exposed collectives "
-                f"({self.exposed_bytes / 1e9:.2f} GB per device); {self.flops_ratio:.3f}x the model's FLOPs per "
+                f"({self.exposed_bytes / 1e9:.2f} GB per device){dcn}; {self.flops_ratio:.3f}x the model's FLOPs per "
                 f"token; {self.tokens_per_s:,.0f} tokens/s, MFU {self.mfu_text()} (a lower bound on the time: "
                 f"zerolm.compile.step_time says what it leaves out{missing}{self.loops_note()})")
 
@@ -358,10 +368,12 @@ class StepModel:
 
 
 def model(texts: dict[str, str], device: Device, devices: int, tokens_per_step: int,
-          model_flops_per_token: float) -> StepModel:
-    """The step model of a compiled step's programs (`CompiledStep.texts`) on `devices` of `device`."""
-    return StepModel({n: flops(t) for n, t in texts.items()}, {n: comms(t, device, devices) for n, t in texts.items()},
-                     device.flops, tokens_per_step, devices, model_flops_per_token)
+          model_flops_per_token: float, slices: int = 1) -> StepModel:
+    """The step model of a compiled step's programs (`CompiledStep.texts`) on `devices` of `device` in all, in
+    `slices` slices (the programs are one slice's: its collectives span at most its devices)."""
+    per_program = {n: comms(t, device, devices // slices) for n, t in texts.items()}
+    return StepModel({n: flops(t) for n, t in texts.items()}, per_program, device.flops, tokens_per_step, devices,
+                     model_flops_per_token, dcn_s(sum(c.dcn_bytes for c in per_program.values()), device))
 
 
 def of_step(built: BuiltStep, device: Device) -> StepModel:
@@ -373,5 +385,5 @@ def of_step(built: BuiltStep, device: Device) -> StepModel:
     cfg = built.cfg
     n = count_params(built.zero.abstract_params, matmul_only=True)
     per_token = flops_per_token(n, cfg.model.n_layer, cfg.model.d_model, cfg.model.seq_len)
-    devices = cfg.dp * cfg.mesh.tp
-    return model(built.compiled.texts, device, devices, cfg.train.global_batch_size * cfg.model.seq_len, per_token)
+    return model(built.compiled.texts, device, cfg.device_count, cfg.train.global_batch_size * cfg.model.seq_len,
+                 per_token, cfg.mesh.slices)

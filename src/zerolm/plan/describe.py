@@ -78,7 +78,9 @@ def _head(r: dict) -> list[str]:
                    "XLA_PYTHON_CLIENT_MEM_FRACTION)")
     return [f"plan: {m['source']}: {m['params']:,} params, {m['n_layer']} layers × {m['d_model']}, "
             f"{m['n_head']} heads, seq_len {m['seq_len']}, vocab {m['vocab']} (padded)",
-            f"on {lay['devices']} × {dev['name']} (dp={lay['dp']} tp={lay['tp']}), global batch {lay['global_batch']} "
+            f"on {lay['devices']} × {dev['name']} ("
+            + (f"{lay['slices']} slices × " if lay.get("slices", 1) > 1 else "")
+            + f"dp={lay['dp']} tp={lay['tp']}), global batch {lay['global_batch']} "
             f"sequences, precision {r['precision']}, micro-batch {r['micro_batch']}, "
             f"{r['attention']} attention, remat {m['remat']}",
             f"fits means at most {r['usable_bytes'] / 2**30:.2f} GiB per device (" + usable
@@ -126,6 +128,9 @@ def _step_time(r: dict) -> list[str]:
             f"  gradient reduction {_ms(st['grad_comm_s'])} (ring; as one all-reduce: ring "
             f"{_ms(st['grad_allreduce_ring_s']).strip()}, tree {_ms(st['grad_allreduce_tree_s']).strip()})   "
             f"param all-gather {_ms(st['param_gather_s'])}",
+            *([f"  across slices {_ms(st['dcn_s'])}: each device's {st['dcn_bytes'] / 1e9:.3f} GB over the "
+               f"data-center network at {dev['dcn_bw'] / 1e9:.2f} GB/s (its share of its host's)"]
+              if st.get("dcn_bytes") else []),
             f"  step {_ms(st['step_s'])} (MFU {st['mfu']:.1%}), "
             + ("reduction after the loop as zerolm does" if st["stage"] < 2 else "no collective overlapped"),
             f"  step {_ms(st['overlapped_s'])} (MFU {st['mfu_overlapped']:.1%}) "

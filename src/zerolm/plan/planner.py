@@ -14,7 +14,7 @@ from zerolm.parallel.auto import attention as auto_attention
 from zerolm.plan.activations import activation_bytes, step_activation_bytes
 from zerolm.plan.describe import PlanReport
 from zerolm.plan.spec import PRECISIONS, STAGES, BytesPerParam, Model, Parallelism
-from zerolm.plan.timing import StepTime, bucketed, ring_time, tree_time
+from zerolm.plan.timing import StepTime, bucketed, dcn_time, ring_time, tree_time
 from zerolm.plan.traffic import tp_all_reduces
 
 # A micro-batch fits when its planned peak, this much larger, fits the device: the planner's step peak
@@ -176,9 +176,13 @@ class Planner:
             bucket, k = grads // m.n_layer, m.n_layer * accum
             in_loop = grad_comm + (gather if stage == 3 else 0.0)
             overlapped = max(compute + tp_comm, in_loop) + (0.0 if stage == 3 else gather)
+        # Across slices, once per step: each device's block of the gradient (stage 0: its whole gradient).
+        across = 0 if lay.slices == 1 else round(grads / (1 if stage == 0 else lay.dp))
+        dcn = dcn_time(d, across)
         return StepTime(micro, accum, compute, tp_comm, grad_comm, gather,
                         ring_time(d, "all-reduce", grads, lay.dp, lay.tp), tree_time(d, grads, lay.dp, lay.tp),
-                        bucket, k, overlapped, self.efficiency, model_flops_token * tokens_device, d.flops)
+                        bucket, k, overlapped + dcn, self.efficiency, model_flops_token * tokens_device, d.flops,
+                        dcn, across)
 
     def with_layout(self, layout: Parallelism) -> Planner:
         return Planner(self.model, self._factory, self.device, layout, self.settings)
@@ -187,11 +191,13 @@ class Planner:
         """Step time and MFU as dp doubles (tp fixed), up to one sequence per rank."""
         rows = []
         dp = 1
-        while dp <= self.layout.global_batch:
-            if self.layout.global_batch % dp == 0:
-                planner = self.with_layout(Parallelism(dp, self.layout.tp, self.layout.global_batch))
+        while dp * self.layout.slices <= self.layout.global_batch:
+            if self.layout.global_batch % (dp * self.layout.slices) == 0:
+                planner = self.with_layout(Parallelism(dp, self.layout.tp, self.layout.global_batch,
+                                                       self.layout.slices))
                 micro = planner.largest_micro(stage)
-                row: dict[str, Any] = {"dp": dp, "devices": dp * self.layout.tp, "micro_batch": micro}
+                row: dict[str, Any] = {"dp": dp, "devices": dp * self.layout.tp * self.layout.slices,
+                                       "micro_batch": micro}
                 if micro is not None:
                     t = planner.step(micro, stage)
                     tokens = self.layout.global_batch * self.model.seq_len
@@ -228,8 +234,8 @@ class Planner:
         return PlanReport(contexts=contexts,
             model=dataclasses.asdict(self.model), device=dataclasses.asdict(self.device), zerolm_step=zerolm_step,
             attention=self.attention,
-            layout={"dp": self.layout.dp, "tp": self.layout.tp, "devices": self.layout.devices,
-                    "global_batch": self.layout.global_batch},
+            layout={"dp": self.layout.dp, "tp": self.layout.tp, "slices": self.layout.slices,
+                    "devices": self.layout.devices, "global_batch": self.layout.global_batch},
             precision=self.precision_name, efficiency=self.efficiency, memory_fraction=self.memory_fraction,
             usable_bytes=int(self.usable), safety_margin=SAFETY_MARGIN, flash_attention=self.flash, micro_batch=micro,
             stages=stages,

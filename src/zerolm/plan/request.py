@@ -19,7 +19,7 @@ from zerolm.plan.spec import Parallelism, PlanError
 from zerolm.plan.states import AnalyticStates
 
 # The request's counts, by the flag that gives each: finite and positive where given.
-_COUNTS = ("params", "dp", "tp", "global_batch", "micro_batch", "layers", "width", "heads", "seq_len", "vocab")
+_COUNTS = ("params", "dp", "tp", "slices", "global_batch", "micro_batch", "layers", "width", "heads", "seq_len", "vocab")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +37,7 @@ class PlanRequest:
     vocab: int = 50257
     dp: int | None = None
     tp: int | None = None
+    slices: int | None = None
     global_batch: int | None = None
     micro_batch: int | None = None
     precision: str | None = None
@@ -72,14 +73,19 @@ def planner_for(request: PlanRequest) -> Planner:
     if cfg is not None and (why := tp_split_problem(cfg.model.n_head, shape["mlp_hidden"], tp, shape["n_kv_head"])):
         raise PlanError(f"--tp: {tp} {why} of {request.config}")
     dp = request.dp or (cfg.mesh.dp if cfg and cfg.mesh.dp != "auto" else max(1, device.per_node // tp))
+    slices = request.slices or (cfg.mesh.slices if cfg else 1)
+    if slices > 1 and device.dcn_bw is None:
+        raise PlanError(f"--slices: {slices}, but {device.name} devices are not joined across slices (Cloud TPU "
+                        "Multislice: v4, v5e, v5p)")
     global_batch = request.global_batch or (cfg.train.global_batch_size if cfg else 256)
-    if global_batch % dp:
+    if global_batch % (dp * slices):
         why = "" if request.dp else f" (dp defaults to one {device.name} node of {device.per_node} devices; give --dp)"
-        raise PlanError(f"--dp: the global batch of {global_batch} sequences does not divide over dp = {dp}{why}")
-    micro = _micro_batch(request, cfg, global_batch // dp, dp, global_batch)
+        over = f"dp = {dp}" if slices == 1 else f"slices × dp = {slices} × {dp}"
+        raise PlanError(f"--dp: the global batch of {global_batch} sequences does not divide over {over}{why}")
+    micro = _micro_batch(request, cfg, global_batch // (dp * slices), dp * slices, global_batch)
     if cfg is not None:
         assert request.config is not None
-        sets = [f"mesh.dp={dp}", f"mesh.tp={tp}", f"train.global_batch_size={global_batch}",
+        sets = [f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.slices={slices}", f"train.global_batch_size={global_batch}",
                 f"train.micro_batch_size={micro}"] + ([f"model.remat={request.remat}"] if request.remat else [])
         cfg = load_planned(request.config, [*request.sets, *sets])
         model, factory = from_config(cfg, dp, tp)
@@ -93,7 +99,7 @@ def planner_for(request: PlanRequest) -> Planner:
     precision = request.precision or (cfg.zero.precision if cfg is not None else "fp32")
     contexts = () if cfg is None else tuple(
         (f"{c.first}-{c.last}", c.seq_len, c.rows) for c in ContextPlan.of(cfg.train, cfg.model.seq_len).contexts[:-1])
-    return Planner(model, factory, device, Parallelism(dp, tp, global_batch),
+    return Planner(model, factory, device, Parallelism(dp, tp, global_batch, slices),
                    PlanSettings(precision, micro, efficiency=request.efficiency, memory_fraction=request.memory_fraction,
                                 stage=cfg.zero.stage if cfg is not None else 1, contexts=contexts))
 

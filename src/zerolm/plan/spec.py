@@ -89,16 +89,18 @@ class Model:
 
 @dataclasses.dataclass(frozen=True)
 class Parallelism:
-    """How a plan spreads the model: dp × tp devices, and the sequences of one optimizer step."""
+    """How a plan spreads the model: slices × dp × tp devices (dp × tp inside each slice, the ZeRO split over dp),
+    and the sequences of one optimizer step."""
 
     dp: int
     tp: int
     global_batch: int  # sequences per optimizer step
+    slices: int = 1  # mesh.slices: TPU slices joined by the data-center network, data parallel across them
 
     @property
     def devices(self) -> int:
-        return self.dp * self.tp
+        return self.slices * self.dp * self.tp
 
     @property
     def per_rank(self) -> int:
-        return self.global_batch // self.dp
+        return self.global_batch // (self.slices * self.dp)

@@ -64,10 +64,14 @@ class StepTime:
     efficiency: float  # assumed share of peak while computing
     model_flops: float  # per device per step, zerolm.observe.mfu's count: no recomputation (what training logs)
     peak_flops: float  # of one device
+    # Several slices: each device's block of the gradient (stage 0: all of it) all-reduced across them over the
+    # data-center network, after the reduction inside the slice (`dcn_time`); its bytes per device
+    dcn_s: float = 0.0
+    dcn_bytes: int = 0
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.tp_comm_s + self.grad_comm_s + self.param_gather_s
+        return self.compute_s + self.tp_comm_s + self.grad_comm_s + self.param_gather_s + self.dcn_s
 
     def mfu(self, overlap: bool = False) -> float:
         """zerolm.observe.mfu's MFU, as training would log it at this step time: the model's FLOPs without the
@@ -76,6 +80,17 @@ class StepTime:
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "step_s": self.step_s, "mfu": self.mfu(), "mfu_overlapped": self.mfu(True)}
+
+
+def dcn_time(device: Device, nbytes: float) -> float:
+    """Sending `nbytes` per device to the other slices over the data-center network, at the device's share of its
+    host's bandwidth (zerolm.core.hardware's per-host figures), as zerolm.compile.step_time.dcn_s charges the
+    compiled step's transfers: the bytes once at that rate, no latency, no ring factor."""
+    if nbytes <= 0:
+        return 0.0
+    if device.dcn_bw is None:
+        raise ValueError(f"{device.name} states no data-center network bandwidth")
+    return nbytes / device.dcn_bw
 
 
 def bucketed(device: Device, op: str, grads: int, bwd: float, rest: float, layout: Parallelism) -> tuple[int, int, float]:
