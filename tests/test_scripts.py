@@ -160,10 +160,10 @@ def test_launch_on_n_slices_joins_them_with_the_megascale_environment(fake, tmp_
         assert remote.endswith("> $HOME/zerolm-1_3b.log 2>&1 < /dev/null &")
     assert "tpu_scripts/logs.sh --name lm --zone europe-west4-a --slices 2 --run-name 1_3b" in proc.stdout
 
-    # The compile check compiles for one slice (read from the first node); mesh.slices goes to the run only.
+    # The compile check compiles for the two slices (the type read from the first node).
     proc, checked = fake(REPO / "tpu_scripts" / "launch.sh", *launch[:-3], "--slices", "2", ZEROLM="echo")
     assert proc.returncode == 0 and checked[0][3:6] == ["tpu-vm", "describe", "lm-0"] and checked[1:] == calls
-    assert proc.stderr.strip() == "compile --config configs/1_3b.yaml --target v4-32 --set train.steps=100"
+    assert proc.stderr.strip() == "compile --config configs/1_3b.yaml --target v4-32 --slices 2 --set train.steps=100"
 
     # What a worker of slice 1 makes of it: the training process gets the environment and the flags.
     worker = tmp_path / "worker"
