@@ -47,8 +47,10 @@ test: lint
 test-fast: install-test
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" tests
 
+# The ZeRO-1 step against the naive single-jit step on 8 fake CPU devices (BENCHMARKS.md). The benchmarks run as
+# modules from the repository's root: benchmarks/README.md lists them.
 bench: install
-	$(TEST_ENV) $(PY) benchmarks/zero_step.py --config $(CONFIG)
+	$(TEST_ENV) $(PY) -m benchmarks.measure.zero_step --config $(CONFIG)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

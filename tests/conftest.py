@@ -107,8 +107,8 @@ def small_model(cfg_model):
 
 @pytest.fixture(scope="session")
 def gcs_server(tmp_path_factory):
-    """One real GCS server (tests/gcs.py) for the session (each xdist worker starts its own)."""
-    from gcs import GCSServer
+    """One real GCS server (benchmarks/lib/gcs.py) for the session (each xdist worker starts its own)."""
+    from benchmarks.lib.gcs import GCSServer
 
     server = GCSServer(tmp_path_factory.mktemp("gcs") / "root").start()
     yield server

@@ -1,5 +1,5 @@
-"""The docs say nothing the code does not have: every `zerolm.x.y` they name imports, every source path and
-relative link they give exists, the exit-code table is exitcodes.py's, and the README stays a front page."""
+"""The docs say nothing the code does not have: every `zerolm.x.y` they name imports, every source path,
+benchmark module and relative link they give exists, the exit-code table is exitcodes.py's, and the README stays a front page."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import pytest
 from zerolm.core import exitcodes
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", REPO / "BENCHMARKS.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", REPO / "BENCHMARKS.md", REPO / "benchmarks" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 NAMED = re.compile(r"(?<![\w/.])zerolm(?:\.[A-Za-z_]\w*)+")
 PATHS = re.compile(r"(?<![\w/.])((?:src|tests|benchmarks|configs|tpu_scripts|slurm)/[\w./-]*\w)")
 LINKS = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+MODULES = re.compile(r"-m\s+(benchmarks(?:\.\w+)+)")  # a benchmark as the docs run it: python -m benchmarks.GROUP.NAME
 
 
 def resolves(name: str) -> bool:
@@ -47,6 +48,8 @@ def test_every_path_and_link_the_docs_give_exists(doc):
     missing = [p for p in sorted(paths) if "*" not in p and not (REPO / p).exists()]
     links = {m.group(1) for m in LINKS.finditer(text) if not m.group(1).startswith(("http:", "https:"))}
     missing += [link for link in sorted(links) if not (doc.parent / link).exists()]
+    modules = {m.group(1) for m in MODULES.finditer(text)}
+    missing += [m for m in sorted(modules) if not (REPO / (m.replace(".", "/") + ".py")).exists()]
     assert missing == []
 
 

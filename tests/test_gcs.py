@@ -1,4 +1,4 @@
-"""The tests' GCS server (tests/gcs.py) itself: seen to start whatever proxy the worker's urllib kept; a start that
+"""The tests' GCS server (benchmarks/lib/gcs.py) itself: seen to start whatever proxy the worker's urllib kept; a start that
 fails says why and leaves no process behind."""
 
 import os
@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 
-from gcs import GCSServer
+from benchmarks.lib.gcs import GCSServer
 
 PROXIES = ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy")
 

@@ -17,7 +17,7 @@ from conftest import REPO
 TPU = sorted((REPO / "tpu_scripts").glob("*.sh"))
 SLURM = REPO / "slurm" / "zerolm.sbatch"
 SCRIPTS = [p for p in TPU if p.name != "common.sh"] + [SLURM]
-GPU = sorted((REPO / "benchmarks").glob("*.sh"))  # the GPU session and the environment it sources
+GPU = sorted((REPO / "benchmarks").rglob("*.sh"))  # the GPU session and the environment it sources
 
 # A fake command records each call's arguments: NUL after each argument, RS (\\x1e) after each call.
 FAKE = """#!/usr/bin/env bash

@@ -84,7 +84,7 @@ def test_the_modeled_time_rises_with_exposed_bytes_and_with_flops():
 
 
 # libtpu's asynchronous collective fusion as its scheduled HLO writes it (the 6.7B's layer gathers with
-# OVERLAP_FLAGS, benchmarks/zero_stages.py), cut to one gather with a matmul between its start and its done.
+# OVERLAP_FLAGS, benchmarks/compiler/zero_stages.py), cut to one gather with a matmul between its start and its done.
 _ASYNC_FUSION = """HloModule m, is_scheduled=true
 
 %fused_gather (param_0: bf16[128,64]) -> (bf16[128,64], bf16[1024,64]) {

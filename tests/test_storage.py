@@ -1,4 +1,4 @@
-"""gs:// end to end, on a real GCS server (fake-gcs-server, tests/gcs.py) that the clients find only through
+"""gs:// end to end, on a real GCS server (fake-gcs-server, benchmarks/lib/gcs.py) that the clients find only through
 their standard variables: checkpoints (kill -9 and an exact resume, two processes, another mesh), a
 dataset prepared into a bucket and trained from, the compilation cache, the commands on a gs:// run, the
 run lease's races, storage faults (the server stopped mid-run; injected 503s and dropped connections),
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import runs
+from benchmarks.lib.gcs import FaultyProxy, GCSServer, environment
 from conftest import REPO, TINY, Bucket
-from gcs import FaultyProxy, GCSServer, environment
 from runs import command, env, losses, start_held, train, zerolm
 from zerolm.checkpoint.run_lock import LEASE_FILE, LockHeld, RunLock
 from zerolm.core import storage

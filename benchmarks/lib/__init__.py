@@ -1,0 +1,8 @@
+"""What the benchmarks share, and the tests with them: the repository's root (`REPO`), a table written between
+its markers in a markdown file (`markdown`), a built step looked at from outside (`steps`), a process tree's
+peak memory (`processes`) and a real GCS server on this machine (`gcs`). Imports zerolm, never a benchmark."""
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
