@@ -23,6 +23,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.lib.steps import to_accum_layout
+from zerolm.compile import collectives  # noqa: E402
 from zerolm.config.load import load_config  # noqa: E402
 from zerolm.parallel import sharding  # noqa: E402
 from zerolm.parallel.build import build_step  # noqa: E402
@@ -78,17 +79,17 @@ def main() -> None:
         step = jax.ShapeDtypeStruct((), np.int32, sharding=zero.table.replicated)
         programs = {"grad": grad, "reshard": zero.programs.reshard.lower(params).compile(),
                     "update": zero.programs.update.lower(grads, views, opt, step, params).compile()}
-        comms = collections.Counter()
+        counts = collections.Counter()
         for name, compiled in programs.items():
-            for c in comms.read(compiled.as_text()):
-                axes = "+".join(comms.axis_of(c, dict(zero.mesh.shape))) or "none"
+            for c in collectives.read(compiled.as_text()):
+                axes = "+".join(collectives.axis_of(c, dict(zero.mesh.shape))) or "none"
                 key = (name, c.op, axes, "in loop" if c.in_loop else "after loop" if name == "grad" else "")
-                comms[key + ("n",)] += 1
-                comms[key + ("bytes",)] += c.bytes
+                counts[key + ("n",)] += 1
+                counts[key + ("bytes",)] += c.bytes
         rows.append(dict(layout=f"({dp}, {tp})", params=shard_bytes(abstract, zero.table.param_shardings),
                          grads=shard_bytes(jax.tree.leaves(grads), [g.sharding for g in jax.tree.leaves(grads)]),
                          opt=shard_bytes(jax.tree.leaves(opt), [o.sharding for o in jax.tree.leaves(opt)]),
-                         program=max(memory_of(c) for c in programs.values()), comms=comms))
+                         program=max(memory_of(c) for c in programs.values()), comms=counts))
         if not args.memory_only:
             state = zero.init(init_fn, jax.random.key(0))
             data = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (args.global_batch, T1))
