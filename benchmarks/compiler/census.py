@@ -37,7 +37,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from benchmarks.lib import REPO
+from benchmarks.lib import config_path
 from benchmarks.lib.markdown import write_block
 from zerolm.compile import aot  # noqa: E402
 from zerolm.compile import bytes_moved as census  # noqa: E402
@@ -137,7 +137,7 @@ def main() -> None:
     devices = aot.target_devices(target)
     sets = [f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={2 * args.micro_batch}",
             f"model.remat={args.remat}", "mesh.dp=1", "zero.stage=1", *args.set]
-    config = args.config if args.config.endswith(".yaml") else str(REPO / "configs" / f"{args.config}.yaml")
+    config = str(config_path(args.config))
     results = {}
     for variant in args.variants:
         loop = {"scan": ["model.scan_layers=true"], "unrolled": ["model.scan_layers=false"]}.get(variant, [])

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.lib import REPO
+from benchmarks.lib import REPO, config_path
 from benchmarks.lib.markdown import write_block
 
 CHILD = r"""
@@ -70,7 +70,7 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="K=V", help="config overrides")
     p.add_argument("--write", type=Path, help="put the table into this markdown file between its markers")
     args = p.parse_args()
-    config = args.config if args.config.endswith(".yaml") else str(REPO / "configs" / f"{args.config}.yaml")
+    config = str(config_path(args.config))
     lines = [f"`python -m benchmarks.compiler.compile_time --config {args.config} --targets {' '.join(args.targets)} "
              f"--micro-batch {args.micro_batch}" + "".join(f" --set {s}" for s in args.set) + "`", "",
              "| target | layer loop | remat | cold compile (s) | warm cache (s) | programs loaded warm | compiled peak (GiB) |",

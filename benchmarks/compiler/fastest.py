@@ -29,7 +29,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from benchmarks.lib import REPO
+from benchmarks.lib import REPO, config_path
 from benchmarks.lib.markdown import write_block
 
 # MaxText's GPT-3 XL step (its FSDP, full remat) for a v3-32, compiled by the same libtpu (0.0.42.1) outside this repository: micro-batch -> (FLOPs per
@@ -47,7 +47,7 @@ def _search_json(args: argparse.Namespace) -> dict:
     if args.source:
         return json.loads(Path(args.source).read_text())
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # the GPU compiler needs its plugin
-    cmd = [sys.executable, "-m", "zerolm.cli", "compile", "--config", f"configs/{args.config}.yaml", "--target",
+    cmd = [sys.executable, "-m", "zerolm.cli", "compile", "--config", str(config_path(args.config)), "--target",
            args.target, "--fastest", "--stages", args.stages, "--remats", args.remats, "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
     if proc.returncode not in (0, 4):
@@ -89,7 +89,7 @@ def maxtext_lines(config: str, target: str) -> list[str]:
              "device per step (GB) |", "|---|---:|---|---:|---:|---:|"]
     model_flops = 0.0
     for label, sets in (*COMPARED, (f"**shipped `{path}`**", [])):
-        c, _ = fastest.compile_plan(str(REPO / path), sets, t, devices)
+        c, _ = fastest.compile_plan(str(config_path(config)), sets, t, devices)
         m = c.model
         assert m is not None, f"{label}: the compiler refused a program"
         model_flops = m.model_flops_per_token
@@ -121,7 +121,8 @@ def main() -> None:
     if args.what == "search":
         narrowed = "".join(f" --{k} {getattr(args, k)}" for k in ("stages", "remats")
                            if getattr(args, k) != parser.get_default(k))
-        command = f"zerolm compile --config configs/{args.config}.yaml --target {args.target} --fastest{narrowed}"
+        shown = args.config if args.config.endswith(".yaml") else f"configs/{args.config}.yaml"
+        command = f"zerolm compile --config {shown} --target {args.target} --fastest{narrowed}"
         lines = search_lines(_search_json(args), command)
     else:
         from zerolm.core import platforms

@@ -46,6 +46,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--targets", nargs="+", default=["v3-32", "v5p-32", "h100"])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--set", action="append", default=[], metavar="K=V",
+                   help="more overrides for every variant, after its own (e.g. a smaller model, for a quick run)")
     args = p.parse_args()
     print("| target | variant | attention | micro-batch | remat | peak per device (program) | fits | "
           "collective bytes per device per step | kernels' bytes per step (GPU) |")
@@ -53,7 +55,7 @@ def main() -> None:
     for target in args.targets:
         for name in args.variants:
             config, sets = VARIANTS[name]
-            r = compile_report(config, target, sets)
+            r = compile_report(config, target, [*sets, *args.set])
             if isinstance(r, str):
                 print(f"| {target} | {name} | - | - | - | {r} | - | - | - |", flush=True)
                 continue

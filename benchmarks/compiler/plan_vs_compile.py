@@ -22,6 +22,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from benchmarks.lib import config_path
 from benchmarks.lib.markdown import write_block
 from zerolm.commands import plan as commands_plan  # noqa: E402
 from zerolm.compile import aot  # noqa: E402
@@ -37,7 +38,7 @@ BEGIN, END = "<!-- plan_vs_compile:begin -->", "<!-- plan_vs_compile:end -->"
 
 def cached(cache: Path, config: str, target: str, micro: int, remat: str, devices: list) -> dict | None:
     """A compile of this setting in the cache, if one was made with what the target resolves today."""
-    cfg = load_config(f"configs/{config}.yaml", [f"train.micro_batch_size={micro}", f"model.remat={remat}",
+    cfg = load_config(config_path(config), [f"train.micro_batch_size={micro}", f"model.remat={remat}",
                                                  "mesh.dp=auto", "zero.stage=1"], device_count=len(devices))
     attention = for_device(cfg.model, devices[0]).attention  # auto, as the slice resolves it
     scatter = auto.scatter(cfg.zero.scatter, make_mesh(cfg.dp, cfg.mesh.tp, devices))  # likewise
@@ -56,7 +57,7 @@ def compiled(cache: Path, config: str, target: str, micro: int, remat: str) -> d
     row = cached(cache, config, target, micro, remat, devices)
     if row is not None:
         return row
-    cfg = load_config(f"configs/{config}.yaml", [f"train.micro_batch_size={micro}", f"model.remat={remat}",
+    cfg = load_config(config_path(config), [f"train.micro_batch_size={micro}", f"model.remat={remat}",
                                                  "mesh.dp=auto", "zero.stage=1"], device_count=len(devices))
     return store(cache, config, target, micro, remat, aot.compile_for(cfg, t, devices).to_json())
 
@@ -77,7 +78,7 @@ def planned(config: str, target: str, micro: int, remat: str, dp: int, attention
     parser = argparse.ArgumentParser()
     commands_plan.add_arguments(parser)
     preset = zerolm_advice.preset_for(aot.parse_target(target))
-    args = parser.parse_args(["--config", f"configs/{config}.yaml", "--device", preset, "--dp", str(dp),
+    args = parser.parse_args(["--config", str(config_path(config)), "--device", preset, "--dp", str(dp),
                               "--micro-batch", str(micro), "--remat", remat, "--set", f"model.attention={attention}",
                               *(a for s in sets for a in ("--set", s))])
     return commands_plan.build(args).step_peak(micro, stage)
@@ -93,14 +94,14 @@ def advice(cache: Path, config: str, target: str) -> tuple[str, list[str]]:
     t = aot.parse_target(target)
     devices = aot.target_devices(t)
     # micro-batch 1 to load it: the shipped micro-batch need not divide the sequences per rank of every slice
-    cfg = load_config(f"configs/{config}.yaml", ["mesh.dp=auto", "train.micro_batch_size=1"], device_count=len(devices))
+    cfg = load_config(config_path(config), ["mesh.dp=auto", "train.micro_batch_size=1"], device_count=len(devices))
     attention = for_device(cfg.model, devices[0]).attention
     remat = cfg.model.remat
     per_rank = cfg.train.global_batch_size // cfg.dp
     known = {b: {"peak_bytes": c["peak"], "fits": c["fits"], "accum_steps": c["accum"]}
              for b in range(1, per_rank + 1) if per_rank % b == 0
              for c in [cached(cache, config, target, b, remat, devices)] if c is not None}
-    found = zerolm_advice.search(f"configs/{config}.yaml", ["mesh.dp=auto"], t, known=known,
+    found = zerolm_advice.search(config_path(config), ["mesh.dp=auto"], t, known=known,
                                  on_compile=lambda b, r: store(cache, config, target, b, remat, r.to_json()))
     cells = "; ".join(f"{b}: {c['peak_bytes'] / 2**30:.2f} GiB {'fits' if c['fits'] else 'DOES NOT FIT'}"
                       for b, c in sorted(found.compiled.items()))
@@ -116,7 +117,8 @@ def advice(cache: Path, config: str, target: str) -> tuple[str, list[str]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--configs", nargs="+", default=["125m", "350m", "760m", "1_3b"])
+    p.add_argument("--configs", nargs="+", default=["125m", "350m", "760m", "1_3b"],
+                   help="shipped configs by name (configs/NAME.yaml), or YAML files")
     p.add_argument("--targets", nargs="+", default=["v3-32", "v4-32", "v5e-64", "v5p-64"])
     p.add_argument("--settings", nargs="+", default=["1:full", "4:full", "1:none"], help="micro-batch:remat")
     p.add_argument("--cache", type=Path, default=Path("runs/plan_vs_compile.jsonl"))

@@ -38,7 +38,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from benchmarks.compiler.plan_vs_compile import planned
-from benchmarks.lib import REPO
+from benchmarks.lib import REPO, config_path
 from benchmarks.lib.markdown import write_block
 from zerolm.compile import aot  # noqa: E402
 from zerolm.compile import collectives as comms  # noqa: E402
@@ -64,7 +64,7 @@ def stage_rows(config: str, target: str, stage: int, extra: tuple[str, ...] = ()
     t = aot.parse_target(target)
     devices = aot.target_devices(t)
     sets = [f"zero.stage={stage}", *extra]
-    cfg = load_config(f"configs/{config}.yaml", [*sets, "mesh.dp=auto"], device_count=len(devices))
+    cfg = load_config(config_path(config), [*sets, "mesh.dp=auto"], device_count=len(devices))
     r = aot.compile_for(cfg, t, devices).to_json()
     micro = r["micro_batch"]
     plan = planned(config, target, micro, r["remat"], r["mesh"]["dp"], r["attention"], stage=stage, sets=sets)
@@ -114,7 +114,7 @@ def fit_rows(config: str, target: str, stage: int, extra: tuple[str, ...] = ()) 
         print(f"  {config} stage {stage} micro {micro}: compiled {_gib(report.peak_bytes_per_device)} GiB "
               f"({'fits' if report.fits else 'does not fit'}), planned {_gib(plan['total_bytes'])}", flush=True)
 
-    found = advice.search(f"configs/{config}.yaml", sets, t, on_compile=on_compile)
+    found = advice.search(str(config_path(config)), sets, t, on_compile=on_compile)
     rows = []
     for micro, c in sorted(compiled.items()):
         verdict = ("advised" if micro == found.advised else "") + (", the compiler's largest" if micro == found.largest
@@ -141,11 +141,11 @@ def fit_table(args) -> tuple[str, list[str]]:
     return f"zero_stages_fit:{args.target}", [command, "", *rows, "", note]
 
 
-def overlap_report(config: str, target: str) -> dict:
+def overlap_report(config: str, target: str, sets: list[str]) -> dict:
     """The grad program's asynchronous collectives as this process's libtpu schedules them."""
     t = aot.parse_target(target)
     devices = aot.target_devices(t)
-    cfg = load_config(f"configs/{config}.yaml", ["mesh.dp=auto"], device_count=len(devices))
+    cfg = load_config(config_path(config), ["mesh.dp=auto", *sets], device_count=len(devices))
     built = build_and_compile(cfg, make_mesh(cfg.dp, cfg.mesh.tp, devices), aot.usable_bytes(t, devices[0]))
     text = built.compiled.texts["grad"]
     in_loop = [c for c in comms.read(text) if c.in_loop and c.op in ("all-gather", "reduce-scatter")]
@@ -161,7 +161,7 @@ def overlap_table(args) -> tuple[str, list[str]]:
     for label, flags in (("libtpu's default schedule", ""), ("with `LIBTPU_INIT_ARGS` = OVERLAP_FLAGS", OVERLAP_FLAGS)):
         env = {**os.environ, "LIBTPU_INIT_ARGS": flags}
         out = subprocess.run([sys.executable, "-m", "benchmarks.compiler.zero_stages", "overlap-report", "--config",
-                              args.config, "--target", args.target], env=env, capture_output=True, text=True, check=True,
+                              args.config, "--target", args.target, *[a for s in args.set for a in ("--set", s)]], env=env, capture_output=True, text=True, check=True,
                              cwd=REPO).stdout
         r = json.loads(out.strip().splitlines()[-1])
         asynchronous = [a for a in r["async"] if a["in_loop"]]
@@ -175,7 +175,8 @@ def overlap_table(args) -> tuple[str, list[str]]:
             lines += [f"| {'+'.join(a['ops'])} | `{a['result']}` | {a['bytes'] / 2**20:,.0f} | "
                       f"{', '.join(a['overlaps']) or 'nothing'} |" for a in asynchronous]
             lines.append("")
-    command = f"`python -m benchmarks.compiler.zero_stages overlap --config {args.config} --target {args.target}`"
+    sets = "".join(f" --set {s}" for s in args.set)
+    command = f"`python -m benchmarks.compiler.zero_stages overlap --config {args.config} --target {args.target}{sets}`"
     return f"zero_stages_overlap:{args.config}:{args.target}", [command, "", *lines]
 
 
@@ -191,11 +192,11 @@ def main() -> None:
             s.add_argument("--config", default="6_7b" if name.startswith("overlap") else "1_3b")
         s.add_argument("--stages", nargs="+", type=int, default=[1, 2, 3])
         s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                       help="stages, fit: override a config key (the micro-batch and remat a table was compiled at)")
+                       help="override a config key (the micro-batch and remat a table was compiled at)")
         s.add_argument("--write", type=Path, help="put the table into this markdown file between its markers")
     args = p.parse_args()
     if args.what == "overlap-report":
-        print(json.dumps(overlap_report(args.config, args.target)))
+        print(json.dumps(overlap_report(args.config, args.target, args.set)))
         return
     tag, lines = {"stages": stages_table, "fit": fit_table, "overlap": overlap_table}[args.what](args)
     print("\n".join(lines))

@@ -35,13 +35,13 @@ from benchmarks.lib.markdown import write_block
 SEQ, SHORT, GLOBAL = 128, 32, 32
 
 
-def train(work: Path, name: str, steps: int, sets: list[str]) -> list[dict]:
+def train(work: Path, name: str, steps: int, sets: list[str], more: list[str]) -> list[dict]:
     every = max(steps // 8, 1)
     args = ["--set", "model.position=alibi", "--set", f"train.steps={steps}", "--set", f"train.eval_every={every}",
             "--set", "train.eval_sequences=128", "--set", f"checkpoint.every={steps}", "--set", "sample.tokens=0",
             "--set", "mesh.dp=1", "--set", "train.micro_batch_size=8", "--set", f"train.global_batch_size={GLOBAL}",
             "--set", f"logging.dir={work / name / 'log'}", "--set", f"checkpoint.dir={work / name / 'ckpt'}",
-            "--set", "logging.wandb=disabled", *[a for s in sets for a in ("--set", s)]]
+            "--set", "logging.wandb=disabled", *[a for s in [*sets, *more] for a in ("--set", s)]]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "WANDB_MODE": "disabled",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     proc = subprocess.run([sys.executable, "-m", "zerolm.cli", "train", "--config", str(REPO / "configs" / "tiny.yaml"),
@@ -63,6 +63,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--write", type=Path, default=None)
+    p.add_argument("--set", action="append", default=[], metavar="K=V", help="more settings for every `zerolm train` of the experiment, after its own (a smaller model, for a quick run)")
     args = p.parse_args()
     n, stage = args.steps, args.steps // 4
     staged = f"train.context_stages=[{{steps: {stage}, seq_len: {SHORT}}}]"
@@ -75,11 +76,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         results = {}
         for name, steps, sets in runs:
-            records = train(Path(work), name.replace(" ", "_").replace(",", ""), steps, sets)
+            records = train(Path(work), name.replace(" ", "_").replace(",", ""), steps, sets, args.set)
             results[name] = records
             print(f"{name}: done", flush=True)
     equal = min(int([r for r in records if "step_time_s" in r][-1]["tokens_seen"]) for records in results.values())
-    command = f"JAX_PLATFORMS=cpu python -m benchmarks.experiments.context_stages --steps {n}"
+    command = f"JAX_PLATFORMS=cpu python -m benchmarks.experiments.context_stages --steps {n}" + "".join(f" --set {s}" for s in args.set)
     lines = [f"`{command}`", "",
              f"| run | steps | tokens trained | training time (s) | final val loss | val loss at {equal:,} tokens |",
              "|---|---:|---:|---:|---:|---:|"]

@@ -27,6 +27,7 @@ def zerolm(*args: str) -> subprocess.CompletedProcess:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=300, help="(default: %(default)s)")
+    p.add_argument("--set", action="append", default=[], metavar="K=V", help="more settings for every `zerolm train` of the experiment, after its own (a smaller model, for a quick run)")
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -34,7 +35,7 @@ def main() -> None:
             run = Path(tmp) / name
             train = zerolm("train", "--config", "configs/tiny.yaml", *[a for s in [
                 *sets, f"train.steps={args.steps}", f"checkpoint.dir={run / 'ckpt'}", f"logging.dir={run / 'log'}",
-                "sample.tokens=0", "logging.wandb=disabled"] for a in ("--set", s)])
+                "sample.tokens=0", "logging.wandb=disabled", *args.set] for a in ("--set", s)])
             if train.returncode:
                 raise SystemExit(train.stderr[-2000:])
             cells = []

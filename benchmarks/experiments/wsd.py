@@ -13,6 +13,7 @@ constant run's plus the branch's.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -26,12 +27,12 @@ from benchmarks.lib.markdown import write_block
 BEGIN, END = "<!-- wsd:begin -->", "<!-- wsd:end -->"
 
 
-def train(run: Path, *sets: str) -> float:
+def _train(run: Path, *sets: str, more: tuple[str, ...] = ()) -> float:
     """`zerolm train` of the tiny config with `sets`, into `run`; its wall-clock seconds."""
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "zerolm.cli", "train", "--config", "configs/tiny.yaml", *[
         a for s in [*sets, f"checkpoint.dir={run / 'ckpt'}", f"logging.dir={run / 'log'}", "sample.tokens=0",
-                    "logging.wandb=disabled", "mesh.dp=1"] for a in ("--set", s)]],
+                    "logging.wandb=disabled", "mesh.dp=1", *more] for a in ("--set", s)]],
                           capture_output=True, text=True, cwd=REPO)
     if proc.returncode:
         raise SystemExit(proc.stderr[-3000:])
@@ -44,8 +45,9 @@ def last_val(run: Path) -> tuple[int, float]:
     return last["step"], last["val_loss"]
 
 
-def measure(steps: int, decay: int, warmup: int, tmp: Path) -> list[list[str]]:
+def measure(steps: int, decay: int, warmup: int, tmp: Path, more: tuple[str, ...] = ()) -> list[list[str]]:
     stable, warm = steps - decay, f"train.warmup_steps={warmup}"
+    train = functools.partial(_train, more=more)
     runs = {"cosine": train(tmp / "cosine", f"train.steps={steps}", warm)}
     runs["constant"] = train(tmp / "constant", "train.schedule=constant", f"train.steps={stable}", warm)
     for shape in ("linear", "sqrt"):
@@ -72,9 +74,10 @@ def main() -> None:
                    "the tiny config's)")
     p.add_argument("--write", type=Path, default=None, metavar="FILE.md",
                    help="also write the table into FILE.md between its markers (default: print only)")
+    p.add_argument("--set", action="append", default=[], metavar="K=V", help="more settings for every `zerolm train` of the experiment, after its own (a smaller model, for a quick run)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = measure(args.steps, round(args.decay * args.steps), args.warmup, Path(tmp))
+        rows = measure(args.steps, round(args.decay * args.steps), args.warmup, Path(tmp), tuple(args.set))
     lines = ["| run | step | validation loss | wall s |", "|---|---|---|---|",
              *("| " + " | ".join(row) + " |" for row in rows)]
     print("\n".join(lines))

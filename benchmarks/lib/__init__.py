@@ -6,3 +6,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
+
+def config_path(config: str) -> Path:
+    """A shipped config by its name (`125m`: configs/125m.yaml), or any YAML file by its path."""
+    return Path(config) if config.endswith(".yaml") else REPO / "configs" / f"{config}.yaml"

@@ -149,7 +149,14 @@ def main() -> None:
     parser.add_argument("--write", type=Path, default=None)
     parser.add_argument("--machine", default="dev-cpu", help="the machine's name in the table's first line")
     parser.add_argument("--block", default="serve", help="the BENCHMARKS.md block to rewrite: <!-- BLOCK:begin -->")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32],
+                        help="client counts, 1 first: the row the others are measured against (default: 1 8 32)")
+    parser.add_argument("--tries", type=int, default=5, help="tries of the short answers, their median taken (default: 5)")
+    parser.add_argument("--short-tokens", type=int, nargs="+", default=list(SHORT_TOKENS),
+                        help="the short answers' lengths in new tokens (default: 16 128)")
     args = parser.parse_args()
+    if args.clients[0] != 1:
+        parser.error("--clients starts with 1: each row's '× one client' is against it")
     rows, short = [], []
     with tempfile.TemporaryDirectory() as work:
         checkpoint = train(Path(work))
@@ -157,14 +164,14 @@ def main() -> None:
         for flags, label in [((), "batched (rows 1, 8, 32)"), (("--max-rows", "1"), "one row (--max-rows 1)")]:
             proc, api = serve(checkpoint, *flags)
             try:
-                load(api, 1, 3)  # the connection pool and the first requests, before timing
+                load(api, 1, min(3.0, args.seconds))  # the connection pool and the first requests, before timing
                 for stream in (True, False):
-                    for clients in (1, 8, 32):
+                    for clients in args.clients:
                         rows.append({"server": label, "stream": stream, **load(api, clients, args.seconds, stream)})
                         print(json.dumps(rows[-1]), file=sys.stderr)
                 if not flags:
-                    for tokens in SHORT_TOKENS:
-                        short.append(short_answers(api, tokens))
+                    for tokens in args.short_tokens:
+                        short.append(short_answers(api, tokens, args.tries))
                         print(json.dumps(short[-1]), file=sys.stderr)
             finally:
                 proc.terminate()
@@ -182,6 +189,9 @@ def table(rows: list[dict], args: argparse.Namespace, alone: dict[int, float], s
     where = (f"{os.cpu_count()} cores; the clients run on the same cores" if device.platform == "cpu" else
              f"one {device.device_kind}, {os.cpu_count()} CPU cores; jax {jax.__version__}")
     flags = "" if args.machine == "dev-cpu" else f" --machine {args.machine} --block {args.block}"
+    flags += "" if args.clients == [1, 8, 32] else " --clients " + " ".join(map(str, args.clients))
+    flags += "" if args.tries == 5 else f" --tries {args.tries}"
+    flags += "" if args.short_tokens == list(SHORT_TOKENS) else " --short-tokens " + " ".join(map(str, args.short_tokens))
     lines = [f"Measured {time.strftime('%Y-%m-%d')} on {args.machine} ({where}), "
              f"`JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', device.platform)} python -m benchmarks.measure.serve --seconds {args.seconds:g}{flags} "
              "--write BENCHMARKS.md`:",
@@ -197,7 +207,7 @@ def table(rows: list[dict], args: argparse.Namespace, alone: dict[int, float], s
               "model on this machine could give:", "", "| rows | tokens/s | × one row |", "|---:|---:|---:|"]
     lines += [f"| {rows} | {alone[rows]:.0f} | {alone[rows] / alone[1]:.1f} |" for rows in (1, 8, 32)]
     lines += ["", f"Short answers: {SHORT_CLIENTS} clients, one completion each, at once and one after another (the "
-              "batched server; median of 5 tries):", "",
+              f"batched server; median of {args.tries} tries):", "",
               "| new tokens | at once | one after another | × |", "|---:|---:|---:|---:|"]
     lines += [f"| {r['tokens']} | {1e3 * r['together_s']:.0f} ms | {1e3 * r['one_by_one_s']:.0f} ms | "
               f"{r['one_by_one_s'] / r['together_s']:.1f} |" for r in short]
