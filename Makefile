@@ -4,6 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 CONFIG ?= configs/tiny.yaml
 TRAIN_ARGS ?=
+BENCH_ARGS ?=
 # 8 fake CPU devices so the data-parallel and ZeRO paths run on any laptop (tests/conftest.py adds the rest of
 # the tests' XLA flags: tests/xla_flags.py).
 TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 WANDB_MODE=disabled JAX_PLATFORMS=cpu
@@ -47,10 +48,10 @@ test: lint
 test-fast: install-test
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" tests
 
-# The ZeRO-1 step against the naive single-jit step on 8 fake CPU devices (BENCHMARKS.md). The benchmarks run as
-# modules from the repository's root: benchmarks/README.md lists them.
+# The ZeRO-1 step against the naive single-jit step on 8 fake CPU devices (BENCHMARKS.md); BENCH_ARGS adds options
+# (`--steps 3`, `--set model.n_layer=2`). The benchmarks run as modules from the repository's root: benchmarks/README.md.
 bench: install
-	$(TEST_ENV) $(PY) -m benchmarks.measure.zero_step --config $(CONFIG)
+	$(TEST_ENV) $(PY) -m benchmarks.measure.zero_step --config $(CONFIG) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

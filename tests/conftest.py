@@ -37,11 +37,11 @@ SLOW_FIXTURES = {"trained_run", "gcs", "gcs_module", "gcs_server"}
 # The files that take longest (`pytest --durations=0` on 2 cores), run first: `make test` hands whole files to
 # its two workers in this order (--no-loadscope-reorder), so that the last files to start are short ones and
 # neither worker idles at the end waiting for the other's long file.
-LONGEST_FIRST = ("test_launch.py", "test_storage.py", "test_checkpoint.py", "test_compile.py", "test_harness.py",
+LONGEST_FIRST = ("test_launch.py", "test_benchmarks.py", "test_storage.py", "test_checkpoint.py", "test_compile.py", "test_harness.py",
                  "test_gpu_compile.py", "test_model_options.py", "test_train.py", "test_averaging.py", "test_serve.py", "test_data.py", "test_import_hf.py",
                  "test_parts.py", "test_export.py",
                  "test_model.py", "test_branch.py", "test_schedules.py", "test_zero_stages.py", "test_tensor_parallel.py", "test_documents.py", "test_grow.py",
-                 "test_evaluate.py", "test_benchmarks.py", "test_mixture.py", "test_step_time.py", "test_zero.py")
+                 "test_evaluate.py", "test_mixture.py", "test_step_time.py", "test_zero.py")
 
 
 def pytest_collection_modifyitems(items):
