@@ -1,6 +1,6 @@
-"""zerolm's modeled GPU steps against the newest H100 step measured for each config (BENCHMARKS.md: 125m and 1_3b from
-"H100, third session", 2026-11-27; 350m and 760m from "One device through the normal path", 2026-11-24, the only time
-they were measured): each config compiled for target h100 as it ran (dp = 1, seq_len 2048, mixed precision, ZeRO-1,
+"""zerolm's modeled GPU steps against the newest H100 step measured for each config (the current rows of
+benchmarks/results/train_h100.json: 125m and 1_3b from 2026-11-27, 350m and 760m from 2026-11-24, the only time they
+were measured; BENCHMARKS.md, "Against PyTorch on one GPU"): each config compiled for target h100 as it ran (dp = 1, seq_len 2048, mixed precision, ZeRO-1,
 two accumulation steps), one compile at a time, and modeled two ways:
 
 - the kernel model (zerolm.compile.gpu_time): every kernel at the rate its class reached on the H100 step it is
@@ -17,13 +17,23 @@ two accumulation steps), one compile at a time, and modeled two ways:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # XLA's GPU compiler runs without a GPU
 
-# config -> (remat, micro-batch, measured step s, measured on), BENCHMARKS.md's H100 tables
-MEASURED = {"125m": ("none", 16, 0.167, "2026-11-27"), "350m": ("full", 32, 0.903, "2026-11-24"),
-            "760m": ("full", 16, 0.837, "2026-11-24"), "1_3b": ("none", 8, 0.566, "2026-11-27")}
+from benchmarks.lib import REPO  # noqa: E402
+
+# config -> (remat, micro-batch): the H100 step modeled for each config, its time and date read from the recorded results
+MEASURED = {"125m": ("none", 16), "350m": ("full", 32), "760m": ("full", 16), "1_3b": ("none", 8)}
+
+
+def measured(name: str) -> tuple[float, str]:
+    """(step seconds, date) of the config's current H100 row at MEASURED's remat and micro-batch."""
+    remat, micro = MEASURED[name]
+    sessions = json.loads((REPO / "benchmarks" / "results" / "train_h100.json").read_text())["sessions"]
+    return next((r["step_s"], s["date"]) for s in sessions for r in s["rows"] if r["status"].startswith("current")
+                and (r["config"], r["remat"], r["micro_batch"]) == (name, remat, micro))
 
 
 def compiled(name: str, card: str):
@@ -36,7 +46,7 @@ def compiled(name: str, card: str):
 
     platforms.no_device_needed()
     devices = aot.target_devices(aot.parse_target(card))
-    remat, micro, _, _ = MEASURED[name]
+    remat, micro = MEASURED[name]
     cfg = load_planned(f"configs/{name}.yaml", ["mesh.dp=1", "zero.stage=1", f"model.remat={remat}",
                                                 f"train.micro_batch_size={micro}",
                                                 f"train.global_batch_size={2 * micro}"], device_count=1)
@@ -49,7 +59,7 @@ def fit() -> None:
     from zerolm.core.hardware import GPU_TYPES, chip
 
     calibration = gpu_time.CALIBRATION
-    assert calibration.config == "125m" and MEASURED["125m"][:2] == ("none", 16)
+    assert calibration.config == "125m" and MEASURED["125m"] == ("none", 16)
     h100 = chip("H100")
     assert h100 is not None
     card = gpu_time.calibrate(compiled("125m", "h100").compiled.texts, "h100", h100.flops,
@@ -75,15 +85,15 @@ def main() -> None:
           "FLOPs ÷ model's | measured MFU |")
     print("|---|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|")
     for name in args.configs:
-        remat, micro, measured, date = MEASURED[name]
+        (remat, micro), (step_s, date) = MEASURED[name], measured(name)
         built = compiled(name, args.card)
         kernel = gpu_time.step(built.compiled.texts, gpu_time.card(GPU_TYPES[args.card]))
         bound = step_time.of_step(built, preset(args.card))
         shares = kernel.shares()
         split = ", ".join(f"{shares[c]:.0%}" for c in ("matmul", "attention", "reduction", "elementwise", "copy"))
-        measured_mfu = bound.model_flops_per_token * bound.tokens_per_step / measured / bound.peak_flops
-        print(f"| {name} | {remat} | {micro} | {measured:.3f} | {date} | {kernel.step_s:.3f} | "
-              f"{kernel.step_s / measured:.2f} | {split} | {bound.step_s:.3f} | {bound.step_s / measured:.2f} | "
+        measured_mfu = bound.model_flops_per_token * bound.tokens_per_step / step_s / bound.peak_flops
+        print(f"| {name} | {remat} | {micro} | {step_s:.3f} | {date} | {kernel.step_s:.3f} | "
+              f"{kernel.step_s / step_s:.2f} | {split} | {bound.step_s:.3f} | {bound.step_s / step_s:.2f} | "
               f"{bound.flops_ratio:.3f} | {measured_mfu:.1%} |", flush=True)
 
 
