@@ -130,6 +130,7 @@ ELSEWHERE = {
     "benchmarks.experiments.averaging": "test_averaging_runs_the_commands_and_writes_its_table",
     "benchmarks.tools.profile_summary": "test_profile_summary_sums_the_device_kernels_by_kind",
     "benchmarks.tools.suite_cpu": "test_suite_cpu_summarizes_a_log_by_file_test_and_command",
+    "benchmarks.tools.figures": "test_figures_are_drawn_from_the_recorded_results",
 }
 
 
@@ -328,3 +329,31 @@ def test_suite_cpu_summarizes_a_log_by_file_test_and_command(tmp_path):
     out = ok(run_module("benchmarks.tools.suite_cpu", "--log", str(log), cwd=tmp_path, timeout=120))
     assert "the pytest workers' own CPU: 55 s; the Python processes the tests started: 12 s (2 processes)" in out
     assert re.search(r"by test file:\n\s+12\.0  tests/test_a\.py", out) and re.search(r"by command:\n\s+9\.0  cli\.py train", out)
+
+
+def test_figures_are_drawn_from_the_recorded_results(tmp_path):
+    """benchmarks/tools/figures.py draws every figure into the test's directory from benchmarks/results/*.json, and
+    what the H100 one plots is the JSON's: zerolm's current rows beside PyTorch's at the same config and micro-batch,
+    MFU in one panel and peak memory in the other."""
+    import matplotlib
+
+    from benchmarks.tools import figures
+
+    out = ok(run_module("benchmarks.tools.figures", "--out", str(tmp_path / "figures"), cwd=tmp_path, timeout=120))
+    for name in figures.FIGURES_DRAWN:
+        assert (tmp_path / "figures" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(tmp_path / "figures" / name) in out
+    results = REPO / "benchmarks" / "results"
+    mine = {(r["config"], r["micro_batch"]): r for s in json.loads((results / "train_h100.json").read_text())["sessions"]
+            for r in s["rows"] if r["status"].startswith("current")}
+    torch = [r for r in json.loads((results / "torch_h100.json").read_text())["rows"] if (r["config"], r["micro_batch"]) in mine]
+    assert len(torch) == 3
+    matplotlib.use("Agg")
+    fig, _ = figures.pytorch_figure(figures.load("train_h100"), figures.load("torch_h100"))
+    speed, memory = fig.axes
+    expected_mfu = [100 * mine[(r["config"], r["micro_batch"])]["mfu"] for r in torch] + [100 * r["mfu"] for r in torch]
+    expected_gib = [mine[(r["config"], r["micro_batch"])]["peak_gib"] for r in torch] + [r["peak_gib"] for r in torch]
+    assert [round(b.get_height(), 6) for b in speed.patches] == [round(v, 6) for v in expected_mfu]
+    assert [b.get_height() for b in memory.patches] == expected_gib
+    labels = [t.get_text() for t in speed.texts]
+    assert labels == [f"{v / 1e3:,.1f}k tok/s" for v in [mine[(r["config"], r["micro_batch"])]["tokens_per_s"] for r in torch]
+                      + [r["tokens_per_s"] for r in torch]]
