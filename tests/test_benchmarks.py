@@ -357,3 +357,18 @@ def test_figures_are_drawn_from_the_recorded_results(tmp_path):
     labels = [t.get_text() for t in speed.texts]
     assert labels == [f"{v / 1e3:,.1f}k tok/s" for v in [mine[(r["config"], r["micro_batch"])]["tokens_per_s"] for r in torch]
                       + [r["tokens_per_s"] for r in torch]]
+
+
+def test_benchmarks_md_opens_with_the_table_the_recorded_results_make():
+    """BENCHMARKS.md's "Where zerolm stands" is what benchmarks/tools/figures.py renders from benchmarks/results/
+    today (a figure typed in by hand, or a result recorded but not drawn, fails here), it comes first, holds at most
+    15 rows, and every section a row, or the file's list of sections, links to is one of its headings."""
+    from benchmarks.tools import figures
+
+    text = (REPO / "BENCHMARKS.md").read_text()
+    block = text[text.index(figures.BEGIN) + len(figures.BEGIN):text.index(figures.END)].strip("\n").splitlines()
+    assert block == figures.table(figures.rows())
+    assert len(block) - 2 <= 15 and re.search(r"^## (.+)$", text, re.M).group(1) == "Where zerolm stands"
+    headings = {figures.slug(h) for h in re.findall(r"^#{2,4} (.+)$", text, re.M)}
+    anchors = set(re.findall(r"\]\(#([\w-]+)\)", text))
+    assert anchors and anchors <= headings, sorted(anchors - headings)
