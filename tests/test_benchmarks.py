@@ -372,3 +372,13 @@ def test_benchmarks_md_opens_with_the_table_the_recorded_results_make():
     headings = {figures.slug(h) for h in re.findall(r"^#{2,4} (.+)$", text, re.M)}
     anchors = set(re.findall(r"\]\(#([\w-]+)\)", text))
     assert anchors and anchors <= headings, sorted(anchors - headings)
+
+
+def test_the_readme_shows_four_of_those_rows_and_links_the_rest():
+    from benchmarks.tools import figures
+
+    text = (REPO / "README.md").read_text()
+    block = text[text.index(figures.BEGIN) + len(figures.BEGIN):text.index(figures.END)].strip("\n").splitlines()
+    front = [r for r in figures.rows() if r.front]
+    assert len(front) == 4 and block == figures.table(front, "BENCHMARKS.md")
+    assert "(BENCHMARKS.md#where-zerolm-stands)" in text and text.index(figures.BEGIN) < text.index("## Train")
