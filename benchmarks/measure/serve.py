@@ -3,7 +3,7 @@
     JAX_PLATFORMS=cpu python -m benchmarks.measure.serve [--write BENCHMARKS.md] [--seconds 20]
     JAX_PLATFORMS=cuda python -m benchmarks.measure.serve --machine h100 --block serve-h100 [--write BENCHMARKS.md]
 
-configs/tiny.yaml as it ships (4 layers, 128 wide, seq_len 128) trained 20 steps on the embedded corpus,
+configs/tiny.yaml as it ships (4 layers, 128 wide, seq_len 128) trained 20 steps (`--train-steps`) on the embedded corpus,
 served on one device. Each client is a thread that sends one streamed completion after another (a 6-token
 prompt, 96 new tokens, temperature 1, its own seed) for `--seconds`; tokens per second
 are the completion tokens every client received over the wall time, the time to the first token is each
@@ -39,8 +39,8 @@ SHORT_CLIENTS = 16
 SHORT_TOKENS = (16, 128)
 
 
-def train(work: Path) -> Path:
-    sets = ["train.steps=20", "train.eval_every=1000", "sample.tokens=0",
+def train(work: Path, steps: int) -> Path:
+    sets = [f"train.steps={steps}", "train.eval_every=1000", "sample.tokens=0",
             f"checkpoint.dir={work / 'ckpt'}", f"logging.dir={work / 'log'}", "logging.wandb=disabled"]
     subprocess.run([sys.executable, "-m", "zerolm.cli", "train", "--config", str(REPO / "configs/tiny.yaml"),
                     *[a for s in sets for a in ("--set", s)]], check=True, cwd=REPO, capture_output=True)
@@ -118,7 +118,7 @@ def short_answers(api: str, tokens: int, tries: int = 5) -> dict:
     return {"tokens": tokens, "together_s": float(np.median(together)), "one_by_one_s": float(np.median(one_by_one))}
 
 
-def step_alone(checkpoint: Path) -> dict[int, float]:
+def step_alone(checkpoint: Path, steps: int) -> dict[int, float]:
     """Tokens/s of the decoding program alone at each row count (every row drawing at temperature 1): what no
     server of this model on this machine can pass."""
     code = f"""
@@ -133,10 +133,10 @@ for rows in (1, 8, 32, 1, 8, 32):
     batch, drawn = step(run.model, run.params, batch)
     jax.block_until_ready(drawn)
     start = time.perf_counter()
-    for _ in range(100):
+    for _ in range({steps}):
         batch, drawn = step(run.model, run.params, batch)
         drawn = jax.device_get(drawn)
-    out[rows] = rows * DRAWS * 100 / (time.perf_counter() - start)
+    out[rows] = rows * DRAWS * {steps} / (time.perf_counter() - start)
 print(json.dumps(out))
 """
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=REPO).stdout
@@ -154,13 +154,16 @@ def main() -> None:
     parser.add_argument("--tries", type=int, default=5, help="tries of the short answers, their median taken (default: 5)")
     parser.add_argument("--short-tokens", type=int, nargs="+", default=list(SHORT_TOKENS),
                         help="the short answers' lengths in new tokens (default: 16 128)")
+    parser.add_argument("--train-steps", type=int, default=20, help="steps the served model is trained (default: 20)")
+    parser.add_argument("--decode-steps", type=int, default=100,
+                        help="calls of the decoding program timed at each row count, alone (default: 100)")
     args = parser.parse_args()
     if args.clients[0] != 1:
         parser.error("--clients starts with 1: each row's '× one client' is against it")
     rows, short = [], []
     with tempfile.TemporaryDirectory() as work:
-        checkpoint = train(Path(work))
-        alone = step_alone(checkpoint)
+        checkpoint = train(Path(work), args.train_steps)
+        alone = step_alone(checkpoint, args.decode_steps)
         for flags, label in [((), "batched (rows 1, 8, 32)"), (("--max-rows", "1"), "one row (--max-rows 1)")]:
             proc, api = serve(checkpoint, *flags)
             try:
@@ -192,6 +195,8 @@ def table(rows: list[dict], args: argparse.Namespace, alone: dict[int, float], s
     flags += "" if args.clients == [1, 8, 32] else " --clients " + " ".join(map(str, args.clients))
     flags += "" if args.tries == 5 else f" --tries {args.tries}"
     flags += "" if args.short_tokens == list(SHORT_TOKENS) else " --short-tokens " + " ".join(map(str, args.short_tokens))
+    flags += "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k, d in (("train_steps", 20), ("decode_steps", 100))
+                     if getattr(args, k) != d)
     lines = [f"Measured {time.strftime('%Y-%m-%d')} on {args.machine} ({where}), "
              f"`JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', device.platform)} python -m benchmarks.measure.serve --seconds {args.seconds:g}{flags} "
              "--write BENCHMARKS.md`:",
