@@ -30,20 +30,20 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from benchmarks.lib import config_path
 from benchmarks.lib.markdown import write_block
-from zerolm.compile import aot  # noqa: E402
-from zerolm.compile import bytes_moved as census  # noqa: E402
-from zerolm.config.load import load_config  # noqa: E402
-from zerolm.parallel.build import build_step, compile_step  # noqa: E402
-from zerolm.parallel.mesh import make_mesh  # noqa: E402
+from zerolm.compile import aot
+from zerolm.compile import bytes_moved as census
+from zerolm.config.load import load_config
+from zerolm.parallel.build import build_step, compile_step
+from zerolm.parallel.mesh import make_mesh
 
 VARIANTS = ("shipped", "scan", "unrolled", "plain")
 

@@ -49,7 +49,7 @@ def main() -> None:
         commands_plan.add_arguments(parser)
         planned = commands_plan.build(parser.parse_args(["--config", "configs/tiny.yaml", "--dp", "1", "--device", "v4",
                                                 *[a for s in sets for a in ("--set", s)]])).memory(1, micro)
-        mib = lambda n: f"{n / 2**20:8.1f}Mi"  # noqa: E731
+        mib = lambda n: f"{n / 2**20:8.1f}Mi"
         print(f"{micro:5d} {mib(xla.argument_size_in_bytes)} {mib(planned['params_bytes'])} "
               f"{mib(xla.output_size_in_bytes)}  {mib(planned['grads_bytes'])} {mib(xla.temp_size_in_bytes)} "
               f"{mib(planned['activation_bytes'])} {xla.temp_size_in_bytes / planned['activation_bytes']:6.2f}")

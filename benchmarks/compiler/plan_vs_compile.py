@@ -24,14 +24,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from benchmarks.lib import config_path
 from benchmarks.lib.markdown import write_block
-from zerolm.commands import plan as commands_plan  # noqa: E402
-from zerolm.compile import aot  # noqa: E402
-from zerolm.compile import micro_batch_search as zerolm_advice  # noqa: E402
-from zerolm.config.load import load_config  # noqa: E402
-from zerolm.parallel import auto  # noqa: E402
-from zerolm.parallel.auto import for_device  # noqa: E402
-from zerolm.parallel.mesh import make_mesh  # noqa: E402
-from zerolm.plan import SAFETY_MARGIN  # noqa: E402
+from zerolm.commands import plan as commands_plan
+from zerolm.compile import aot
+from zerolm.compile import micro_batch_search as zerolm_advice
+from zerolm.config.load import load_config
+from zerolm.parallel import auto
+from zerolm.parallel.auto import for_device
+from zerolm.parallel.mesh import make_mesh
+from zerolm.plan import SAFETY_MARGIN
 
 BEGIN, END = "<!-- plan_vs_compile:begin -->", "<!-- plan_vs_compile:end -->"
 

@@ -22,7 +22,7 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # XLA's GPU compiler runs without a GPU
 
-from benchmarks.lib import REPO  # noqa: E402
+from benchmarks.lib import REPO
 
 # config -> (remat, micro-batch): the H100 step modeled for each config, its time and date read from the recorded results
 MEASURED = {"125m": ("none", 16), "350m": ("full", 32), "760m": ("full", 16), "1_3b": ("none", 8)}

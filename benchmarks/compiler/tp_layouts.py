@@ -19,16 +19,16 @@ import collections
 import platform
 import time
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
 from benchmarks.lib.steps import to_accum_layout
-from zerolm.compile import collectives  # noqa: E402
-from zerolm.config.load import load_config  # noqa: E402
-from zerolm.parallel import sharding  # noqa: E402
-from zerolm.parallel.build import build_step  # noqa: E402
-from zerolm.parallel.mesh import make_mesh  # noqa: E402
-from zerolm.parallel.sharding import with_shardings  # noqa: E402
+from zerolm.compile import collectives
+from zerolm.config.load import load_config
+from zerolm.parallel import sharding
+from zerolm.parallel.build import build_step
+from zerolm.parallel.mesh import make_mesh
+from zerolm.parallel.sharding import with_shardings
 
 
 def shard_bytes(abstract, shardings) -> int:
@@ -106,7 +106,7 @@ def main() -> None:
     print(f"\nconfig {args.config} {' '.join(args.set)}{' (vocabulary-parallel embedding)' if args.vocab_parallel else ''}: {jax.device_count()} × {jax.devices()[0].device_kind} "
           f"({platform.processor() or platform.machine()}), global batch {args.global_batch}, micro-batch "
           f"{args.micro_batch} per device (accumulation steps = global / (dp × micro)), jax {jax.__version__}\n")
-    mib = lambda b: f"{b / 2**20:,.2f}"  # noqa: E731
+    mib = lambda b: f"{b / 2**20:,.2f}"
     print("| (dp, tp) | params / device (MiB) | grads / device (MiB) | AdamW state / device (MiB) "
           "| largest program / device (MiB) |" + (" step time (s) | vs (8, 1) |" if times else ""))
     print("|---|---|---|---|---|" + ("---|---|" if times else ""))

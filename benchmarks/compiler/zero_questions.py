@@ -21,22 +21,22 @@ import functools
 import re
 import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from benchmarks.lib.steps import ops_in_loops
-from zerolm.compile import collectives as comms  # noqa: E402
-from zerolm.compile import hlo  # noqa: E402
-from zerolm.config.load import load_config  # noqa: E402
-from zerolm.model import losses  # noqa: E402
-from zerolm.parallel import naive_step as naive  # noqa: E402
-from zerolm.parallel.build import build_step, compile_step  # noqa: E402
-from zerolm.parallel.mesh import DP, make_mesh  # noqa: E402
-from zerolm.parallel.scatter import two_stage_inner, two_stage_reduce_scatter  # noqa: E402
+from zerolm.compile import collectives as comms
+from zerolm.compile import hlo
+from zerolm.config.load import load_config
+from zerolm.model import losses
+from zerolm.parallel import naive_step as naive
+from zerolm.parallel.build import build_step, compile_step
+from zerolm.parallel.mesh import DP, make_mesh
+from zerolm.parallel.scatter import two_stage_inner, two_stage_reduce_scatter
 
 
 def collectives(text: str, mesh) -> str:

@@ -40,14 +40,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from benchmarks.compiler.plan_vs_compile import planned
 from benchmarks.lib import REPO, config_path
 from benchmarks.lib.markdown import write_block
-from zerolm.compile import aot  # noqa: E402
-from zerolm.compile import collectives as comms  # noqa: E402
-from zerolm.compile import micro_batch_search as advice  # noqa: E402
-from zerolm.config.load import load_config  # noqa: E402
-from zerolm.core import tpu_flags  # noqa: E402
-from zerolm.parallel.build import build_and_compile  # noqa: E402
-from zerolm.parallel.mesh import make_mesh  # noqa: E402
-from zerolm.plan import SAFETY_MARGIN  # noqa: E402
+from zerolm.compile import aot
+from zerolm.compile import collectives as comms
+from zerolm.compile import micro_batch_search as advice
+from zerolm.config.load import load_config
+from zerolm.core import tpu_flags
+from zerolm.parallel.build import build_and_compile
+from zerolm.parallel.mesh import make_mesh
+from zerolm.plan import SAFETY_MARGIN
 
 GIB = 2**30
 # libtpu's asynchronous collective fusion: collectives split into a start and a done that a matmul runs between

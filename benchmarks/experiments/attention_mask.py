@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerolm.model.attention import Bias, causal_attention  # noqa: E402
+from zerolm.model.attention import Bias, causal_attention
 
 
 def segments(rng: np.random.Generator, batch: int, seq_len: int, docs: int) -> np.ndarray:
@@ -88,7 +88,7 @@ def main() -> None:
                     t = time.perf_counter()
                     jax.block_until_ready(fn(q, k, v))
                     times.append(time.perf_counter() - t)
-            except Exception as e:  # noqa: BLE001  (a row that does not run is a result)
+            except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 print(f"{implementation:<12} {masked!s:<5} failed: {row['error']}")
                 rows.append(row)

@@ -33,9 +33,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from benchmarks.lib import REPO
-from zerolm.config.load import load_config  # noqa: E402
-from zerolm.model.flops import flops_per_token  # noqa: E402
-from zerolm.observe.mfu import peak_for  # noqa: E402
+from zerolm.config.load import load_config
+from zerolm.model.flops import flops_per_token
+from zerolm.observe.mfu import peak_for
 
 
 def load_shape(name: str, seq_len: int, vocab_size: int) -> dict:

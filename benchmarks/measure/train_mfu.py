@@ -44,20 +44,20 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
 from benchmarks.lib import REPO
 from benchmarks.lib.steps import to_accum_layout
-from zerolm.config.load import load_config  # noqa: E402
-from zerolm.core.hardware import memory_limit  # noqa: E402
-from zerolm.model import decoder as gpt_model  # noqa: E402
-from zerolm.model import losses  # noqa: E402
-from zerolm.model.flops import flops_per_token  # noqa: E402
-from zerolm.observe.mfu import mfu, peak_for  # noqa: E402
-from zerolm.parallel.build import build_step  # noqa: E402
-from zerolm.parallel.mesh import make_mesh  # noqa: E402
-from zerolm.parallel.naive_step import naive_data_parallel_step  # noqa: E402
+from zerolm.config.load import load_config
+from zerolm.core.hardware import memory_limit
+from zerolm.model import decoder as gpt_model
+from zerolm.model import losses
+from zerolm.model.flops import flops_per_token
+from zerolm.observe.mfu import mfu, peak_for
+from zerolm.parallel.build import build_step
+from zerolm.parallel.mesh import make_mesh
+from zerolm.parallel.naive_step import naive_data_parallel_step
 
 POLICIES = ("none", "dots_attention", "dots", "attention", "full")  # from the most memory to the least
 
@@ -267,7 +267,7 @@ def main() -> None:
              "other candidates (tokens/s) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        pct = lambda v: "—" if v is None else f"{v:.1%}"  # noqa: E731
+        pct = lambda v: "—" if v is None else f"{v:.1%}"
         if "naive_step_s" in r:
             naive_mfu = pct(mfu(r["tokens_per_s"] * r["zero_step_s"] / r["naive_step_s"], r["fpt"], device.device_kind))
             ratio = f"{r['zero_step_s'] / r['naive_step_s']:.3f}"

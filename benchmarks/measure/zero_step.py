@@ -18,22 +18,22 @@ import functools
 import platform
 import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from benchmarks.lib.steps import bytes_per_device, to_accum_layout
-from zerolm.compile import collectives as comms  # noqa: E402
-from zerolm.config.load import load_config  # noqa: E402
-from zerolm.model import decoder as gpt_model  # noqa: E402
-from zerolm.model import losses  # noqa: E402
-from zerolm.model.flops import flops_per_token as model_flops_per_token  # noqa: E402
-from zerolm.observe.mfu import peak_for  # noqa: E402
-from zerolm.parallel.build import build_step  # noqa: E402
-from zerolm.parallel.mesh import make_mesh  # noqa: E402
-from zerolm.parallel.naive_step import naive_data_parallel_step  # noqa: E402
-from zerolm.parallel.optim import make_optimizer  # noqa: E402
-from zerolm.parallel.sharding import with_shardings  # noqa: E402
+from zerolm.compile import collectives as comms
+from zerolm.config.load import load_config
+from zerolm.model import decoder as gpt_model
+from zerolm.model import losses
+from zerolm.model.flops import flops_per_token as model_flops_per_token
+from zerolm.observe.mfu import peak_for
+from zerolm.parallel.build import build_step
+from zerolm.parallel.mesh import make_mesh
+from zerolm.parallel.naive_step import naive_data_parallel_step
+from zerolm.parallel.optim import make_optimizer
+from zerolm.parallel.sharding import with_shardings
 
 
 def peak_flops() -> tuple[float, str]:

@@ -49,7 +49,7 @@ def _command(argv: list[str]) -> str:
 
 def summarize(log: Path, top: int, wall: float | None = None, total: float | None = None) -> None:
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    cpu = lambda r: r["user"] + r["sys"]  # noqa: E731
+    cpu = lambda r: r["user"] + r["sys"]
     workers = [r for r in records if r["worker"] and not r["test"]]
     started = [r for r in records if r["test"]]
     by_file, by_test, by_command = collections.Counter(), collections.Counter(), collections.Counter()
