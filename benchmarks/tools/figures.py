@@ -12,27 +12,16 @@ into its JSON file (its older rows marked superseded), and this redraws the figu
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.lib import REPO
 from benchmarks.lib.markdown import write_block
+from benchmarks.lib.results import current, load
 
-RESULTS = REPO / "benchmarks" / "results"
 FIGURES = REPO / "docs" / "figures"
 BEGIN, END = "<!-- standing:begin -->", "<!-- standing:end -->"
 ZEROLM, PEER = "#1f77b4", "#ff7f0e"
-
-
-def load(name: str) -> dict:
-    return json.loads((RESULTS / f"{name}.json").read_text())
-
-
-def current(train: dict) -> dict[tuple[str, int], dict]:
-    """zerolm's current H100 rows by (config, micro-batch), each with its session's date."""
-    return {(r["config"], r["micro_batch"]): {**r, "date": s["date"]} for s in train["sessions"] for r in s["rows"]
-            if r["status"].startswith("current")}
 
 
 # --- the figures ------------------------------------------------------------------------------------------------
