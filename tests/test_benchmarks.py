@@ -97,6 +97,8 @@ RUNS = {
     "benchmarks.compiler.model_options": (["--targets", "v3-8", "--variants", "learned", "--set", "model.n_layer=1",
                                            "--set", "model.d_model=256", "--set", "model.vocab_size=2048"], 1,
                                           "| v3-8 | learned | blockwise |"),
+    "benchmarks.compiler.multislice": (["--configs", "{small}", "--target", "v5e-8", "--slices", "2", "--global-batch",
+                                        "32"], 1, "| small | 2 × v5e-8 | ZeRO over every device |"),
     "benchmarks.compiler.plan_memory": (["--micro", "1"], 1, "ratio"),
     "benchmarks.compiler.plan_vs_compile": (["--configs", "{small}", "--targets", "v3-8", "--settings", "1:full",
                                              "--cache", "{tmp}/cache.jsonl"], 1, "the planner's safety margin"),

@@ -203,6 +203,13 @@ def rows() -> list[Row]:
                               ("Peak memory per device, 1.3B (lower is better)", "peak_gib", lambda v: f"{v:.2f} GiB")):
         out.append(Row(claim, f"{shown(shipped[key])} (as shipped)", f"MaxText FSDP, micro-batch 16, full remat: {shown(mt[key])}",
                        f"{shipped[key] / mt[key]:.2f}", v3, "compiled", "zerolm beside MaxText", front=key == "collective_gb"))
+    slices = load("multislice_tpu")
+    mine_dcn, flat = (next(r for r in slices["rows"] if (r["config"], r["target"], r["slices"], r["accum_steps"]) ==
+                           ("1_3b", "v5e-64", 2, 1) and r["layout"].startswith(who)) for who in ("zerolm", "ZeRO over"))
+    out.append(Row("Bytes per device per step between TPU slices (DCN), 1.3B on 2 slices (lower is better)",
+                   f"{mine_dcn['dcn_gb']:.3f} GB (`mesh.slices`)", f"one ZeRO over every device: {flat['dcn_gb']:.3f} GB",
+                   f"{mine_dcn['dcn_gb'] / flat['dcn_gb']:.2f}", f"2 × TPU v5e-64 by libtpu, no TPU; {slices['date']}",
+                   "compiled", "Several TPU slices (Multislice): what crosses the data-center network"))
     out.append(Row("Validation loss against nanoGPT on the same tokens", "not measured", "—", "—", "—", "—", ""))
     by = {(r["server"], r["answers"], r["clients"]): r["tokens_per_s"] for r in serve["rows"]}
     out.append(Row("Serving, completion tokens/s at 8 clients (streamed)", _n(by[("batched", "streamed", 8)]),
