@@ -11,7 +11,7 @@ and does not read the buffer it updates; a slice or a dynamic-slice reads only i
 own, not the tuples they return. Bookkeeping (parameters, constants, tuples, bitcasts, the loops themselves) moves
 nothing. It is a rough measure, the roofline's: what a kernel reuses from a cache, or reads twice, is not seen.
 Without a profiler, it shows the copies, the slices of stacked buffers and the reductions a step spends its memory
-bandwidth on (`zerolm compile --census`; benchmarks/census.py compares layer loops).
+bandwidth on (`zerolm compile --census`; benchmarks/compiler/census.py compares layer loops).
 """
 
 from __future__ import annotations

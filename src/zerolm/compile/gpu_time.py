@@ -190,8 +190,9 @@ CALIBRATION = Calibration(
     "H100 80GB HBM3, 125m none/16, 2026-11-26/27")
 
 
-# What each class of kernels reached on CALIBRATION's H100 step, solved by `calibrate` (`python benchmarks/step_time.py
-# --fit` prints them): of the peak for matmul and attention, of the bandwidth for the rest.
+# What each class of kernels reached on CALIBRATION's H100 step, solved by `calibrate`
+# (`python -m benchmarks.compiler.step_time --fit` prints them): of the peak for matmul and attention, of the
+# bandwidth for the rest.
 H100_REACHED = {"matmul": 0.6955, "reduction": 0.659, "attention": 0.2834, "elementwise": 1.0691, "copy": 0.0985}
 
 

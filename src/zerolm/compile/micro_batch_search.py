@@ -60,7 +60,7 @@ def search(config: str, sets: list[str], target: aot.Target,
            known: dict[int, dict[str, Any]] | None = None) -> MicroBatchSearch:
     """The largest micro-batch of `config` (with `sets`) whose step the compiler fits on `target`.
     `on_compile(micro, report)` is called after each compile; `known` gives results already compiled
-    (micro-batch -> {"peak_bytes", "fits", "accum_steps"}: benchmarks/plan_vs_compile.py's cache)."""
+    (micro-batch -> {"peak_bytes", "fits", "accum_steps"}: benchmarks/compiler/plan_vs_compile.py's cache)."""
     devices = aot.run_devices(target, config, sets)
     base = load_planned(config, [*sets, "train.micro_batch_size=1"], device_count=len(devices))
     dp, tp = base.dp, base.mesh.tp

@@ -33,7 +33,7 @@ Modeled step time = Σ programs (FLOPs / peak + exposed collectives' time + tran
 Assumptions, so what it is: a lower bound that ranks plans rather than a prediction. Every matmul runs at the
 chip's dense bf16 peak (float32 matmuls too); everything else (elementwise work, normalisation, the optimizer,
 memory traffic, kernel launches) is free; a hidden collective is entirely hidden, an exposed one overlaps
-nothing. Its error against steps measured on an H100 is stated in docs/planning.md (benchmarks/step_time.py).
+nothing. Its error against steps measured on an H100 is stated in docs/planning.md (benchmarks/compiler/step_time.py).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ sample: `model.document_mask`). XLA's attention takes them as a mask, the blockw
 each block's scores with them, Pallas's kernel takes them as its `SegmentIds`, cuDNN's flash attention
 as an additive bias of the compute dtype (`jax.nn.dot_product_attention` turns the boolean mask into
 one; still the fused kernel: on an H100, 1.5 ms against XLA's masked 6.4 ms for a forward and backward
-pass at 125m's shapes, `benchmarks/attention_mask.py`). The blockwise and Pallas attentions still
+pass at 125m's shapes, `benchmarks/experiments/attention_mask.py`). The blockwise and Pallas attentions still
 compute every causal block (none is skipped for lying wholly in earlier documents), so masking costs
 no memory beyond the ids and about no time.
 

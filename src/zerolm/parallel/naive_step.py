@@ -1,7 +1,7 @@
 """The baseline the design avoids: data parallelism as one plain `jax.jit`, the accumulation scan inside.
 
 XLA's partitioner reduces the gradients on every micro-step and keeps a replicated optimizer state.
-Kept for the benchmarks' comparison (benchmarks/zero_step.py) and as the negative control of the
+Kept for the benchmarks' comparison (benchmarks/measure/zero_step.py) and as the negative control of the
 collective checks (`zerolm comms --step naive`, the tests).
 """
 

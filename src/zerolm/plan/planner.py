@@ -20,7 +20,7 @@ from zerolm.plan.traffic import tp_all_reduces
 # A micro-batch fits when its planned peak, this much larger, fits the device: the planner's step peak
 # is a model of the compiler's, which under-counts the compiled peak by up to 15.8% of the planned one
 # (compiled/planned up to 1.158: 1_3b on v4-32 at micro-batch 16, full remat; every compile in
-# BENCHMARKS.md, benchmarks/plan_vs_compile.py, which says if this margin is ever smaller). So the
+# BENCHMARKS.md, benchmarks/compiler/plan_vs_compile.py, which says if this margin is ever smaller). So the
 # advice is never more than the compiler fits, and sometimes less: `zerolm compile --largest-micro-batch`
 # compiles up from it (zerolm.compile.micro_batch_search), and the launch gate compiles the run's own.
 SAFETY_MARGIN = 0.16
