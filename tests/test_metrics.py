@@ -107,9 +107,11 @@ def test_each_step_logs_its_own_time_at_zero_3_with_tp(tmp_path):
 def test_the_loop_starts_a_step_before_the_one_before_has_ended(tmp_path, monkeypatch, blocking):
     """The loop reads a step's metrics one step late, so it never waits for the step it has just dispatched:
     it starts step k+1 (takes its batch, dispatches it) once step k-1 has ended, about a whole step before
-    step k ends on the device (its completion, as the clock's thread saw it): more than half a step ahead,
-    every step. The control (`blocking`): a loop that waited for each step as it pushed its metrics starts
-    none ahead (it starts each step as the one before ends, give or take the two threads' wake-ups)."""
+    step k ends on the device (its completion, as the clock's thread saw it): more than half a step ahead in
+    the median step (on a busy 2-core machine the scheduler holds the host thread back in some steps: CI saw
+    7 of 10 ahead). The control (`blocking`): a loop that waited for each step as it pushed its metrics starts
+    its median step not ahead (it starts each step as the one before ends, give or take the two threads'
+    wake-ups), so the median tells the two loops apart."""
     import io
 
     import jax
@@ -139,11 +141,12 @@ def test_the_loop_starts_a_step_before_the_one_before_has_ended(tmp_path, monkey
     monkeypatch.setattr(metrics.CompletionClock, "done_at", noted)
     if blocking:
         monkeypatch.setattr(metrics.StepMetrics, "push", waited_push)
-    steps = 12
+    steps = 16
     train(small_config("model.vocab_size=auto", "model.d_model=128", "model.n_layer=2", "model.seq_len=64",
                        f"train.steps={steps}", "train.global_batch_size=16", "train.micro_batch_size=2",
                        "train.eval_every=1000", "train.eval_sequences=0", "checkpoint.every=1000", "sample.tokens=0",
                        f"logging.dir={tmp_path / 'log'}", f"checkpoint.dir={tmp_path / 'ckpt'}"), out=io.StringIO())
     step_s = statistics.median(ended[k] - ended[k - 1] for k in range(3, steps + 1))
     ahead = [(ended[k] - started[k + 1]) / step_s for k in range(2, steps)]  # in steps
-    assert sum(a > 0.5 for a in ahead) == (0 if blocking else len(ahead)), [round(a, 2) for a in ahead]
+    median = statistics.median(ahead)
+    assert (median < 0.25) if blocking else (median > 0.5), [round(a, 2) for a in ahead]
