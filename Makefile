@@ -13,13 +13,10 @@ TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 WANDB_MODE=disabl
 
 install: $(VENV)/.installed
 
-# --no-compile: pip would byte-compile all 24,570 .py files of the venv (torch, transformers, jax...: 52 CPU s on
-# 2 cores); Python compiles the few hundred a run imports, once, when it first imports them.
-
 $(VENV)/.installed: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile -r requirements.txt -e .
+	$(PY) -m pip install -q -r requirements.txt -e .
 	touch $@
 
 # The test extra: pytest, shellcheck, ruff, mypy, PyTorch (CPU) + transformers to check the Hugging Face export, the
@@ -27,7 +24,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 install-test: $(VENV)/.installed-test
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install -q --no-compile -e '.[test]'
+	$(PY) -m pip install -q -e '.[test]'
 	command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
 		{ $$(command -v sudo) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$(command -v sudo) apt-get install -y -qq chromium; }
 	touch $@
