@@ -109,7 +109,7 @@ def test_every_zerolm_name_the_benchmarks_import_exists():
 # of the tiny config at one layer and a fixed vocabulary.
 RUNS = {
     "benchmarks.measure.checkpoint": (["--config", str(TINY), "--saves", "1", "--dir", "{tmp}/ckpt"], 1, "| restore |"),
-    "benchmarks.measure.loader": (["--seq-len", "64", "--batch", "8", "--steps", "2", "--train-steps", "7"], 8,
+    "benchmarks.measure.loader": (["--seq-len", "256", "--batch", "8", "--steps", "2", "--train-steps", "7"], 8,
                                   "| loader / training |"),
     "benchmarks.measure.prepare_scale": (["--sizes-gb", "0.002", "--parts", "0", "--workers", "1", "--dir", "{tmp}/corpus"],
                                          1, "| **ratio** |"),
@@ -140,7 +140,7 @@ RUNS = {
     "benchmarks.compiler.zero_stages": (["overlap", "--config", "tiny", "--target", "v3-8", "--set", "model.vocab_size=2048",
                                          "--set", "zero.stage=3"], 1, "| all-gather |"),
     "benchmarks.experiments.context_stages": (["--steps", "4", *SMALL], 1, "| split | 4 |"),
-    "benchmarks.experiments.data_order": (["loader", "--seq-len", "64", "--batch", "8", "--steps", "2"], 8,
+    "benchmarks.experiments.data_order": (["loader", "--seq-len", "256", "--batch", "8", "--steps", "2"], 8,
                                           "a v3-32 host consumes"),
     "benchmarks.experiments.document_mask": (["--config", str(TINY), "--steps", "4", *SMALL, "--out", "{tmp}/runs"], 1,
                                              "| document mask, positions restart |"),
