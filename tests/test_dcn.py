@@ -1,7 +1,7 @@
 """Cloud TPU Multislice as the TPU compiler writes it, compiled ahead of time by libtpu for 2 × v5e-8 (no TPU needed):
 the devices of N slices (aot.target_devices), the transfers between slices read apart from the collectives inside one
 (zerolm.compile.collectives.read_dcn, link_bytes), and their time at a device's share of its host's data-center
-network (zerolm.core.hardware.dcn_bw, zerolm.compile.step_time.dcn_s)."""
+network (zerolm.core.hardware.dcn_bw, zerolm.plan.timing.dcn_time)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from zerolm.compile import aot, step_time
 from zerolm.compile import collectives as comms
 from zerolm.core import hardware
+from zerolm.plan import timing
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not installed (pip install -e '.[tpu]'): no TPU compiler here")
@@ -161,18 +162,18 @@ def test_each_devices_dcn_bandwidth_is_its_share_of_its_hosts_nics(kind, per_dev
 
 def test_dcn_bytes_are_charged_at_the_devices_share_of_the_hosts_network():
     # MaxText's 1.3B model on 2 x v5e-64: 0.046 GB per device per step over DCN, 14.7 ms at 3.125 GB/s
-    assert step_time.dcn_s(0.046e9, hardware.preset("v5e")) == pytest.approx(0.01472)
-    assert step_time.dcn_s(0.046e9, hardware.preset("v5p")) == pytest.approx(0.00736)
-    assert step_time.dcn_s(0, hardware.preset("h100")) == 0.0
+    assert timing.dcn_time(hardware.preset("v5e"), 0.046e9) == pytest.approx(0.01472)
+    assert timing.dcn_time(hardware.preset("v5p"), 0.046e9) == pytest.approx(0.00736)
+    assert timing.dcn_time(hardware.preset("h100"), 0) == 0.0
     with pytest.raises(ValueError, match="h100 states no data-center network bandwidth"):
-        step_time.dcn_s(1, hardware.preset("h100"))
+        timing.dcn_time(hardware.preset("h100"), 1)
 
 
 @needs_libtpu
 def test_a_programs_dcn_bytes_are_charged_apart_from_its_collectives():
     text = _compiled(_in_a_loop, 2)
     v5e = hardware.preset("v5e")
-    assert step_time.dcn_s(comms.link_bytes(text).dcn, v5e) == pytest.approx(3 * SHARD / 3.125e9)
+    assert timing.dcn_time(v5e, comms.link_bytes(text).dcn) == pytest.approx(3 * SHARD / 3.125e9)
 
 
 @needs_libtpu

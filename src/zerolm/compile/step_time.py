@@ -25,9 +25,9 @@ For each compiled program of the step (grad, reshard, update; zerolm.compile.aot
   plus (n−1)/n of the buffer per pass, two passes for an all-reduce).
 - **Transfers between slices** (Cloud TPU Multislice: the host sends zerolm.compile.collectives.read_dcn reads) are
   not collectives of the program and never enter the ring times above: their bytes per device per step are counted
-  apart (`Comms.dcn_bytes`), and `dcn_s` charges them at the data-center network's rate (zerolm.core.hardware's
-  per-host figures, a device's share), none hidden: the cross-slice all-reduce sits between the gradient and the
-  update.
+  apart (`Comms.dcn_bytes`), and zerolm.plan.timing.dcn_time charges them at the data-center network's rate
+  (zerolm.core.hardware's per-host figures, a device's share), none hidden: the cross-slice all-reduce sits
+  between the gradient and the update.
 
 Modeled step time = Σ programs (FLOPs / peak + exposed collectives' time + transfers between slices' time).
 Assumptions, so what it is: a lower bound that ranks plans rather than a prediction. Every matmul runs at the
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from zerolm.compile import collectives as compiled_collectives
 from zerolm.compile import hlo
 from zerolm.core.hardware import Device
-from zerolm.plan.timing import ring_time
+from zerolm.plan.timing import dcn_time, ring_time
 
 if TYPE_CHECKING:
     from zerolm.parallel.build import BuiltStep
@@ -253,21 +253,6 @@ def comms(hlo_text: str, device: Device, devices: int) -> Comms:
     return Comms(round(total), round(exposed), seconds, round(dcn))
 
 
-def dcn_s(dcn_bytes: float, device: Device) -> float:
-    """Seconds to send `dcn_bytes` per device to other slices over the data-center network, at the device's share of
-    its host's NICs (`Device.dcn_bw`: the host's bytes/s, one direction, over the devices it holds; the host's figure
-    is what Cloud TPU states, zerolm.core.hardware). The bytes are zerolm.compile.collectives' convention, each
-    transfer's send operand (`LinkBytes.dcn`), charged once at that rate: no latency, nothing overlapped, and no ring
-    factor (an ALL_REDUCE between 2 slices sends its operand once each way; over S slices a ring would send 2(S−1)/S
-    of it)."""
-    if not dcn_bytes:
-        return 0.0
-    if device.dcn_bw is None:
-        raise ValueError(f"{device.name} states no data-center network bandwidth: its devices are not joined "
-                         "across slices (Cloud TPU Multislice is TPU v4 and later)")
-    return dcn_bytes / device.dcn_bw
-
-
 @dataclasses.dataclass(frozen=True)
 class StepModel:
     """A compiled step's modeled time per optimizer step, per device (see the module docstring)."""
@@ -373,7 +358,7 @@ def model(texts: dict[str, str], device: Device, devices: int, tokens_per_step: 
     `slices` slices (the programs are one slice's: its collectives span at most its devices)."""
     per_program = {n: comms(t, device, devices // slices) for n, t in texts.items()}
     return StepModel({n: flops(t) for n, t in texts.items()}, per_program, device.flops, tokens_per_step, devices,
-                     model_flops_per_token, dcn_s(sum(c.dcn_bytes for c in per_program.values()), device))
+                     model_flops_per_token, dcn_time(device, sum(c.dcn_bytes for c in per_program.values())))
 
 
 def of_step(built: BuiltStep, device: Device) -> StepModel:

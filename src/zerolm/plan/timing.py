@@ -83,13 +83,17 @@ class StepTime:
 
 
 def dcn_time(device: Device, nbytes: float) -> float:
-    """Sending `nbytes` per device to the other slices over the data-center network, at the device's share of its
-    host's bandwidth (zerolm.core.hardware's per-host figures), as zerolm.compile.step_time.dcn_s charges the
-    compiled step's transfers: the bytes once at that rate, no latency, no ring factor."""
+    """Seconds to send `nbytes` per device to other slices over the data-center network, at the device's share of
+    its host's NICs (`Device.dcn_bw`: the host's bytes/s, one direction, over the devices it holds; the host's figure
+    is what Cloud TPU states, zerolm.core.hardware). The bytes are zerolm.compile.collectives' convention, each
+    transfer's send operand (`LinkBytes.dcn`), charged once at that rate: no latency, nothing overlapped, and no ring
+    factor (an ALL_REDUCE between 2 slices sends its operand once each way; over S slices a ring would send 2(S−1)/S
+    of it)."""
     if nbytes <= 0:
         return 0.0
     if device.dcn_bw is None:
-        raise ValueError(f"{device.name} states no data-center network bandwidth")
+        raise ValueError(f"{device.name} states no data-center network bandwidth: its devices are not joined "
+                         "across slices (Cloud TPU Multislice is TPU v4 and later)")
     return nbytes / device.dcn_bw
 
 
